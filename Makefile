@@ -1,0 +1,31 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+# Both create .venv and install what they need. On a GPU host, install the CUDA build of torch
+# into .venv first (or set TORCH_SPEC); the default is the CPU build.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: install demo test bench clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+install: $(BIN)/.installed
+
+demo: install
+	rm -rf runs/demo
+	$(BIN)/hsd launch --config deploy/configs/demo.yaml
+	$(BIN)/hsd report --run-dir runs/demo
+
+test: install
+	$(BIN)/pytest -q
+
+bench: install
+	$(BIN)/hsd bench transport
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,299 @@
+"""Run configuration: one YAML file, one typed dataclass per section.
+
+Every subcommand takes ``--config FILE`` plus ``section.key=value`` overrides. Unknown sections or
+keys and ill-typed values raise :class:`ConfigError` naming the key. The resolved configuration is
+written into the run directory so that every process of a run (and a later resume) sees the same
+values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value a user can get wrong: the message names the key."""
+
+
+def opt(default: Any, help: str) -> Any:
+    """A config field with a default and a one-line description (shown by ``hsd config``)."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class RunSection:
+    dir: str = opt("runs/demo", "Run directory: resolved config, schedules, journal, sockets, logs.")
+    epochs: int = opt(1, "Number of epochs to train.")
+    seed: int = opt(0, "Run seed; the seed of epoch e is derived from it and e.")
+
+
+@dataclass
+class DataSection:
+    lengths: str = opt("", "Lengths file (one sequence length per line) used as the samples of a sim run.")
+    path: str = opt("", "Prepared dataset directory (tokenized samples); empty with no lengths file = synthetic.")
+    synthetic_samples: int = opt(3000, "Number of samples in the built-in synthetic length distribution.")
+
+
+@dataclass
+class ScheduleSection:
+    buckets: list[int] = opt([128, 256, 512, 1024, 2048, 4096], "Bucket max lengths, ascending.")
+    tokens_per_batch: int = opt(8192, "Token budget of every batch: bucket L holds tokens_per_batch // L sequences.")
+    order: str = opt("interleave", "Job order: interleave (largest deficit) or shuffle (plain random, for comparison).")
+
+
+@dataclass
+class PoolSection:
+    slots: int = opt(16, "Number of hidden-state slots (each holds one batch); bounds memory.")
+    min_ready: int = opt(6, "Drafters are served only while this many slots are ready, except at an epoch's tail.")
+    target_credits: int = opt(2, "Slots one target may hold while extracting (its prefetch depth).")
+    pull: str = opt("deficit", "Pull policy: deficit (largest consumption deficit) or random (naive, for comparison).")
+    transport: str = opt("auto", "Hidden-state transport: auto, shm or cuda_ipc.")
+
+
+@dataclass
+class DispatcherSection:
+    endpoint: str = opt("", "Control endpoint; empty = ipc://<run.dir>/control.sock.")
+    stats_endpoint: str = opt("", "Read-only stats endpoint; empty = ipc://<run.dir>/stats.sock.")
+    secret: str = opt("", "Shared secret; required when binding TCP on a non-loopback address.")
+    heartbeat_s: float = opt(0.5, "Interval between worker heartbeats.")
+    worker_timeout_s: float = opt(5.0, "A worker silent this long is declared dead and its jobs are given back.")
+    lease_s: float = opt(120.0, "Lease on a job; a job held past it without heartbeats is given back.")
+    max_message_bytes: int = opt(1 << 20, "Largest accepted control message; larger ones get an error reply.")
+    exit_when_done: bool = opt(True, "Exit after the last epoch is committed and the workers have left.")
+
+
+@dataclass
+class TargetSection:
+    count: int = opt(1, "Target workers started by hsd launch.")
+    gpus: list[int] = opt([], "GPU ids for the targets (one per worker); empty = CPU.")
+    sim: bool = opt(False, "Start simulated targets (modeled cost, real protocol and data plane).")
+    sim_cost_per_token: float = opt(2e-6, "Seconds a sim target spends per token.")
+    hidden_size: int = opt(64, "Hidden size of the captured states (sim; real models read it from the model).")
+    num_capture_layers: int = opt(5, "Captured target layers K (the capture contract).")
+    dtype: str = opt("bfloat16", "Dtype of the captured hidden states.")
+    max_restarts: int = opt(3, "Restarts hsd launch grants a crashed target.")
+
+
+@dataclass
+class DrafterSection:
+    count: int = opt(1, "Drafter workers started by hsd launch.")
+    gpus: list[int] = opt([], "GPU ids for the drafters (one per worker); empty = CPU.")
+    sim: bool = opt(False, "Start simulated drafters (modeled cost, real protocol and data plane).")
+    sim_cost_per_token: float = opt(1e-6, "Seconds a sim drafter spends per token.")
+    accum_steps: int = opt(4, "Micro-batches per optimizer step (gradient accumulation).")
+    max_restarts: int = opt(3, "Restarts hsd launch grants a crashed drafter.")
+
+
+@dataclass
+class Config:
+    run: RunSection = field(default_factory=RunSection)
+    data: DataSection = field(default_factory=DataSection)
+    schedule: ScheduleSection = field(default_factory=ScheduleSection)
+    pool: PoolSection = field(default_factory=PoolSection)
+    dispatcher: DispatcherSection = field(default_factory=DispatcherSection)
+    target: TargetSection = field(default_factory=TargetSection)
+    drafter: DrafterSection = field(default_factory=DrafterSection)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir)
+
+    @property
+    def control_endpoint(self) -> str:
+        return self.dispatcher.endpoint or f"ipc://{self.run_dir / 'control.sock'}"
+
+    @property
+    def stats_endpoint(self) -> str:
+        return self.dispatcher.stats_endpoint or f"ipc://{self.run_dir / 'stats.sock'}"
+
+
+RESOLVED_CONFIG_NAME = "config.yaml"
+_CHOICES = {
+    ("schedule", "order"): ("interleave", "shuffle"),
+    ("pool", "pull"): ("deficit", "random"),
+    ("pool", "transport"): ("auto", "shm", "cuda_ipc"),
+    ("target", "dtype"): ("bfloat16", "float16", "float32"),
+}
+_PATH_KEYS = (("run", "dir"), ("data", "lengths"), ("data", "path"))
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    origin = typing.get_origin(annotation)
+    if origin is list:
+        (item_type,) = typing.get_args(annotation)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(f"{key}[{i}]", item, item_type) for i, item in enumerate(value)]
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if annotation is float:
+        if isinstance(value, str):  # YAML 1.1 reads 4e-5 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+        return float(value)
+    if annotation is str:
+        if value is None:
+            return ""
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return str(value)
+    raise AssertionError(f"unsupported config type {annotation!r} for {key}")
+
+
+def _check_section(section: str) -> None:
+    known = [f.name for f in dataclasses.fields(Config)]
+    if section not in known:
+        raise ConfigError(f"unknown config section {section!r} (known: {', '.join(known)})")
+
+
+def _apply(config: Config, section: str, key: str, value: Any) -> None:
+    _check_section(section)
+    section_obj = getattr(config, section)
+    hints = typing.get_type_hints(type(section_obj))
+    if key not in hints:
+        raise ConfigError(f"unknown config key {section}.{key} (known: {', '.join(hints)})")
+    setattr(section_obj, key, _coerce(f"{section}.{key}", value, hints[key]))
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """``section.key=value`` -> (section, key, value); the value is read as YAML (``[1, 2]``, ``true``),
+    except for string keys, which keep the text as given (a secret ``0123`` stays ``0123``)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form section.key=value")
+    dotted, raw = text.split("=", 1)
+    if dotted.count(".") != 1:
+        raise ConfigError(f"override {text!r}: the key must be section.key")
+    section, key = dotted.split(".")
+    section_types = typing.get_type_hints(Config)
+    if section in section_types and typing.get_type_hints(section_types[section]).get(key) is str:
+        return section, key, raw
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {dotted}: cannot parse value {raw!r}: {exc}") from None
+    return section, key, value
+
+
+def validate(config: Config) -> None:
+    for (section, key), allowed in _CHOICES.items():
+        value = getattr(getattr(config, section), key)
+        if value not in allowed:
+            raise ConfigError(f"{section}.{key}: {value!r} is not one of {', '.join(allowed)}")
+    buckets = config.schedule.buckets
+    if not buckets or any(b <= 0 for b in buckets) or list(buckets) != sorted(set(buckets)):
+        raise ConfigError(f"schedule.buckets: expected positive lengths in strictly ascending order, got {buckets}")
+    if config.schedule.tokens_per_batch < buckets[-1]:
+        raise ConfigError(
+            f"schedule.tokens_per_batch ({config.schedule.tokens_per_batch}) must hold at least one sequence "
+            f"of the longest bucket ({buckets[-1]})")
+    positive = [("run", "epochs"), ("pool", "slots"), ("pool", "target_credits"), ("drafter", "accum_steps"),
+                ("target", "hidden_size"), ("target", "num_capture_layers"), ("dispatcher", "max_message_bytes")]
+    for section, key in positive:
+        if getattr(getattr(config, section), key) <= 0:
+            raise ConfigError(f"{section}.{key} must be positive")
+    for section, key in (("target", "count"), ("drafter", "count"), ("pool", "min_ready")):
+        if getattr(getattr(config, section), key) < 0:
+            raise ConfigError(f"{section}.{key} must not be negative")
+    if config.pool.min_ready >= config.pool.slots:
+        raise ConfigError(f"pool.min_ready ({config.pool.min_ready}) must be below pool.slots ({config.pool.slots})")
+    for key in ("heartbeat_s", "worker_timeout_s", "lease_s"):
+        if getattr(config.dispatcher, key) <= 0:
+            raise ConfigError(f"dispatcher.{key} must be positive")
+    if config.dispatcher.worker_timeout_s <= config.dispatcher.heartbeat_s:
+        raise ConfigError("dispatcher.worker_timeout_s must exceed dispatcher.heartbeat_s")
+    for role in ("target", "drafter"):
+        section = getattr(config, role)
+        if section.gpus and len(section.gpus) < section.count:
+            raise ConfigError(f"{role}.gpus lists {len(section.gpus)} GPUs for {role}.count={section.count}")
+    if config.data.lengths and config.data.path:
+        raise ConfigError("data.lengths and data.path are exclusive: give one")
+    for section, key in _PATH_KEYS[1:]:
+        value = getattr(getattr(config, section), key)
+        if value and not Path(value).exists():
+            raise ConfigError(f"{section}.{key}: {value} does not exist")
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Read a YAML config file (optional), apply overrides, make paths absolute, validate."""
+    config = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            doc = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        if not isinstance(doc, dict):
+            raise ConfigError(f"config file {path}: expected a mapping of sections")
+        for section, values in doc.items():
+            if values is None:
+                continue
+            _check_section(str(section))
+            if not isinstance(values, dict):
+                raise ConfigError(f"config section {section!r} must be a mapping of keys")
+            for key, value in values.items():
+                _apply(config, str(section), str(key), value)
+    for text in overrides:
+        _apply(config, *parse_override(text))
+    for section, key in _PATH_KEYS:
+        value = getattr(getattr(config, section), key)
+        if value:
+            setattr(getattr(config, section), key, str(Path(value).expanduser().resolve()))
+    validate(config)
+    return config
+
+
+def write_resolved(config: Config, run_dir: Path | None = None) -> Path:
+    run_dir = Path(run_dir or config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    target = run_dir / RESOLVED_CONFIG_NAME
+    tmp = target.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    os.replace(tmp, target)
+    return target
+
+
+def load_run_config(run_dir: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Config:
+    """The resolved config of an existing run directory."""
+    path = Path(run_dir) / RESOLVED_CONFIG_NAME
+    if not path.is_file():
+        raise ConfigError(f"{run_dir} is not a run directory (no {RESOLVED_CONFIG_NAME})")
+    return load_config(path, overrides)
+
+
+def describe() -> str:
+    """Every section and key with its type, default and help line."""
+    lines = []
+    for section_field in dataclasses.fields(Config):
+        section_type = typing.get_type_hints(Config)[section_field.name]
+        lines.append(f"{section_field.name}:")
+        hints = typing.get_type_hints(section_type)
+        for f in dataclasses.fields(section_type):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            type_name = getattr(hints[f.name], "__name__", str(hints[f.name]))
+            lines.append(f"  {f.name}: {default!r}  # ({type_name}) {f.metadata.get('help', '')}")
+    return "\n".join(lines)
