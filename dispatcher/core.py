@@ -1,0 +1,393 @@
+"""The dispatcher's decisions, one method per protocol op, with no sockets and no clock of its own.
+
+The socket loop (``dispatcher/server.py``) decodes a request, calls the method of the same name
+here with ``now``, and encodes what comes back. Long-polls are the loop's business: ``get_job``
+and ``get_hs`` answer None when nothing can be handed out yet and the loop asks again after every
+state change. Everything a restart must know goes through the journal before the method returns.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from common.config import Config
+from dispatcher.fairness import prefix_deviation
+from dispatcher.journal import Journal, recover
+from dispatcher.ledger import Job, JobLedger, JobState, LedgerError, split_job_id
+from dispatcher.pool import HSPool
+from dispatcher.schedule import EpochSchedule, build_epoch_schedule, load_schedule, save_schedule
+
+
+class UnknownWorker(KeyError):
+    pass
+
+
+DONE = "done"  # get_job / get_hs result once every epoch is committed
+
+
+@dataclass
+class Worker:
+    id: str
+    role: str
+    name: str
+    pid: int
+    host: str
+    gpu: int | None
+    registered_at: float
+    last_seen: float
+    waiting_since: float | None = None
+    wait_reason: str = ""
+    total_wait_s: float = 0.0
+    num_tokens: int = 0
+    num_jobs: int = 0
+    busy_s: float = 0.0
+    window_avail: int | None = None  # drafter: buckets eligible when its accumulation window opened
+    window_mixed: bool = True  # drafter: every pull of the window took a new bucket when one was eligible
+    ipc_block: dict[str, Any] | None = None  # target on cuda_ipc: how drafters open its slots
+    slot_base: int = 0
+
+
+@dataclass
+class JobGrant:
+    job: Job
+    slot: int  # index inside the slot owner's memory
+    owner: str | None
+    lengths: list[int]
+
+    def to_wire(self, *, ipc_block: dict | None = None) -> dict[str, Any]:
+        job = self.job
+        wire = {"job_id": job.job_id, "epoch": job.epoch, "bucket": job.bucket, "seq_len": job.seq_len,
+                "samples": list(job.samples), "lengths": self.lengths, "num_tokens": job.num_tokens, "slot": self.slot,
+                "generation": job.generation, "owner": self.owner}
+        if ipc_block is not None:
+            wire["ipc"] = ipc_block
+        return wire
+
+
+@dataclass
+class CoreOptions:
+    lease_s: float
+    worker_timeout_s: float
+    epochs: int
+    run_seed: int
+    buckets: list[int]
+    tokens_per_batch: int
+    order: str
+
+    @classmethod
+    def from_config(cls, config: Config) -> "CoreOptions":
+        return cls(lease_s=config.dispatcher.lease_s, worker_timeout_s=config.dispatcher.worker_timeout_s,
+                   epochs=config.run.epochs, run_seed=config.run.seed, buckets=list(config.schedule.buckets),
+                   tokens_per_batch=config.schedule.tokens_per_batch, order=config.schedule.order)
+
+
+@dataclass
+class Counters:
+    requests: Counter = field(default_factory=Counter)
+    errors: Counter = field(default_factory=Counter)
+    given_back: Counter = field(default_factory=Counter)
+
+
+class DispatcherCore:
+    def __init__(self, options: CoreOptions, *, run_dir, lengths: list[int], journal: Journal, pool: HSPool,
+                 shared_slots: int, now: float):
+        self.options = options
+        self.run_dir = run_dir
+        self.lengths = lengths
+        self.journal = journal
+        self.pool = pool
+        self.ledger = JobLedger()
+        self.workers: dict[str, Worker] = {}
+        self.counters = Counters()
+        self.started_at = now
+        self.schedules: dict[int, EpochSchedule] = {}
+        self._next_worker = Counter()
+        self._next_slot_id = shared_slots
+        pool.add_slots(range(shared_slots))
+        self._recover()
+
+    # -- epochs -----------------------------------------------------------------------------
+    def _recover(self) -> None:
+        recovered = recover(self.run_dir)
+        if recovered.steps_to_revert:
+            self.journal.record("revert", durable=True, steps=recovered.steps_to_revert)
+        self.next_step = recovered.next_step
+        for epoch in sorted(recovered.epochs_started):
+            schedule = load_schedule(self.run_dir, epoch)
+            if schedule is None:
+                raise RuntimeError(f"journal names epoch {epoch} but its schedule file is missing in {self.run_dir}")
+            self._add_schedule(schedule, recovered.committed)
+        self.journal.record("start", resumed=bool(recovered.epochs_started),
+                            committed=len(recovered.committed), reverted_steps=len(recovered.steps_to_revert))
+        if not self.schedules:
+            self._start_epoch(0)
+
+    def _add_schedule(self, schedule: EpochSchedule, committed=()) -> None:
+        max_lens = [b.max_len for b in schedule.buckets]
+        batches = [(b.bucket, max_lens[b.bucket], b.samples, sum(self.lengths[s] for s in b.samples))
+                   for b in schedule.batches]
+        mine = [j for j in committed if split_job_id(j)[0] == schedule.epoch]
+        self.ledger.add_epoch(schedule.epoch, batches, committed=mine)
+        self.schedules[schedule.epoch] = schedule
+
+    def _start_epoch(self, epoch: int) -> None:
+        schedule = load_schedule(self.run_dir, epoch)
+        if schedule is None:
+            o = self.options
+            schedule = build_epoch_schedule(self.lengths, bucket_max_lens=o.buckets, tokens_per_batch=o.tokens_per_batch,
+                                            run_seed=o.run_seed, epoch=epoch, order=o.order)
+            if not schedule.batches:
+                raise ValueError("the schedule holds no job: every sample is longer than the last bucket")
+            save_schedule(schedule, self.run_dir)
+        self._add_schedule(schedule)
+        self.journal.record("epoch", durable=True, epoch=epoch, jobs=len(schedule.batches),
+                            buckets=[b.num_batches for b in schedule.buckets])
+
+    def _maybe_start_next_epoch(self) -> None:
+        last = max(self.schedules)
+        if self.ledger.num_pending == 0 and last + 1 < self.options.epochs:
+            self._start_epoch(last + 1)
+
+    @property
+    def done(self) -> bool:
+        return len(self.schedules) == self.options.epochs and all(
+            self.ledger.epoch_complete(e) for e in self.schedules)
+
+    def _open_epochs(self) -> list[int]:
+        return [e for e in sorted(self.schedules) if not self.ledger.epoch_complete(e)]
+
+    # -- membership -------------------------------------------------------------------------
+    def register(self, *, role: str, name: str, pid: int, host: str, gpu: int | None, now: float,
+                 ipc_block: dict | None = None, num_slots: int = 0) -> Worker:
+        worker_id = f"{role[0]}{self._next_worker[role]}"
+        self._next_worker[role] += 1
+        worker = Worker(worker_id, role, name, pid, host, gpu, registered_at=now, last_seen=now,
+                        ipc_block=ipc_block)
+        if ipc_block is not None:
+            worker.slot_base = self._next_slot_id
+            self._next_slot_id += num_slots
+            self.pool.add_slots(range(worker.slot_base, worker.slot_base + num_slots), owner=worker_id)
+        self.workers[worker_id] = worker
+        self.journal.record("join", w=worker_id, role=role, name=name, pid=pid, host=host)
+        return worker
+
+    def worker(self, worker_id: str, now: float) -> Worker:
+        worker = self.workers.get(worker_id)
+        if worker is None:
+            raise UnknownWorker(worker_id)
+        worker.last_seen = now
+        return worker
+
+    def heartbeat(self, worker_id: str, now: float) -> None:
+        self.worker(worker_id, now)
+        self.ledger.renew_leases(worker_id, now, self.options.lease_s)
+
+    def deregister(self, worker_id: str, now: float, reason: str = "left") -> None:
+        worker = self.worker(worker_id, now)
+        self._end_wait(worker, now)
+        for job in self.ledger.held_by(worker_id):
+            self._give_back(job, reason)
+        if worker.ipc_block is not None:
+            for slot in self.pool.remove_owner(worker_id):
+                job = self.ledger.jobs[slot.job_id]
+                if job.state is JobState.READY:
+                    self.ledger.drop_ready(job)
+                    self.counters.given_back["slot_lost"] += 1
+        del self.workers[worker_id]
+        self.journal.record("leave", w=worker_id, reason=reason)
+
+    def sweep(self, now: float, is_alive: Callable[[Worker], bool]) -> list[str]:
+        """Declare silent or vanished workers dead and give back expired leases; returns the dead."""
+        dead = [w.id for w in self.workers.values()
+                if now - w.last_seen > self.options.worker_timeout_s or not is_alive(w)]
+        for worker_id in dead:
+            self.deregister(worker_id, now, reason="dead")
+        for job in self.ledger.expired(now):
+            self._give_back(job, "lease_expired")
+        return dead
+
+    def _give_back(self, job: Job, reason: str) -> None:
+        slot_id = job.slot
+        previous = self.ledger.give_back(job)
+        if previous is JobState.EXTRACTING:
+            self.pool.abort_write(slot_id)
+        elif previous is JobState.TRAINING:
+            if slot_id in self.pool.slots:
+                self.pool.unread(slot_id, epoch=job.epoch, bucket=job.bucket)
+            else:  # the slot's memory went with its owner: extract the job again
+                self.ledger.drop_ready(job)
+        self.counters.given_back[reason] += 1
+        self.journal.record("give_back", job=job.job_id, was=previous.value, reason=reason)
+
+    def _wait(self, worker: Worker, reason: str, now: float) -> None:
+        if worker.waiting_since is None:
+            worker.waiting_since = now
+        worker.wait_reason = reason
+
+    def _end_wait(self, worker: Worker, now: float) -> None:
+        if worker.waiting_since is not None:
+            worker.total_wait_s += now - worker.waiting_since
+            worker.waiting_since = None
+            worker.wait_reason = ""
+
+    def end_wait(self, worker_id: str, now: float) -> None:
+        if worker_id in self.workers:
+            self._end_wait(self.workers[worker_id], now)
+
+    # -- targets ----------------------------------------------------------------------------
+    def get_job(self, worker_id: str, now: float) -> JobGrant | str | None:
+        worker = self.worker(worker_id, now)
+        if self.done:
+            self._end_wait(worker, now)
+            return DONE
+        self._maybe_start_next_epoch()
+        if self.ledger.peek_pending() is None:
+            self._wait(worker, "starved", now)
+            return None
+        slot_id = self.pool.writable_slot(worker_id)
+        if slot_id is None:
+            self._wait(worker, "blocked", now)
+            return None
+        head = self.ledger.peek_pending()
+        generation = self.pool.begin_write(slot_id, worker_id, head.job_id)
+        job = self.ledger.start_extract(worker_id, slot_id, generation, now, self.options.lease_s)
+        self._end_wait(worker, now)
+        owner = self.pool.slots[slot_id].owner
+        base = self.workers[owner].slot_base if owner else 0
+        return JobGrant(job, slot_id - base, owner, [self.lengths[s] for s in job.samples])
+
+    def job_ready(self, worker_id: str, job_id: int, generation: int, busy_s: float, now: float) -> None:
+        worker = self.worker(worker_id, now)
+        job = self.ledger.mark_ready(job_id, worker_id, generation)
+        self.pool.publish(job.slot, epoch=job.epoch, bucket=job.bucket)
+        worker.num_tokens += job.num_tokens
+        worker.num_jobs += 1
+        worker.busy_s += busy_s
+        self.journal.record("ready", job=job_id, w=worker_id, tokens=job.num_tokens, busy_s=round(busy_s, 6))
+
+    def job_failed(self, worker_id: str, job_id: int, reason: str, now: float) -> None:
+        self.worker(worker_id, now)
+        job = self.ledger.jobs.get(job_id)
+        if job is None or job.state is not JobState.EXTRACTING or job.holder != worker_id:
+            raise LedgerError(f"job {job_id} is not being extracted by {worker_id}")
+        self._give_back(job, f"target_failed: {reason}"[:200])
+
+    # -- drafters ---------------------------------------------------------------------------
+    def _serving_epoch(self) -> tuple[int, bool] | None:
+        """The epoch drafters take from now, and whether its tail drains (nothing left to extract).
+
+        Epochs are consumed in order: a drafter moves on to epoch e+1 only once every job of e has
+        been handed to a drafter, so the consumed stream of each epoch stays proportional.
+        """
+        for epoch in self._open_epochs():
+            if self.pool.has_ready(epoch):
+                return epoch, self.ledger.count(epoch, JobState.PENDING) == 0
+            if self.ledger.count(epoch, JobState.PENDING, JobState.EXTRACTING, JobState.READY):
+                return None
+        return None
+
+    def nothing_left_to_hand_out(self) -> bool:
+        if max(self.schedules) + 1 < self.options.epochs:
+            return False
+        return all(self.ledger.count(e, JobState.PENDING, JobState.EXTRACTING, JobState.READY) == 0
+                   for e in self.schedules)
+
+    def get_hs(self, worker_id: str, now: float) -> tuple[JobGrant | str | None, bool]:
+        """(grant, flush): flush tells a waiting drafter to commit its partial step, nothing more is coming."""
+        worker = self.worker(worker_id, now)
+        if self.done:
+            self._end_wait(worker, now)
+            return DONE, False
+        serving = self._serving_epoch()
+        if serving is None or not self.pool.may_serve(draining=serving[1]):
+            self._wait(worker, "starved", now)
+            return None, self.nothing_left_to_hand_out()
+        epoch = serving[0]
+        progress = self.ledger.epochs[epoch]
+        held = self.ledger.held_by(worker_id)
+        eligible = self.pool.eligible(epoch, totals=progress.bucket_totals, taken=progress.taken)
+        if not held:
+            worker.window_avail, worker.window_mixed = len(eligible), True
+        window = {job.bucket for job in held}
+        ready = self.pool.pick(epoch, eligible=eligible, window=window)
+        if ready.bucket in window and any(b not in window for b in eligible):
+            worker.window_mixed = False
+        self.pool.begin_read(ready)
+        job = self.ledger.start_training(ready.job_id, worker_id, now, self.options.lease_s)
+        self._end_wait(worker, now)
+        owner = self.pool.slots[ready.slot].owner
+        base = self.workers[owner].slot_base if owner else 0
+        return JobGrant(job, ready.slot - base, owner, [self.lengths[s] for s in job.samples]), False
+
+    def consumed(self, worker_id: str, job_id: int, now: float) -> None:
+        self.worker(worker_id, now)
+        job = self.ledger.jobs.get(job_id)
+        slot_id = job.slot if job is not None else None
+        self.ledger.mark_consumed(job_id, worker_id)
+        self.pool.release(slot_id)
+        self.journal.record("consumed", job=job_id, w=worker_id, bucket=job.bucket)
+
+    def commit_step(self, worker_id: str, job_ids: list[int], busy_s: float, checkpointed: bool, now: float) -> int:
+        worker = self.worker(worker_id, now)
+        if not job_ids:
+            raise LedgerError("a step must hold at least one job")
+        step = self.next_step
+        jobs = self.ledger.commit(job_ids, worker_id, step)
+        self.next_step += 1
+        worker.busy_s += busy_s
+        self.journal.record("commit", durable=True, step=step, jobs=list(job_ids), w=worker_id,
+                            buckets=sorted({j.bucket for j in jobs}), avail=worker.window_avail, mixed=worker.window_mixed,
+                            tokens=sum(j.num_tokens for j in jobs), busy_s=round(busy_s, 6),
+                            checkpointed=checkpointed)
+        worker.window_avail, worker.window_mixed = None, True
+        worker.num_jobs += len(jobs)
+        worker.num_tokens += sum(j.num_tokens for j in jobs)
+        for epoch in sorted({j.epoch for j in jobs}):
+            if self.ledger.epoch_complete(epoch):
+                self.journal.record("epoch_committed", durable=True, epoch=epoch)
+        return step
+
+    def checkpoint(self, worker_id: str, step: int, now: float) -> None:
+        self.worker(worker_id, now)
+        self.journal.record("checkpoint", durable=True, step=step, w=worker_id)
+
+    # -- stats ------------------------------------------------------------------------------
+    def consumed_prefix_deviation(self, epoch: int) -> float:
+        progress = self.ledger.epochs[epoch]
+        return prefix_deviation(progress.consumed_order, progress.bucket_totals)
+
+    def worker_state(self, worker: Worker) -> str:
+        if worker.waiting_since is not None:
+            return worker.wait_reason or "idle"
+        if self.ledger.held_by(worker.id) or worker.role == "drafter":
+            return "busy" if not self.done else "idle"
+        return "idle"
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        epochs = []
+        for epoch in sorted(self.schedules):
+            progress = self.ledger.epochs[epoch]
+            epochs.append({"epoch": epoch, "jobs": progress.num_jobs, "committed": progress.committed,
+                           "taken": sum(progress.taken.values()),
+                           "schedule_prefix_deviation": round(self.schedules[epoch].figures()["prefix_deviation"], 3),
+                           "consumed_prefix_deviation": round(self.consumed_prefix_deviation(epoch), 3)})
+        workers = []
+        for w in self.workers.values():
+            alive_s = max(now - w.registered_at, 1e-9)
+            waiting = w.total_wait_s + (now - w.waiting_since if w.waiting_since is not None else 0.0)
+            workers.append({"id": w.id, "name": w.name, "role": w.role, "pid": w.pid, "host": w.host, "gpu": w.gpu,
+                            "state": self.worker_state(w), "jobs": w.num_jobs,
+                            "tokens_per_s": round(w.num_tokens / alive_s, 1),
+                            "idle_ratio": round(min(1.0, waiting / alive_s), 3),
+                            "heartbeat_age_s": round(now - w.last_seen, 3),
+                            "held": [j.job_id for j in self.ledger.held_by(w.id)]})
+        return {"time": time.time(), "uptime_s": round(now - self.started_at, 3), "done": self.done,
+                "epochs_total": self.options.epochs, "epochs": epochs,
+                "jobs_by_state": self.ledger.counts_by_state(),
+                "q_hsb": {str(b): n for b, n in self.pool.ready_per_bucket().items()},  # msgpack map keys are str
+                "pool": self.pool.counts(), "workers": workers, "steps": self.next_step,
+                "given_back": dict(self.counters.given_back), "requests": dict(self.counters.requests),
+                "errors": dict(self.counters.errors)}

@@ -1,0 +1,65 @@
+"""Sample lengths the schedule is built from: a lengths file, a prepared dataset, or a synthetic mix."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from common.config import Config
+
+# Sample shares per bucket of the synthetic default, shortest bucket first: the length mix measured on
+# a real chat-distillation set, dominated by long responses.
+SYNTHETIC_SHARES = (0.04, 0.07, 0.10, 0.15, 0.17, 0.47)
+LENGTHS_FILE_IN_DATASET = "lengths.txt"
+
+
+class DatasetError(ValueError):
+    pass
+
+
+def read_lengths_file(path: str | Path) -> list[int]:
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"lengths file {path} does not exist")
+    lengths = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        text = line.strip()
+        if not text or text.startswith("#"):
+            continue
+        try:
+            value = int(text)
+        except ValueError:
+            raise DatasetError(f"{path}:{number}: expected a sequence length, got {text!r}") from None
+        if value <= 0:
+            raise DatasetError(f"{path}:{number}: sequence length must be positive, got {value}")
+        lengths.append(value)
+    if not lengths:
+        raise DatasetError(f"lengths file {path} holds no lengths")
+    return lengths
+
+
+def synthetic_lengths(num_samples: int, bucket_max_lens: list[int], seed: int = 0) -> list[int]:
+    """Lengths spread over the buckets with SYNTHETIC_SHARES (the last share repeats past six buckets)."""
+    rng = random.Random(seed)
+    shares = list(SYNTHETIC_SHARES[:len(bucket_max_lens)])
+    shares += [SYNTHETIC_SHARES[-1]] * (len(bucket_max_lens) - len(shares))
+    total = sum(shares)
+    lengths = []
+    lower = 0
+    for max_len, share in zip(bucket_max_lens, shares):
+        count = round(num_samples * share / total)
+        lengths += [rng.randint(lower + 1, max_len) for _ in range(count)]
+        lower = max_len
+    rng.shuffle(lengths)
+    return lengths
+
+
+def load_lengths(config: Config) -> list[int]:
+    if config.data.lengths:
+        return read_lengths_file(config.data.lengths)
+    if config.data.path:
+        path = Path(config.data.path) / LENGTHS_FILE_IN_DATASET
+        if not path.is_file():
+            raise DatasetError(f"data.path {config.data.path} is not a prepared dataset (no {LENGTHS_FILE_IN_DATASET})")
+        return read_lengths_file(path)
+    return synthetic_lengths(config.data.synthetic_samples, config.schedule.buckets, seed=config.run.seed)

@@ -1,0 +1,87 @@
+"""The run journal: an append-only JSON-lines file in the run directory.
+
+Every event that changes what a restart must know (an epoch started, a step committed, a checkpoint
+made durable, commits reverted) is appended and fsynced before the dispatcher acknowledges it.
+Progress events (a job ready, a worker joined) are appended without fsync: the report reads them,
+a restart does not need them. A torn last line (power cut mid-write) is ignored on reading.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+JOURNAL_NAME = "journal.jsonl"
+
+
+class Journal:
+    def __init__(self, run_dir: str | os.PathLike):
+        self.path = Path(run_dir) / JOURNAL_NAME
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def record(self, event: str, *, durable: bool = False, **fields: Any) -> None:
+        line = json.dumps({"ev": event, "t": round(time.time(), 6), **fields}, separators=(",", ":"))
+        self._file.write(line + "\n")
+        self._file.flush()
+        if durable:
+            os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+
+
+def read_journal(run_dir: str | os.PathLike) -> Iterator[dict[str, Any]]:
+    path = Path(run_dir) / JOURNAL_NAME
+    if not path.exists():
+        return
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a torn last line
+            if isinstance(event, dict) and "ev" in event:
+                yield event
+
+
+@dataclass
+class Recovered:
+    """What a restarting dispatcher needs from the journal."""
+    epochs_started: list[int] = field(default_factory=list)
+    committed: set[int] = field(default_factory=set)  # job ids whose commit is covered by a checkpoint
+    steps_to_revert: list[int] = field(default_factory=list)
+    next_step: int = 0
+
+
+def recover(run_dir: str | os.PathLike) -> Recovered:
+    """Replay the journal: commits after the last durable checkpoint are reverted (their jobs rerun)."""
+    out = Recovered()
+    commits: dict[int, tuple[list[int], bool]] = {}
+    last_checkpoint = -1
+    for event in read_journal(run_dir):
+        kind = event["ev"]
+        if kind == "epoch" and event["epoch"] not in out.epochs_started:
+            out.epochs_started.append(event["epoch"])
+        elif kind == "commit":
+            commits[event["step"]] = (event["jobs"], bool(event.get("checkpointed")))
+            out.next_step = max(out.next_step, event["step"] + 1)
+            if event.get("checkpointed"):  # the model saved with this step holds every earlier one too
+                last_checkpoint = max(last_checkpoint, event["step"])
+        elif kind == "checkpoint":
+            last_checkpoint = max(last_checkpoint, event["step"])
+        elif kind == "revert":
+            for step in event["steps"]:
+                commits.pop(step, None)
+    for step, (jobs, checkpointed) in sorted(commits.items()):
+        if step <= last_checkpoint:
+            out.committed.update(jobs)
+        else:
+            out.steps_to_revert.append(step)
+    return out

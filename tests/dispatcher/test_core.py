@@ -1,0 +1,475 @@
+"""dispatcher/core.py: the dispatcher's decisions driven by hand, no sockets."""
+
+import random
+from collections import Counter
+
+import pytest
+
+from dispatcher.core import DONE, CoreOptions, DispatcherCore, UnknownWorker
+from dispatcher.journal import Journal, read_journal
+from dispatcher.ledger import JobState, LedgerError, make_job_id
+from dispatcher.pool import HSPool
+from dispatcher.schedule import load_schedule
+
+BUCKETS = [64, 128, 256]
+TOKENS = 512                          # batch sizes 8, 4, 2
+
+
+def small_lengths(seed=0, scale=1):
+    """24 + 16 + 10 samples -> 3 + 4 + 5 = 12 jobs per epoch (times ``scale``)."""
+    rng = random.Random(seed)
+    lengths = ([rng.randint(1, 64) for _ in range(24 * scale)] + [rng.randint(65, 128) for _ in range(16 * scale)]
+               + [rng.randint(129, 256) for _ in range(10 * scale)])
+    rng.shuffle(lengths)
+    return lengths
+
+
+def make_core(run_dir, *, lengths=None, epochs=2, shared_slots=6, min_ready=2, credits=2, lease_s=1000.0,
+              worker_timeout_s=1e6, now=0.0):
+    options = CoreOptions(lease_s=lease_s, worker_timeout_s=worker_timeout_s, epochs=epochs, run_seed=3,
+                          buckets=list(BUCKETS), tokens_per_batch=TOKENS, order="interleave")
+    pool = HSPool(min_ready=min_ready, target_credits=credits, pull="deficit", seed=1)
+    return DispatcherCore(options, run_dir=run_dir, lengths=small_lengths() if lengths is None else lengths,
+                          journal=Journal(run_dir), pool=pool, shared_slots=shared_slots, now=now)
+
+
+def register(core, role, n, now=0.0):
+    return [core.register(role=role, name=f"{role}{i}", pid=1000 + i, host="h", gpu=None, now=now).id
+            for i in range(n)]
+
+
+class Sim:
+    """Targets and drafters taking turns; every decision goes through the core's methods."""
+
+    def __init__(self, core, targets, drafters, *, accum=2, checkpointed=True):
+        self.core, self.targets, self.drafters, self.accum = core, targets, drafters, accum
+        self.checkpointed = checkpointed
+        self.extracting = {t: [] for t in targets}
+        self.window = {d: [] for d in drafters}
+        self.commits = []          # (step, drafter, job ids)
+        self.now = 1.0
+        self.finished = set()
+
+    def round(self):
+        core = self.core
+        self.now += 1.0
+        for t in self.targets:
+            for grant in self.extracting[t]:
+                core.job_ready(t, grant.job.job_id, grant.job.generation, 0.01, self.now)
+            self.extracting[t] = []
+            while True:
+                grant = core.get_job(t, self.now)
+                if grant is None:
+                    break
+                if grant == DONE:
+                    self.finished.add(t)
+                    break
+                assert grant.job.state is JobState.EXTRACTING and grant.job.holder == t
+                assert grant.lengths == [core.lengths[s] for s in grant.job.samples]
+                self.extracting[t].append(grant)
+        for d in self.drafters:
+            ready_before = core.pool.num_ready
+            grant, flush = core.get_hs(d, self.now)
+            if grant == DONE:
+                assert flush is False
+                self.finished.add(d)
+                continue
+            if grant is not None:
+                job = grant.job
+                pending = core.ledger.count(job.epoch, JobState.PENDING)
+                # the min-ready reservoir: below it only while the epoch's tail drains
+                assert ready_before >= core.pool.min_ready or pending == 0
+                # epochs are consumed in order
+                for e in core.schedules:
+                    if e < job.epoch:
+                        assert core.ledger.count(e, JobState.PENDING, JobState.EXTRACTING, JobState.READY) == 0
+                assert job.state is JobState.TRAINING and job.holder == d
+                core.consumed(d, job.job_id, self.now)
+                self.window[d].append(job.job_id)
+            if self.window[d] and (len(self.window[d]) == self.accum or flush):
+                step = core.commit_step(d, self.window[d], 0.01, self.checkpointed, self.now)
+                self.commits.append((step, d, list(self.window[d])))
+                self.window[d] = []
+
+    def run(self, until=lambda sim: False, max_rounds=500):
+        for _ in range(max_rounds):
+            if self.core.done or until(self):
+                return
+            self.round()
+
+    def committed_ids(self):
+        return [j for _, _, jobs in self.commits for j in jobs]
+
+
+def all_job_ids(core):
+    return {make_job_id(e, i) for e, s in core.schedules.items() for i in range(len(s.batches))}
+
+
+# -- a whole run ----------------------------------------------------------------------------------
+
+def test_two_targets_two_drafters_two_epochs(tmp_path):
+    core = make_core(tmp_path)
+    targets, drafters = register(core, "target", 2), register(core, "drafter", 2)
+    assert targets == ["t0", "t1"] and drafters == ["d0", "d1"]
+    sim = Sim(core, targets, drafters)
+    sim.run()
+    assert core.done
+    assert len(core.schedules) == 2 and all(len(s.batches) == 12 for s in core.schedules.values())
+    committed = sim.committed_ids()
+    assert len(committed) == len(set(committed)) == 24           # exactly once
+    assert set(committed) == all_job_ids(core) == set(core.ledger.jobs)
+    assert all(job.state is JobState.COMMITTED for job in core.ledger.jobs.values())
+    assert [step for step, _, _ in sim.commits] == list(range(len(sim.commits)))
+    assert {d for _, d, _ in sim.commits} == {"d0", "d1"}
+    assert core.ledger.counts_by_state()["committed"] == 24
+    assert core.pool.counts()["free"] == 6
+    # every job trained with the samples of its schedule batch
+    for e, schedule in core.schedules.items():
+        assert [core.ledger.jobs[make_job_id(e, i)].samples for i in range(12)] == [b.samples for b in schedule.batches]
+        assert load_schedule(tmp_path, e) == schedule   # persisted
+    # done from now on
+    assert core.get_job("t0", sim.now) == DONE
+    assert core.get_hs("d1", sim.now) == (DONE, False)
+    # the journal agrees: every job in exactly one commit
+    journal_jobs = [j for e in read_journal(tmp_path) if e["ev"] == "commit" for j in e["jobs"]]
+    assert Counter(journal_jobs) == Counter(committed)
+    epochs_committed = [e["epoch"] for e in read_journal(tmp_path) if e["ev"] == "epoch_committed"]
+    assert epochs_committed == [0, 1]
+    snapshot = core.snapshot(sim.now)
+    assert snapshot["done"] is True and snapshot["jobs_by_state"]["committed"] == 24
+
+
+def test_commit_errors(tmp_path):
+    core = make_core(tmp_path, epochs=1, min_ready=1)
+    (t,), (d0, d1) = register(core, "target", 1), register(core, "drafter", 2)
+    grant = core.get_job(t, 1.0)
+    core.job_ready(t, grant.job.job_id, grant.job.generation, 0.0, 1.0)
+    hs, _ = core.get_hs(d0, 1.0)
+    assert hs.job.job_id == grant.job.job_id and hs.slot == grant.slot and hs.job.generation == grant.job.generation
+    with pytest.raises(LedgerError):
+        core.commit_step(d0, [hs.job.job_id], 0.0, True, 1.0)     # not consumed yet
+    core.consumed(d0, hs.job.job_id, 1.0)
+    with pytest.raises(LedgerError):
+        core.commit_step(d1, [hs.job.job_id], 0.0, True, 1.0)     # another drafter's job
+    with pytest.raises(LedgerError):
+        core.commit_step(d0, [], 0.0, True, 1.0)
+    with pytest.raises(LedgerError):
+        core.job_ready(t, grant.job.job_id, grant.job.generation, 0.0, 1.0)   # ready twice
+    with pytest.raises(UnknownWorker):
+        core.get_job("t9", 1.0)
+    assert core.commit_step(d0, [hs.job.job_id], 0.0, True, 1.0) == 0
+    assert core.next_step == 1
+
+
+# -- dead workers ---------------------------------------------------------------------------------
+
+def test_dead_target_gives_its_job_back_and_it_is_handed_out_again(tmp_path):
+    core = make_core(tmp_path, epochs=1)
+    t0, t1 = register(core, "target", 2)
+    (d0,) = register(core, "drafter", 1)
+    grant = core.get_job(t0, 1.0)
+    assert grant.job.job_id == make_job_id(0, 0)
+    second = core.get_job(t0, 1.0)
+    assert core.pool.counts()["writing"] == 2
+    dead = core.sweep(2.0, is_alive=lambda w: w.id != "t0")
+    assert dead == ["t0"]
+    assert "t0" not in core.workers and set(core.workers) == {"t1", "d0"}
+    assert grant.job.state is JobState.PENDING and second.job.state is JobState.PENDING
+    assert core.pool.counts()["writing"] == 0 and core.pool.counts()["free"] == 6
+    again = core.get_job(t1, 3.0)
+    assert again.job.job_id == grant.job.job_id              # back at the head of the queue
+    assert again.job.holder == "t1" and again.job.generation > 0
+    assert core.get_job(t1, 3.0).job.job_id == second.job.job_id
+    with pytest.raises(UnknownWorker):                        # the dead target's late report
+        core.job_ready(t0, grant.job.job_id, grant.job.generation, 0.0, 3.0)
+    events = [e for e in read_journal(tmp_path) if e["ev"] == "give_back"]
+    assert sorted(e["job"] for e in events) == sorted([grant.job.job_id, second.job.job_id])
+    assert all(e["was"] == "extracting" for e in events)
+    assert core.counters.given_back["dead"] == 2
+    # the run still completes exactly once with the survivor
+    sim = Sim(core, [t1], [d0])
+    sim.extracting[t1] = []
+    for job_id in (grant.job.job_id, second.job.job_id):
+        job = core.ledger.jobs[job_id]
+        core.job_ready(t1, job_id, job.generation, 0.0, 3.0)
+    sim.run()
+    assert core.done
+    assert sorted(sim.committed_ids()) == sorted(all_job_ids(core))
+
+
+def test_silent_worker_times_out_and_expired_lease_is_given_back(tmp_path):
+    core = make_core(tmp_path, epochs=1, worker_timeout_s=5.0, lease_s=3.0, min_ready=1)
+    t0, t1 = register(core, "target", 2)
+    (d0,) = register(core, "drafter", 1)
+    grant = core.get_job(t0, 0.0)
+    core.job_ready(t0, grant.job.job_id, grant.job.generation, 0.0, 0.0)
+    hs, _ = core.get_hs(d0, 0.0)
+    late = core.get_job(t1, 0.0)
+    core.heartbeat(t0, 4.0)
+    core.heartbeat(d0, 4.0)
+    core.heartbeat(t1, 4.0)               # a heartbeat renews every lease the worker holds
+    assert late.job.lease_deadline == 7.0 and hs.job.lease_deadline == 7.0
+    assert core.sweep(6.0, is_alive=lambda w: True) == []
+    core.heartbeat(t0, 8.0)
+    core.heartbeat(d0, 8.0)
+    # t1 silent since 4.0: dead at 9.5; d0's training lease (deadline 11) still holds
+    assert core.sweep(9.5, is_alive=lambda w: True) == ["t1"]
+    assert late.job.state is JobState.PENDING
+    assert hs.job.state is JobState.TRAINING
+    core.heartbeat(t0, 12.0)
+    # d0 alive (seen at 8.0) but its lease ran out at 11.0: training -> ready, the slot still holds it
+    assert core.sweep(12.5, is_alive=lambda w: True) == []
+    assert hs.job.state is JobState.READY and core.pool.num_ready == 1
+    assert core.ledger.epochs[0].consumed_order == []
+    with pytest.raises(LedgerError):
+        core.consumed(d0, hs.job.job_id, 12.5)
+
+
+def test_dead_drafter_gives_back_training_and_consumed_jobs(tmp_path):
+    core = make_core(tmp_path, epochs=1, min_ready=1)
+    (t0,) = register(core, "target", 1)
+    d0, d1 = register(core, "drafter", 2)
+    for _ in range(2):
+        g = core.get_job(t0, 1.0)
+        core.job_ready(t0, g.job.job_id, g.job.generation, 0.0, 1.0)
+    a, _ = core.get_hs(d0, 1.0)
+    core.consumed(d0, a.job.job_id, 1.0)
+    b, _ = core.get_hs(d0, 1.0)
+    assert core.sweep(2.0, is_alive=lambda w: w.id != "d0") == ["d0"]
+    assert a.job.state is JobState.PENDING            # its step never completed: extract again
+    assert b.job.state is JobState.READY              # the slot still holds it
+    assert sum(core.ledger.epochs[0].taken.values()) == 0
+    again, _ = core.get_hs(d1, 3.0)
+    assert again.job.job_id == b.job.job_id
+    assert core.ledger.peek_pending().job_id == a.job.job_id
+
+
+# -- min-ready reservoir and flush ----------------------------------------------------------------
+
+def test_drafter_waits_for_min_ready_unless_the_epoch_drains(tmp_path):
+    core = make_core(tmp_path, epochs=1, min_ready=3, credits=2)
+    (t0,) = register(core, "target", 1)
+    (d0,) = register(core, "drafter", 1)
+    grants = [core.get_job(t0, 1.0) for _ in range(3)]
+    assert grants[2] is None                              # credits: 2 at a time
+    for g in grants[:2]:
+        core.job_ready(t0, g.job.job_id, g.job.generation, 0.0, 1.0)
+    assert core.pool.num_ready == 2
+    assert core.get_hs(d0, 2.0) == (None, False)          # 2 < min_ready and 10 jobs still pending
+    assert core.worker_state(core.workers[d0]) == "starved"
+    g = core.get_job(t0, 2.0)
+    core.job_ready(t0, g.job.job_id, g.job.generation, 0.0, 2.0)
+    grant, flush = core.get_hs(d0, 3.0)
+    assert grant is not None and grant not in (DONE,) and flush is False
+    assert core.pool.num_ready == 2
+    assert core.get_hs(d0, 3.0) == (None, False)
+
+
+def test_drafter_is_served_below_min_ready_when_the_tail_drains(tmp_path):
+    lengths = [10] * 8 + [100] * 4         # one job of bucket 0, one of bucket 1
+    core = make_core(tmp_path, epochs=1, lengths=lengths, min_ready=3, credits=2)
+    (t0,) = register(core, "target", 1)
+    (d0,) = register(core, "drafter", 1)
+    assert len(core.schedules[0].batches) == 2
+    first = core.get_job(t0, 1.0)
+    core.job_ready(t0, first.job.job_id, first.job.generation, 0.0, 1.0)
+    assert core.get_hs(d0, 1.0) == (None, False)          # one job still pending: keep the reservoir
+    second = core.get_job(t0, 1.0)
+    core.job_ready(t0, second.job.job_id, second.job.generation, 0.0, 1.0)
+    taken = []
+    for _ in range(2):
+        grant, flush = core.get_hs(d0, 2.0)
+        assert grant is not None and flush is False
+        core.consumed(d0, grant.job.job_id, 2.0)
+        taken.append(grant.job.job_id)
+    assert sorted(taken) == [first.job.job_id, second.job.job_id]
+    assert core.get_hs(d0, 2.0) == (None, True)           # nothing more is coming: commit what you hold
+    core.commit_step(d0, taken, 0.0, True, 2.0)
+    assert core.done and core.get_hs(d0, 3.0) == (DONE, False) and core.get_job(t0, 3.0) == DONE
+
+
+def test_flush_when_every_remaining_job_is_held_by_drafters(tmp_path):
+    lengths = [10] * 16 + [100] * 8        # 2 jobs of bucket 0, 2 of bucket 1
+    core = make_core(tmp_path, epochs=2, lengths=lengths, min_ready=1, credits=4)
+    (t0,) = register(core, "target", 1)
+    d0, d1 = register(core, "drafter", 2)
+    grants = [core.get_job(t0, 1.0) for _ in range(4)]
+    assert all(g is not None for g in grants) and len(core.schedules) == 1
+    core.job_ready(t0, grants[0].job.job_id, grants[0].job.generation, 0.0, 1.0)
+    held = []
+    grant, flush = core.get_hs(d0, 1.0)
+    assert flush is False
+    held.append(grant.job.job_id)
+    # jobs still extracting: no flush
+    assert core.get_hs(d1, 1.0) == (None, False)
+    for g in grants[1:]:
+        core.job_ready(t0, g.job.job_id, g.job.generation, 0.0, 1.0)
+    for _ in range(3):
+        grant, flush = core.get_hs(d0, 2.0)
+        assert flush is False
+        held.append(grant.job.job_id)
+    # epoch 0 is all with d0, but epoch 1 has not started yet: more is coming
+    assert core.get_hs(d1, 2.0) == (None, False)
+    for job_id in held:
+        core.consumed(d0, job_id, 2.0)
+    core.commit_step(d0, held[:2], 0.0, True, 2.0)
+    # the target starts the last epoch and extracts all of it; d1 takes it all
+    second = [core.get_job(t0, 3.0) for _ in range(4)]
+    assert len(core.schedules) == 2 and all(g is not None and g.job.epoch == 1 for g in second)
+    assert core.get_job(t0, 3.0) is None
+    for g in second:
+        core.job_ready(t0, g.job.job_id, g.job.generation, 0.0, 3.0)
+    for _ in range(4):
+        grant, flush = core.get_hs(d1, 3.0)
+        assert grant is not None and flush is False
+    # every remaining job is held by a drafter: both are told to flush
+    assert core.get_hs(d0, 4.0) == (None, True)
+    assert core.get_hs(d1, 4.0) == (None, True)
+    assert core.nothing_left_to_hand_out()
+    assert not core.done
+
+
+# -- resume ---------------------------------------------------------------------------------------
+
+def restart(core, tmp_path, **kwargs):
+    core.journal.close()
+    return make_core(tmp_path, **kwargs)
+
+
+def test_resume_keeps_committed_and_nothing_else(tmp_path):
+    lengths = small_lengths(scale=4)       # 48 jobs per epoch: the restart comes within the first
+    core = make_core(tmp_path, lengths=lengths)
+    targets, drafters = register(core, "target", 2), register(core, "drafter", 2)
+    sim = Sim(core, targets, drafters)
+    sim.run(until=lambda s: len(s.commits) >= 2)
+    kept = set(sim.committed_ids())
+    sim.checkpointed = False
+    sim.run(until=lambda s: len(s.commits) >= 4)
+    lost = set(sim.committed_ids()) - kept
+    assert lost and len(core.schedules) == 1
+    states_before = Counter(j.state for j in core.ledger.jobs.values())
+    assert states_before[JobState.READY] + states_before[JobState.EXTRACTING] > 0
+    schedule = core.schedules[0]
+
+    resumed = restart(core, tmp_path, lengths=lengths)
+    assert resumed.schedules[0] == schedule                    # read back, never re-drawn
+    assert set(resumed.schedules) == {0}
+    for job_id, job in resumed.ledger.jobs.items():
+        expected = JobState.COMMITTED if job_id in kept else JobState.PENDING
+        assert job.state is expected, job_id
+    assert resumed.ledger.epochs[0].committed == len(kept)
+    assert resumed.next_step == len(sim.commits)               # step numbers go on
+    reverts = [e for e in read_journal(tmp_path) if e["ev"] == "revert"]
+    assert len(reverts) == 1 and sorted(reverts[0]["steps"]) == [2, 3]
+    assert resumed.pool.counts()["free"] == 6 and resumed.pool.num_ready == 0
+
+    # the resumed run finishes: every job committed exactly once counting the kept commits
+    targets, drafters = register(resumed, "target", 2), register(resumed, "drafter", 2)
+    sim2 = Sim(resumed, targets, drafters)
+    sim2.run()
+    assert resumed.done
+    assert Counter(kept) + Counter(sim2.committed_ids()) == Counter(all_job_ids(resumed))
+    assert min(step for step, _, _ in sim2.commits) == 4
+
+
+def test_restart_of_a_finished_run_is_done(tmp_path):
+    core = make_core(tmp_path)
+    sim = Sim(core, register(core, "target", 2), register(core, "drafter", 2))
+    sim.run()
+    assert core.done
+    again = restart(core, tmp_path)
+    assert again.done
+    assert all(job.state is JobState.COMMITTED for job in again.ledger.jobs.values())
+    assert [again.ledger.epochs[e].committed for e in (0, 1)] == [12, 12]
+    (t,) = register(again, "target", 1)
+    (d,) = register(again, "drafter", 1)
+    assert again.get_job(t, 0.0) == DONE and again.get_hs(d, 0.0) == (DONE, False)
+
+
+def test_restart_of_a_finished_one_epoch_run_is_done(tmp_path):
+    core = make_core(tmp_path, epochs=1)
+    sim = Sim(core, register(core, "target", 2), register(core, "drafter", 2))
+    sim.run()
+    assert core.done
+    again = restart(core, tmp_path, epochs=1)
+    assert again.done and len(again.schedules) == 1
+    (t,) = register(again, "target", 1)
+    assert again.get_job(t, 0.0) == DONE
+
+
+def test_resume_after_the_second_epoch_started(tmp_path):
+    """Commits in both epochs, then a restart: each epoch keeps exactly its own committed jobs."""
+    core = make_core(tmp_path)
+    targets, drafters = register(core, "target", 2), register(core, "drafter", 2)
+    sim = Sim(core, targets, drafters)
+    sim.run(until=lambda s: any(j >= make_job_id(1, 0) for j in s.committed_ids()))
+    assert not core.done and len(core.schedules) == 2
+    kept = set(sim.committed_ids())
+    per_epoch = Counter(core.ledger.jobs[j].epoch for j in kept)
+
+    resumed = restart(core, tmp_path)
+    for job_id, job in resumed.ledger.jobs.items():
+        assert job.state is (JobState.COMMITTED if job_id in kept else JobState.PENDING), job_id
+    for epoch in (0, 1):
+        assert resumed.ledger.epochs[epoch].committed == per_epoch[epoch]
+        assert sum(resumed.ledger.epochs[epoch].taken.values()) == per_epoch[epoch]
+    targets, drafters = register(resumed, "target", 2), register(resumed, "drafter", 2)
+    sim2 = Sim(resumed, targets, drafters)
+    sim2.run()
+    assert resumed.done
+    assert Counter(kept) + Counter(sim2.committed_ids()) == Counter(all_job_ids(resumed))
+
+
+def test_resume_with_second_epoch_started_but_only_first_epoch_commits_finishes(tmp_path):
+    core = make_core(tmp_path)
+    targets, drafters = register(core, "target", 2), register(core, "drafter", 2)
+    sim = Sim(core, targets, drafters)
+    sim.run(until=lambda s: len(s.core.schedules) == 2 and s.commits)
+    assert not any(j >= make_job_id(1, 0) for j in sim.committed_ids())
+    kept = set(sim.committed_ids())
+    assert kept
+
+    resumed = restart(core, tmp_path)
+    assert resumed.ledger.epochs[1].committed == 0
+    assert not resumed.ledger.epoch_complete(1)
+    targets, drafters = register(resumed, "target", 2), register(resumed, "drafter", 2)
+    sim2 = Sim(resumed, targets, drafters)
+    sim2.run()
+    assert resumed.done
+    assert Counter(kept) + Counter(sim2.committed_ids()) == Counter(all_job_ids(resumed))
+
+
+# -- targets that own their slots (cuda_ipc) -------------------------------------------------------
+
+def test_owner_slots_are_indexed_in_the_owners_memory_and_lost_with_it(tmp_path):
+    core = make_core(tmp_path, epochs=1, shared_slots=0, min_ready=1, credits=2)
+    t0 = core.register(role="target", name="a", pid=1, host="h", gpu=0, now=0.0, ipc_block={"h": 1}, num_slots=2).id
+    t1 = core.register(role="target", name="b", pid=2, host="h", gpu=1, now=0.0, ipc_block={"h": 2}, num_slots=2).id
+    (d0,) = register(core, "drafter", 1)
+    assert core.workers[t1].slot_base == 2
+    grants = {t: [core.get_job(t, 1.0) for _ in range(2)] for t in (t0, t1)}
+    for t, gs in grants.items():
+        assert sorted(g.slot for g in gs) == [0, 1]          # index inside the owner's own memory
+        assert all(g.owner == t for g in gs)
+        assert core.get_job(t, 1.0) is None                  # no slot of its own left, no shared one
+        for g in gs:
+            core.job_ready(t, g.job.job_id, g.job.generation, 0.0, 1.0)
+    hs, _ = core.get_hs(d0, 2.0)
+    assert hs.owner in (t0, t1) and hs.slot in (0, 1)
+    assert hs.slot == next(g.slot for g in grants[hs.owner] if g.job.job_id == hs.job.job_id)
+    owner = hs.owner
+    other_ready = [g.job for g in grants[owner] if g.job.job_id != hs.job.job_id]
+    assert core.sweep(3.0, is_alive=lambda w: w.id != owner) == [owner]
+    # the ready job in the dead target's memory is extracted again
+    assert other_ready[0].state is JobState.PENDING
+    assert core.counters.given_back["slot_lost"] == 1
+    # the job being trained from it goes back to pending when its drafter gives it back
+    core.sweep(4.0, is_alive=lambda w: w.id != "d0")
+    assert hs.job.state is JobState.PENDING
+    survivor = t1 if owner == t0 else t0
+    assert {s.owner for s in core.pool.slots.values()} == {survivor}
+
+
+def test_a_schedule_without_jobs_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="longer than the last bucket"):
+        make_core(tmp_path, lengths=[1000, 2000])

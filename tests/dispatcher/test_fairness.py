@@ -1,0 +1,79 @@
+"""dispatcher/fairness.py: prefix deviation and tail skew on hand-computed sequences."""
+
+import pytest
+
+from dispatcher.fairness import bucket_totals, prefix_deviation, tail_skew
+
+
+@pytest.mark.parametrize("order, expected", [
+    ([0, 0, 1, 1], 1.0),
+    ([0, 1, 0, 1], 0.5),
+    ([0, 1] * 50, 0.5),
+    ([0] * 5 + [1] * 5, 2.5),
+    ([0, 0, 0], 0.0),                 # one bucket is always proportional
+    ([], 0.0),
+    # totals 3:1 -> shares .75/.25; worst is after "1" at t=1: |1 - .25| = .75
+    ([1, 0, 0, 0], 0.75),
+    ([0, 0, 0, 1], 0.75),             # t=3: |3 - 2.25| = .75
+    ([0, 1, 0, 0], 0.5),              # t=1: |1-.75|=.25, t=2: |1-1.5|=.5 (and bucket 1 |1-.5|=.5)
+    ([0, 1, 2, 0, 1, 2], 2 / 3),      # t=1: bucket 0 |1 - 1/3| = 2/3
+])
+def test_prefix_deviation_hand_computed(order, expected):
+    assert prefix_deviation(order) == pytest.approx(expected)
+
+
+def test_prefix_deviation_of_partial_stream_against_epoch_totals():
+    totals = {0: 2, 1: 2}
+    # on its own a stream of one bucket is "proportional"; against the epoch it lags bucket 1 by 1
+    assert prefix_deviation([0, 0]) == 0.0
+    assert prefix_deviation([0, 0], totals) == pytest.approx(1.0)
+    assert prefix_deviation([0, 1], totals) == pytest.approx(0.5)
+    # 4 of 8 jobs consumed, all of bucket 0: |4 - 4 * 6/8| = 1 and |0 - 4 * 2/8| = 1
+    assert prefix_deviation([0, 0, 0, 0], {0: 6, 1: 2}) == pytest.approx(1.0)
+
+
+def test_prefix_deviation_counts_unknown_bucket_fully():
+    # bucket 9 is not in the totals: its every job counts as deviation
+    assert prefix_deviation([0, 9, 9], {0: 3}) >= 2.0
+
+
+def test_prefix_deviation_grows_with_front_loading():
+    balanced = [0, 0, 1] * 20
+    front = [0] * 40 + [1] * 20
+    assert prefix_deviation(balanced) < 1.0
+    assert prefix_deviation(front) == pytest.approx(40 - 40 * 40 / 60)
+
+
+def test_tail_skew_hand_computed():
+    # whole epoch: 90% bucket 0, 10% bucket 1; the last 10% (one job) is all bucket 1
+    assert tail_skew([0] * 9 + [1]) == pytest.approx(0.9)
+    # last job matches the dominant bucket: TV = .5 * (|1 - .9| + |0 - .1|) = .1
+    assert tail_skew([1] + [0] * 9) == pytest.approx(0.1)
+    # a tail that mirrors the epoch exactly
+    assert tail_skew([0, 1] * 10) == pytest.approx(0.0)
+    assert tail_skew([]) == 0.0
+
+
+def test_tail_skew_of_starved_tail():
+    # 100 jobs, the rare bucket is used up before the last 10: tail is all bucket 0
+    order = [0, 1] * 20 + [0] * 60
+    # epoch shares: 0 -> .8, 1 -> .2; tail: 0 -> 1.0 => TV = .2
+    assert tail_skew(order) == pytest.approx(0.2)
+
+
+def test_tail_skew_of_partial_stream_against_epoch_totals():
+    totals = {0: 5, 1: 5}
+    # 10 consumed so far, last one (10%) is bucket 0; against the epoch's 50/50 mix: TV = .5
+    assert tail_skew([0, 1] * 4 + [1, 0], totals) == pytest.approx(0.5)
+    # a bucket the totals do not know counts fully
+    assert tail_skew([7] * 10, {0: 10}) == pytest.approx(1.0)
+
+
+def test_tail_skew_fraction():
+    order = [0] * 8 + [1, 1]
+    assert tail_skew(order, tail_fraction=0.2) == pytest.approx(0.8)   # tail all 1s vs share .2
+    assert tail_skew(order, tail_fraction=1.0) == pytest.approx(0.0)
+
+
+def test_bucket_totals():
+    assert bucket_totals([2, 0, 2, 2]) == {2: 3, 0: 1}

@@ -1,0 +1,193 @@
+"""dispatcher/schedule.py: bucketing, fixed token budget, determinism, interleave fairness, persistence."""
+
+import json
+import random
+from collections import Counter
+
+import pytest
+
+from dispatcher.fairness import prefix_deviation, tail_skew
+from dispatcher.schedule import (assign_buckets, build_epoch_schedule, epoch_seed, interleave_order, load_schedule,
+                                 save_schedule, schedule_path)
+
+BUCKETS6 = [256, 512, 1024, 2048, 4096, 8192]
+SHARES6 = (0.04, 0.07, 0.10, 0.15, 0.17, 0.47)
+
+
+def lengths_with_shares(num_samples, buckets, shares, seed=0):
+    """Lengths spread over the buckets with the given sample shares (built here, not by the code under test)."""
+    rng = random.Random(seed)
+    out, lower = [], 0
+    for max_len, share in zip(buckets, shares):
+        out += [rng.randint(lower + 1, max_len) for _ in range(round(num_samples * share))]
+        lower = max_len
+    rng.shuffle(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def lengths6():
+    return lengths_with_shares(10_000, BUCKETS6, SHARES6, seed=11)
+
+
+def build(lengths, order="interleave", epoch=0, seed=0, buckets=BUCKETS6, tokens=16384):
+    return build_epoch_schedule(lengths, bucket_max_lens=buckets, tokens_per_batch=tokens, run_seed=seed,
+                                epoch=epoch, order=order)
+
+
+# -- bucketing ------------------------------------------------------------------------------------
+
+def test_assign_buckets_boundaries():
+    buckets = [128, 256, 512]
+    lengths = [1, 127, 128, 129, 256, 257, 511, 512, 513, 10_000]
+    assert assign_buckets(lengths, buckets) == [0, 0, 0, 1, 1, 2, 2, 2, -1, -1]
+
+
+def test_too_long_samples_are_dropped_and_counted():
+    lengths = [10, 100, 101, 200, 64, 65, 1000]
+    schedule = build(lengths, buckets=[64, 100], tokens=200)
+    kept = sorted(s for batch in schedule.batches for s in batch.samples)
+    assert kept == [0, 1, 4, 5]          # 101, 200, 1000 are longer than the last bucket
+    assert schedule.num_dropped == 3
+    assert sum(b.num_samples for b in schedule.buckets) == 4
+    for batch in schedule.batches:
+        for s in batch.samples:
+            assert assign_buckets([lengths[s]], [64, 100]) == [batch.bucket]
+
+
+# -- fixed token budget ---------------------------------------------------------------------------
+
+def test_fixed_token_budget_and_every_sample_once(lengths6):
+    schedule = build(lengths6)
+    max_lens = {b.id: b.max_len for b in schedule.buckets}
+    assert [b.max_len for b in schedule.buckets] == BUCKETS6
+    per_bucket = {b: [] for b in max_lens}
+    for batch in schedule.batches:
+        per_bucket[batch.bucket].append(batch)
+        limit = 16384 // max_lens[batch.bucket]
+        assert 1 <= len(batch.samples) <= limit
+        assert len(batch.samples) * max_lens[batch.bucket] <= 16384
+        for s in batch.samples:   # every sample sits in its own bucket
+            assert lengths6[s] <= max_lens[batch.bucket]
+            assert batch.bucket == 0 or lengths6[s] > max_lens[batch.bucket - 1]
+    for bucket in schedule.buckets:
+        batches = per_bucket[bucket.id]
+        assert bucket.batch_size == 16384 // bucket.max_len
+        assert bucket.num_batches == len(batches)
+        assert bucket.num_samples == sum(len(b.samples) for b in batches)
+        short = [b for b in batches if len(b.samples) < bucket.batch_size]
+        assert len(short) <= 1   # only one batch of a bucket (its last) may be short
+        if short:
+            assert len(short[0].samples) == bucket.num_samples % bucket.batch_size
+    kept = [s for batch in schedule.batches for s in batch.samples]
+    assert len(kept) == len(set(kept)) == len(lengths6)   # nothing dropped, nothing twice
+    assert schedule.num_dropped == 0
+
+
+def test_only_one_short_batch_per_bucket():
+    lengths = [10] * 7 + [50] * 5 + [60] * 9
+    schedule = build(lengths, buckets=[16, 64], tokens=64)   # batch sizes 4 and 1
+    sizes = {0: [], 1: []}
+    for batch in schedule.batches:
+        sizes[batch.bucket].append(len(batch.samples))
+    assert sorted(sizes[0]) == [3, 4] and sizes[1] == [1] * 14
+    schedule = build(lengths, buckets=[16, 64], tokens=128)  # batch sizes 8 and 2
+    sizes = Counter((batch.bucket, len(batch.samples)) for batch in schedule.batches)
+    assert sizes == {(0, 7): 1, (1, 2): 7}
+
+
+def test_job_list_bucket_order_matches_batches(lengths6):
+    schedule = build(lengths6)
+    assert schedule.bucket_order == [b.bucket for b in schedule.batches]
+    totals = Counter(schedule.bucket_order)
+    assert {b.id: b.num_batches for b in schedule.buckets if b.num_batches} == dict(totals)
+
+
+# -- determinism ----------------------------------------------------------------------------------
+
+def test_same_seed_and_epoch_gives_identical_schedule(lengths6):
+    assert build(lengths6, epoch=2, seed=5) == build(lengths6, epoch=2, seed=5)
+    assert build(lengths6, order="shuffle", epoch=1, seed=5) == build(lengths6, order="shuffle", epoch=1, seed=5)
+
+
+def test_other_epoch_or_seed_gives_another_order(lengths6):
+    base = build(lengths6, epoch=0, seed=5)
+    other_epoch = build(lengths6, epoch=1, seed=5)
+    other_seed = build(lengths6, epoch=0, seed=6)
+    assert base.seed == epoch_seed(5, 0) != other_epoch.seed
+    for other in (other_epoch, other_seed):
+        assert other.batches != base.batches
+        # a different grouping of samples, not just a different bucket sequence
+        assert {b.samples for b in other.batches} != {b.samples for b in base.batches}
+        # same bucket sizes though: same data
+        assert [b.num_batches for b in other.buckets] == [b.num_batches for b in base.buckets]
+
+
+def test_epoch_seed_depends_on_both():
+    seeds = {epoch_seed(r, e) for r in range(3) for e in range(3)}
+    assert len(seeds) == 9
+
+
+def test_unknown_order_rejected(lengths6):
+    with pytest.raises(ValueError, match="round_robin"):
+        build(lengths6[:10], order="round_robin")
+
+
+# -- fairness -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("epoch", [0, 1, 2, 3])
+def test_interleave_is_fair_on_every_prefix(lengths6, epoch):
+    interleave = build(lengths6, epoch=epoch, seed=1)
+    shuffle = build(lengths6, epoch=epoch, seed=1, order="shuffle")
+    order = interleave.bucket_order
+    assert len(order) > 1000 and len(set(order)) == 6
+    assert prefix_deviation(order) <= 2.0
+    assert tail_skew(order) <= 0.05
+    assert interleave.figures() == {"prefix_deviation": prefix_deviation(order), "tail_skew": tail_skew(order)}
+    assert prefix_deviation(shuffle.bucket_order) > prefix_deviation(order) + 2.0
+    # the same jobs, only ordered differently
+    assert Counter(shuffle.bucket_order) == Counter(order)
+
+
+def test_interleave_first_hundred_jobs_are_not_front_loaded(lengths6):
+    schedule = build(lengths6, epoch=0, seed=0)
+    order = schedule.bucket_order
+    totals = Counter(order)
+    first = Counter(order[:100])
+    for b, n in totals.items():
+        assert abs(first[b] - 100 * n / len(order)) <= 2.0
+    # the rare buckets are not used up before the tail
+    last = Counter(order[-len(order) // 10:])
+    assert all(last[b] >= 1 for b, n in totals.items() if n >= 20)
+
+
+def test_interleave_order_counts_and_prefix():
+    rng = random.Random(0)
+    counts = [3, 0, 10, 1, 30]
+    order = interleave_order(counts, rng)
+    assert Counter(order) == {0: 3, 2: 10, 3: 1, 4: 30}
+    assert prefix_deviation(order) <= 2.0
+    assert interleave_order([], random.Random(0)) == []
+
+
+# -- persistence ----------------------------------------------------------------------------------
+
+def test_save_load_round_trip(tmp_path, lengths6):
+    schedule = build(lengths6[:2000], epoch=3, seed=2)
+    path = save_schedule(schedule, tmp_path)
+    assert path == schedule_path(tmp_path, 3) and path.is_file()
+    assert not list(path.parent.glob("*.tmp"))
+    loaded = load_schedule(tmp_path, 3)
+    assert loaded == schedule
+    assert loaded.bucket_order == schedule.bucket_order
+    json.loads(path.read_text())   # plain JSON
+    assert load_schedule(tmp_path, 4) is None
+
+
+def test_summary_shape(lengths6):
+    schedule = build(lengths6[:500])
+    summary = schedule.summary()
+    assert summary["num_jobs"] == len(schedule.batches)
+    assert summary["order"] == schedule.bucket_order
+    assert len(summary["buckets"]) == 6
+    json.dumps(summary)
