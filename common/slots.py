@@ -1,0 +1,317 @@
+"""Slot layout and zero-copy views of one hidden-state slot.
+
+A slot is a fixed-size byte range (in shared memory or on a GPU) that holds one batch::
+
+    header | hs [tokens_per_batch, num_layers * hidden_size] | input_ids | loss_mask | seq_lens
+
+Every region starts on a 64-byte boundary and a slot spans a whole number of 4 KiB pages, so slot
+``i`` of a pool starts at ``i * slot_bytes`` and every typed view is aligned for its dtype.
+
+Stale reads. The dispatcher hands out ``(slot, generation)`` and may give a slot to a new job
+once a lease expires, while a slow drafter could still be copying it. A writer therefore marks
+the slot "being written" (generation 0) first, fills the data, and publishes the header with the
+new generation last; a reader checks the generation before and after its copy
+(:meth:`SlotView.check_generation`), so a copy that overlapped a rewrite raises
+:class:`StaleSlotError` instead of training on a torn batch. This relies on stores becoming
+visible in program order (true on x86-64; the data copies themselves are joined before the
+header store).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_DTYPE_CODES = {"bfloat16": 1, "float16": 2, "float32": 3}
+_DTYPE_NAMES = {code: name for name, code in _DTYPE_CODES.items()}
+
+HEADER_BYTES = 256
+REGION_ALIGN = 64
+SLOT_ALIGN = 4096
+# "HSDSLOT1" read as a little-endian int64; the digit is the header version.
+SLOT_MAGIC = int.from_bytes(b"HSDSLOT1", "little")
+
+# int64 word index of each header field. Generation has its own word so it can be stored last.
+_MAGIC, _GENERATION, _JOB_ID, _BUCKET, _BATCH_SIZE, _SEQ_LEN, _NUM_TOKENS = range(7)
+_NUM_LAYERS, _HIDDEN_SIZE, _DTYPE_CODE, _TOKENS_PER_BATCH, _MAX_SEQS = range(7, 12)
+_HEADER_WORDS = 12
+_MAX_GENERATION = (1 << 63) - 1
+
+
+class StaleSlotError(RuntimeError):
+    """The slot no longer holds the generation the reader was given: it was (or is being) rewritten."""
+
+    def __init__(self, expected: int, found: int, when: str):
+        super().__init__(f"stale slot: expected generation {expected}, found {found} {when} the copy")
+        self.expected = expected
+        self.found = found
+
+
+def _align(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def format_bytes(n: int) -> str:
+    """Decimal units, one decimal: what a user compares against ``df`` and ``free -h``."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """Byte layout of one slot; identical in every process of a run (sent in the register reply)."""
+
+    tokens_per_batch: int
+    num_layers: int
+    hidden_size: int
+    dtype: str
+    max_seqs: int
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"slot dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        for name in ("tokens_per_batch", "num_layers", "hidden_size", "max_seqs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"slot layout {name} must be a positive integer, got {value!r}")
+        if self.max_seqs > self.tokens_per_batch:
+            raise ValueError(f"slot layout max_seqs ({self.max_seqs}) exceeds tokens_per_batch ({self.tokens_per_batch})")
+
+    @classmethod
+    def from_config(cls, config: Any) -> SlotLayout:
+        # The shortest bucket packs the most sequences into the token budget.
+        return cls(
+            tokens_per_batch=config.schedule.tokens_per_batch,
+            num_layers=config.target.num_capture_layers,
+            hidden_size=config.target.hidden_size,
+            dtype=config.target.dtype,
+            max_seqs=config.schedule.tokens_per_batch // config.schedule.buckets[0],
+        )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def row_width(self) -> int:
+        """Elements per token row of the hidden states: K captured layers side by side."""
+        return self.num_layers * self.hidden_size
+
+    @property
+    def header_bytes(self) -> int:
+        return HEADER_BYTES
+
+    @property
+    def hs_offset(self) -> int:
+        return HEADER_BYTES
+
+    @property
+    def hs_bytes(self) -> int:
+        return self.tokens_per_batch * self.row_width * self.torch_dtype.itemsize
+
+    @property
+    def input_ids_offset(self) -> int:
+        return _align(self.hs_offset + self.hs_bytes, REGION_ALIGN)
+
+    @property
+    def input_ids_bytes(self) -> int:
+        return self.tokens_per_batch * 4
+
+    @property
+    def loss_mask_offset(self) -> int:
+        return _align(self.input_ids_offset + self.input_ids_bytes, REGION_ALIGN)
+
+    @property
+    def loss_mask_bytes(self) -> int:
+        return self.tokens_per_batch
+
+    @property
+    def seq_lens_offset(self) -> int:
+        return _align(self.loss_mask_offset + self.loss_mask_bytes, REGION_ALIGN)
+
+    @property
+    def seq_lens_bytes(self) -> int:
+        return self.max_seqs * 4
+
+    @property
+    def slot_bytes(self) -> int:
+        return _align(self.seq_lens_offset + self.seq_lens_bytes, SLOT_ALIGN)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values for msgpack; ``slot_bytes`` lets the receiver detect a layout-code mismatch."""
+        return {"tokens_per_batch": self.tokens_per_batch, "num_layers": self.num_layers,
+                "hidden_size": self.hidden_size, "dtype": self.dtype, "max_seqs": self.max_seqs,
+                "slot_bytes": self.slot_bytes}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SlotLayout:
+        try:
+            layout = cls(tokens_per_batch=data["tokens_per_batch"], num_layers=data["num_layers"],
+                         hidden_size=data["hidden_size"], dtype=data["dtype"], max_seqs=data["max_seqs"])
+        except KeyError as exc:
+            raise ValueError(f"slot layout is missing {exc.args[0]!r}: {data!r}") from None
+        if "slot_bytes" in data and data["slot_bytes"] != layout.slot_bytes:
+            raise ValueError(f"slot layout says {data['slot_bytes']} bytes per slot but this build computes "
+                             f"{layout.slot_bytes}: the processes run different hsdispatch versions")
+        return layout
+
+    def describe(self) -> str:
+        return (f"slot {format_bytes(self.slot_bytes)} = {self.tokens_per_batch} tok × {self.num_layers} layers × "
+                f"{self.hidden_size} hidden × {self.dtype} + ids/mask")
+
+
+@dataclass(frozen=True)
+class SlotHeader:
+    """What a slot holds: the job, its generation and the used shape ``batch_size × seq_len``."""
+
+    generation: int
+    job_id: int
+    bucket: int
+    batch_size: int
+    seq_len: int
+    num_tokens: int
+
+    @property
+    def num_rows(self) -> int:
+        """Token rows in use: sequences are padded to ``seq_len`` and packed back to back."""
+        return self.batch_size * self.seq_len
+
+
+@dataclass
+class SlotBatch:
+    """The used part of a slot: views into it, or a reader's own copy (see :func:`copy_out`)."""
+
+    hs: torch.Tensor         # [batch_size, seq_len, num_layers * hidden_size]
+    input_ids: torch.Tensor  # [batch_size, seq_len] int32, 0 at padding
+    loss_mask: torch.Tensor  # [batch_size, seq_len] uint8
+    seq_lens: torch.Tensor   # [batch_size] int32
+    header: SlotHeader
+
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.hs, self.input_ids, self.loss_mask, self.seq_lens
+
+    def clone(self) -> SlotBatch:
+        hs, ids, mask, lens = (t.clone() for t in self._tensors())
+        return SlotBatch(hs, ids, mask, lens, self.header)
+
+    def copy_to(self, device: torch.device, *, non_blocking: bool = False) -> SlotBatch:
+        # Always a copy: Tensor.to() would return the slot itself when it already is on ``device``.
+        hs, ids, mask, lens = (torch.empty_like(t, device=device).copy_(t, non_blocking=non_blocking)
+                               for t in self._tensors())
+        return SlotBatch(hs, ids, mask, lens, self.header)
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        for t in self._tensors():
+            t.record_stream(stream)
+
+
+class SlotView:
+    """Zero-copy typed views of one slot inside a uint8 tensor (CPU shared memory or a CUDA buffer)."""
+
+    def __init__(self, buffer: torch.Tensor, layout: SlotLayout):
+        assert buffer.dtype == torch.uint8 and buffer.dim() == 1, "a slot view wraps a flat uint8 tensor"
+        if buffer.numel() != layout.slot_bytes:
+            raise ValueError(f"slot buffer has {buffer.numel()} bytes, layout needs {layout.slot_bytes}")
+        self.buffer = buffer
+        self.layout = layout
+        self._header = buffer[:HEADER_BYTES].view(torch.int64)
+        self.hs = buffer[layout.hs_offset:layout.hs_offset + layout.hs_bytes].view(layout.torch_dtype).view(
+            layout.tokens_per_batch, layout.row_width)
+        self.input_ids = buffer[layout.input_ids_offset:layout.input_ids_offset + layout.input_ids_bytes].view(torch.int32)
+        self.loss_mask = buffer[layout.loss_mask_offset:layout.loss_mask_offset + layout.loss_mask_bytes]
+        self.seq_lens = buffer[layout.seq_lens_offset:layout.seq_lens_offset + layout.seq_lens_bytes].view(torch.int32)
+
+    @property
+    def device(self) -> torch.device:
+        return self.buffer.device
+
+    def begin_write(self) -> None:
+        """Mark the slot as being written, so a reader still holding the old generation fails its check."""
+        self._header[_GENERATION].fill_(0)
+
+    def write_header(self, header: SlotHeader) -> None:
+        """Publish the slot: every field first, the generation last (call after the data is written)."""
+        layout = self.layout
+        if not 0 < header.generation <= _MAX_GENERATION:
+            raise ValueError(f"generation must be in [1, 2**63), got {header.generation}")
+        if not 0 < header.batch_size <= layout.max_seqs:
+            raise ValueError(f"batch_size {header.batch_size} is outside [1, {layout.max_seqs}]")
+        if header.seq_len <= 0 or header.num_rows > layout.tokens_per_batch:
+            raise ValueError(f"{header.batch_size} × {header.seq_len} rows exceed the slot's "
+                             f"{layout.tokens_per_batch} tokens")
+        if not 0 <= header.num_tokens <= header.num_rows:
+            raise ValueError(f"num_tokens {header.num_tokens} exceeds the {header.num_rows} padded rows")
+        words = torch.zeros(HEADER_BYTES // 8, dtype=torch.int64)
+        words[:_HEADER_WORDS] = torch.tensor([
+            SLOT_MAGIC, 0, header.job_id, header.bucket, header.batch_size, header.seq_len, header.num_tokens,
+            layout.num_layers, layout.hidden_size, _DTYPE_CODES[layout.dtype], layout.tokens_per_batch,
+            layout.max_seqs], dtype=torch.int64)
+        # Generation 0 is copied with the rest; the real one is stored alone afterwards.
+        self._header.copy_(words)
+        self._header[_GENERATION].fill_(header.generation)
+
+    def read_generation(self) -> int:
+        """The published generation; 0 while being written or never written."""
+        return int(self._header[_GENERATION].item())
+
+    def read_header(self) -> SlotHeader:
+        words = self._header[:_HEADER_WORDS].cpu().tolist()
+        if words[_MAGIC] != SLOT_MAGIC:
+            return SlotHeader(generation=0, job_id=-1, bucket=0, batch_size=0, seq_len=0, num_tokens=0)
+        echo = (words[_NUM_LAYERS], words[_HIDDEN_SIZE], _DTYPE_NAMES.get(words[_DTYPE_CODE]),
+                words[_TOKENS_PER_BATCH], words[_MAX_SEQS])
+        layout = self.layout
+        expected = (layout.num_layers, layout.hidden_size, layout.dtype, layout.tokens_per_batch, layout.max_seqs)
+        if echo != expected:
+            raise ValueError(f"slot was written with layout (layers, hidden, dtype, tokens, max_seqs)={echo} but is "
+                             f"read with {expected}: target and drafter disagree on the capture contract")
+        return SlotHeader(generation=words[_GENERATION], job_id=words[_JOB_ID], bucket=words[_BUCKET],
+                          batch_size=words[_BATCH_SIZE], seq_len=words[_SEQ_LEN], num_tokens=words[_NUM_TOKENS])
+
+    def batch(self, header: SlotHeader) -> SlotBatch:
+        """Zero-copy views of the rows ``header`` says are in use."""
+        batch_size, seq_len, rows = header.batch_size, header.seq_len, header.num_rows
+        return SlotBatch(hs=self.hs[:rows].view(batch_size, seq_len, self.layout.row_width),
+                         input_ids=self.input_ids[:rows].view(batch_size, seq_len),
+                         loss_mask=self.loss_mask[:rows].view(batch_size, seq_len),
+                         seq_lens=self.seq_lens[:batch_size], header=header)
+
+    def expect_generation(self, generation: int, *, when: str = "before") -> SlotHeader:
+        """The header, if it still carries ``generation``; :class:`StaleSlotError` otherwise."""
+        header = self.read_header()
+        if header.generation != generation:
+            raise StaleSlotError(generation, header.generation, when)
+        return header
+
+
+def copy_out(view: SlotView, generation: int, device: torch.device, *,
+             stream: torch.cuda.Stream | None = None) -> SlotBatch:
+    """Copy the used part of a slot to ``device``, checking the generation before and after.
+
+    On a CUDA device the copies (and the tiny header reads) run on ``stream`` so they do not queue
+    behind the caller's compute stream; the batch is then recorded on the caller's current stream so
+    the caching allocator does not reuse it under pending compute. Raises :class:`StaleSlotError`.
+    """
+    if device.type == "cpu":
+        if view.device.type != "cpu":
+            raise ValueError(f"cannot read a {view.device} slot into CPU memory: use a CUDA device")
+        header = view.expect_generation(generation, when="before")
+        out = view.batch(header).clone()
+        view.expect_generation(generation, when="after")
+        return out
+    consumer = torch.cuda.current_stream(device)
+    stream = stream if stream is not None else consumer
+    with torch.cuda.stream(stream):
+        header = view.expect_generation(generation, when="before")
+        out = view.batch(header).copy_to(device, non_blocking=True)
+        # The after-check is only meaningful once the copies have really landed.
+        stream.synchronize()
+        view.expect_generation(generation, when="after")
+    if stream != consumer:
+        out.record_stream(consumer)
+    return out

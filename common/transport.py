@@ -1,0 +1,193 @@
+"""What workers use to move hidden states, whatever the transport kind.
+
+The dispatcher picks the kind (:func:`resolve_transport`) and sends a ``transport_info`` map in
+its register reply; a target opens a :class:`TargetTransport` from it and writes slots, a drafter
+opens a :class:`DrafterTransport` and reads them. With ``shm`` every worker maps the dispatcher's
+pool; with ``cuda_ipc`` every target allocates its own slots on its GPU and sends the dispatcher
+their :meth:`TargetTransport.export`, which drafters receive with each job as ``ipc``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from common.cuda_ipc import CudaIpcOpener, CudaSlotBlock, cuda_ipc_available
+from common.shm_arena import SlotArena
+from common.slots import SlotBatch, SlotHeader, SlotLayout, SlotView, copy_out
+
+TRANSPORT_KINDS = ("shm", "cuda_ipc")
+TRANSPORT_CHOICES = ("auto",) + TRANSPORT_KINDS
+
+
+def resolve_transport(requested: str, same_node: bool, *, cuda_available: bool | None = None) -> str:
+    """``pool.transport`` -> the kind to use: auto picks cuda_ipc for local CUDA workers, else shm."""
+    if requested not in TRANSPORT_CHOICES:
+        raise ValueError(f"pool.transport: {requested!r} is not one of {', '.join(TRANSPORT_CHOICES)}")
+    if cuda_available is None:
+        cuda_available = cuda_ipc_available()
+    if requested == "cuda_ipc":
+        if not cuda_available:
+            raise ValueError("pool.transport=cuda_ipc needs CUDA on Linux, and this host has none; "
+                             "use pool.transport=shm (or auto)")
+        if not same_node:
+            raise ValueError("pool.transport=cuda_ipc needs every worker on the dispatcher's node")
+        return "cuda_ipc"
+    if requested == "auto":
+        return "cuda_ipc" if cuda_available and same_node else "shm"
+    return requested
+
+
+def shm_transport_info(arena: SlotArena) -> dict[str, Any]:
+    return {"kind": "shm", "arena": arena.name, "num_slots": arena.num_slots, "layout": arena.layout.to_dict()}
+
+
+def cuda_ipc_transport_info(layout: SlotLayout, num_slots: int) -> dict[str, Any]:
+    """``num_slots`` is what each target allocates on its GPU (its share of the pool)."""
+    return {"kind": "cuda_ipc", "num_slots": num_slots, "layout": layout.to_dict()}
+
+
+def _parse_info(info: dict[str, Any]) -> tuple[str, SlotLayout, int]:
+    kind = info.get("kind")
+    if kind not in TRANSPORT_KINDS:
+        raise ValueError(f"unknown transport kind {kind!r} (known: {', '.join(TRANSPORT_KINDS)})")
+    num_slots = info.get("num_slots")
+    if not isinstance(num_slots, int) or num_slots <= 0:
+        raise ValueError(f"transport info needs a positive num_slots, got {num_slots!r}")
+    if kind == "shm" and not isinstance(info.get("arena"), str):
+        raise ValueError("shm transport info needs the arena name")
+    return kind, SlotLayout.from_dict(info["layout"]), num_slots
+
+
+class TargetTransport:
+    """Writable slots of one target: the shared pool (shm) or the target's own GPU block (cuda_ipc)."""
+
+    def __init__(self, kind: str, layout: SlotLayout, num_slots: int, device: torch.device, *,
+                 arena: SlotArena | None = None, block: CudaSlotBlock | None = None):
+        self.kind = kind
+        self.layout = layout
+        self.num_slots = num_slots
+        self.device = device
+        self._arena = arena
+        self._block = block
+
+    def slot(self, slot_id: int) -> SlotView:
+        if self._arena is not None:
+            return self._arena.slot(slot_id)
+        assert self._block is not None
+        return self._block.slot(slot_id)
+
+    def export(self) -> dict[str, Any] | None:
+        """The target's CUDA IPC block for its register message; None for shm."""
+        return self._block.export() if self._block is not None else None
+
+    def write(self, slot_id: int, header: SlotHeader, *, hs: torch.Tensor, input_ids: torch.Tensor,
+              loss_mask: torch.Tensor, seq_lens: torch.Tensor, stream: torch.cuda.Stream | None = None) -> None:
+        """Copy one extracted batch into a slot and publish it; ``hs`` is ``[B, S, K*H]`` or ``[B*S, K*H]``.
+
+        With ``stream`` the copies run there, after the work already queued on the current stream
+        (which produced the tensors).
+        """
+        view = self.slot(slot_id)
+        rows = header.num_rows
+        if hs.numel() != rows * self.layout.row_width or hs.dtype != self.layout.torch_dtype:
+            raise ValueError(f"hidden states {tuple(hs.shape)} {hs.dtype} do not match {header.batch_size} × "
+                             f"{header.seq_len} rows of {self.layout.row_width} {self.layout.dtype}")
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
+        with torch.cuda.stream(stream):  # a no-op for None
+            view.begin_write()
+            # Async D2H into pinned shm (or D2D on the GPU): ordered before the header by finish_write.
+            view.hs[:rows].copy_(hs.reshape(rows, -1), non_blocking=True)
+            view.input_ids[:rows].copy_(input_ids.reshape(-1), non_blocking=True)
+            view.loss_mask[:rows].copy_(loss_mask.reshape(-1), non_blocking=True)
+            view.seq_lens[:header.batch_size].copy_(seq_lens.reshape(-1), non_blocking=True)
+        self.finish_write(slot_id, header, stream=stream)
+
+    def finish_write(self, slot_id: int, header: SlotHeader | None = None, *,
+                     stream: torch.cuda.Stream | None = None) -> None:
+        """Make the slot's data complete, then publish ``header`` (if given) with its generation last.
+
+        Call before reporting the job ready: the reader is another process and sees only memory.
+        """
+        view = self.slot(slot_id)
+        if self._arena is not None and self.device.type == "cuda":
+            # Host-side header stores are not ordered after async copies into shared memory.
+            (stream if stream is not None else torch.cuda.current_stream(self.device)).synchronize()
+        if header is not None:
+            with torch.cuda.stream(stream):
+                view.write_header(header)
+        if self._block is not None:
+            self._block.finish_write(slot_id, stream=stream)
+
+    def close(self) -> None:
+        if self._arena is not None:
+            self._arena.close()
+        if self._block is not None:
+            self._block.close()
+
+
+class DrafterTransport:
+    """Reads slots into a drafter's own memory; the slot can be released as soon as read returns."""
+
+    def __init__(self, kind: str, layout: SlotLayout, device: torch.device, *, arena: SlotArena | None = None,
+                 opener: CudaIpcOpener | None = None):
+        self.kind = kind
+        self.layout = layout
+        self.device = device
+        self._arena = arena
+        self._opener = opener
+        # A side stream, so copies do not wait behind the training step queued on the compute stream.
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def read(self, slot_id: int, generation: int, *, ipc: dict[str, Any] | None = None, owner: str = "") -> SlotBatch:
+        """Copy slot ``slot_id`` if it still holds ``generation`` (else StaleSlotError).
+
+        For cuda_ipc, ``ipc`` is the owning target's export and ``owner`` its worker id.
+        """
+        if self._opener is not None:
+            if ipc is None:
+                raise ValueError("a cuda_ipc read needs the owning target's export (ipc=...)")
+            return self._opener.read_into(ipc, slot_id, generation, stream=self._stream, owner=owner)
+        assert self._arena is not None
+        return copy_out(self._arena.slot(slot_id), generation, self.device, stream=self._stream)
+
+    def forget(self, owner: str) -> None:
+        """Drop a departed target's CUDA IPC block (no-op for shm)."""
+        if self._opener is not None:
+            self._opener.forget(owner=owner)
+
+    def close(self) -> None:
+        if self._arena is not None:
+            self._arena.close()
+        if self._opener is not None:
+            self._opener.close()
+
+
+def _resolve_device(device: torch.device | str) -> torch.device:
+    # An explicit index, so that stream and pinning calls all name the same GPU.
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def open_target_transport(info: dict[str, Any], device: torch.device | str) -> TargetTransport:
+    kind, layout, num_slots = _parse_info(info)
+    device = _resolve_device(device)
+    if kind == "shm":
+        arena = SlotArena.attach(info["arena"], layout, num_slots, pin_device=device)
+        return TargetTransport(kind, layout, num_slots, device, arena=arena)
+    block = CudaSlotBlock(layout, num_slots, device)
+    return TargetTransport(kind, layout, num_slots, block.device, block=block)
+
+
+def open_drafter_transport(info: dict[str, Any], device: torch.device | str) -> DrafterTransport:
+    kind, layout, num_slots = _parse_info(info)
+    device = _resolve_device(device)
+    if kind == "shm":
+        arena = SlotArena.attach(info["arena"], layout, num_slots, pin_device=device)
+        return DrafterTransport(kind, layout, device, arena=arena)
+    opener = CudaIpcOpener(layout, device)
+    return DrafterTransport(kind, layout, opener.device, opener=opener)
