@@ -20,9 +20,11 @@ PROTOCOL_VERSION = 1
 
 # op -> required request fields (beyond v/op/id). Optional fields are documented at each op.
 REQUESTS: dict[str, tuple[str, ...]] = {
-    # {role: target|drafter, name, pid, host, gpu?, transport?} -> {worker_id, run_id, layout, arena, ...}
+    # {role: target|drafter, name, pid, host, gpu?, layout?} -> {worker_id, run_id, transport, ...}
     "register": ("role", "name", "pid", "host"),
-    # {worker_id, tokens_per_s?} -> {}; renews the worker's leases
+    # {worker_id, ipc_block, num_slots} -> {}; a cuda_ipc target offers the slots it allocated on its GPU
+    "register_slots": ("worker_id", "ipc_block", "num_slots"),
+    # {worker_id} -> {done}; renews the worker's leases
     "heartbeat": ("worker_id",),
     # {worker_id, wait_ms} -> {job: {...} | None, done: bool}; long-poll until a job and a slot are free
     "get_job": ("worker_id", "wait_ms"),
@@ -34,7 +36,8 @@ REQUESTS: dict[str, tuple[str, ...]] = {
     "get_hs": ("worker_id", "wait_ms"),
     # {worker_id, job_id} -> {}; the drafter copied the slot out: the slot is free again
     "consumed": ("worker_id", "job_id"),
-    # {worker_id, job_ids, busy_s, checkpointed} -> {step}; journaled and fsynced before the reply
+    # {worker_id, job_ids, busy_s, checkpointed, verified?} -> {step}; journaled and fsynced before the reply
+    # (verified: how many of the step's slots a sim drafter checked byte for byte)
     "commit_step": ("worker_id", "job_ids", "busy_s", "checkpointed"),
     # {worker_id, step} -> {}; model state up to this global step is durable
     "checkpoint": ("worker_id", "step"),

@@ -160,19 +160,24 @@ class DispatcherCore:
         return [e for e in sorted(self.schedules) if not self.ledger.epoch_complete(e)]
 
     # -- membership -------------------------------------------------------------------------
-    def register(self, *, role: str, name: str, pid: int, host: str, gpu: int | None, now: float,
-                 ipc_block: dict | None = None, num_slots: int = 0) -> Worker:
+    def register(self, *, role: str, name: str, pid: int, host: str, gpu: int | None, now: float) -> Worker:
         worker_id = f"{role[0]}{self._next_worker[role]}"
         self._next_worker[role] += 1
-        worker = Worker(worker_id, role, name, pid, host, gpu, registered_at=now, last_seen=now,
-                        ipc_block=ipc_block)
-        if ipc_block is not None:
-            worker.slot_base = self._next_slot_id
-            self._next_slot_id += num_slots
-            self.pool.add_slots(range(worker.slot_base, worker.slot_base + num_slots), owner=worker_id)
+        worker = Worker(worker_id, role, name, pid, host, gpu, registered_at=now, last_seen=now)
         self.workers[worker_id] = worker
         self.journal.record("join", w=worker_id, role=role, name=name, pid=pid, host=host)
         return worker
+
+    def register_slots(self, worker_id: str, ipc_block: dict[str, Any], num_slots: int, now: float) -> None:
+        """A cuda_ipc target's own slots join the pool; drafters get ``ipc_block`` to open them."""
+        worker = self.worker(worker_id, now)
+        if worker.role != "target" or worker.ipc_block is not None:
+            raise LedgerError(f"{worker_id} cannot register slots (not a target, or registered them already)")
+        if num_slots <= 0:
+            raise LedgerError("num_slots must be positive")
+        worker.ipc_block, worker.slot_base = ipc_block, self._next_slot_id
+        self._next_slot_id += num_slots
+        self.pool.add_slots(range(worker.slot_base, worker.slot_base + num_slots), owner=worker_id)
 
     def worker(self, worker_id: str, now: float) -> Worker:
         worker = self.workers.get(worker_id)
@@ -330,7 +335,8 @@ class DispatcherCore:
         self.pool.release(slot_id)
         self.journal.record("consumed", job=job_id, w=worker_id, bucket=job.bucket)
 
-    def commit_step(self, worker_id: str, job_ids: list[int], busy_s: float, checkpointed: bool, now: float) -> int:
+    def commit_step(self, worker_id: str, job_ids: list[int], busy_s: float, checkpointed: bool, now: float,
+                    *, verified: int = 0) -> int:
         worker = self.worker(worker_id, now)
         if not job_ids:
             raise LedgerError("a step must hold at least one job")
@@ -341,7 +347,7 @@ class DispatcherCore:
         self.journal.record("commit", durable=True, step=step, jobs=list(job_ids), w=worker_id,
                             buckets=sorted({j.bucket for j in jobs}), avail=worker.window_avail, mixed=worker.window_mixed,
                             tokens=sum(j.num_tokens for j in jobs), busy_s=round(busy_s, 6),
-                            checkpointed=checkpointed)
+                            checkpointed=checkpointed, verified=verified)
         worker.window_avail, worker.window_mixed = None, True
         worker.num_jobs += len(jobs)
         worker.num_tokens += sum(j.num_tokens for j in jobs)

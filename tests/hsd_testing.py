@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -12,8 +10,6 @@ from pathlib import Path
 
 import psutil
 
-from common.client import run_id_for
-from common.shm_arena import list_segments
 
 
 def hsd(*args: str, timeout: float = 240, check: bool = True) -> subprocess.CompletedProcess:
@@ -38,11 +34,11 @@ def report(run_dir: Path) -> dict:
 def stats(run_dir: Path) -> dict | None:
     """The dispatcher's stats snapshot, or None while none answers (asked in-process: fast)."""
     from common.client import DispatcherUnavailable
-    from dispatcher.stats_view import fetch_stats
+    from dispatcher.stats_view import fetch_stats, resolve_stats_endpoint
     if not (run_dir / "config.yaml").exists():
         return None
     try:
-        return fetch_stats(f"ipc://{run_dir / 'stats.sock'}", timeout_s=1.0)
+        return fetch_stats(*resolve_stats_endpoint(None, str(run_dir)), timeout_s=1.0)
     except DispatcherUnavailable:
         return None
 

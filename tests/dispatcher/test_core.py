@@ -443,8 +443,10 @@ def test_resume_with_second_epoch_started_but_only_first_epoch_commits_finishes(
 
 def test_owner_slots_are_indexed_in_the_owners_memory_and_lost_with_it(tmp_path):
     core = make_core(tmp_path, epochs=1, shared_slots=0, min_ready=1, credits=2)
-    t0 = core.register(role="target", name="a", pid=1, host="h", gpu=0, now=0.0, ipc_block={"h": 1}, num_slots=2).id
-    t1 = core.register(role="target", name="b", pid=2, host="h", gpu=1, now=0.0, ipc_block={"h": 2}, num_slots=2).id
+    t0 = core.register(role="target", name="a", pid=1, host="h", gpu=0, now=0.0).id
+    core.register_slots(t0, {"h": 1}, 2, now=0.0)
+    t1 = core.register(role="target", name="b", pid=2, host="h", gpu=1, now=0.0).id
+    core.register_slots(t1, {"h": 2}, 2, now=0.0)
     (d0,) = register(core, "drafter", 1)
     assert core.workers[t1].slot_base == 2
     grants = {t: [core.get_job(t, 1.0) for _ in range(2)] for t in (t0, t1)}

@@ -1,0 +1,138 @@
+"""What every worker process does around its own work: register, heartbeat, re-register, leave.
+
+A worker talks to the dispatcher through a :class:`WorkerSession`. A background thread sends
+heartbeats with a client of its own (sockets are not thread-safe) so leases stay alive while the
+main thread computes. When the dispatcher restarts it no longer knows the worker: calls then raise
+:class:`WorkerLost` and the worker registers again and carries on with fresh jobs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from typing import Any
+
+from common.client import DispatcherClient, DispatcherUnavailable
+from common.config import Config
+from common.protocol import ErrorCode, ProtocolError
+
+log = logging.getLogger("hsd.worker")
+
+RECONNECT_S = 60.0  # how long a worker keeps trying to reach a dispatcher that went away
+CALL_TIMEOUT_S = 10.0
+
+
+class WorkerLost(Exception):
+    """The dispatcher no longer knows this worker (it restarted, or declared the worker dead)."""
+
+
+class DispatcherGone(Exception):
+    """The dispatcher stayed unreachable for RECONNECT_S."""
+
+
+class WorkerSession:
+    def __init__(self, config: Config, role: str, name: str, *, gpu: int | None = None):
+        self.config = config
+        self.role = role
+        self.name = name
+        self.gpu = gpu
+        self.endpoint = config.control_endpoint
+        self.client = DispatcherClient(self.endpoint, secret=config.dispatcher.secret, timeout_s=CALL_TIMEOUT_S)
+        self.worker_id: str | None = None
+        self.registration: dict[str, Any] = {}
+        self.stop_requested = threading.Event()
+        self._heartbeat_thread: threading.Thread | None = None
+        self._heartbeat_stop = threading.Event()
+
+    def install_signal_handlers(self) -> None:
+        def on_signal(signum, _frame):
+            log.info("%s: signal %d, leaving after the current job", self.name, signum)
+            self.stop_requested.set()
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
+    def register(self, **extra: Any) -> dict[str, Any]:
+        """Register (retrying while the dispatcher starts) and start heartbeats."""
+        deadline = time.monotonic() + RECONNECT_S
+        while True:
+            try:
+                reply = self.client.call("register", role=self.role, name=self.name, pid=os.getpid(),
+                                         host=socket.gethostname(), gpu=self.gpu, **extra)
+                break
+            except DispatcherUnavailable:
+                if time.monotonic() > deadline or self.stop_requested.is_set():
+                    raise DispatcherGone(f"no dispatcher at {self.endpoint} for {RECONNECT_S:.0f}s") from None
+        self.worker_id = reply["worker_id"]
+        self.registration = reply
+        self._start_heartbeats(reply["heartbeat_s"])
+        log.info("%s registered as %s with run %s", self.name, self.worker_id, reply["run_id"])
+        return reply
+
+    def call(self, op: str, *, timeout_s: float = CALL_TIMEOUT_S, **fields: Any) -> dict[str, Any]:
+        """A call on behalf of this worker; retries while the dispatcher is briefly unreachable."""
+        deadline = time.monotonic() + RECONNECT_S
+        while True:
+            try:
+                return self.client.call(op, worker_id=self.worker_id, timeout_s=timeout_s, **fields)
+            except ProtocolError as exc:
+                if exc.code == ErrorCode.UNKNOWN_WORKER:
+                    self._stop_heartbeats()
+                    raise WorkerLost(exc.message) from None
+                raise
+            except DispatcherUnavailable:
+                if time.monotonic() > deadline:
+                    raise DispatcherGone(f"no dispatcher at {self.endpoint} for {RECONNECT_S:.0f}s") from None
+                # The request may have been served; a repeat of a state-changing op gets BAD_STATE,
+                # and the caller's job is then given back by the dispatcher on its own.
+                if op not in ("get_job", "get_hs", "heartbeat"):
+                    raise WorkerLost(f"{op} got no reply") from None
+
+    def poll(self, op: str, wait_ms: int = 1000) -> dict[str, Any]:
+        return self.call(op, wait_ms=wait_ms, timeout_s=wait_ms / 1000 + CALL_TIMEOUT_S)
+
+    def _start_heartbeats(self, interval_s: float) -> None:
+        self._stop_heartbeats()
+        self._heartbeat_stop = threading.Event()
+        worker_id, stop = self.worker_id, self._heartbeat_stop
+
+        def beat() -> None:
+            client = DispatcherClient(self.endpoint, secret=self.config.dispatcher.secret, timeout_s=CALL_TIMEOUT_S)
+            try:
+                while not stop.wait(interval_s):
+                    try:
+                        client.call("heartbeat", worker_id=worker_id)
+                    except DispatcherUnavailable:
+                        continue
+                    except ProtocolError as exc:
+                        if exc.code == ErrorCode.UNKNOWN_WORKER:
+                            return
+            finally:
+                client.close()
+
+        self._heartbeat_thread = threading.Thread(target=beat, name=f"{self.name}-heartbeat", daemon=True)
+        self._heartbeat_thread.start()
+
+    def _stop_heartbeats(self) -> None:
+        self._heartbeat_stop.set()
+        if self._heartbeat_thread is not None and self._heartbeat_thread is not threading.current_thread():
+            self._heartbeat_thread.join(timeout=5)
+        self._heartbeat_thread = None
+
+    def close(self, *, deregister: bool = True) -> None:
+        self._stop_heartbeats()
+        if deregister and self.worker_id is not None:
+            try:
+                self.client.call("deregister", worker_id=self.worker_id, timeout_s=2.0)
+            except (ProtocolError, DispatcherUnavailable):
+                pass
+        self.worker_id = None
+        self.client.close()
+
+
+def sim_device(transport_info: dict[str, Any]) -> str:
+    """Sim workers compute nothing, but cuda_ipc slots live on a GPU."""
+    return "cuda" if transport_info.get("kind") == "cuda_ipc" else "cpu"

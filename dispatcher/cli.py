@@ -1,0 +1,174 @@
+"""``hsd``: the command line of hsdispatch. Each subcommand is a thin shell around one module."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from common.config import ConfigError, describe, load_config
+
+
+def _add_config_args(parser: argparse.ArgumentParser, *, required: bool = False) -> None:
+    parser.add_argument("--config", required=required, help="YAML config file (sections run, data, schedule, ...)")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+
+
+def _setup_logging(tag: str | None = None) -> None:
+    prefix = f"[{tag}] " if tag else ""
+    logging.basicConfig(level=os.environ.get("HSD_LOG_LEVEL", "INFO"),
+                        format=f"%(asctime)s {prefix}%(name)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+
+
+def _config(args):
+    return load_config(args.config, args.overrides)
+
+
+def cmd_dispatcher(args) -> int:
+    _setup_logging()
+    from dispatcher.server import DispatcherServer
+    return DispatcherServer(_config(args)).serve_forever()
+
+
+def cmd_target(args) -> int:
+    _setup_logging()
+    config = _config(args)
+    if not (args.sim or config.target.sim):
+        raise ConfigError("the real target worker is not available yet: use --sim or target.sim=true")
+    from target_worker.sim import run_sim_target
+    return run_sim_target(config, args.name or f"target-{os.getpid()}")
+
+
+def cmd_drafter(args) -> int:
+    _setup_logging()
+    config = _config(args)
+    if not (args.sim or config.drafter.sim):
+        raise ConfigError("the real drafter worker is not available yet: use --sim or drafter.sim=true")
+    from drafter_worker.sim import run_sim_drafter
+    return run_sim_drafter(config, args.name or f"drafter-{os.getpid()}")
+
+
+def cmd_launch(args) -> int:
+    _setup_logging("launch")
+    from dispatcher.launch import Launcher
+    return Launcher(_config(args)).run()
+
+
+def cmd_schedule(args) -> int:
+    from dispatcher.schedule_view import print_schedule
+    return print_schedule(_config(args), lengths_file=args.lengths, data_dir=args.data, epoch=args.epoch,
+                          as_json=args.json)
+
+
+def cmd_stats(args) -> int:
+    from dispatcher.stats_view import run_stats
+    return run_stats(endpoint=args.endpoint, run_dir=args.run_dir, as_json=args.json, watch_s=args.watch)
+
+
+def cmd_report(args) -> int:
+    from dispatcher.report import build_report, format_report
+    report = build_report(args.run_dir)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+def cmd_cleanup(args) -> int:
+    from common.client import run_id_for
+    from common.shm_arena import sweep_dead_segments
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise ConfigError(f"run directory {run_dir} does not exist")
+    removed = sweep_dead_segments(run_id_for(run_dir))
+    print(f"removed {len(removed)} segment(s)" + (": " + ", ".join(removed) if removed else ""))
+    return 0
+
+
+def cmd_config(args) -> int:
+    if args.config or args.overrides:
+        import yaml
+        print(yaml.safe_dump(_config(args).to_dict(), sort_keys=False), end="")
+    else:
+        print(describe())
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from dispatcher.bench import run_transport_bench
+    return run_transport_bench(slot_mb=args.slot_mb, as_json=args.json, seconds=args.seconds)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hsd", description="hsdispatch: online drafter training with a dispatcher")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("launch", help="start the dispatcher and all configured workers on this node")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_launch)
+
+    p = sub.add_parser("dispatcher", help="run the dispatcher daemon")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_dispatcher)
+
+    for role, func in (("target", cmd_target), ("drafter", cmd_drafter)):
+        p = sub.add_parser(role, help=f"run one {role} worker (one per GPU)")
+        _add_config_args(p)
+        p.add_argument("--sim", action="store_true", help=f"simulated {role} (same as {role}.sim=true)")
+        p.add_argument("--name", help="worker name shown in stats and logs")
+        p.set_defaults(func=func)
+
+    p = sub.add_parser("schedule", help="print the epoch schedule and its fairness figures")
+    _add_config_args(p)
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--lengths", help="text file with one sequence length per line")
+    source.add_argument("--data", help="prepared dataset directory")
+    p.add_argument("--epoch", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_schedule)
+
+    p = sub.add_parser("stats", help="query a running dispatcher's stats socket")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--endpoint", help="stats endpoint, e.g. ipc:///path/stats.sock")
+    where.add_argument("--run-dir", help="run directory of the dispatcher (default: runs/demo)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until interrupted")
+    p.set_defaults(func=cmd_stats)
+
+    p = sub.add_parser("report", help="run report from the journal: exactly-once, fairness, utilization")
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("cleanup", help="remove shared-memory segments left by a dead run")
+    p.add_argument("--run-dir", required=True)
+    p.set_defaults(func=cmd_cleanup)
+
+    p = sub.add_parser("config", help="show every config key with its default, or the resolved config")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_config)
+
+    p = sub.add_parser("bench", help="benchmarks")
+    bench = p.add_subparsers(dest="bench", required=True)
+    b = bench.add_parser("transport", help="hidden-state handoff bandwidth and control-plane latency")
+    b.add_argument("--slot-mb", type=float, default=64.0)
+    b.add_argument("--seconds", type=float, default=2.0, help="time per measurement")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"hsd {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

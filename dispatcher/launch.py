@@ -1,0 +1,192 @@
+"""``hsd launch``: the dispatcher plus every configured worker of one node, as separate processes.
+
+Children run in their own sessions (a terminal's Ctrl-C reaches the launcher alone, which then
+stops workers before the dispatcher) and die with the launcher (PR_SET_PDEATHSIG). Their output is
+prefixed by role and also kept in ``<run.dir>/logs/<name>.log``. A crashed worker is restarted up
+to ``max_restarts`` times; the run ends when the dispatcher exits, which it does once the last
+epoch is committed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.config import Config, write_resolved
+from dispatcher.server import STATE_FILE
+
+log = logging.getLogger("hsd.launch")
+
+READY_TIMEOUT_S = 120.0
+STOP_GRACE_S = 10.0
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass  # not Linux: children outlive a killed launcher, as with any plain spawn
+
+
+@dataclass
+class Child:
+    name: str
+    role: str
+    argv: list[str]
+    env: dict[str, str]
+    max_restarts: int
+    process: subprocess.Popen | None = None
+    restarts: int = 0
+    finished: bool = False
+    pump: threading.Thread | None = field(default=None, repr=False)
+
+
+class Launcher:
+    def __init__(self, config: Config):
+        self.config = config
+        self.run_dir = config.run_dir
+        self.log_dir = self.run_dir / "logs"
+        self._stop = threading.Event()
+        self._print_lock = threading.Lock()
+        self.children: list[Child] = []
+
+    # -- processes ----------------------------------------------------------------------------
+    def _command(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "dispatcher.cli", *args]
+
+    def _plan(self, config_path: Path) -> list[Child]:
+        base_env = dict(os.environ, PYTHONUNBUFFERED="1")
+        children = []
+        for role in ("target", "drafter"):
+            section = getattr(self.config, role)
+            for i in range(section.count):
+                env = dict(base_env)
+                if section.gpus:
+                    env["CUDA_VISIBLE_DEVICES"] = str(section.gpus[i])
+                name = f"{role}-{i}"
+                argv = self._command(role, "--config", str(config_path), "--name", name)
+                children.append(Child(name, role, argv, env, section.max_restarts))
+        return children
+
+    def _start(self, child: Child) -> None:
+        log_file = open(self.log_dir / f"{child.name}.log", "ab")
+        child.process = subprocess.Popen(child.argv, env=child.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True,
+                                         preexec_fn=_die_with_parent, cwd=os.getcwd())
+        child.pump = threading.Thread(target=self._pump, args=(child.name, child.process, log_file), daemon=True)
+        child.pump.start()
+
+    def _pump(self, name: str, process: subprocess.Popen, log_file) -> None:
+        prefix = f"{name:>12} | ".encode()
+        with log_file:
+            for line in process.stdout:
+                log_file.write(line)
+                with self._print_lock:
+                    sys.stdout.buffer.write(prefix + line)
+                    sys.stdout.buffer.flush()
+
+    def _signal(self, child: Child, signum: int) -> None:
+        if child.process is not None and child.process.poll() is None:
+            try:
+                os.killpg(child.process.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def _stop_all(self, dispatcher: Child) -> None:
+        workers = [c for c in self.children if c is not dispatcher]
+        for group in (workers, [dispatcher]):
+            for child in group:
+                self._signal(child, signal.SIGTERM)
+            deadline = time.monotonic() + STOP_GRACE_S
+            for child in group:
+                if child.process is None:
+                    continue
+                try:
+                    child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning("%s did not stop within %.0fs: killing it", child.name, STOP_GRACE_S)
+                    self._signal(child, signal.SIGKILL)
+                    child.process.wait()
+        for child in self.children:
+            if child.pump is not None:
+                child.pump.join(timeout=5)
+
+    def _wait_ready(self, dispatcher: Child) -> bool:
+        """The dispatcher is ready once it has written its state file naming its own pid."""
+        state_path = self.run_dir / STATE_FILE
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline and not self._stop.is_set():
+            if dispatcher.process.poll() is not None:
+                return False
+            try:
+                if json.loads(state_path.read_text()).get("pid") == dispatcher.process.pid:
+                    return True
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.05)
+        return False
+
+    # -- run ------------------------------------------------------------------------------------
+    def run(self) -> int:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(exist_ok=True)
+        config_path = write_resolved(self.config)
+        (self.run_dir / STATE_FILE).unlink(missing_ok=True)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda *_: self._stop.set())
+        dispatcher = Child("dispatcher", "dispatcher", self._command("dispatcher", "--config", str(config_path)),
+                           dict(os.environ, PYTHONUNBUFFERED="1"), max_restarts=0)
+        self.children = [dispatcher]
+        log.info("run directory %s", self.run_dir)
+        self._start(dispatcher)
+        try:
+            if not self._wait_ready(dispatcher):
+                code = dispatcher.process.poll()
+                log.error("the dispatcher did not come up (exit code %s); see %s", code, self.log_dir / "dispatcher.log")
+                return 130 if self._stop.is_set() else 1
+            self.children += self._plan(config_path)
+            for child in self.children[1:]:
+                self._start(child)
+            return self._supervise(dispatcher)
+        finally:
+            self._stop_all(dispatcher)
+
+    def _supervise(self, dispatcher: Child) -> int:
+        workers = self.children[1:]
+        while not self._stop.wait(0.2):
+            code = dispatcher.process.poll()
+            if code is not None:
+                if code == 0:
+                    log.info("run complete: every epoch committed")
+                else:
+                    log.error("the dispatcher exited with code %d", code)
+                return code
+            for child in workers:
+                code = child.process.poll()
+                if code is None or child.finished:
+                    continue
+                if code == 0:
+                    child.finished = True
+                    continue
+                if child.restarts >= child.max_restarts:
+                    child.finished = True
+                    log.error("%s exited with code %d and has used its %d restart(s)", child.name, code, child.max_restarts)
+                    if all(c.finished and c.process.returncode != 0 for c in workers if c.role == child.role):
+                        log.error("no %s is left: stopping the run", child.role)
+                        return 1
+                    continue
+                child.restarts += 1
+                log.warning("%s exited with code %d: restart %d/%d", child.name, code, child.restarts, child.max_restarts)
+                self._start(child)
+        log.info("interrupted: stopping workers, then the dispatcher")
+        return 130

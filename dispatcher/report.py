@@ -1,0 +1,147 @@
+"""``hsd report``: what a run did, read back from its journal and persisted schedules.
+
+Exactly-once (every scheduled job in exactly one committed step), fairness of the schedule and of
+the consumed stream, step mix, per-stage utilization and throughput.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+from dispatcher.fairness import prefix_deviation, tail_skew
+from dispatcher.journal import read_journal
+from dispatcher.ledger import split_job_id
+from dispatcher.schedule import load_schedule
+
+STAGES = ("target", "drafter")
+
+
+def _commits(events: list[dict]) -> list[dict]:
+    reverted = {step for e in events if e["ev"] == "revert" for step in e["steps"]}
+    return [e for e in events if e["ev"] == "commit" and e["step"] not in reverted]
+
+
+def _alive_seconds(events: list[dict], end: float) -> dict[str, float]:
+    """Sum over workers of each stage of the time between joining and leaving (or the run's end)."""
+    joined: dict[str, tuple[str, float]] = {}
+    alive: Counter = Counter()
+    for e in events:
+        if e["ev"] == "join":
+            joined[e["w"]] = (e["role"], e["t"])
+        elif e["ev"] == "leave" and e["w"] in joined:
+            role, since = joined.pop(e["w"])
+            alive[role] += e["t"] - since
+        elif e["ev"] in ("start", "stop"):  # a dispatcher restart forgets every worker
+            for role, since in joined.values():
+                alive[role] += e["t"] - since
+            joined.clear()
+    for role, since in joined.values():
+        alive[role] += end - since
+    return dict(alive)
+
+
+def build_report(run_dir: str | os.PathLike) -> dict[str, Any]:
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run directory {run_dir} does not exist")
+    events = list(read_journal(run_dir))
+    if not events:
+        raise FileNotFoundError(f"{run_dir} holds no journal: is it a run directory?")
+    epochs = sorted({e["epoch"] for e in events if e["ev"] == "epoch"})
+    schedules = {epoch: load_schedule(run_dir, epoch) for epoch in epochs}
+    jobs_total = sum(len(s.batches) for s in schedules.values() if s is not None)
+    commits = _commits(events)
+    committed_jobs = [job for c in commits for job in c["jobs"]]
+    distinct = set(committed_jobs)
+
+    # step_mix: the step took a new bucket at every pull where an eligible new one was ready, i.e. it
+    # covers min(accum, buckets available) with availability judged at each pull. The stricter
+    # step_mix_at_open judges it once, when the step's window opened (other drafters may take those).
+    mixed = sum(1 for c in commits if c.get("mixed", True))
+    mixed_at_open = sum(1 for c in commits if len(c["buckets"]) >= min(len(c["jobs"]), c.get("avail") or 0))
+
+    last_consumed: dict[int, int] = {}
+    consumed_events = [e for e in events if e["ev"] == "consumed"]
+    for position, e in enumerate(consumed_events):
+        last_consumed[e["job"]] = position
+    streams: dict[int, list[int]] = defaultdict(list)
+    for job_id, _ in sorted(last_consumed.items(), key=lambda item: item[1]):
+        epoch = split_job_id(job_id)[0]
+        schedule = schedules.get(epoch)
+        if schedule is not None:
+            streams[epoch].append(schedule.batches[split_job_id(job_id)[1]].bucket)
+
+    per_epoch = []
+    for epoch, schedule in schedules.items():
+        if schedule is None:
+            continue
+        totals = Counter(schedule.bucket_order)
+        stream = streams.get(epoch, [])
+        per_epoch.append({"epoch": epoch, "jobs": len(schedule.batches),
+                          "committed": sum(1 for j in distinct if split_job_id(j)[0] == epoch),
+                          "schedule_prefix_deviation": round(prefix_deviation(schedule.bucket_order), 3),
+                          "consumed_prefix_deviation": round(prefix_deviation(stream, dict(totals)), 3),
+                          "schedule_tail_skew": round(tail_skew(schedule.bucket_order), 4),
+                          "consumed_tail_skew": round(tail_skew(stream, dict(totals)), 4)})
+
+    start, end = events[0]["t"], events[-1]["t"]
+    wall_s = max(end - start, 1e-9)
+    alive = _alive_seconds(events, end)
+    busy = {"target": sum(e.get("busy_s", 0.0) for e in events if e["ev"] == "ready"),
+            "drafter": sum(c.get("busy_s", 0.0) for c in commits)}
+    tokens = {"target": sum(e.get("tokens", 0) for e in events if e["ev"] == "ready"),
+              "drafter": sum(c.get("tokens", 0) for c in commits)}
+    stages = {}
+    for stage in STAGES:
+        capacity = tokens[stage] / busy[stage] * alive.get(stage, 0.0) / wall_s if busy[stage] else 0.0
+        stages[stage] = {"utilization": round(busy[stage] / alive[stage], 4) if alive.get(stage) else 0.0,
+                         "tokens_per_s": round(tokens[stage] / wall_s, 1),
+                         "capacity_tokens_per_s": round(capacity, 1)}
+    slower = min((s["capacity_tokens_per_s"] for s in stages.values() if s["capacity_tokens_per_s"]), default=0.0)
+    epochs_committed = [e["epoch"] for e in events if e["ev"] == "epoch_committed"]
+    return {
+        "run_dir": str(run_dir),
+        "finished": bool(epochs) and all(e in epochs_committed for e in epochs) and bool(
+            [e for e in events if e["ev"] == "stop" and e.get("done")]),
+        "epochs": len(epochs),
+        "jobs_total": jobs_total,
+        "committed": len(distinct),
+        "duplicates": len(committed_jobs) - len(distinct),
+        "lost": jobs_total - len(distinct),
+        "slots_verified": sum(c.get("verified", 0) for c in commits),
+        "given_back": dict(Counter(e["reason"] for e in events if e["ev"] == "give_back")),
+        "steps": len(commits),
+        "step_mix": round(mixed / len(commits), 4) if commits else 0.0,
+        "step_mix_at_open": round(mixed_at_open / len(commits), 4) if commits else 0.0,
+        "mean_buckets_per_step": round(sum(len(c["buckets"]) for c in commits) / len(commits), 3) if commits else 0.0,
+        "prefix_deviation": {"schedule": max((p["schedule_prefix_deviation"] for p in per_epoch), default=0.0),
+                             "consumed": max((p["consumed_prefix_deviation"] for p in per_epoch), default=0.0)},
+        "tail_skew": {"schedule": max((p["schedule_tail_skew"] for p in per_epoch), default=0.0),
+                      "consumed": max((p["consumed_tail_skew"] for p in per_epoch), default=0.0)},
+        "per_epoch": per_epoch,
+        "wall_s": round(wall_s, 3),
+        "stages": stages,
+        "pipeline_efficiency": round(stages["drafter"]["tokens_per_s"] / slower, 4) if slower else 0.0,
+        "restarts": sum(1 for e in events if e["ev"] == "start") - 1,
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = [f"run {report['run_dir']}: {'finished' if report['finished'] else 'NOT finished'}, "
+             f"{report['epochs']} epoch(s), {report['wall_s']:.1f}s, {report['restarts']} dispatcher restart(s)",
+             f"jobs      total {report['jobs_total']}  committed {report['committed']}  "
+             f"duplicates {report['duplicates']}  lost {report['lost']}  given back {report['given_back'] or 0}  "
+             f"slots verified {report['slots_verified']}",
+             f"steps     {report['steps']}  step_mix {report['step_mix']:.3f} (at window open "
+             f"{report['step_mix_at_open']:.3f}, {report['mean_buckets_per_step']:.2f} buckets per step)",
+             f"fairness  prefix deviation schedule {report['prefix_deviation']['schedule']:.2f} / consumed "
+             f"{report['prefix_deviation']['consumed']:.2f} batches; tail skew schedule "
+             f"{report['tail_skew']['schedule']:.3f} / consumed {report['tail_skew']['consumed']:.3f}"]
+    for stage, s in report["stages"].items():
+        lines.append(f"{stage:<9} utilization {s['utilization']:.1%}  {s['tokens_per_s']:,.0f} tok/s "
+                     f"(capacity {s['capacity_tokens_per_s']:,.0f} tok/s)")
+    lines.append(f"pipeline efficiency {report['pipeline_efficiency']:.1%}")
+    return "\n".join(lines)

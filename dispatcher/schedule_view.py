@@ -1,0 +1,50 @@
+"""``hsd schedule``: plan buckets for a dataset and see the fairness of its epoch order."""
+
+from __future__ import annotations
+
+import json
+
+from common.config import Config
+from dispatcher.dataset import LENGTHS_FILE_IN_DATASET, load_lengths, read_lengths_file
+from dispatcher.schedule import ORDERS, EpochSchedule, build_epoch_schedule
+
+
+def _lengths(config: Config, lengths_file: str | None, data_dir: str | None) -> list[int]:
+    if lengths_file:
+        return read_lengths_file(lengths_file)
+    if data_dir:
+        from pathlib import Path
+        return read_lengths_file(Path(data_dir) / LENGTHS_FILE_IN_DATASET)
+    return load_lengths(config)
+
+
+def _build(config: Config, lengths: list[int], epoch: int, order: str) -> EpochSchedule:
+    return build_epoch_schedule(lengths, bucket_max_lens=config.schedule.buckets,
+                                tokens_per_batch=config.schedule.tokens_per_batch,
+                                run_seed=config.run.seed, epoch=epoch, order=order)
+
+
+def print_schedule(config: Config, *, lengths_file: str | None, data_dir: str | None, epoch: int,
+                   as_json: bool) -> int:
+    lengths = _lengths(config, lengths_file, data_dir)
+    if as_json:
+        print(json.dumps(_build(config, lengths, epoch, config.schedule.order).summary()))
+        return 0
+    schedules = {order: _build(config, lengths, epoch, order) for order in ORDERS}
+    first = schedules[ORDERS[0]]
+    num_jobs = len(first.batches)
+    print(f"epoch {epoch}: {len(lengths)} samples, {first.num_dropped} dropped (longer than "
+          f"{config.schedule.buckets[-1]}), {num_jobs} jobs of {config.schedule.tokens_per_batch} tokens")
+    print(f"{'bucket':>6} {'max_len':>8} {'batch':>6} {'samples':>8} {'share':>7} {'batches':>8} {'job share':>9}")
+    total_samples = max(1, sum(b.num_samples for b in first.buckets))
+    for b in first.buckets:
+        print(f"{b.id:>6} {b.max_len:>8} {b.batch_size:>6} {b.num_samples:>8} {b.num_samples / total_samples:>7.1%} "
+              f"{b.num_batches:>8} {b.num_batches / max(1, num_jobs):>9.1%}")
+    print()
+    print(f"{'order':<11} {'prefix deviation':>17} {'tail skew':>10}   first 40 jobs (bucket ids)")
+    for order, schedule in schedules.items():
+        figures = schedule.figures()
+        head = "".join(str(b) if b < 10 else "+" for b in schedule.bucket_order[:40])
+        marker = " <- schedule.order" if order == config.schedule.order else ""
+        print(f"{order:<11} {figures['prefix_deviation']:>17.2f} {figures['tail_skew']:>10.4f}   {head}{marker}")
+    return 0

@@ -1,0 +1,357 @@
+"""The dispatcher daemon: the socket loop around :class:`DispatcherCore`.
+
+One thread, one poller over the control ROUTER and the read-only stats ROUTER. Every request is
+answered with ``ok`` or a typed error; nothing a peer sends can stop the loop. Long-polls
+(``get_job``/``get_hs``) are parked as waiters and retried after every state change, and answered
+empty at their deadline: the loop sleeps in ``poll`` between events, never spins.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import zmq
+
+from common import protocol
+from common.client import run_id_for
+from common.config import Config, ConfigError, write_resolved
+from common.protocol import ErrorCode, ProtocolError, field_of
+from dispatcher.core import DONE, CoreOptions, DispatcherCore, UnknownWorker, Worker
+from dispatcher.dataset import load_lengths
+from dispatcher.journal import Journal
+from dispatcher.ledger import LedgerError
+from dispatcher.pool import HSPool
+from dispatcher.transport_setup import DataPlane
+
+log = logging.getLogger("hsd.dispatcher")
+
+SWEEP_INTERVAL_S = 0.25
+MAX_WAIT_MS = 30_000
+STATE_FILE = "dispatcher.json"
+HARD_MESSAGE_LIMIT = 64 << 20  # beyond this ZeroMQ drops the peer instead of buffering the message
+
+
+@dataclass
+class Waiter:
+    identity: bytes
+    request_id: int
+    op: str
+    worker_id: str
+    deadline: float
+
+
+def check_endpoint(endpoint: str, secret: str) -> None:
+    if endpoint.startswith("tcp://"):
+        host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+        if host not in ("127.0.0.1", "localhost", "::1") and not secret:
+            raise ConfigError(f"binding {endpoint} on a non-loopback address requires dispatcher.secret")
+    elif endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://"):]
+        if len(path.encode()) > 100:
+            raise ConfigError(f"ipc endpoint path is too long for a Unix socket ({len(path)} > 100 bytes): {path}; "
+                              "use a shorter run.dir or set dispatcher.endpoint")
+
+
+class DispatcherServer:
+    def __init__(self, config: Config):
+        self.config = config
+        self.run_dir = config.run_dir
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        for endpoint in (config.control_endpoint, config.stats_endpoint):
+            check_endpoint(endpoint, config.dispatcher.secret)
+        write_resolved(config)
+        self.run_id = run_id_for(self.run_dir)
+        self.hostname = socket.gethostname()
+        self.data_plane = DataPlane.create(config, self.run_id)
+        self.journal = Journal(self.run_dir)
+        pool = HSPool(min_ready=config.pool.min_ready, target_credits=config.pool.target_credits,
+                      pull=config.pool.pull, seed=config.run.seed)
+        now = time.monotonic()
+        try:
+            self.core = DispatcherCore(CoreOptions.from_config(config), run_dir=self.run_dir,
+                                       lengths=load_lengths(config), journal=self.journal, pool=pool,
+                                       shared_slots=self.data_plane.shared_slots, now=now)
+        except Exception:
+            self.data_plane.close()
+            self.journal.close()
+            raise
+        self.max_bytes = config.dispatcher.max_message_bytes
+        self.waiters: list[Waiter] = []
+        self._stop = False
+        self._done_since: float | None = None
+        self._context = zmq.Context()
+        self.control = self._bind(config.control_endpoint)
+        self.stats = self._bind(config.stats_endpoint)
+        self._write_state_file()
+        log.info("serving %s (stats %s), run %s, %s", config.control_endpoint, config.stats_endpoint,
+                 self.run_id, self.data_plane.describe())
+
+    def _bind(self, endpoint: str) -> zmq.Socket:
+        sock = self._context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, max(HARD_MESSAGE_LIMIT, 4 * self.max_bytes))
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if endpoint.startswith("ipc://"):
+            Path(endpoint[len("ipc://"):]).unlink(missing_ok=True)  # a stale socket file of a dead dispatcher
+        sock.bind(endpoint)
+        return sock
+
+    def _write_state_file(self) -> None:
+        state = {"pid": os.getpid(), "host": self.hostname, "run_id": self.run_id,
+                 "control": self.config.control_endpoint, "stats": self.config.stats_endpoint,
+                 "started": time.time()}
+        tmp = self.run_dir / (STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, self.run_dir / STATE_FILE)
+
+    # -- loop ---------------------------------------------------------------------------------
+    def request_stop(self, *_: Any) -> None:
+        self._stop = True
+
+    def serve_forever(self) -> int:
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
+        poller = zmq.Poller()
+        poller.register(self.control, zmq.POLLIN)
+        poller.register(self.stats, zmq.POLLIN)
+        next_sweep = time.monotonic() + SWEEP_INTERVAL_S
+        try:
+            while not self._stop:
+                now = time.monotonic()
+                wake = min([next_sweep] + [w.deadline for w in self.waiters])
+                events = dict(poller.poll(max(0, int(1000 * (wake - now))) + 1))
+                changed = False
+                if self.control in events:
+                    changed |= self._drain(self.control, self._handle_control)
+                if self.stats in events:
+                    self._drain(self.stats, self._handle_stats)
+                now = time.monotonic()
+                if now >= next_sweep:
+                    changed |= bool(self.core.sweep(now, self._is_alive))
+                    next_sweep = now + SWEEP_INTERVAL_S
+                    if self._finished(now):
+                        break
+                if changed:
+                    self._serve_waiters(now)
+                self._expire_waiters(now)
+        finally:
+            self.close()
+        return 0
+
+    def _finished(self, now: float) -> bool:
+        if not (self.core.done and self.config.dispatcher.exit_when_done):
+            return False
+        if self._done_since is None:
+            self._done_since = now
+            log.info("all %d epoch(s) committed", self.config.run.epochs)
+        grace = 2 * self.config.dispatcher.worker_timeout_s
+        return not self.core.workers or now - self._done_since > grace
+
+    def _drain(self, sock: zmq.Socket, handler) -> bool:
+        changed = False
+        for _ in range(256):  # bounded so the stats socket and sweeps are never starved
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            identity, payload = frames[0], frames[1:]
+            reply, state_changed = handler(identity, payload)
+            changed |= state_changed
+            if reply is not None:
+                self._send(sock, identity, reply)
+        return changed
+
+    def _send(self, sock: zmq.Socket, identity: bytes, reply: dict[str, Any]) -> None:
+        try:
+            sock.send_multipart([identity, protocol.pack(reply)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # the peer is gone or its queue is full: nothing more to do
+            log.debug("reply to a departed peer dropped: %s", exc)
+
+    def _decode(self, payload: list[bytes]) -> protocol.Request:
+        if len(payload) != 1:
+            raise ProtocolError(ErrorCode.MALFORMED, f"expected one frame, got {len(payload)}")
+        message = protocol.unpack(payload[0], self.max_bytes)
+        request = protocol.parse_request(message)
+        secret = self.config.dispatcher.secret
+        if secret and not _same_secret(message.get("secret"), secret):
+            raise ProtocolError(ErrorCode.UNAUTHORIZED, "missing or wrong shared secret", request.id)
+        return request
+
+    def _handle_control(self, identity: bytes, payload: list[bytes]) -> tuple[dict | None, bool]:
+        request_id = None
+        try:
+            request = self._decode(payload)
+            request_id = request.id
+            self.core.counters.requests[request.op] += 1
+            if request.op == "stats":
+                raise ProtocolError(ErrorCode.UNKNOWN_OP, "stats is served on the stats socket")
+            return self._dispatch(identity, request)
+        except ProtocolError as exc:
+            return self._error(exc.request_id if exc.request_id is not None else request_id, exc.code, exc.message), False
+        except UnknownWorker as exc:
+            return self._error(request_id, ErrorCode.UNKNOWN_WORKER, f"worker {exc.args[0]} is not registered"), False
+        except LedgerError as exc:
+            return self._error(request_id, ErrorCode.BAD_STATE, str(exc)), False
+        except Exception as exc:  # a bug must not take the run down with it
+            log.exception("internal error")
+            return self._error(request_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"), False
+
+    def _error(self, request_id: int | None, code: str, message: str) -> dict:
+        self.core.counters.errors[code] += 1
+        return protocol.error_reply(request_id, code, message)
+
+    def _dispatch(self, identity: bytes, request: protocol.Request) -> tuple[dict | None, bool]:
+        f, now, core = request.fields, time.monotonic(), self.core
+        op = request.op
+        if op == "register":
+            return protocol.ok_reply(request.id, **self._register(f, now)), True
+        worker_id = field_of(f, "worker_id", str)
+        if op == "heartbeat":
+            core.heartbeat(worker_id, now)
+            return protocol.ok_reply(request.id, done=core.done), False
+        if op in ("get_job", "get_hs"):
+            wait_ms = min(max(0, field_of(f, "wait_ms", int)), MAX_WAIT_MS)
+            core.worker(worker_id, now)
+            reply = self._try_serve(op, request.id, worker_id, now)
+            if reply is None:
+                if wait_ms == 0:
+                    return self._empty_reply(op, request.id, worker_id), False
+                self.waiters.append(Waiter(identity, request.id, op, worker_id, now + wait_ms / 1000))
+            return reply, reply is not None
+        if op == "job_ready":
+            core.job_ready(worker_id, field_of(f, "job_id", int), field_of(f, "generation", int),
+                           float(field_of(f, "busy_s", (int, float))), now)
+        elif op == "register_slots":
+            if self.data_plane.kind != "cuda_ipc":
+                raise ProtocolError(ErrorCode.INCOMPATIBLE, f"this run uses the {self.data_plane.kind} transport")
+            core.register_slots(worker_id, field_of(f, "ipc_block", dict), field_of(f, "num_slots", int), now)
+        elif op == "job_failed":
+            core.job_failed(worker_id, field_of(f, "job_id", int), str(f.get("reason", "")), now)
+        elif op == "consumed":
+            core.consumed(worker_id, field_of(f, "job_id", int), now)
+        elif op == "commit_step":
+            job_ids = field_of(f, "job_ids", list)
+            if not all(isinstance(j, int) and not isinstance(j, bool) for j in job_ids):
+                raise ProtocolError(ErrorCode.MALFORMED, "job_ids must be a list of integers")
+            step = core.commit_step(worker_id, job_ids, float(field_of(f, "busy_s", (int, float))),
+                                    bool(f.get("checkpointed")), now, verified=int(f.get("verified") or 0))
+            return protocol.ok_reply(request.id, step=step, done=core.done), True
+        elif op == "checkpoint":
+            core.checkpoint(worker_id, field_of(f, "step", int), now)
+        elif op == "deregister":
+            self._drop_waiters(worker_id)
+            core.deregister(worker_id, now)
+        return protocol.ok_reply(request.id), True
+
+    def _register(self, f: dict, now: float) -> dict[str, Any]:
+        role = field_of(f, "role", str)
+        if role not in protocol.ROLES:
+            raise ProtocolError(ErrorCode.MALFORMED, f"role must be one of {', '.join(protocol.ROLES)}")
+        self.data_plane.check_worker(role, f)
+        worker = self.core.register(role=role, name=field_of(f, "name", str), pid=field_of(f, "pid", int),
+                                    host=field_of(f, "host", str), gpu=f.get("gpu"), now=now)
+        log.info("%s %s registered (%s pid %d on %s)", role, worker.id, worker.name, worker.pid, worker.host)
+        c = self.config
+        return {"worker_id": worker.id, "run_id": self.run_id, "transport": self.data_plane.info(role),
+                "heartbeat_s": c.dispatcher.heartbeat_s, "worker_timeout_s": c.dispatcher.worker_timeout_s,
+                "accum_steps": c.drafter.accum_steps, "buckets": list(c.schedule.buckets),
+                "epochs": c.run.epochs}
+
+    def _try_serve(self, op: str, request_id: int, worker_id: str, now: float) -> dict | None:
+        if op == "get_job":
+            grant = self.core.get_job(worker_id, now)
+            flush = False
+        else:
+            grant, flush = self.core.get_hs(worker_id, now)
+        if grant is None:
+            return None
+        if grant == DONE:
+            return protocol.ok_reply(request_id, job=None, done=True, flush=True)
+        ipc = self.core.workers[grant.owner].ipc_block if grant.owner else None
+        return protocol.ok_reply(request_id, job=grant.to_wire(ipc_block=ipc if op == "get_hs" else None),
+                                 done=False, flush=flush)
+
+    def _empty_reply(self, op: str, request_id: int, worker_id: str) -> dict:
+        self.core.end_wait(worker_id, time.monotonic())
+        flush = op == "get_hs" and self.core.nothing_left_to_hand_out()
+        return protocol.ok_reply(request_id, job=None, done=self.core.done, flush=flush)
+
+    def _serve_waiters(self, now: float) -> None:
+        remaining = []
+        for waiter in self.waiters:
+            try:
+                reply = self._try_serve(waiter.op, waiter.request_id, waiter.worker_id, now)
+            except UnknownWorker:
+                reply = self._error(waiter.request_id, ErrorCode.UNKNOWN_WORKER, f"worker {waiter.worker_id} is not registered")
+            if reply is None:
+                remaining.append(waiter)
+            else:
+                self._send(self.control, waiter.identity, reply)
+        self.waiters = remaining
+
+    def _expire_waiters(self, now: float) -> None:
+        if not self.waiters:
+            return
+        expired = [w for w in self.waiters if w.deadline <= now]
+        if not expired:
+            return
+        self.waiters = [w for w in self.waiters if w.deadline > now]
+        for waiter in expired:
+            if waiter.worker_id not in self.core.workers:
+                reply = self._error(waiter.request_id, ErrorCode.UNKNOWN_WORKER, f"worker {waiter.worker_id} is not registered")
+            else:
+                reply = self._empty_reply(waiter.op, waiter.request_id, waiter.worker_id)
+            self._send(self.control, waiter.identity, reply)
+
+    def _drop_waiters(self, worker_id: str) -> None:
+        self.waiters = [w for w in self.waiters if w.worker_id != worker_id]
+
+    def _is_alive(self, worker: Worker) -> bool:
+        if worker.host != self.hostname:
+            return True  # only heartbeats can tell for a remote worker
+        return psutil.pid_exists(worker.pid)
+
+    # -- stats ----------------------------------------------------------------------------------
+    def _handle_stats(self, identity: bytes, payload: list[bytes]) -> tuple[dict | None, bool]:
+        request_id = None
+        try:
+            request = self._decode(payload)
+            request_id = request.id
+            if request.op != "stats":
+                raise ProtocolError(ErrorCode.READ_ONLY, f"the stats socket serves only 'stats', not {request.op!r}")
+            snapshot = self.core.snapshot(time.monotonic())
+            snapshot.update(run_dir=str(self.run_dir), run_id=self.run_id, pid=os.getpid(),
+                            transport=self.data_plane.describe_dict(), waiters=len(self.waiters))
+            return protocol.ok_reply(request_id, stats=snapshot), False
+        except ProtocolError as exc:
+            return self._error(exc.request_id if exc.request_id is not None else request_id, exc.code, exc.message), False
+
+    def close(self) -> None:
+        for waiter in self.waiters:
+            self._send(self.control, waiter.identity,
+                       self._error(waiter.request_id, ErrorCode.UNKNOWN_WORKER, "the dispatcher is stopping"))
+        self.waiters = []
+        self.journal.record("stop", done=self.core.done)
+        self.journal.close()
+        self.control.close(linger=0)
+        self.stats.close(linger=0)
+        self._context.term()
+        for endpoint in (self.config.control_endpoint, self.config.stats_endpoint):
+            if endpoint.startswith("ipc://"):
+                Path(endpoint[len("ipc://"):]).unlink(missing_ok=True)
+        (self.run_dir / STATE_FILE).unlink(missing_ok=True)
+        self.data_plane.close()
+
+
+def _same_secret(given: Any, expected: str) -> bool:
+    import hmac
+    return isinstance(given, str) and hmac.compare_digest(given.encode(), expected.encode())

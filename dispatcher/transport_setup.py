@@ -1,0 +1,74 @@
+"""The dispatcher's side of the data plane: create (and finally unlink) the slot memory it owns.
+
+With ``shm`` the dispatcher creates one shared-memory arena holding every slot and tells workers
+its name. With ``cuda_ipc`` each target allocates its own slots on its GPU and registers their IPC
+handle; the dispatcher only relays the handle to drafters. Either way no tensor byte passes here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from common.config import Config
+from common.protocol import ErrorCode, ProtocolError
+from common.shm_arena import SlotArena, check_fits, sweep_dead_segments
+from common.slots import SlotLayout
+from common.transport import cuda_ipc_transport_info, resolve_transport, shm_transport_info
+
+log = logging.getLogger("hsd.dispatcher")
+
+
+class DataPlane:
+    def __init__(self, kind: str, layout: SlotLayout, num_slots: int, arena: SlotArena | None):
+        self.kind = kind
+        self.layout = layout
+        self.num_slots = num_slots
+        self.arena = arena
+
+    @classmethod
+    def create(cls, config: Config, run_id: str) -> "DataPlane":
+        layout = SlotLayout.from_config(config)
+        kind = resolve_transport(config.pool.transport, same_node=True)
+        swept = sweep_dead_segments()
+        if swept:
+            log.info("removed %d shared-memory segment(s) of dead runs: %s", len(swept), ", ".join(swept))
+        if kind == "shm":
+            check_fits(config.pool.slots, layout.slot_bytes)
+            arena = SlotArena.create(run_id, layout, config.pool.slots)
+            return cls(kind, layout, config.pool.slots, arena)
+        per_target = max(2, -(-config.pool.slots // max(1, config.target.count)))
+        return cls(kind, layout, per_target, None)
+
+    @property
+    def shared_slots(self) -> int:
+        """Slots in memory the dispatcher owns (the arena); cuda_ipc slots arrive with their targets."""
+        return self.num_slots if self.arena is not None else 0
+
+    def info(self, role: str) -> dict[str, Any]:
+        if self.arena is not None:
+            return shm_transport_info(self.arena)
+        return cuda_ipc_transport_info(self.layout, self.num_slots)
+
+    def check_worker(self, role: str, fields: dict[str, Any]) -> None:
+        """Refuse a worker whose capture contract (slot layout) differs from the run's."""
+        layout = fields.get("layout")
+        if layout is not None and layout != self.layout.to_dict():
+            raise ProtocolError(ErrorCode.INCOMPATIBLE,
+                                f"capture contract differs: worker has {layout}, run has {self.layout.to_dict()}")
+
+    def describe_dict(self) -> dict[str, Any]:
+        total = self.layout.slot_bytes * self.num_slots
+        return {"kind": self.kind, "slot_bytes": self.layout.slot_bytes, "num_slots": self.num_slots,
+                "pool_bytes": total, "per_target": self.kind == "cuda_ipc"}
+
+    def describe(self) -> str:
+        d = self.describe_dict()
+        scope = " per target" if d["per_target"] else ""
+        return f"{d['kind']} transport, {d['num_slots']} slots{scope} x {d['slot_bytes'] / 2**20:.1f} MiB"
+
+    def close(self) -> None:
+        if self.arena is not None:
+            self.arena.close()
+            self.arena.unlink()
+            self.arena = None

@@ -1,0 +1,107 @@
+"""A standalone `hsd dispatcher` answers bad input with typed errors and keeps serving."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import msgpack
+import pytest
+
+from common import protocol
+from common.client import DispatcherClient, run_id_for
+from common.protocol import ErrorCode, ProtocolError
+from common.shm_arena import list_segments
+from hsd_testing import hsd, kill_tree, sim_args, start_hsd, stats, wait_for
+
+
+@pytest.fixture
+def dispatcher(run_dir, tmp_path):
+    """A running dispatcher with a 4 KiB message limit; stopped (SIGTERM) and checked after the test."""
+    proc = start_hsd("dispatcher", *sim_args(run_dir, "dispatcher.max_message_bytes=4096",
+                                             "dispatcher.secret=s3cret"), log_path=tmp_path / "dispatcher.log")
+    try:
+        wait_for(lambda: (run_dir / "dispatcher.json").exists() or proc.poll() is not None, 60, what="dispatcher up")
+        assert proc.poll() is None, (tmp_path / "dispatcher.log").read_text()
+        yield proc
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert not list_segments(run_id_for(run_dir)), "the dispatcher must unlink its arena on exit"
+    finally:
+        kill_tree(proc)
+
+
+def endpoint(run_dir) -> str:
+    return f"ipc://{run_dir / 'control.sock'}"
+
+
+def raw(client: DispatcherClient, frames) -> dict:
+    return client.call_raw(frames, timeout_s=5)
+
+
+def test_bad_messages_get_typed_errors_and_the_dispatcher_keeps_serving(dispatcher, run_dir):
+    client = DispatcherClient(endpoint(run_dir), timeout_s=5)
+    try:
+        def error_of(frames):
+            reply = raw(client, frames)
+            assert reply["ok"] is False
+            return reply["error"]["code"], reply["id"]
+
+        base = {"secret": "s3cret"}
+        assert error_of(b"\xc1 this is not msgpack")[0] == ErrorCode.MALFORMED
+        assert error_of(msgpack.packb([1, 2, 3]))[0] == ErrorCode.MALFORMED
+        assert error_of([protocol.pack({"v": 1}), b"second frame"])[0] == ErrorCode.MALFORMED
+        assert error_of(protocol.pack({**base, "v": 99, "op": "heartbeat", "id": 7, "worker_id": "t0"})) == \
+            (ErrorCode.BAD_VERSION, 7)
+        assert error_of(protocol.pack({**base, "v": 1, "op": "launch_missiles", "id": 8})) == (ErrorCode.UNKNOWN_OP, 8)
+        assert error_of(protocol.pack({**base, "v": 1, "op": "get_job", "id": 9})) == (ErrorCode.MALFORMED, 9)
+        assert error_of(protocol.pack({**base, "v": 1, "op": "register", "id": 10, "role": "target", "name": "x",
+                                       "pid": "not an int", "host": "h"}))[0] == ErrorCode.MALFORMED
+        assert error_of(protocol.pack({**base, "v": 1, "op": "heartbeat", "id": 11, "worker_id": "t0",
+                                       "padding": "x" * 8000}))[0] == ErrorCode.TOO_LARGE
+        assert error_of(protocol.pack({"v": 1, "op": "heartbeat", "id": 12, "worker_id": "t0"}))[0] == \
+            ErrorCode.UNAUTHORIZED
+        assert error_of(protocol.pack({**base, "v": 1, "op": "heartbeat", "id": 13, "worker_id": "t9"}))[0] == \
+            ErrorCode.UNKNOWN_WORKER
+    finally:
+        client.close()
+
+    # Still serving: a real worker registers, gets a job, and a stale report of it is refused.
+    worker = DispatcherClient(endpoint(run_dir), secret="s3cret", timeout_s=5)
+    try:
+        reg = worker.call("register", role="target", name="probe", pid=os.getpid(), host="elsewhere")
+        job = worker.call("get_job", worker_id=reg["worker_id"], wait_ms=2000)["job"]
+        assert job is not None and job["generation"] >= 1
+        with pytest.raises(ProtocolError) as stale:
+            worker.call("job_ready", worker_id=reg["worker_id"], job_id=job["job_id"],
+                        generation=job["generation"] + 1, busy_s=0.0)
+        assert stale.value.code == ErrorCode.BAD_STATE
+        worker.call("job_failed", worker_id=reg["worker_id"], job_id=job["job_id"], reason="probe")
+        again = worker.call("get_job", worker_id=reg["worker_id"], wait_ms=2000)["job"]
+        assert again["job_id"] == job["job_id"], "a given-back job goes to the head of the queue"
+        worker.call("deregister", worker_id=reg["worker_id"])
+    finally:
+        worker.close()
+
+    snapshot = stats(run_dir)
+    for code in (ErrorCode.MALFORMED, ErrorCode.BAD_VERSION, ErrorCode.UNKNOWN_OP, ErrorCode.TOO_LARGE,
+                 ErrorCode.UNAUTHORIZED, ErrorCode.UNKNOWN_WORKER, ErrorCode.BAD_STATE):
+        assert snapshot["errors"].get(code, 0) >= 1, code
+    assert snapshot["given_back"]
+
+
+def test_stats_socket_is_read_only(dispatcher, run_dir):
+    client = DispatcherClient(f"ipc://{run_dir / 'stats.sock'}", secret="s3cret", timeout_s=5)
+    try:
+        with pytest.raises(ProtocolError) as denied:
+            client.call("register", role="target", name="x", pid=1, host="h")
+        assert denied.value.code == ErrorCode.READ_ONLY
+        assert client.call("stats")["stats"]["run_dir"] == str(run_dir)
+    finally:
+        client.close()
+
+
+def test_public_tcp_endpoint_without_secret_is_refused(run_dir):
+    proc = hsd("dispatcher", *sim_args(run_dir, "dispatcher.endpoint=tcp://0.0.0.0:0"), check=False, timeout=60)
+    assert proc.returncode == 2
+    assert "dispatcher.secret" in proc.stderr

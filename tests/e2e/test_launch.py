@@ -1,0 +1,118 @@
+"""`hsd launch` end to end: sim workers, real processes, sockets, shared memory and journal."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+
+from hsd_testing import hsd, kill_tree, report, sim_args, start_hsd, stats, wait_for
+from common.client import run_id_for
+from common.shm_arena import list_segments
+
+
+def test_launch_5_targets_3_drafters_two_epochs_exactly_once(run_dir):
+    args = sim_args(run_dir, "run.epochs=2", "target.count=5", "drafter.count=3", "drafter.accum_steps=4",
+                    "pool.slots=16", "pool.min_ready=6")
+    proc = hsd("launch", *args, timeout=300)
+    assert "run complete" in proc.stdout
+    r = report(run_dir)
+    assert r["finished"] and r["epochs"] == 2
+    assert r["jobs_total"] > 100
+    assert (r["committed"], r["duplicates"], r["lost"]) == (r["jobs_total"], 0, 0)
+    assert r["step_mix"] >= 0.99
+    assert r["prefix_deviation"]["consumed"] <= 3
+    assert r["prefix_deviation"]["schedule"] <= 2
+    # every target and drafter took part, and every slot the drafters read was verified
+    log = (run_dir / "logs")
+    assert len(list(log.glob("target-*.log"))) == 5 and len(list(log.glob("drafter-*.log"))) == 3
+    assert "restart" not in proc.stdout
+
+
+def test_sigkilled_target_job_is_extracted_again(run_dir, tmp_path):
+    args = sim_args(run_dir, "run.epochs=1", "target.count=2", "drafter.count=2", "target.sim_cost_per_token=4e-5",
+                    "target.max_restarts=2")
+    launch = start_hsd("launch", *args, log_path=tmp_path / "launch.log")
+    try:
+        def busy_target():
+            s = stats(run_dir)
+            if not s:
+                return None
+            busy = [w for w in s["workers"] if w["role"] == "target" and w["held"]]
+            return busy[0] if busy else None
+        victim = wait_for(busy_target, 120, what="a target holding a job")
+        os.kill(victim["pid"], signal.SIGKILL)
+        assert launch.wait(timeout=240) == 0, (tmp_path / "launch.log").read_text()[-3000:]
+    finally:
+        kill_tree(launch)
+    r = report(run_dir)
+    assert (r["committed"], r["duplicates"], r["lost"]) == (r["jobs_total"], 0, 0)
+    assert r["given_back"].get("dead", 0) >= 1
+    events = [json.loads(line) for line in (run_dir / "journal.jsonl").read_text().splitlines()]
+    given_back = {e["job"] for e in events if e["ev"] == "give_back" and e["was"] == "extracting"}
+    assert set(victim["held"]) & given_back
+    for job in set(victim["held"]) & given_back:
+        back_at = next(i for i, e in enumerate(events) if e["ev"] == "give_back" and e["job"] == job)
+        assert any(e["ev"] == "ready" and e["job"] == job for e in events[back_at:]), "job was not extracted again"
+    assert "restart 1/2" in (tmp_path / "launch.log").read_text()
+
+
+def test_stats_against_running_launch(run_dir, tmp_path):
+    args = sim_args(run_dir, "run.epochs=1", "target.count=2", "drafter.count=1", "target.sim_cost_per_token=1e-4")
+    launch = start_hsd("launch", *args, log_path=tmp_path / "launch.log")
+    try:
+        s = wait_for(lambda: (lambda s: s if s and len(s["workers"]) == 3 else None)(stats(run_dir)), 120,
+                     what="3 registered workers")
+        for key in ("epochs", "jobs_by_state", "q_hsb", "workers", "pool", "transport", "epochs_total"):
+            assert key in s
+        assert set(s["jobs_by_state"]) == {"pending", "extracting", "ready", "training", "consumed", "committed"}
+        worker = s["workers"][0]
+        for key in ("role", "state", "tokens_per_s", "idle_ratio", "heartbeat_age_s"):
+            assert key in worker
+        assert {w["state"] for w in s["workers"]} <= {"busy", "idle", "starved", "blocked"}
+        assert s["transport"]["pool_bytes"] == s["transport"]["slot_bytes"] * s["transport"]["num_slots"]
+        assert json.loads(hsd("stats", "--run-dir", str(run_dir), "--json").stdout)["run_dir"] == str(run_dir)
+        text = hsd("stats", "--run-dir", str(run_dir)).stdout
+        assert "q_hsb" in text and "target-0" in text and "epoch 1/1" in text
+        assert launch.wait(timeout=240) == 0
+    finally:
+        kill_tree(launch)
+    assert hsd("stats", "--run-dir", str(run_dir), check=False).returncode == 1  # nobody answers any more
+
+
+def test_sigkill_everything_then_relaunch_resumes_and_sweeps_shm(run_dir, tmp_path):
+    args = sim_args(run_dir, "run.epochs=1", "target.count=2", "drafter.count=2", "target.sim_cost_per_token=5e-5")
+    launch = start_hsd("launch", *args, log_path=tmp_path / "launch1.log")
+    try:
+        wait_for(lambda: (lambda s: s and s["steps"] >= 5)(stats(run_dir)), 120, what="5 committed steps")
+    finally:
+        kill_tree(launch)
+    run_id = run_id_for(run_dir)
+    assert list_segments(run_id), "the killed run should have left its arena behind"
+    assert hsd("cleanup", "--run-dir", str(run_dir)).returncode == 0
+    assert not list_segments(run_id)
+    # Kill once more and let the relaunch do the sweeping itself, then finish the epoch exactly once.
+    launch = start_hsd("launch", *args, log_path=tmp_path / "launch2.log")
+    try:
+        wait_for(lambda: (lambda s: s and s["steps"] >= 10)(stats(run_dir)), 120, what="10 committed steps")
+    finally:
+        kill_tree(launch)
+    stale = list_segments(run_id)
+    assert stale
+    proc = hsd("launch", *args, timeout=240)
+    assert "run complete" in proc.stdout
+    assert not any(s.name == stale[0].name for s in list_segments(run_id))
+    r = report(run_dir)
+    assert r["restarts"] == 2
+    assert (r["committed"], r["duplicates"], r["lost"]) == (r["jobs_total"], 0, 0)
+
+
+def test_launch_2_targets_2_drafters_verifies_every_slot(run_dir):
+    proc = hsd("launch", *sim_args(run_dir, "run.epochs=2", "target.count=2", "drafter.count=2"), timeout=300)
+    assert "run complete" in proc.stdout
+    r = report(run_dir)
+    assert (r["committed"], r["duplicates"], r["lost"]) == (r["jobs_total"], 0, 0)
+    # each sim drafter checked every slot it read against the pattern its target wrote
+    assert r["slots_verified"] == r["jobs_total"]
+    assert "SlotIntegrityError" not in proc.stdout and "StaleSlotError" not in proc.stdout
