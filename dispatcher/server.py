@@ -35,6 +35,7 @@ from dispatcher.transport_setup import DataPlane
 log = logging.getLogger("hsd.dispatcher")
 
 SWEEP_INTERVAL_S = 0.25
+PROGRESS_INTERVAL_S = 5.0
 MAX_WAIT_MS = 30_000
 STATE_FILE = "dispatcher.json"
 HARD_MESSAGE_LIMIT = 64 << 20  # beyond this ZeroMQ drops the peer instead of buffering the message
@@ -88,6 +89,8 @@ class DispatcherServer:
         self.waiters: list[Waiter] = []
         self._stop = False
         self._done_since: float | None = None
+        self._next_progress = time.monotonic() + PROGRESS_INTERVAL_S
+        self._last_progress_marker: tuple[int, int] | None = None
         self._context = zmq.Context()
         self.control = self._bind(config.control_endpoint)
         self.stats = self._bind(config.stats_endpoint)
@@ -138,6 +141,8 @@ class DispatcherServer:
                 if now >= next_sweep:
                     changed |= bool(self.core.sweep(now, self._is_alive))
                     next_sweep = now + SWEEP_INTERVAL_S
+                    if now >= self._next_progress:
+                        self._log_progress(now)
                     if self._finished(now):
                         break
                 if changed:
@@ -146,6 +151,22 @@ class DispatcherServer:
         finally:
             self.close()
         return 0
+
+    def _log_progress(self, now: float) -> None:
+        """One line every few seconds while work moves, so a long run shows where it is."""
+        self._next_progress = now + PROGRESS_INTERVAL_S
+        core = self.core
+        marker = (core.next_step, core.ledger.num_pending)
+        if marker == self._last_progress_marker:
+            return
+        self._last_progress_marker = marker
+        open_epochs = [e for e in sorted(core.schedules) if not core.ledger.epoch_complete(e)] or [max(core.schedules)]
+        progress = core.ledger.epochs[open_epochs[0]]
+        states = [core.worker_state(w) for w in core.workers.values()]
+        log.info("epoch %d/%d: %d/%d jobs committed, %d steps, ready per bucket %s, workers %s",
+                 open_epochs[0] + 1, self.config.run.epochs, progress.committed, progress.num_jobs, core.next_step,
+                 core.pool.ready_per_bucket() or "{}",
+                 " ".join(f"{state}={states.count(state)}" for state in sorted(set(states))) or "none")
 
     def _finished(self, now: float) -> bool:
         if not (self.core.done and self.config.dispatcher.exit_when_done):

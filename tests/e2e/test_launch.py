@@ -16,7 +16,7 @@ def test_launch_5_targets_3_drafters_two_epochs_exactly_once(run_dir):
     args = sim_args(run_dir, "run.epochs=2", "target.count=5", "drafter.count=3", "drafter.accum_steps=4",
                     "pool.slots=16", "pool.min_ready=6")
     proc = hsd("launch", *args, timeout=300)
-    assert "run complete" in proc.stdout
+    assert "run complete: every epoch committed" in proc.stderr
     r = report(run_dir)
     assert r["finished"] and r["epochs"] == 2
     assert r["jobs_total"] > 100
@@ -27,7 +27,7 @@ def test_launch_5_targets_3_drafters_two_epochs_exactly_once(run_dir):
     # every target and drafter took part, and every slot the drafters read was verified
     log = (run_dir / "logs")
     assert len(list(log.glob("target-*.log"))) == 5 and len(list(log.glob("drafter-*.log"))) == 3
-    assert "restart" not in proc.stdout
+    assert "restart" not in proc.stdout + proc.stderr
 
 
 def test_sigkilled_target_job_is_extracted_again(run_dir, tmp_path):
@@ -101,7 +101,7 @@ def test_sigkill_everything_then_relaunch_resumes_and_sweeps_shm(run_dir, tmp_pa
     stale = list_segments(run_id)
     assert stale
     proc = hsd("launch", *args, timeout=240)
-    assert "run complete" in proc.stdout
+    assert "run complete: every epoch committed" in proc.stderr
     assert not any(s.name == stale[0].name for s in list_segments(run_id))
     r = report(run_dir)
     assert r["restarts"] == 2
@@ -110,7 +110,7 @@ def test_sigkill_everything_then_relaunch_resumes_and_sweeps_shm(run_dir, tmp_pa
 
 def test_launch_2_targets_2_drafters_verifies_every_slot(run_dir):
     proc = hsd("launch", *sim_args(run_dir, "run.epochs=2", "target.count=2", "drafter.count=2"), timeout=300)
-    assert "run complete" in proc.stdout
+    assert "run complete: every epoch committed" in proc.stderr
     r = report(run_dir)
     assert (r["committed"], r["duplicates"], r["lost"]) == (r["jobs_total"], 0, 0)
     # each sim drafter checked every slot it read against the pattern its target wrote

@@ -1,0 +1,48 @@
+"""Processes started one by one: attach a drafter while training runs, restart a killed dispatcher."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from hsd_testing import kill_tree, report, sim_args, start_hsd, stats, wait_for
+
+
+def test_late_drafter_and_dispatcher_restart_keep_exactly_once(run_dir, tmp_path):
+    args = ["--config", str(tmp_path / "run.yaml")]
+    (tmp_path / "run.yaml").write_text("\n".join([
+        "run: {epochs: 1}", "data: {synthetic_samples: 400}", "target: {sim: true, sim_cost_per_token: 4.0e-5}",
+        "drafter: {sim: true}", "dispatcher: {heartbeat_s: 0.2, worker_timeout_s: 3}"]) + "\n")
+    overrides = [f"run.dir={run_dir}"]
+    procs = []
+    try:
+        dispatcher = start_hsd("dispatcher", *args, *overrides, log_path=tmp_path / "dispatcher1.log")
+        procs.append(dispatcher)
+        for name in ("target-0", "target-1", "drafter-0"):
+            role = name.split("-")[0]
+            procs.append(start_hsd(role, *args, *overrides, "--name", name, log_path=tmp_path / f"{name}.log"))
+        wait_for(lambda: (lambda s: s and s["steps"] >= 3)(stats(run_dir)), 120, what="3 committed steps")
+
+        late = start_hsd("drafter", *args, *overrides, "--name", "drafter-late", log_path=tmp_path / "late.log")
+        procs.append(late)
+        wait_for(lambda: (lambda s: s and any(w["name"] == "drafter-late" and w["jobs"] > 0 for w in s["workers"]))(
+            stats(run_dir)), 120, what="the late drafter to commit work")
+
+        os.kill(dispatcher.pid, signal.SIGKILL)
+        dispatcher.wait(timeout=10)
+        dispatcher = start_hsd("dispatcher", *args, *overrides, log_path=tmp_path / "dispatcher2.log")
+        procs.append(dispatcher)
+        wait_for(lambda: (lambda s: s and len(s["workers"]) == 4)(stats(run_dir)), 120,
+                 what="all four workers to register with the new dispatcher")
+
+        assert dispatcher.wait(timeout=240) == 0, (tmp_path / "dispatcher2.log").read_text()[-3000:]
+        for proc in procs[1:]:
+            if proc is not dispatcher:
+                assert proc.wait(timeout=60) == 0
+    finally:
+        for proc in procs:
+            kill_tree(proc)
+    r = report(run_dir)
+    assert r["restarts"] == 1
+    assert (r["committed"], r["duplicates"], r["lost"]) == (r["jobs_total"], 0, 0)
+    assert r["slots_verified"] >= r["jobs_total"]
