@@ -14,7 +14,7 @@ import signal
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from common.client import DispatcherClient, DispatcherUnavailable
 from common.config import Config
@@ -131,6 +131,34 @@ class WorkerSession:
                 pass
         self.worker_id = None
         self.client.close()
+
+
+Transport = TypeVar("Transport")
+
+
+def run_worker(session: WorkerSession, open_transport: Callable[[dict[str, Any]], Transport],
+               work: Callable[[dict[str, Any], Transport], None]) -> int:
+    """Register, open the data plane, and ``work`` until the run is done or a signal asks to stop.
+
+    ``work`` returns when the dispatcher says the run is done (or a stop was requested); if the
+    dispatcher forgets the worker (it restarted), the worker registers again, with a fresh
+    transport (a new dispatcher means a new arena), and goes on.
+    """
+    session.install_signal_handlers()
+    try:
+        while not session.stop_requested.is_set():
+            registration = session.register()
+            transport = open_transport(registration["transport"])
+            try:
+                work(registration, transport)
+                return 0
+            except WorkerLost as exc:
+                log.warning("%s: the dispatcher lost track of us (%s); registering again", session.name, exc)
+            finally:
+                transport.close()
+        return 0
+    finally:
+        session.close()
 
 
 def sim_device(transport_info: dict[str, Any]) -> str:

@@ -33,22 +33,18 @@ def cmd_dispatcher(args) -> int:
     return DispatcherServer(_config(args)).serve_forever()
 
 
-def cmd_target(args) -> int:
+def cmd_worker(args) -> int:
+    """``hsd target`` / ``hsd drafter``: one worker process."""
     _setup_logging()
     config = _config(args)
-    if not (args.sim or config.target.sim):
-        raise ConfigError("the real target worker is not available yet: use --sim or target.sim=true")
-    from target_worker.sim import run_sim_target
-    return run_sim_target(config, args.name or f"target-{os.getpid()}")
-
-
-def cmd_drafter(args) -> int:
-    _setup_logging()
-    config = _config(args)
-    if not (args.sim or config.drafter.sim):
-        raise ConfigError("the real drafter worker is not available yet: use --sim or drafter.sim=true")
-    from drafter_worker.sim import run_sim_drafter
-    return run_sim_drafter(config, args.name or f"drafter-{os.getpid()}")
+    role = args.command
+    if not (args.sim or getattr(config, role).sim):
+        raise ConfigError(f"the real {role} worker is not available yet: use --sim or {role}.sim=true")
+    if role == "target":
+        from target_worker.sim import run_sim_target as run
+    else:
+        from drafter_worker.sim import run_sim_drafter as run
+    return run(config, args.name or f"{role}-{os.getpid()}")
 
 
 def cmd_launch(args) -> int:
@@ -112,12 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.set_defaults(func=cmd_dispatcher)
 
-    for role, func in (("target", cmd_target), ("drafter", cmd_drafter)):
+    for role in ("target", "drafter"):
         p = sub.add_parser(role, help=f"run one {role} worker (one per GPU)")
         _add_config_args(p)
         p.add_argument("--sim", action="store_true", help=f"simulated {role} (same as {role}.sim=true)")
         p.add_argument("--name", help="worker name shown in stats and logs")
-        p.set_defaults(func=func)
+        p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("schedule", help="print the epoch schedule and its fairness figures")
     _add_config_args(p)

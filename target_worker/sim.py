@@ -12,46 +12,38 @@ import time
 
 from common.config import Config
 from common.slot_pattern import fill_pattern
-from common.transport import open_target_transport
-from common.worker_runtime import WorkerLost, WorkerSession, sim_device
+from common.transport import TargetTransport, open_target_transport
+from common.worker_runtime import WorkerSession, run_worker, sim_device
 
 log = logging.getLogger("hsd.target")
 
 
 def run_sim_target(config: Config, name: str) -> int:
     session = WorkerSession(config, "target", name)
-    session.install_signal_handlers()
     cost = config.target.sim_cost_per_token
     num_jobs = 0
-    try:
+
+    def work(registration: dict, transport: TargetTransport) -> None:
+        nonlocal num_jobs
+        ipc_block = transport.export()
+        if ipc_block is not None:  # cuda_ipc: our own GPU slots join the pool
+            session.call("register_slots", ipc_block=ipc_block, num_slots=transport.num_slots)
         while not session.stop_requested.is_set():
-            registration = session.register()
-            transport = open_target_transport(registration["transport"], device=sim_device(registration["transport"]))
-            try:
-                ipc_block = transport.export()
-                if ipc_block is not None:  # cuda_ipc: our own GPU slots join the pool
-                    session.call("register_slots", ipc_block=ipc_block, num_slots=transport.num_slots)
-                while not session.stop_requested.is_set():
-                    reply = session.poll("get_job")
-                    if reply["done"]:
-                        log.info("%s: run complete after %d jobs", name, num_jobs)
-                        return 0
-                    job = reply["job"]
-                    if job is None:
-                        continue
-                    started = time.perf_counter()
-                    time.sleep(cost * job["num_tokens"])
-                    fill_pattern(transport.slot(job["slot"]), job_id=job["job_id"], generation=job["generation"],
-                                 bucket=job["bucket"], batch_size=len(job["samples"]), seq_len=job["seq_len"],
-                                 seq_lens=job["lengths"])
-                    transport.finish_write(job["slot"])
-                    session.call("job_ready", job_id=job["job_id"], generation=job["generation"],
-                                 busy_s=time.perf_counter() - started)
-                    num_jobs += 1
-            except WorkerLost as exc:
-                log.warning("%s: dispatcher lost track of us (%s); registering again", name, exc)
-            finally:
-                transport.close()
-        return 0
-    finally:
-        session.close()
+            reply = session.poll("get_job")
+            if reply["done"]:
+                log.info("%s: run complete after %d jobs", name, num_jobs)
+                return
+            job = reply["job"]
+            if job is None:
+                continue
+            started = time.perf_counter()
+            time.sleep(cost * job["num_tokens"])
+            fill_pattern(transport.slot(job["slot"]), job_id=job["job_id"], generation=job["generation"],
+                         bucket=job["bucket"], batch_size=len(job["samples"]), seq_len=job["seq_len"],
+                         seq_lens=job["lengths"])
+            transport.finish_write(job["slot"])
+            session.call("job_ready", job_id=job["job_id"], generation=job["generation"],
+                         busy_s=time.perf_counter() - started)
+            num_jobs += 1
+
+    return run_worker(session, lambda info: open_target_transport(info, device=sim_device(info)), work)
