@@ -67,7 +67,7 @@ class DispatcherSection:
     secret: str = opt("", "Shared secret; required when binding TCP on a non-loopback address.")
     heartbeat_s: float = opt(0.5, "Interval between worker heartbeats.")
     worker_timeout_s: float = opt(5.0, "A worker silent this long is declared dead and its jobs are given back.")
-    lease_s: float = opt(120.0, "Lease on a job; a job held past it without heartbeats is given back.")
+    lease_s: float = opt(600.0, "Longest a target may extract, or a drafter copy out, one job before it is given back.")
     max_message_bytes: int = opt(1 << 20, "Largest accepted control message; larger ones get an error reply.")
     exit_when_done: bool = opt(True, "Exit after the last epoch is committed and the workers have left.")
 

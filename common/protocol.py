@@ -24,7 +24,7 @@ REQUESTS: dict[str, tuple[str, ...]] = {
     "register": ("role", "name", "pid", "host"),
     # {worker_id, ipc_block, num_slots} -> {}; a cuda_ipc target offers the slots it allocated on its GPU
     "register_slots": ("worker_id", "ipc_block", "num_slots"),
-    # {worker_id} -> {done}; renews the worker's leases
+    # {worker_id} -> {done}; keeps the worker alive (a silent one is declared dead, its jobs given back)
     "heartbeat": ("worker_id",),
     # {worker_id, wait_ms} -> {job: {...} | None, done: bool}; long-poll until a job and a slot are free
     "get_job": ("worker_id", "wait_ms"),

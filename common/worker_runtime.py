@@ -91,6 +91,17 @@ class WorkerSession:
                 if op not in ("get_job", "get_hs", "heartbeat"):
                     raise WorkerLost(f"{op} got no reply") from None
 
+    def report(self, op: str, **fields: Any) -> dict[str, Any] | None:
+        """A state-changing call that the dispatcher may refuse because the job was already given back
+        (its lease ran out, or the step lost a job): None then, and the caller drops that work."""
+        try:
+            return self.call(op, **fields)
+        except ProtocolError as exc:
+            if exc.code != ErrorCode.BAD_STATE:
+                raise
+            log.warning("%s: %s refused, dropping that work: %s", self.name, op, exc.message)
+            return None
+
     def poll(self, op: str, wait_ms: int = 1000) -> dict[str, Any]:
         return self.call(op, wait_ms=wait_ms, timeout_s=wait_ms / 1000 + CALL_TIMEOUT_S)
 

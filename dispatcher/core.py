@@ -187,8 +187,8 @@ class DispatcherCore:
         return worker
 
     def heartbeat(self, worker_id: str, now: float) -> None:
+        """Keeps the worker alive; its leases are not renewed: a lease bounds one job's time."""
         self.worker(worker_id, now)
-        self.ledger.renew_leases(worker_id, now, self.options.lease_s)
 
     def deregister(self, worker_id: str, now: float, reason: str = "left") -> None:
         worker = self.worker(worker_id, now)
@@ -341,7 +341,15 @@ class DispatcherCore:
         if not job_ids:
             raise LedgerError("a step must hold at least one job")
         step = self.next_step
-        jobs = self.ledger.commit(job_ids, worker_id, step)
+        try:
+            jobs = self.ledger.commit(job_ids, worker_id, step)
+        except LedgerError:
+            # All or nothing: the drafter drops the step (its gradients), so what it still holds of it is redone.
+            for job_id in job_ids:
+                job = self.ledger.jobs.get(job_id)
+                if job is not None and job.state is JobState.CONSUMED and job.holder == worker_id:
+                    self._give_back(job, "step_refused")
+            raise
         self.next_step += 1
         worker.busy_s += busy_s
         self.journal.record("commit", durable=True, step=step, jobs=list(job_ids), w=worker_id,

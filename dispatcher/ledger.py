@@ -194,10 +194,6 @@ class JobLedger:
             self.epochs[job.epoch].committed += 1
         return jobs
 
-    def renew_leases(self, worker_id: str, now: float, lease_s: float) -> None:
-        for job_id in self._by_holder.get(worker_id, ()):
-            self.jobs[job_id].lease_deadline = now + lease_s
-
     def give_back(self, job: Job) -> JobState:
         """Undo a job's progress after its holder failed; returns the state it was in."""
         previous = job.state

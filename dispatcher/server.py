@@ -8,6 +8,7 @@ empty at their deadline: the loop sleeps in ``poll`` between events, never spins
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -38,6 +39,7 @@ SWEEP_INTERVAL_S = 0.25
 PROGRESS_INTERVAL_S = 5.0
 MAX_WAIT_MS = 30_000
 STATE_FILE = "dispatcher.json"
+LOCK_FILE = "dispatcher.lock"
 HARD_MESSAGE_LIMIT = 64 << 20  # beyond this ZeroMQ drops the peer instead of buffering the message
 
 
@@ -62,6 +64,21 @@ def check_endpoint(endpoint: str, secret: str) -> None:
                               "use a shorter run.dir or set dispatcher.endpoint")
 
 
+def lock_run_dir(run_dir: Path):
+    """One dispatcher per run directory: two would interleave one journal. The lock dies with us."""
+    lock_file = open(run_dir / LOCK_FILE, "a+")
+    try:
+        fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock_file.close()
+        try:
+            holder = f" (pid {json.loads((run_dir / STATE_FILE).read_text())['pid']})"
+        except (OSError, ValueError, KeyError):
+            holder = ""
+        raise ConfigError(f"another dispatcher{holder} is serving {run_dir}") from None
+    return lock_file
+
+
 class DispatcherServer:
     def __init__(self, config: Config):
         self.config = config
@@ -69,6 +86,7 @@ class DispatcherServer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for endpoint in (config.control_endpoint, config.stats_endpoint):
             check_endpoint(endpoint, config.dispatcher.secret)
+        self._lock = lock_run_dir(self.run_dir)
         write_resolved(config)
         self.run_id = run_id_for(self.run_dir)
         self.hostname = socket.gethostname()
@@ -84,6 +102,7 @@ class DispatcherServer:
         except Exception:
             self.data_plane.close()
             self.journal.close()
+            self._lock.close()
             raise
         self.max_bytes = config.dispatcher.max_message_bytes
         self.waiters: list[Waiter] = []
@@ -371,6 +390,7 @@ class DispatcherServer:
                 Path(endpoint[len("ipc://"):]).unlink(missing_ok=True)
         (self.run_dir / STATE_FILE).unlink(missing_ok=True)
         self.data_plane.close()
+        self._lock.close()
 
 
 def _same_secret(given: Any, expected: str) -> bool:

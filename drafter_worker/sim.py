@@ -34,15 +34,17 @@ def run_sim_drafter(config: Config, name: str) -> int:
             if job is not None:
                 started = time.perf_counter()
                 batch = transport.read(job["slot"], job["generation"], ipc=job.get("ipc"), owner=job.get("owner") or "")
-                session.call("consumed", job_id=job["job_id"])
+                if session.report("consumed", job_id=job["job_id"]) is None:
+                    continue
                 verify_pattern(batch.hs, batch.input_ids, batch.loss_mask, batch.seq_lens,
                                job_id=job["job_id"], expected_seq_lens=job["lengths"])
                 time.sleep(cost * job["num_tokens"])
                 busy_s += time.perf_counter() - started
                 window.append(job["job_id"])
             if window and (len(window) == accum_steps or reply["flush"]):
-                session.call("commit_step", job_ids=window, busy_s=busy_s, checkpointed=True, verified=len(window))
-                num_steps += 1
+                if session.report("commit_step", job_ids=window, busy_s=busy_s, checkpointed=True,
+                                  verified=len(window)) is not None:
+                    num_steps += 1
                 window, busy_s = [], 0.0
             if reply["done"]:
                 log.info("%s: run complete after %d steps", name, num_steps)

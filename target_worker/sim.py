@@ -42,8 +42,8 @@ def run_sim_target(config: Config, name: str) -> int:
                          bucket=job["bucket"], batch_size=len(job["samples"]), seq_len=job["seq_len"],
                          seq_lens=job["lengths"])
             transport.finish_write(job["slot"])
-            session.call("job_ready", job_id=job["job_id"], generation=job["generation"],
-                         busy_s=time.perf_counter() - started)
-            num_jobs += 1
+            if session.report("job_ready", job_id=job["job_id"], generation=job["generation"],
+                              busy_s=time.perf_counter() - started) is not None:
+                num_jobs += 1
 
     return run_worker(session, lambda info: open_target_transport(info, device=sim_device(info)), work)

@@ -198,17 +198,17 @@ def test_dead_target_gives_its_job_back_and_it_is_handed_out_again(tmp_path):
 
 
 def test_silent_worker_times_out_and_expired_lease_is_given_back(tmp_path):
-    core = make_core(tmp_path, epochs=1, worker_timeout_s=5.0, lease_s=3.0, min_ready=1)
+    core = make_core(tmp_path, epochs=1, worker_timeout_s=5.0, lease_s=11.0, min_ready=1)
     t0, t1 = register(core, "target", 2)
     (d0,) = register(core, "drafter", 1)
     grant = core.get_job(t0, 0.0)
     core.job_ready(t0, grant.job.job_id, grant.job.generation, 0.0, 0.0)
     hs, _ = core.get_hs(d0, 0.0)
     late = core.get_job(t1, 0.0)
-    core.heartbeat(t0, 4.0)
-    core.heartbeat(d0, 4.0)
-    core.heartbeat(t1, 4.0)               # a heartbeat renews every lease the worker holds
-    assert late.job.lease_deadline == 7.0 and hs.job.lease_deadline == 7.0
+    for worker in (t0, d0, t1):
+        core.heartbeat(worker, 4.0)
+    # A lease bounds how long one job may take: heartbeats keep the worker alive, not its jobs.
+    assert late.job.lease_deadline == 11.0 and hs.job.lease_deadline == 11.0
     assert core.sweep(6.0, is_alive=lambda w: True) == []
     core.heartbeat(t0, 8.0)
     core.heartbeat(d0, 8.0)
@@ -217,7 +217,8 @@ def test_silent_worker_times_out_and_expired_lease_is_given_back(tmp_path):
     assert late.job.state is JobState.PENDING
     assert hs.job.state is JobState.TRAINING
     core.heartbeat(t0, 12.0)
-    # d0 alive (seen at 8.0) but its lease ran out at 11.0: training -> ready, the slot still holds it
+    core.heartbeat(d0, 12.0)
+    # d0 alive but its lease ran out at 11.0: training -> ready, the slot still holds it
     assert core.sweep(12.5, is_alive=lambda w: True) == []
     assert hs.job.state is JobState.READY and core.pool.num_ready == 1
     assert core.ledger.epochs[0].consumed_order == []

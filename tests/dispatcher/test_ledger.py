@@ -236,7 +236,7 @@ def test_drop_ready_goes_back_to_pending():
     check_counts(ledger)
 
 
-def test_lease_expiry_and_renewal():
+def test_lease_expiry():
     ledger = ledger_with([0, 1, 2, 0])
     extracting = ledger.start_extract("t0", 0, 1, now=0.0, lease_s=10.0)
     ready = to_ready(ledger, slot=1)
@@ -248,13 +248,6 @@ def test_lease_expiry_and_renewal():
     assert ledger.expired(10.5) == [extracting]
     assert sorted(j.job_id for j in ledger.expired(100.0)) == sorted([extracting.job_id, training.job_id])
     assert ready not in ledger.expired(1e9) and consumed not in ledger.expired(1e9)
-    ledger.renew_leases("t0", now=8.0, lease_s=10.0)
-    assert extracting.lease_deadline == 18.0
-    assert ledger.expired(16.0) == [training]
-    ledger.renew_leases("d0", now=16.0, lease_s=10.0)
-    assert ledger.expired(17.0) == []
-    ledger.renew_leases("unknown", now=100.0, lease_s=1.0)  # no-op
-    assert ledger.expired(19.0) == [extracting]
 
 
 def test_add_epoch_keeps_committed_jobs_committed():

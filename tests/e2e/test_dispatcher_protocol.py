@@ -105,3 +105,10 @@ def test_public_tcp_endpoint_without_secret_is_refused(run_dir):
     proc = hsd("dispatcher", *sim_args(run_dir, "dispatcher.endpoint=tcp://0.0.0.0:0"), check=False, timeout=60)
     assert proc.returncode == 2
     assert "dispatcher.secret" in proc.stderr
+
+
+def test_second_dispatcher_on_the_same_run_dir_is_refused(dispatcher, run_dir):
+    proc = hsd("dispatcher", *sim_args(run_dir, "dispatcher.secret=s3cret"), check=False, timeout=60)
+    assert proc.returncode == 2
+    assert f"another dispatcher (pid {dispatcher.pid}) is serving" in proc.stderr
+    assert stats(run_dir)["pid"] == dispatcher.pid  # the first one is untouched
