@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.config import Config, write_resolved
-from dispatcher.server import STATE_FILE
+from dispatcher.rundir import STATE_FILE
 
 log = logging.getLogger("hsd.launch")
 
@@ -141,7 +141,6 @@ class Launcher:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(exist_ok=True)
         config_path = write_resolved(self.config)
-        (self.run_dir / STATE_FILE).unlink(missing_ok=True)
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, lambda *_: self._stop.set())
         dispatcher = Child("dispatcher", "dispatcher", self._command("dispatcher", "--config", str(config_path)),

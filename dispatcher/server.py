@@ -8,8 +8,6 @@ empty at their deadline: the loop sleeps in ``poll`` between events, never spins
 
 from __future__ import annotations
 
-import fcntl
-import json
 import logging
 import os
 import signal
@@ -24,13 +22,14 @@ import zmq
 
 from common import protocol
 from common.client import run_id_for
-from common.config import Config, ConfigError, write_resolved
+from common.config import Config, write_resolved
 from common.protocol import ErrorCode, ProtocolError, field_of
 from dispatcher.core import DONE, CoreOptions, DispatcherCore, UnknownWorker, Worker
 from dispatcher.dataset import load_lengths
 from dispatcher.journal import Journal
 from dispatcher.ledger import LedgerError
 from dispatcher.pool import HSPool
+from dispatcher.rundir import STATE_FILE, check_endpoint, lock_run_dir, warn_about_changed_settings, write_state_file
 from dispatcher.transport_setup import DataPlane
 
 log = logging.getLogger("hsd.dispatcher")
@@ -38,8 +37,6 @@ log = logging.getLogger("hsd.dispatcher")
 SWEEP_INTERVAL_S = 0.25
 PROGRESS_INTERVAL_S = 5.0
 MAX_WAIT_MS = 30_000
-STATE_FILE = "dispatcher.json"
-LOCK_FILE = "dispatcher.lock"
 HARD_MESSAGE_LIMIT = 64 << 20  # beyond this ZeroMQ drops the peer instead of buffering the message
 
 
@@ -52,33 +49,6 @@ class Waiter:
     deadline: float
 
 
-def check_endpoint(endpoint: str, secret: str) -> None:
-    if endpoint.startswith("tcp://"):
-        host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
-        if host not in ("127.0.0.1", "localhost", "::1") and not secret:
-            raise ConfigError(f"binding {endpoint} on a non-loopback address requires dispatcher.secret")
-    elif endpoint.startswith("ipc://"):
-        path = endpoint[len("ipc://"):]
-        if len(path.encode()) > 100:
-            raise ConfigError(f"ipc endpoint path is too long for a Unix socket ({len(path)} > 100 bytes): {path}; "
-                              "use a shorter run.dir or set dispatcher.endpoint")
-
-
-def lock_run_dir(run_dir: Path):
-    """One dispatcher per run directory: two would interleave one journal. The lock dies with us."""
-    lock_file = open(run_dir / LOCK_FILE, "a+")
-    try:
-        fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock_file.close()
-        try:
-            holder = f" (pid {json.loads((run_dir / STATE_FILE).read_text())['pid']})"
-        except (OSError, ValueError, KeyError):
-            holder = ""
-        raise ConfigError(f"another dispatcher{holder} is serving {run_dir}") from None
-    return lock_file
-
-
 class DispatcherServer:
     def __init__(self, config: Config):
         self.config = config
@@ -87,6 +57,7 @@ class DispatcherServer:
         for endpoint in (config.control_endpoint, config.stats_endpoint):
             check_endpoint(endpoint, config.dispatcher.secret)
         self._lock = lock_run_dir(self.run_dir)
+        warn_about_changed_settings(self.run_dir, config)
         write_resolved(config)
         self.run_id = run_id_for(self.run_dir)
         self.hostname = socket.gethostname()
@@ -113,7 +84,9 @@ class DispatcherServer:
         self._context = zmq.Context()
         self.control = self._bind(config.control_endpoint)
         self.stats = self._bind(config.stats_endpoint)
-        self._write_state_file()
+        write_state_file(self.run_dir, {"pid": os.getpid(), "host": self.hostname, "run_id": self.run_id,
+                                        "control": config.control_endpoint, "stats": config.stats_endpoint,
+                                        "started": time.time()})
         log.info("serving %s (stats %s), run %s, %s", config.control_endpoint, config.stats_endpoint,
                  self.run_id, self.data_plane.describe())
 
@@ -126,14 +99,6 @@ class DispatcherServer:
             Path(endpoint[len("ipc://"):]).unlink(missing_ok=True)  # a stale socket file of a dead dispatcher
         sock.bind(endpoint)
         return sock
-
-    def _write_state_file(self) -> None:
-        state = {"pid": os.getpid(), "host": self.hostname, "run_id": self.run_id,
-                 "control": self.config.control_endpoint, "stats": self.config.stats_endpoint,
-                 "started": time.time()}
-        tmp = self.run_dir / (STATE_FILE + ".tmp")
-        tmp.write_text(json.dumps(state))
-        os.replace(tmp, self.run_dir / STATE_FILE)
 
     # -- loop ---------------------------------------------------------------------------------
     def request_stop(self, *_: Any) -> None:

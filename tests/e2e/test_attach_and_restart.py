@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import signal
 
-from hsd_testing import kill_tree, report, sim_args, start_hsd, stats, wait_for
+from hsd_testing import kill_tree, report, start_hsd, stats, wait_for
 
 
 def test_late_drafter_and_dispatcher_restart_keep_exactly_once(run_dir, tmp_path):

@@ -1,0 +1,74 @@
+"""The run directory's housekeeping: one dispatcher at a time, its state file, safe endpoints."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from common.config import RESOLVED_CONFIG_NAME, Config, ConfigError
+
+log = logging.getLogger("hsd.dispatcher")
+
+STATE_FILE = "dispatcher.json"  # pid and endpoints of the serving dispatcher; hsd launch waits for it
+LOCK_FILE = "dispatcher.lock"
+RESUME_SENSITIVE = ("run", "data", "schedule")
+
+
+def check_endpoint(endpoint: str, secret: str) -> None:
+    if endpoint.startswith("tcp://"):
+        host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+        if host not in ("127.0.0.1", "localhost", "::1") and not secret:
+            raise ConfigError(f"binding {endpoint} on a non-loopback address requires dispatcher.secret")
+    elif endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://"):]
+        if len(path.encode()) > 100:
+            raise ConfigError(f"ipc endpoint path is too long for a Unix socket ({len(path)} > 100 bytes): {path}; "
+                              "use a shorter run.dir or set dispatcher.endpoint")
+
+
+def lock_run_dir(run_dir: Path):
+    """One dispatcher per run directory: two would interleave one journal. The lock dies with us."""
+    lock_file = open(run_dir / LOCK_FILE, "a+")
+    try:
+        fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock_file.close()
+        try:
+            holder = f" (pid {json.loads((run_dir / STATE_FILE).read_text())['pid']})"
+        except (OSError, ValueError, KeyError):
+            holder = ""
+        raise ConfigError(f"another dispatcher{holder} is serving {run_dir}") from None
+    return lock_file
+
+
+RESUME_SENSITIVE = ("run", "data", "schedule")
+
+
+def warn_about_changed_settings(run_dir: Path, config: Config) -> None:
+    """A resume with other data or schedule settings changes only the epochs not yet started."""
+    previous_path = run_dir / RESOLVED_CONFIG_NAME
+    if not previous_path.exists():
+        return
+    try:
+        previous = yaml.safe_load(previous_path.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return
+    current = config.to_dict()
+    changed = [f"{section}.{key}: {previous[section][key]!r} -> {value!r}"
+               for section in RESUME_SENSITIVE for key, value in current[section].items()
+               if key in previous.get(section, {}) and previous[section][key] != value]
+    if changed:
+        log.warning("resuming %s with changed settings (started epochs keep their persisted schedule): %s",
+                    run_dir, "; ".join(changed))
+
+
+def write_state_file(run_dir: Path, state: dict[str, Any]) -> None:
+    tmp = run_dir / (STATE_FILE + ".tmp")
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, run_dir / STATE_FILE)
