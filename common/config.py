@@ -69,6 +69,8 @@ class DispatcherSection:
     worker_timeout_s: float = opt(5.0, "A worker silent this long is declared dead and its jobs are given back.")
     lease_s: float = opt(600.0, "Longest a target may extract, or a drafter copy out, one job before it is given back.")
     max_message_bytes: int = opt(1 << 20, "Largest accepted control message; larger ones get an error reply.")
+    metrics_port: int = opt(0, "Port of the Prometheus /metrics endpoint; 0 = off.")
+    metrics_host: str = opt("127.0.0.1", "Address the /metrics endpoint binds.")
     exit_when_done: bool = opt(True, "Exit after the last epoch is committed and the workers have left.")
 
 
@@ -219,6 +221,8 @@ def validate(config: Config) -> None:
             raise ConfigError(f"{section}.{key} must not be negative")
     if config.pool.min_ready >= config.pool.slots:
         raise ConfigError(f"pool.min_ready ({config.pool.min_ready}) must be below pool.slots ({config.pool.slots})")
+    if not 0 <= config.dispatcher.metrics_port < 65536:
+        raise ConfigError(f"dispatcher.metrics_port: {config.dispatcher.metrics_port} is not a port number")
     for key in ("heartbeat_s", "worker_timeout_s", "lease_s"):
         if getattr(config.dispatcher, key) <= 0:
             raise ConfigError(f"dispatcher.{key} must be positive")

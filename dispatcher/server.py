@@ -28,6 +28,7 @@ from dispatcher.core import DONE, CoreOptions, DispatcherCore, UnknownWorker, Wo
 from dispatcher.dataset import load_lengths
 from dispatcher.journal import Journal
 from dispatcher.ledger import LedgerError
+from dispatcher.metrics import MetricsServer
 from dispatcher.pool import HSPool
 from dispatcher.rundir import STATE_FILE, check_endpoint, lock_run_dir, warn_about_changed_settings, write_state_file
 from dispatcher.transport_setup import DataPlane
@@ -36,6 +37,7 @@ log = logging.getLogger("hsd.dispatcher")
 
 SWEEP_INTERVAL_S = 0.25
 PROGRESS_INTERVAL_S = 5.0
+METRICS_INTERVAL_S = 1.0
 MAX_WAIT_MS = 30_000
 HARD_MESSAGE_LIMIT = 64 << 20  # beyond this ZeroMQ drops the peer instead of buffering the message
 
@@ -87,6 +89,11 @@ class DispatcherServer:
         write_state_file(self.run_dir, {"pid": os.getpid(), "host": self.hostname, "run_id": self.run_id,
                                         "control": config.control_endpoint, "stats": config.stats_endpoint,
                                         "started": time.time()})
+        self.metrics: MetricsServer | None = None
+        self._next_metrics = 0.0
+        if config.dispatcher.metrics_port:
+            self.metrics = MetricsServer(config.dispatcher.metrics_host, config.dispatcher.metrics_port)
+            log.info("Prometheus metrics on http://%s:%d/metrics", config.dispatcher.metrics_host, self.metrics.port)
         log.info("serving %s (stats %s), run %s, %s", config.control_endpoint, config.stats_endpoint,
                  self.run_id, self.data_plane.describe())
 
@@ -127,6 +134,9 @@ class DispatcherServer:
                     next_sweep = now + SWEEP_INTERVAL_S
                     if now >= self._next_progress:
                         self._log_progress(now)
+                    if self.metrics is not None and now >= self._next_metrics:
+                        self.metrics.update(self._stats_snapshot())
+                        self._next_metrics = now + METRICS_INTERVAL_S
                     if self._finished(now):
                         break
                 if changed:
@@ -333,12 +343,15 @@ class DispatcherServer:
             request_id = request.id
             if request.op != "stats":
                 raise ProtocolError(ErrorCode.READ_ONLY, f"the stats socket serves only 'stats', not {request.op!r}")
-            snapshot = self.core.snapshot(time.monotonic())
-            snapshot.update(run_dir=str(self.run_dir), run_id=self.run_id, pid=os.getpid(),
-                            transport=self.data_plane.describe_dict(), waiters=len(self.waiters))
-            return protocol.ok_reply(request_id, stats=snapshot), False
+            return protocol.ok_reply(request_id, stats=self._stats_snapshot()), False
         except ProtocolError as exc:
             return self._error(exc.request_id if exc.request_id is not None else request_id, exc.code, exc.message), False
+
+    def _stats_snapshot(self) -> dict[str, Any]:
+        snapshot = self.core.snapshot(time.monotonic())
+        snapshot.update(run_dir=str(self.run_dir), run_id=self.run_id, pid=os.getpid(),
+                        transport=self.data_plane.describe_dict(), waiters=len(self.waiters))
+        return snapshot
 
     def close(self) -> None:
         for waiter in self.waiters:
@@ -354,6 +367,8 @@ class DispatcherServer:
             if endpoint.startswith("ipc://"):
                 Path(endpoint[len("ipc://"):]).unlink(missing_ok=True)
         (self.run_dir / STATE_FILE).unlink(missing_ok=True)
+        if self.metrics is not None:
+            self.metrics.close()
         self.data_plane.close()
         self._lock.close()
 

@@ -112,3 +112,27 @@ def test_second_dispatcher_on_the_same_run_dir_is_refused(dispatcher, run_dir):
     assert proc.returncode == 2
     assert f"another dispatcher (pid {dispatcher.pid}) is serving" in proc.stderr
     assert stats(run_dir)["pid"] == dispatcher.pid  # the first one is untouched
+
+
+def test_prometheus_metrics_endpoint(run_dir, tmp_path):
+    import socket
+    import urllib.request
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = start_hsd("dispatcher", *sim_args(run_dir, f"dispatcher.metrics_port={port}"),
+                     log_path=tmp_path / "dispatcher.log")
+    try:
+        def scrape():
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+            except OSError:
+                return None
+            return text if "hsd_jobs" in text else None
+        text = wait_for(scrape, 60, what="a /metrics scrape with a snapshot")
+        assert 'hsd_jobs{state="pending"}' in text and "# TYPE hsd_steps_total counter" in text
+        assert 'hsd_epoch_jobs{epoch="0"}' in text and "hsd_pool_bytes" in text
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        kill_tree(proc)
