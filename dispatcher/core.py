@@ -285,12 +285,17 @@ class DispatcherCore:
         """The epoch drafters take from now, and whether its tail drains (nothing left to extract).
 
         Epochs are consumed in order: a drafter moves on to epoch e+1 only once every job of e has
-        been handed to a drafter, so the consumed stream of each epoch stays proportional.
+        been handed to a drafter, so the consumed stream of each epoch stays proportional. One
+        exception keeps the run live: when jobs of e went back to pending (a drafter died) while
+        ready jobs of e+1 fill every slot, e+1 is served so that slots free up for e.
         """
+        no_free_slot = not self.pool.has_free_slot()
         for epoch in self._open_epochs():
             if self.pool.has_ready(epoch):
                 return epoch, self.ledger.count(epoch, JobState.PENDING) == 0
-            if self.ledger.count(epoch, JobState.PENDING, JobState.EXTRACTING, JobState.READY):
+            if self.ledger.count(epoch, JobState.EXTRACTING, JobState.READY):
+                return None
+            if self.ledger.count(epoch, JobState.PENDING) and not no_free_slot:
                 return None
         return None
 

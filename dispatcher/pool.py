@@ -173,6 +173,9 @@ class HSPool:
         self._free_slot(slot)
 
     # -- drafters ---------------------------------------------------------------------------
+    def has_free_slot(self) -> bool:
+        return any(self._free.values())
+
     def has_ready(self, epoch: int) -> bool:
         return epoch in self._ready and any(self._ready[epoch].values())
 

@@ -54,6 +54,7 @@ def test_bad_input_is_a_clear_error(tmp_path):
         (["launch", "run.epochs=many"], "run.epochs"),
         (["schedule", "--lengths", str(tmp_path / "nope.txt")], "nope.txt"),
         (["target", "run.dir=" + str(tmp_path / "r")], "target.sim"),
+        (["dispatcher", "run.dir=" + str(tmp_path / "big"), "pool.slots=100000000"], "does not fit"),
     ]
     (tmp_path / "bad.txt").write_text("12\nabc\n")
     cases.append((["schedule", "--lengths", str(tmp_path / "bad.txt")], "bad.txt:2"))

@@ -476,3 +476,34 @@ def test_owner_slots_are_indexed_in_the_owners_memory_and_lost_with_it(tmp_path)
 def test_a_schedule_without_jobs_is_refused(tmp_path):
     with pytest.raises(ValueError, match="longer than the last bucket"):
         make_core(tmp_path, lengths=[1000, 2000])
+
+
+def test_jobs_given_back_behind_a_full_pool_of_the_next_epoch_do_not_deadlock(tmp_path):
+    # 2 slots. A drafter consumes the end of epoch 0, targets fill both slots with epoch 1, then the
+    # drafter dies: its epoch-0 jobs are pending again but no slot is free for them.
+    core = make_core(tmp_path, epochs=2, shared_slots=2, min_ready=0, credits=2)
+    (t0,) = register(core, "target", 1)
+    d0, d1 = register(core, "drafter", 2)
+    epoch0 = core.ledger.epochs[0].num_jobs
+    taken_by_d0 = []
+    while len(taken_by_d0) < epoch0:
+        grant = core.get_job(t0, 1.0)
+        core.job_ready(t0, grant.job.job_id, grant.job.generation, 0.0, 1.0)
+        hs, _ = core.get_hs(d0, 1.0)
+        core.consumed(d0, hs.job.job_id, 1.0)
+        taken_by_d0.append(hs.job.job_id)
+    for _ in range(2):
+        grant = core.get_job(t0, 2.0)
+        assert grant.job.epoch == 1
+        core.job_ready(t0, grant.job.job_id, grant.job.generation, 0.0, 2.0)
+    assert core.get_job(t0, 2.0) is None          # blocked: both slots hold epoch-1 jobs
+    core.sweep(3.0, is_alive=lambda w: w.id != d0)
+    assert core.ledger.count(0, JobState.PENDING) == epoch0
+    hs, _ = core.get_hs(d1, 3.0)
+    assert hs is not None and hs.job.epoch == 1   # served to free a slot for epoch 0
+    core.consumed(d1, hs.job.job_id, 3.0)
+    grant = core.get_job(t0, 3.0)
+    assert grant.job.epoch == 0                   # the given-back job comes first
+    core.job_ready(t0, grant.job.job_id, grant.job.generation, 0.0, 3.0)
+    hs2, _ = core.get_hs(d1, 3.0)
+    assert hs2.job.epoch == 0                     # and epoch 0 is served again as soon as it is ready
