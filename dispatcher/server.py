@@ -240,6 +240,8 @@ class DispatcherServer:
             if reply is None:
                 if wait_ms == 0:
                     return self._empty_reply(op, request.id, worker_id), False
+                # A worker asks again only after it gave up on its earlier poll: that one is dead.
+                self.waiters = [w for w in self.waiters if (w.worker_id, w.op) != (worker_id, op)]
                 self.waiters.append(Waiter(identity, request.id, op, worker_id, now + wait_ms / 1000))
             return reply, reply is not None
         if op == "job_ready":
