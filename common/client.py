@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,8 @@ class DispatcherClient:
         self.timeout_s = timeout_s
         self._context = context or zmq.Context.instance()
         self._ids = itertools.count(1)
+        self._outstanding: set[int] = set()
+        self._early: dict[int, dict[str, Any]] = {}
         self._socket: zmq.Socket | None = None
         self._connect()
 
@@ -47,34 +50,61 @@ class DispatcherClient:
         """Drop queued requests and stale replies (after a timeout) with a fresh socket."""
         self.close()
         self._connect()
+        self._outstanding.clear()
+        self._early.clear()
 
-    def call(self, op: str, *, timeout_s: float | None = None, **fields: Any) -> dict[str, Any]:
-        """Send one request and wait for its reply; raises ProtocolError for an error reply."""
+    def submit(self, op: str, **fields: Any) -> int:
+        """Send a request without waiting; collect its reply with :meth:`result`.
+
+        Several requests may be in flight (a worker prefetches its next job while it moves the
+        bytes of the current one); replies are matched by id, whatever order they come in.
+        """
+        assert self._socket is not None
         request_id = next(self._ids)
         message = protocol.request(op, request_id, **fields)
         if self.secret:
             message["secret"] = self.secret
-        reply = self.call_raw(protocol.pack(message), request_id, timeout_s=timeout_s)
+        self._socket.send(protocol.pack(message))
+        self._outstanding.add(request_id)
+        return request_id
+
+    def result(self, request_id: int, *, timeout_s: float | None = None) -> dict[str, Any]:
+        """The reply to a submitted request; raises ProtocolError for an error reply."""
+        reply = self._wait_for(request_id, timeout_s)
         if not reply.get("ok"):
             error = reply.get("error") or {}
             raise ProtocolError(error.get("code", ErrorCode.INTERNAL), error.get("message", "error reply"))
         return reply
 
-    def call_raw(self, payload: bytes | list[bytes], request_id: int | None = None, *,
-                 timeout_s: float | None = None) -> dict[str, Any]:
-        """Send raw frames and return the decoded reply (tests use it to send garbage)."""
+    def call(self, op: str, *, timeout_s: float | None = None, **fields: Any) -> dict[str, Any]:
+        """Send one request and wait for its reply; raises ProtocolError for an error reply."""
+        return self.result(self.submit(op, **fields), timeout_s=timeout_s)
+
+    def call_raw(self, payload: bytes | list[bytes], *, timeout_s: float | None = None) -> dict[str, Any]:
+        """Send raw frames and return the next reply, whatever its id (tests use it to send garbage)."""
         assert self._socket is not None
-        frames = payload if isinstance(payload, list) else [payload]
-        self._socket.send_multipart(frames)
-        deadline_ms = int(1000 * (self.timeout_s if timeout_s is None else timeout_s))
+        self._socket.send_multipart(payload if isinstance(payload, list) else [payload])
+        return self._wait_for(None, timeout_s)
+
+    def _wait_for(self, request_id: int | None, timeout_s: float | None) -> dict[str, Any]:
+        if request_id in self._early:
+            self._outstanding.discard(request_id)
+            return self._early.pop(request_id)
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
         while True:
-            if not self._socket.poll(deadline_ms):
+            remaining_ms = int(1000 * (deadline - time.monotonic()))
+            if remaining_ms <= 0 or not self._socket.poll(remaining_ms):
                 self.reset()
-                raise DispatcherUnavailable(f"no reply from {self.endpoint} within {deadline_ms / 1000:.1f}s")
+                raise DispatcherUnavailable(f"no reply from {self.endpoint} within {timeout:.1f}s")
             reply = protocol.unpack(self._socket.recv())
-            if request_id is None or reply.get("id") in (request_id, None):
+            reply_id = reply.get("id")
+            if request_id is None or reply_id == request_id or reply_id is None:
+                self._outstanding.discard(reply_id)
                 return reply
-            # A late reply to an earlier, timed-out request: drop it.
+            if reply_id in self._outstanding:  # another request in flight: keep it for its caller
+                self._early[reply_id] = reply
+            # else a late reply to a request given up on (after a reset): dropped
 
     def close(self) -> None:
         if self._socket is not None:

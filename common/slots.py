@@ -290,8 +290,12 @@ class SlotView:
 
 
 def copy_out(view: SlotView, generation: int, device: torch.device, *,
-             stream: torch.cuda.Stream | None = None) -> SlotBatch:
+             stream: torch.cuda.Stream | None = None, into: SlotView | None = None) -> SlotBatch:
     """Copy the used part of a slot to ``device``, checking the generation before and after.
+
+    On the CPU, ``into`` is a staging slot of the reader's own: the batch is then views into it,
+    valid until the next read, and no fresh pages are faulted in per read (on a VM that costs more
+    than the copy itself).
 
     On a CUDA device the copies (and the tiny header reads) run on ``stream`` so they do not queue
     behind the caller's compute stream; the batch is then recorded on the caller's current stream so
@@ -301,7 +305,12 @@ def copy_out(view: SlotView, generation: int, device: torch.device, *,
         if view.device.type != "cpu":
             raise ValueError(f"cannot read a {view.device} slot into CPU memory: use a CUDA device")
         header = view.expect_generation(generation, when="before")
-        out = view.batch(header).clone()
+        if into is None:
+            out = view.batch(header).clone()
+        else:
+            out = into.batch(header)
+            for dst, src in zip(out._tensors(), view.batch(header)._tensors()):
+                dst.copy_(src)
         view.expect_generation(generation, when="after")
         return out
     consumer = torch.cuda.current_stream(device)

@@ -140,9 +140,15 @@ class DrafterTransport:
         self._opener = opener
         # A side stream, so copies do not wait behind the training step queued on the compute stream.
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # On the CPU every read lands in one staging slot, faulted in once.
+        self._staging = (SlotView(torch.zeros(layout.slot_bytes, dtype=torch.uint8), layout)
+                         if device.type == "cpu" else None)
 
     def read(self, slot_id: int, generation: int, *, ipc: dict[str, Any] | None = None, owner: str = "") -> SlotBatch:
         """Copy slot ``slot_id`` if it still holds ``generation`` (else StaleSlotError).
+
+        On a CPU drafter the batch lives in the transport's staging slot until the next read
+        (``clone()`` it to keep it longer); on a GPU it is a fresh allocation of the caching allocator.
 
         For cuda_ipc, ``ipc`` is the owning target's export and ``owner`` its worker id.
         """
@@ -151,7 +157,7 @@ class DrafterTransport:
                 raise ValueError("a cuda_ipc read needs the owning target's export (ipc=...)")
             return self._opener.read_into(ipc, slot_id, generation, stream=self._stream, owner=owner)
         assert self._arena is not None
-        return copy_out(self._arena.slot(slot_id), generation, self.device, stream=self._stream)
+        return copy_out(self._arena.slot(slot_id), generation, self.device, stream=self._stream, into=self._staging)
 
     def forget(self, owner: str) -> None:
         """Drop a departed target's CUDA IPC block (no-op for shm)."""

@@ -91,6 +91,23 @@ class WorkerSession:
                 if op not in ("get_job", "get_hs", "heartbeat"):
                     raise WorkerLost(f"{op} got no reply") from None
 
+    def submit(self, op: str, **fields: Any) -> int:
+        """Send on this worker's behalf without waiting (pipelining); see :meth:`result`."""
+        return self.client.submit(op, worker_id=self.worker_id, **fields)
+
+    def result(self, request_id: int, *, timeout_s: float = CALL_TIMEOUT_S) -> dict[str, Any]:
+        """The reply to :meth:`submit`. A pipelined worker that loses a reply cannot tell what the
+        dispatcher did with it, so it starts over: WorkerLost, and the dispatcher gives its jobs back."""
+        try:
+            return self.client.result(request_id, timeout_s=timeout_s)
+        except ProtocolError as exc:
+            if exc.code == ErrorCode.UNKNOWN_WORKER:
+                self._stop_heartbeats()
+                raise WorkerLost(exc.message) from None
+            raise
+        except DispatcherUnavailable:
+            raise WorkerLost(f"request {request_id} got no reply") from None
+
     def report(self, op: str, **fields: Any) -> dict[str, Any] | None:
         """A state-changing call that the dispatcher may refuse because the job was already given back
         (its lease ran out, or the step lost a job): None then, and the caller drops that work."""

@@ -115,6 +115,7 @@ class DispatcherCore:
         if recovered.steps_to_revert:
             self.journal.record("revert", durable=True, steps=recovered.steps_to_revert)
         self.next_step = recovered.next_step
+        self.incarnation = recovered.num_starts
         for epoch in sorted(recovered.epochs_started):
             schedule = load_schedule(self.run_dir, epoch)
             if schedule is None:
@@ -161,7 +162,9 @@ class DispatcherCore:
 
     # -- membership -------------------------------------------------------------------------
     def register(self, *, role: str, name: str, pid: int, host: str, gpu: int | None, now: float) -> Worker:
-        worker_id = f"{role[0]}{self._next_worker[role]}"
+        # The incarnation keeps ids unique across dispatcher restarts: a worker still speaking for
+        # the previous dispatcher's "d0" must get unknown_worker, not the new d0's jobs.
+        worker_id = f"{role[0]}{self._next_worker[role]}.{self.incarnation}"
         self._next_worker[role] += 1
         worker = Worker(worker_id, role, name, pid, host, gpu, registered_at=now, last_seen=now)
         self.workers[worker_id] = worker

@@ -58,6 +58,7 @@ class Recovered:
     committed: set[int] = field(default_factory=set)  # job ids whose commit is covered by a checkpoint
     steps_to_revert: list[int] = field(default_factory=list)
     next_step: int = 0
+    num_starts: int = 0  # dispatcher starts so far: ids handed out now must differ from theirs
 
 
 def recover(run_dir: str | os.PathLike) -> Recovered:
@@ -67,7 +68,9 @@ def recover(run_dir: str | os.PathLike) -> Recovered:
     last_checkpoint = -1
     for event in read_journal(run_dir):
         kind = event["ev"]
-        if kind == "epoch" and event["epoch"] not in out.epochs_started:
+        if kind == "start":
+            out.num_starts += 1
+        elif kind == "epoch" and event["epoch"] not in out.epochs_started:
             out.epochs_started.append(event["epoch"])
         elif kind == "commit":
             commits[event["step"]] = (event["jobs"], bool(event.get("checkpointed")))

@@ -110,7 +110,7 @@ def all_job_ids(core):
 def test_two_targets_two_drafters_two_epochs(tmp_path):
     core = make_core(tmp_path)
     targets, drafters = register(core, "target", 2), register(core, "drafter", 2)
-    assert targets == ["t0", "t1"] and drafters == ["d0", "d1"]
+    assert targets == ["t0.0", "t1.0"] and drafters == ["d0.0", "d1.0"]
     sim = Sim(core, targets, drafters)
     sim.run()
     assert core.done
@@ -120,7 +120,7 @@ def test_two_targets_two_drafters_two_epochs(tmp_path):
     assert set(committed) == all_job_ids(core) == set(core.ledger.jobs)
     assert all(job.state is JobState.COMMITTED for job in core.ledger.jobs.values())
     assert [step for step, _, _ in sim.commits] == list(range(len(sim.commits)))
-    assert {d for _, d, _ in sim.commits} == {"d0", "d1"}
+    assert {d for _, d, _ in sim.commits} == {"d0.0", "d1.0"}
     assert core.ledger.counts_by_state()["committed"] == 24
     assert core.pool.counts()["free"] == 6
     # every job trained with the samples of its schedule batch
@@ -128,8 +128,8 @@ def test_two_targets_two_drafters_two_epochs(tmp_path):
         assert [core.ledger.jobs[make_job_id(e, i)].samples for i in range(12)] == [b.samples for b in schedule.batches]
         assert load_schedule(tmp_path, e) == schedule   # persisted
     # done from now on
-    assert core.get_job("t0", sim.now) == DONE
-    assert core.get_hs("d1", sim.now) == (DONE, False)
+    assert core.get_job("t0.0", sim.now) == DONE
+    assert core.get_hs("d1.0", sim.now) == (DONE, False)
     # the journal agrees: every job in exactly one commit
     journal_jobs = [j for e in read_journal(tmp_path) if e["ev"] == "commit" for j in e["jobs"]]
     assert Counter(journal_jobs) == Counter(committed)
@@ -171,14 +171,14 @@ def test_dead_target_gives_its_job_back_and_it_is_handed_out_again(tmp_path):
     assert grant.job.job_id == make_job_id(0, 0)
     second = core.get_job(t0, 1.0)
     assert core.pool.counts()["writing"] == 2
-    dead = core.sweep(2.0, is_alive=lambda w: w.id != "t0")
-    assert dead == ["t0"]
-    assert "t0" not in core.workers and set(core.workers) == {"t1", "d0"}
+    dead = core.sweep(2.0, is_alive=lambda w: w.id != "t0.0")
+    assert dead == ["t0.0"]
+    assert "t0.0" not in core.workers and set(core.workers) == {"t1.0", "d0.0"}
     assert grant.job.state is JobState.PENDING and second.job.state is JobState.PENDING
     assert core.pool.counts()["writing"] == 0 and core.pool.counts()["free"] == 6
     again = core.get_job(t1, 3.0)
     assert again.job.job_id == grant.job.job_id              # back at the head of the queue
-    assert again.job.holder == "t1" and again.job.generation > 0
+    assert again.job.holder == "t1.0" and again.job.generation > 0
     assert core.get_job(t1, 3.0).job.job_id == second.job.job_id
     with pytest.raises(UnknownWorker):                        # the dead target's late report
         core.job_ready(t0, grant.job.job_id, grant.job.generation, 0.0, 3.0)
@@ -213,7 +213,7 @@ def test_silent_worker_times_out_and_expired_lease_is_given_back(tmp_path):
     core.heartbeat(t0, 8.0)
     core.heartbeat(d0, 8.0)
     # t1 silent since 4.0: dead at 9.5; d0's training lease (deadline 11) still holds
-    assert core.sweep(9.5, is_alive=lambda w: True) == ["t1"]
+    assert core.sweep(9.5, is_alive=lambda w: True) == ["t1.0"]
     assert late.job.state is JobState.PENDING
     assert hs.job.state is JobState.TRAINING
     core.heartbeat(t0, 12.0)
@@ -236,7 +236,7 @@ def test_dead_drafter_gives_back_training_and_consumed_jobs(tmp_path):
     a, _ = core.get_hs(d0, 1.0)
     core.consumed(d0, a.job.job_id, 1.0)
     b, _ = core.get_hs(d0, 1.0)
-    assert core.sweep(2.0, is_alive=lambda w: w.id != "d0") == ["d0"]
+    assert core.sweep(2.0, is_alive=lambda w: w.id != "d0.0") == ["d0.0"]
     assert a.job.state is JobState.PENDING            # its step never completed: extract again
     assert b.job.state is JobState.READY              # the slot still holds it
     assert sum(core.ledger.epochs[0].taken.values()) == 0
@@ -467,7 +467,7 @@ def test_owner_slots_are_indexed_in_the_owners_memory_and_lost_with_it(tmp_path)
     assert other_ready[0].state is JobState.PENDING
     assert core.counters.given_back["slot_lost"] == 1
     # the job being trained from it goes back to pending when its drafter gives it back
-    core.sweep(4.0, is_alive=lambda w: w.id != "d0")
+    core.sweep(4.0, is_alive=lambda w: w.id != "d0.0")
     assert hs.job.state is JobState.PENDING
     survivor = t1 if owner == t0 else t0
     assert {s.owner for s in core.pool.slots.values()} == {survivor}
@@ -507,3 +507,14 @@ def test_jobs_given_back_behind_a_full_pool_of_the_next_epoch_do_not_deadlock(tm
     core.job_ready(t0, grant.job.job_id, grant.job.generation, 0.0, 3.0)
     hs2, _ = core.get_hs(d1, 3.0)
     assert hs2.job.epoch == 0                     # and epoch 0 is served again as soon as it is ready
+
+
+def test_worker_ids_differ_across_dispatcher_restarts(tmp_path):
+    first = make_core(tmp_path, epochs=1)
+    (old,) = register(first, "drafter", 1)
+    first.journal.close()
+    second = make_core(tmp_path, epochs=1)
+    (new,) = register(second, "drafter", 1)
+    assert old != new
+    with pytest.raises(UnknownWorker):  # a request still naming the old id is not the new worker's
+        second.get_hs(old, 1.0)
