@@ -2,8 +2,8 @@
 
 Every event that changes what a restart must know (an epoch started, a step committed, a checkpoint
 made durable, commits reverted) is appended and fsynced before the dispatcher acknowledges it.
-Progress events (a job ready, a worker joined) are appended without fsync: the report reads them,
-a restart does not need them. A torn last line (power cut mid-write) is ignored on reading.
+Progress events (a job ready, a worker joined) are buffered and flushed a few times a second
+without fsync: the report reads them, a restart does not need them. A torn last line (power cut mid-write) is ignored on reading.
 """
 
 from __future__ import annotations
@@ -24,11 +24,16 @@ class Journal:
         self._file = open(self.path, "a", encoding="utf-8")
 
     def record(self, event: str, *, durable: bool = False, **fields: Any) -> None:
+        """Append one event; ``durable`` ones are on disk when this returns, the others by the next
+        :meth:`flush` (the dispatcher flushes a few times a second)."""
         line = json.dumps({"ev": event, "t": round(time.time(), 6), **fields}, separators=(",", ":"))
         self._file.write(line + "\n")
-        self._file.flush()
         if durable:
+            self._file.flush()
             os.fsync(self._file.fileno())
+
+    def flush(self) -> None:
+        self._file.flush()
 
     def close(self) -> None:
         if not self._file.closed:

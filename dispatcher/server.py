@@ -132,6 +132,7 @@ class DispatcherServer:
                 if now >= next_sweep:
                     changed |= bool(self.core.sweep(now, self._is_alive))
                     next_sweep = now + SWEEP_INTERVAL_S
+                    self.journal.flush()
                     if now >= self._next_progress:
                         self._log_progress(now)
                     if self.metrics is not None and now >= self._next_metrics:

@@ -182,6 +182,7 @@ def test_dead_target_gives_its_job_back_and_it_is_handed_out_again(tmp_path):
     assert core.get_job(t1, 3.0).job.job_id == second.job.job_id
     with pytest.raises(UnknownWorker):                        # the dead target's late report
         core.job_ready(t0, grant.job.job_id, grant.job.generation, 0.0, 3.0)
+    core.journal.flush()
     events = [e for e in read_journal(tmp_path) if e["ev"] == "give_back"]
     assert sorted(e["job"] for e in events) == sorted([grant.job.job_id, second.job.job_id])
     assert all(e["was"] == "extracting" for e in events)

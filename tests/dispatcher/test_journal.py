@@ -16,7 +16,9 @@ def test_record_and_read(tmp_path):
     journal = Journal(tmp_path)
     journal.record("epoch", durable=True, epoch=0, jobs=3)
     journal.record("ready", job=5, w="t0")
-    # readable while still open: every record is flushed
+    # a durable record is on disk at once; a progress record once the journal is flushed
+    assert [e["ev"] for e in read_journal(tmp_path)] == ["epoch"]
+    journal.flush()
     events = list(read_journal(tmp_path))
     assert [e["ev"] for e in events] == ["epoch", "ready"]
     assert events[0]["epoch"] == 0 and events[0]["jobs"] == 3 and isinstance(events[0]["t"], float)

@@ -1,0 +1,361 @@
+"""``hsd bench transport``: how fast hidden states move from a target to a drafter on this host.
+
+Every path moves the same bytes per item, the hidden-state region of one slot (about
+``--slot-mb`` MiB), from a producer's preallocated source into a consumer's preallocated
+destination, and is measured for ``--seconds`` after a short warm-up (GB/s, 1 GB = 1e9 bytes):
+
+- ``memcpy``: one process copying the bytes between two buffers: the limit of every path.
+  ``memcpy_uncached`` is the same copy cycling through as much memory as the shm path does.
+- ``shm``: the shared-memory arena through the real protocol: a dispatcher process, a target
+  (get_job, write the slot, job_ready) and a drafter (get_hs, copy out, consumed, commit_step).
+  The drafter reads with ``DrafterTransport.read`` and commits every ``drafter.accum_steps`` (4)
+  items, as a drafter does; ``shm_copy`` is its copy alone and ``shm_control_ms`` its time in
+  those calls per item.
+- ``torch_mp_queue``: a torch.multiprocessing Queue of fresh CPU tensors, put as a producer usually
+  does (``_shared``: allocated in shared memory up front, the queue's best case).
+- ``zmq_ipc``: ZeroMQ PUSH/PULL over ipc:// with zero-copy sends.
+- ``rtt``: control-plane latency of a get_hs + consumed cycle against the dispatcher, and of
+  commit_step (journaled with fsync) separately.
+- on CUDA hosts ``d2d`` (one GPU, in process) and ``cuda_ipc`` (a target's slot block opened by a
+  drafter process; it includes a message per slot, as a real handoff does).
+
+The processes are spawned, each with one intra-op thread. The figures are printed as a table, or as
+one JSON object with ``--json``; progress goes to stderr. ``other_cpu_pct`` tells how much of the
+CPUs the rest of the host used meanwhile: on a busy machine every figure is skewed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import queue
+import shutil
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import psutil
+import torch
+
+from common.client import run_id_for
+from common.config import Config, load_config
+from common.cuda_ipc import cuda_ipc_available
+from common.shm_arena import SHM_DIR, sweep_dead_segments
+from common.slots import SlotLayout, format_bytes
+from dispatcher import bench_workers as workers
+from dispatcher.bench_workers import BenchSpec, Meter
+
+SLOT_TOKENS = 8192
+SLOT_LAYERS = 5
+SLOT_DTYPE = "bfloat16"
+NUM_SLOTS = 4
+MAX_WARMUP_S = 0.5
+RTT_CYCLES_PER_S = 1500  # control-plane cycles timed per second of --seconds ("a few thousand" by default)
+MAX_ITEMS_PER_S = 3000  # generous bound on handoffs per second, to size the benchmark's job list
+PHASE_TIMEOUT_S = 90.0  # beyond the measured time: process start-up, registration, warm-up
+TARGETS = {"shm_vs_memcpy": 0.7, "shm_vs_torch_mp_queue": 3.0}
+RTT_P99_TARGET_MS = 2.0
+
+
+def bench_layout(slot_mb: float) -> SlotLayout:
+    """A slot whose hidden-state region is about ``slot_mb`` MiB: 8192 tokens × 5 layers × hidden."""
+    if not (math.isfinite(slot_mb) and slot_mb > 0):
+        raise ValueError(f"--slot-mb must be a positive number, got {slot_mb}")
+    itemsize = torch.empty(0, dtype=getattr(torch, SLOT_DTYPE)).element_size()
+    hidden_size = max(1, round(slot_mb * 2**20 / (SLOT_TOKENS * SLOT_LAYERS * itemsize)))
+    return SlotLayout(tokens_per_batch=SLOT_TOKENS, num_layers=SLOT_LAYERS, hidden_size=hidden_size,
+                      dtype=SLOT_DTYPE, max_seqs=1)
+
+
+def _progress(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+class HostLoad:
+    """CPU time the rest of the host used while the benchmark ran: a busy CI box skews every figure."""
+
+    def __init__(self) -> None:
+        self._started = time.monotonic()
+        self._cpu = psutil.cpu_times()
+        self._own = self._own_cpu_s()
+
+    @staticmethod
+    def _own_cpu_s() -> float:
+        # Children count once reaped; the benchmark joins every process it starts.
+        t = os.times()
+        return t.user + t.system + t.children_user + t.children_system
+
+    def figures(self) -> dict[str, float]:
+        cpu, capacity = psutil.cpu_times(), (time.monotonic() - self._started) * (os.cpu_count() or 1)
+        busy = sum(getattr(cpu, f) - getattr(self._cpu, f) for f in ("user", "nice", "system", "irq", "softirq"))
+        other = max(0.0, busy - (self._own_cpu_s() - self._own))
+        return {"other_cpu_pct": 100 * other / capacity,
+                "steal_pct": 100 * (getattr(cpu, "steal", 0.0) - getattr(self._cpu, "steal", 0.0)) / capacity}
+
+
+def _dispatcher_config(run_dir: Path, layout: SlotLayout, num_jobs: int) -> Config:
+    # One bucket as long as the token budget: every job fills the whole slot (max_seqs 1, as here).
+    return load_config(None, [
+        f"run.dir={run_dir}", f"target.hidden_size={layout.hidden_size}",
+        f"target.num_capture_layers={layout.num_layers}", f"target.dtype={layout.dtype}",
+        f"schedule.tokens_per_batch={layout.tokens_per_batch}", f"schedule.buckets=[{layout.tokens_per_batch}]",
+        f"pool.slots={NUM_SLOTS}", "pool.min_ready=0", "pool.transport=shm",
+        f"data.synthetic_samples={num_jobs}", "dispatcher.exit_when_done=false"])
+
+
+def _reap(processes: list[Any], timeout_s: float = 10.0) -> None:
+    """Join our children; SIGTERM, then SIGKILL, those that do not exit. Unclean exits are reported."""
+    for proc in processes:
+        if proc.pid is None:
+            continue
+        proc.join(timeout_s)
+        if proc.is_alive():
+            _progress(f"{proc.name} did not exit: terminating it")
+            proc.terminate()
+            proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+        if proc.exitcode != 0:
+            _progress(f"warning: {proc.name} exited with code {proc.exitcode}")
+
+
+def _run_pair(ctx: Any, what: str, producer: Callable, producer_args: tuple, consumer: Callable,
+              consumer_args: tuple, *, timeout_s: float, after_start: Callable[[], None] = lambda: None) -> dict:
+    """Run one producer and one consumer process until the consumer reports its figures."""
+    stop, results = ctx.Event(), ctx.Queue()
+    processes = [ctx.Process(target=fn, args=(*args, stop, results), name=f"hsd-bench-{what}-{role}")
+                 for role, fn, args in (("producer", producer, producer_args), ("consumer", consumer, consumer_args))]
+    try:
+        for proc in processes:
+            proc.start()
+        after_start()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                result = results.get(timeout=0.2)
+                break
+            except queue.Empty:
+                pass
+            failed = [p for p in processes if p.exitcode is not None and p.exitcode != 0]
+            if failed:
+                raise RuntimeError(f"{what}: {failed[0].name} exited with code {failed[0].exitcode}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what}: no result within {timeout_s:.0f}s")
+        if "error" in result:
+            raise RuntimeError(f"{what} failed in a worker process:\n{result['error']}")
+        return result
+    finally:
+        stop.set()
+        _reap(processes)
+        results.close()
+        results.join_thread()
+
+
+@contextmanager
+def _dispatcher(ctx: Any, config: Config) -> Iterator[None]:
+    """A real dispatcher in a child process; SIGTERM at the end, after which its arena must be gone."""
+    state_file = config.run_dir / "dispatcher.json"
+    proc = ctx.Process(target=workers.serve_dispatcher, args=(config,), name="hsd-bench-dispatcher")
+    proc.start()
+    try:
+        deadline = time.monotonic() + PHASE_TIMEOUT_S
+        while not state_file.exists():
+            if proc.exitcode is not None:
+                raise RuntimeError(f"the benchmark dispatcher exited with code {proc.exitcode} while starting")
+            if time.monotonic() > deadline:
+                raise RuntimeError("the benchmark dispatcher did not start")
+            time.sleep(0.05)
+        yield
+    finally:
+        if proc.is_alive():
+            proc.terminate()
+        _reap([proc])
+        run_id = run_id_for(config.run_dir)
+        swept = sweep_dead_segments(run_id)
+        if swept:
+            _progress(f"warning: removed the dispatcher's leftover shared memory {', '.join(swept)}")
+
+
+def _measure_copy(spec: BenchSpec, buffers: list[torch.Tensor]) -> float:
+    """Copy ``buffers[i]`` into ``buffers[i + 1]`` round the ring (two buffers: src and dst)."""
+    meter = Meter(spec)
+    nbytes, cuda = buffers[0].nbytes, buffers[0].is_cuda
+    # On a GPU, copies are queued and timed in batches of ~20 GB so the synchronize is amortized.
+    batch = max(1, int(2e10 // nbytes)) if cuda else 1
+    i = 0
+    while True:
+        for _ in range(batch):
+            buffers[(i + 1) % len(buffers)].copy_(buffers[i % len(buffers)])
+            i += 1
+        if cuda:
+            torch.cuda.synchronize(buffers[0].device)
+        if meter.add(batch * nbytes):
+            return meter.result()["gbps"]
+
+
+def _measure_memcpy(spec: BenchSpec, *, num_buffers: int = 2, device: str = "cpu") -> float:
+    # Every buffer written once first, so the loop copies between resident pages only.
+    return _measure_copy(spec, [torch.full(spec.hs_shape, 0.5, dtype=spec.layout.torch_dtype, device=device)
+                                for _ in range(num_buffers)])
+
+
+def _measure_cuda(ctx: Any, spec: BenchSpec, timeout_s: float) -> dict[str, Any]:
+    figures: dict[str, Any] = {"d2d_gbps": _measure_memcpy(spec, device="cuda:0")}
+    _progress(f"d2d copy on cuda:0: {figures['d2d_gbps']:.2f} GB/s")
+    if not cuda_ipc_available():
+        return figures
+    consumer_index = 1 if torch.cuda.device_count() > 1 else 0  # different GPUs, as in a real run
+    producer_end, consumer_end = ctx.Pipe()
+    result = _run_pair(ctx, "cuda_ipc", workers.cuda_ipc_target, (spec, 0, producer_end),
+                       workers.cuda_ipc_drafter, (spec, consumer_index, consumer_end), timeout_s=timeout_s,
+                       after_start=lambda: (producer_end.close(), consumer_end.close()))
+    figures["cuda_ipc_gbps"] = result["gbps"]
+    figures["cuda_ipc_devices"] = f"cuda:0->cuda:{consumer_index}"
+    _progress(f"cuda_ipc {figures['cuda_ipc_devices']}: {result['gbps']:.2f} GB/s")
+    return figures
+
+
+def _measure_protocol(ctx: Any, spec: BenchSpec, config: Config, *, num_rtt_cycles: int,
+                      timeout_s: float) -> dict[str, Any]:
+    """The shm arena and the control plane, against one real dispatcher."""
+    figures: dict[str, Any] = {}
+    with _dispatcher(ctx, config):
+        result = _run_pair(ctx, "shm", workers.shm_target, (config, spec, True),
+                           workers.shm_drafter, (config, spec), timeout_s=timeout_s)
+        figures.update(shm_gbps=result["gbps"], shm_copy_gbps=result["copy_gbps"],
+                       shm_control_ms=result["control_ms"])
+        _progress(f"shm: {result['gbps']:.2f} GB/s, {result['items']} items; the drafter copies at "
+                  f"{result['copy_gbps']:.2f} GB/s and spends {result['control_ms']:.2f} ms per item in "
+                  f"get_hs/consumed/commit_step (a commit every {config.drafter.accum_steps} items)")
+        result = _run_pair(ctx, "rtt", workers.shm_target, (config, spec, False),
+                           workers.rtt_drafter, (config, spec, num_rtt_cycles), timeout_s=timeout_s)
+        figures.update(result)
+        _progress(f"rtt get_hs+consumed: p50 {result['rtt_p50_ms']:.3f} ms, p99 {result['rtt_p99_ms']:.3f} ms "
+                  f"({result['rtt_cycles']} cycles, {result['rtt_waited']} waited)")
+    return figures
+
+
+def _measure_alternatives(ctx: Any, spec: BenchSpec, tmp: Path, *, timeout_s: float) -> dict[str, Any]:
+    """A torch.multiprocessing Queue (as usually called, and at its best) and ZeroMQ over ipc://."""
+    figures: dict[str, Any] = {}
+    for key, shared_alloc in (("torch_mp_queue_gbps", False), ("torch_mp_queue_shared_gbps", True)):
+        items, drained = ctx.Queue(maxsize=4), ctx.Event()  # bounded: at most four items in flight
+        result = _run_pair(ctx, key[:-5], workers.queue_producer, (spec, shared_alloc, items, drained),
+                           workers.queue_consumer, (spec, items, drained), timeout_s=timeout_s)
+        items.close()
+        figures[key] = result["gbps"]
+        _progress(f"{key[:-5]}: {result['gbps']:.2f} GB/s, {result['items']} items")
+    endpoint = f"ipc://{tmp / 'zmq.sock'}"
+    result = _run_pair(ctx, "zmq_ipc", workers.zmq_producer, (spec, endpoint),
+                       workers.zmq_consumer, (spec, endpoint), timeout_s=timeout_s)
+    figures["zmq_ipc_gbps"] = result["gbps"]
+    _progress(f"zmq_ipc: {result['gbps']:.2f} GB/s, {result['items']} items")
+    return figures
+
+
+def measure(*, slot_mb: float, seconds: float) -> dict[str, Any]:
+    """Run every measurement; returns the figures (the keys of ``--json``)."""
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"--seconds must be a positive number, got {seconds}")
+    torch.set_num_threads(1)
+    layout = bench_layout(slot_mb)
+    needed = (NUM_SLOTS + 2) * layout.slot_bytes  # the arena plus each side's own copy
+    available = min(psutil.virtual_memory().available, shutil.disk_usage(SHM_DIR).free)
+    if needed > available:
+        raise ValueError(f"--slot-mb {slot_mb:g} needs {format_bytes(needed)} of memory ({NUM_SLOTS} slots in "
+                         f"{SHM_DIR} and one slot-sized copy on each side); this host has {format_bytes(available)}")
+    spec = BenchSpec(layout, seconds=seconds, warmup_s=min(MAX_WARMUP_S, seconds / 4))
+    timeout_s = PHASE_TIMEOUT_S + spec.warmup_s + seconds
+    num_rtt_cycles = max(200, round(RTT_CYCLES_PER_S * seconds))
+    num_jobs = round(MAX_ITEMS_PER_S * 2 * (seconds + spec.warmup_s)) + 2 * num_rtt_cycles + 1000
+    ctx = torch.multiprocessing.get_context("spawn")
+    load = HostLoad()
+    figures: dict[str, Any] = {"slot_bytes": layout.slot_bytes, "hs_bytes": layout.hs_bytes,
+                               "seconds": seconds, "num_cpus": os.cpu_count()}
+    _progress(f"{layout.describe()}; {seconds:g} s per path after {spec.warmup_s:g} s warm-up")
+
+    figures["memcpy_gbps"] = _measure_memcpy(spec)
+    _progress(f"memcpy: {figures['memcpy_gbps']:.2f} GB/s")
+    # Two slot-sized buffers can sit largely in a server's last-level cache; the shm path cycles
+    # through the source, every slot and the destination, so it streams from DRAM. This is the
+    # same copy over that much memory: the limit the shm path can really approach.
+    figures["memcpy_uncached_gbps"] = _measure_memcpy(spec, num_buffers=NUM_SLOTS + 2)
+    _progress(f"memcpy over {NUM_SLOTS + 2} buffers: {figures['memcpy_uncached_gbps']:.2f} GB/s")
+    tmp = Path(tempfile.mkdtemp(prefix="hsd_bench_"))
+    try:
+        config = _dispatcher_config(tmp / "run", layout, num_jobs)
+        figures.update(_measure_protocol(ctx, spec, config, num_rtt_cycles=num_rtt_cycles, timeout_s=timeout_s))
+        figures.update(_measure_alternatives(ctx, spec, tmp, timeout_s=timeout_s))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if torch.cuda.is_available():
+        figures.update(_measure_cuda(ctx, spec, timeout_s))
+
+    figures.update(load.figures())
+    if figures["other_cpu_pct"] > 5:
+        _progress(f"other processes used {figures['other_cpu_pct']:.0f}% of the CPUs during the run: "
+                  f"every figure is skewed, run again on a quiet host")
+    memcpy, shm = figures["memcpy_gbps"], figures["shm_gbps"]
+    figures.update(shm_vs_memcpy=shm / memcpy, shm_vs_memcpy_uncached=shm / figures["memcpy_uncached_gbps"],
+                   shm_vs_torch_mp_queue=shm / figures["torch_mp_queue_gbps"],
+                   shm_vs_torch_mp_queue_shared=shm / figures["torch_mp_queue_shared_gbps"],
+                   shm_vs_zmq_ipc=shm / figures["zmq_ipc_gbps"])
+    figures["targets_met"] = {**{key: figures[key] >= bound for key, bound in TARGETS.items()},
+                              "rtt_p99_ms": figures["rtt_p99_ms"] <= RTT_P99_TARGET_MS}
+    return figures
+
+
+_TABLE_ROWS = (
+    ("memcpy, one process", "memcpy_gbps"),
+    (f"memcpy over {NUM_SLOTS + 2} buffers", "memcpy_uncached_gbps"),
+    ("shm arena, real protocol", "shm_gbps"),
+    ("  its drafter's copy alone", "shm_copy_gbps"),
+    ("torch.multiprocessing Queue", "torch_mp_queue_gbps"),
+    ("  tensors allocated in shm", "torch_mp_queue_shared_gbps"),
+    ("zmq PUSH/PULL ipc://", "zmq_ipc_gbps"),
+    ("cuda d2d, one GPU", "d2d_gbps"),
+    ("cuda_ipc", "cuda_ipc_gbps"),
+)
+
+
+def format_table(figures: dict[str, Any]) -> str:
+    memcpy, met = figures["memcpy_gbps"], figures["targets_met"]
+
+    def verdict(key: str) -> str:
+        return "ok" if met[key] else "MISSED"
+
+    lines = [f"slot {format_bytes(figures['slot_bytes'])} ({figures['slot_bytes']} bytes), "
+             f"{figures['seconds']:g} s per path, {figures['num_cpus']} CPUs", "",
+             f"{'path':<32} {'GB/s':>7} {'vs memcpy':>10}"]
+    for label, key in _TABLE_ROWS:
+        if key in figures:
+            if key == "cuda_ipc_gbps":
+                label = f"cuda_ipc {figures['cuda_ipc_devices']}"
+            lines.append(f"{label:<32} {figures[key]:>7.2f} {figures[key] / memcpy:>10.2f}")
+    f = figures
+    lines += [
+        "",
+        f"shm / memcpy            {f['shm_vs_memcpy']:5.2f}  target >= {TARGETS['shm_vs_memcpy']:g}: "
+        f"{verdict('shm_vs_memcpy')}  (vs memcpy over {NUM_SLOTS + 2} buffers: {f['shm_vs_memcpy_uncached']:.2f})",
+        f"shm / torch mp Queue    {f['shm_vs_torch_mp_queue']:5.2f}  target >= {TARGETS['shm_vs_torch_mp_queue']:g}: "
+        f"{verdict('shm_vs_torch_mp_queue')}  (vs its best case: {f['shm_vs_torch_mp_queue_shared']:.2f})",
+        f"shm drafter             {f['shm_control_ms']:.2f} ms per item in get_hs/consumed/commit_step",
+        f"get_hs + consumed       p50 {f['rtt_p50_ms']:.3f} ms  p99 {f['rtt_p99_ms']:.3f} ms  "
+        f"target p99 <= {RTT_P99_TARGET_MS:g} ms: {verdict('rtt_p99_ms')}",
+        f"commit_step (fsync)     p50 {f['commit_rtt_p50_ms']:.3f} ms  p99 {f['commit_rtt_p99_ms']:.3f} ms  "
+        f"({f['rtt_cycles']} cycles timed, {f['rtt_waited']} left out: no slot was ready)",
+        f"host                    other processes used {f['other_cpu_pct']:.1f}% of the CPUs, "
+        f"steal {f['steal_pct']:.1f}%",
+    ]
+    return "\n".join(lines)
+
+
+def run_transport_bench(*, slot_mb: float = 64.0, as_json: bool = False, seconds: float = 2.0) -> int:
+    figures = measure(slot_mb=slot_mb, seconds=seconds)
+    print(json.dumps(figures) if as_json else format_table(figures))
+    return 0

@@ -1,0 +1,434 @@
+"""The processes of ``hsd bench transport``: one producer and one consumer per hidden-state path.
+
+Each public function is the entry point of one spawned process and takes ``(..., stop, results)``:
+``stop`` is an Event the parent sets when the measurement is over, ``results`` a queue on which the
+consumer puts its figures (and any process its traceback). Producers start from a preallocated,
+pre-faulted source; consumers copy each item into a preallocated, pre-faulted destination of their
+own (what a drafter does: copy out, release) and count the hidden-state bytes they received over
+a steady-state window opened after a warm-up (:class:`Meter`). Every process uses one intra-op
+thread: on a two-core host the processes must not fight over the cores.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import time
+import traceback
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import msgpack
+import torch
+import zmq
+
+from common.config import Config
+from common.slots import SlotHeader, SlotLayout, SlotView
+from common.transport import cuda_ipc_transport_info, open_drafter_transport, open_target_transport
+from common.worker_runtime import WorkerSession
+
+POLL_MS = 100  # how long a producer's long-poll waits before it looks at ``stop`` again
+CUDA_IPC_SLOTS = 4
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    layout: SlotLayout
+    seconds: float  # length of the measured window
+    warmup_s: float  # time between the first item and the window
+
+    @property
+    def hs_shape(self) -> tuple[int, int]:
+        return self.layout.tokens_per_batch, self.layout.row_width
+
+
+class Meter:
+    """Bytes delivered per second over a window that opens ``warmup_s`` after the first item."""
+
+    MIN_ITEMS = 3
+
+    def __init__(self, spec: BenchSpec):
+        self.spec = spec
+        self._first: float | None = None
+        self._start: float | None = None
+        self._last = 0.0
+        self.num_bytes = 0
+        self.num_items = 0
+
+    def add(self, num_bytes: int) -> bool:
+        """Count one delivered item; True once the window is complete."""
+        now = time.perf_counter()
+        if self._first is None:
+            self._first = now
+            return False
+        if self._start is None:
+            if now - self._first >= self.spec.warmup_s:
+                self._start = now
+            return False
+        self.num_bytes += num_bytes
+        self.num_items += 1
+        self._last = now
+        return now - self._start >= self.spec.seconds and self.num_items >= self.MIN_ITEMS
+
+    def result(self) -> dict[str, float]:
+        assert self._start is not None and self.num_items > 0, "the window never opened"
+        elapsed = self._last - self._start
+        return {"gbps": self.num_bytes / elapsed / 1e9, "items": self.num_items, "elapsed_s": elapsed}
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile, ``q`` in (0, 100]."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def _init_process() -> None:
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING)
+
+
+@contextmanager
+def _errors_to(results: Any) -> Iterator[None]:
+    """A failing process tells the parent why, instead of leaving its peer waiting."""
+    try:
+        yield
+    except BaseException:
+        results.put({"error": traceback.format_exc()})
+        raise
+
+
+def _scratch_slot(layout: SlotLayout, device: torch.device | str = "cpu") -> SlotView:
+    """A process-private, pre-faulted slot: the producer's source or the consumer's destination."""
+    view = SlotView(torch.zeros(layout.slot_bytes, dtype=torch.uint8, device=device), layout)
+    view.hs.fill_(0.5)
+    return view
+
+
+# -- the dispatcher ------------------------------------------------------------------------------
+def serve_dispatcher(config: Config) -> int:
+    _init_process()
+    from dispatcher.server import DispatcherServer
+    return DispatcherServer(config).serve_forever()
+
+
+# -- shm arena through the real protocol ---------------------------------------------------------
+def _header_for(job: dict[str, Any]) -> SlotHeader:
+    return SlotHeader(generation=job["generation"], job_id=job["job_id"], bucket=job["bucket"],
+                      batch_size=len(job["samples"]), seq_len=job["seq_len"], num_tokens=job["num_tokens"])
+
+
+def _settle(session: WorkerSession, acks: list[int]) -> None:
+    """Collect the replies of pipelined reports (job_ready, consumed, commit_step)."""
+    for request_id in acks:
+        session.result(request_id)
+    acks.clear()
+
+
+def shm_target(config: Config, spec: BenchSpec, write_hs: bool, stop: Any, results: Any) -> None:
+    """get_job → write the slot → job_ready, until stopped, with the next get_job in flight while a
+    slot is written (a target's prefetch; target_credits allows two slots). Without ``write_hs`` only
+    the header is published (the control-plane benchmark keeps the pool full without moving data)."""
+    _init_process()
+    with _errors_to(results):
+        session = WorkerSession(config, "target", "bench-target")
+        transport = open_target_transport(session.register(layout=spec.layout.to_dict())["transport"], "cpu")
+        src = _scratch_slot(spec.layout)
+        acks: list[int] = []
+        try:
+            polling = session.submit("get_job", wait_ms=POLL_MS)
+            while not stop.is_set():
+                reply = session.result(polling, timeout_s=POLL_MS / 1000 + 10)
+                polling = session.submit("get_job", wait_ms=POLL_MS)
+                _settle(session, acks)
+                job = reply["job"]
+                if reply["done"] or job is None:
+                    continue
+                started = time.perf_counter()
+                header, view = _header_for(job), transport.slot(job["slot"])
+                view.begin_write()
+                if write_hs:
+                    rows = header.num_rows
+                    view.hs[:rows].copy_(src.hs[:rows])
+                    view.input_ids[:rows].copy_(src.input_ids[:rows])
+                    view.loss_mask[:rows].copy_(src.loss_mask[:rows])
+                    view.seq_lens[:header.batch_size].copy_(torch.tensor(job["lengths"], dtype=torch.int32))
+                transport.finish_write(job["slot"], header)
+                acks.append(session.submit("job_ready", job_id=job["job_id"], generation=job["generation"],
+                                           busy_s=time.perf_counter() - started))
+        finally:
+            transport.close()
+            session.close()
+
+
+def shm_drafter(config: Config, spec: BenchSpec, stop: Any, results: Any) -> None:
+    """get_hs → ``DrafterTransport.read`` (the slot copied out) → consumed, and commit_step every
+    ``accum_steps`` items, as a drafter does; the next get_hs is in flight during the copy (a
+    drafter's prefetch of its next micro-batch)."""
+    _init_process()
+    with _errors_to(results):
+        layout = spec.layout
+        row_bytes = layout.row_width * layout.torch_dtype.itemsize
+        session = WorkerSession(config, "drafter", "bench-drafter")
+        registration = session.register(layout=layout.to_dict())
+        accum_steps = registration["accum_steps"]
+        transport = open_drafter_transport(registration["transport"], "cpu")
+        meter = Meter(spec)
+        copy_s = control_s = 0.0  # inside the window: where the consumer's time goes
+        window: list[int] = []
+        acks: list[int] = []
+        try:
+            polling = session.submit("get_hs", wait_ms=1000)
+            while not stop.is_set():
+                started = time.perf_counter()
+                reply = session.result(polling, timeout_s=11.0)
+                polling = session.submit("get_hs", wait_ms=1000)
+                _settle(session, acks)
+                job = reply["job"]
+                if reply["done"]:
+                    raise RuntimeError("the benchmark dispatcher ran out of jobs: raise data.synthetic_samples")
+                if job is None:
+                    continue
+                copy_started = time.perf_counter()
+                rows = transport.read(job["slot"], job["generation"]).header.num_rows
+                copied = time.perf_counter()
+                acks.append(session.submit("consumed", job_id=job["job_id"]))
+                window.append(job["job_id"])
+                if len(window) == accum_steps:
+                    acks.append(session.submit("commit_step", job_ids=window, busy_s=0.0, checkpointed=True))
+                    window = []
+                finished = time.perf_counter()
+                num_counted = meter.num_items
+                done = meter.add(rows * row_bytes)
+                if meter.num_items > num_counted:
+                    copy_s += copied - copy_started
+                    control_s += (copy_started - started) + (finished - copied)
+                if done:
+                    break
+        finally:
+            transport.close()
+            session.close()
+        result = meter.result()
+        result.update(copy_gbps=meter.num_bytes / copy_s / 1e9, control_ms=1e3 * control_s / meter.num_items)
+        results.put(result)
+
+
+def rtt_drafter(config: Config, spec: BenchSpec, num_cycles: int, stop: Any, results: Any) -> None:
+    """Time get_hs + consumed round trips (no data copy) while a target keeps the pool full.
+
+    get_hs is sent with ``wait_ms=0``: a cycle that finds no ready slot is not timed (it would
+    measure the target, not the control plane) but counted as ``waited`` and served untimed.
+    commit_step (journaled with fsync) is timed separately.
+    """
+    _init_process()
+    with _errors_to(results):
+        session = WorkerSession(config, "drafter", "bench-rtt-drafter")
+        session.register(layout=spec.layout.to_dict())
+        num_warmup = max(20, num_cycles // 20)
+        cycle_ms: list[float] = []
+        commit_ms: list[float] = []
+        num_waited = 0
+        try:
+            while len(cycle_ms) < num_cycles and not stop.is_set():
+                started = time.perf_counter()
+                reply = session.call("get_hs", wait_ms=0)
+                waited = reply["job"] is None
+                if waited:
+                    if reply["done"]:
+                        raise RuntimeError("the benchmark dispatcher ran out of jobs: raise data.synthetic_samples")
+                    reply = session.poll("get_hs", wait_ms=1000)
+                    if reply["job"] is None:
+                        continue
+                session.call("consumed", job_id=reply["job"]["job_id"])
+                consumed = time.perf_counter()
+                session.call("commit_step", job_ids=[reply["job"]["job_id"]], busy_s=0.0, checkpointed=True)
+                committed = time.perf_counter()
+                if num_warmup:
+                    num_warmup -= 1
+                    continue
+                if waited:
+                    num_waited += 1
+                else:
+                    cycle_ms.append(1e3 * (consumed - started))
+                commit_ms.append(1e3 * (committed - consumed))
+        finally:
+            session.close()
+        results.put({"rtt_p50_ms": percentile(cycle_ms, 50), "rtt_p99_ms": percentile(cycle_ms, 99),
+                     "commit_rtt_p50_ms": percentile(commit_ms, 50), "commit_rtt_p99_ms": percentile(commit_ms, 99),
+                     "rtt_cycles": len(cycle_ms), "rtt_waited": num_waited})
+
+
+# -- torch.multiprocessing Queue -----------------------------------------------------------------
+def queue_producer(spec: BenchSpec, shared_alloc: bool, items: Any, drained: Any, stop: Any, results: Any) -> None:
+    """Put a fresh tensor per item: a target produces new hidden states for every batch, and the
+    consumer owns what it got, so the producer cannot recycle one buffer.
+
+    Without ``shared_alloc`` the tensor is ordinary memory and put() first moves it into a new
+    shared-memory segment (torch's own copy): how a producer usually calls it. With it, the tensor
+    is allocated in shared memory up front and put() only sends its handle: the queue's best case.
+    """
+    _init_process()
+    with _errors_to(results):
+        src = torch.full(spec.hs_shape, 0.5, dtype=spec.layout.torch_dtype)
+        while not stop.is_set():
+            if shared_alloc:
+                storage = torch.UntypedStorage._new_shared(src.nbytes)
+                item = torch.empty(0, dtype=src.dtype).set_(storage, 0, src.shape).copy_(src)
+            else:
+                item = torch.empty_like(src).copy_(src)
+            while not stop.is_set():
+                try:
+                    items.put(item, timeout=POLL_MS / 1000)
+                    break
+                except queue.Full:
+                    continue
+            del item
+        # Items still queued name fds this process hands out on request: it may exit only once the
+        # consumer has drained the queue up to the sentinel.
+        items.put(None, timeout=30)
+        items.close()
+        items.join_thread()
+        drained.wait(30)
+
+
+def queue_consumer(spec: BenchSpec, items: Any, drained: Any, stop: Any, results: Any) -> None:
+    _init_process()
+    with _errors_to(results):
+        dst = torch.zeros(spec.hs_shape, dtype=spec.layout.torch_dtype)
+        meter = Meter(spec)
+        while True:
+            item = items.get(timeout=60)
+            dst.copy_(item)
+            del item
+            if meter.add(dst.nbytes):
+                break
+        results.put(meter.result())
+        while items.get(timeout=60) is not None:
+            pass
+        drained.set()
+
+
+# -- ZeroMQ PUSH/PULL over ipc:// ----------------------------------------------------------------
+ZMQ_HWM = 2  # messages queued per side: bounds memory to a few items
+
+
+def zmq_producer(spec: BenchSpec, endpoint: str, stop: Any, results: Any) -> None:
+    _init_process()
+    with _errors_to(results):
+        src = torch.full(spec.hs_shape, 0.5, dtype=spec.layout.torch_dtype)
+        payload = src.view(torch.uint8).numpy()  # zero copy: zmq keeps a reference until sent
+        context = zmq.Context()
+        sock = context.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, ZMQ_HWM)
+        sock.setsockopt(zmq.SNDTIMEO, POLL_MS)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        try:
+            while not stop.is_set():
+                try:
+                    sock.send(payload, copy=False)
+                except zmq.Again:
+                    continue
+        finally:
+            sock.close(linger=0)
+            context.term()
+
+
+def zmq_consumer(spec: BenchSpec, endpoint: str, stop: Any, results: Any) -> None:
+    _init_process()
+    with _errors_to(results):
+        dst = torch.zeros(spec.hs_shape, dtype=spec.layout.torch_dtype)
+        context = zmq.Context()
+        sock = context.socket(zmq.PULL)
+        sock.setsockopt(zmq.RCVHWM, ZMQ_HWM)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(endpoint)
+        meter = Meter(spec)
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                while True:
+                    frame = sock.recv(copy=False)
+                    dst.view(-1).copy_(torch.frombuffer(frame.buffer, dtype=dst.dtype))
+                    del frame
+                    if meter.add(dst.nbytes):
+                        break
+        finally:
+            sock.close(linger=0)
+            context.term()
+        results.put(meter.result())
+
+
+# -- CUDA IPC (GPU hosts only) -------------------------------------------------------------------
+def _send(conn: Any, message: dict[str, Any]) -> None:
+    conn.send_bytes(msgpack.packb(message, use_bin_type=True))
+
+
+def _recv(conn: Any) -> dict[str, Any]:
+    return msgpack.unpackb(conn.recv_bytes(), raw=False)
+
+
+def cuda_ipc_target(spec: BenchSpec, device_index: int, conn: Any, stop: Any, results: Any) -> None:
+    """Own a CudaSlotBlock, export it once, then write slots as the consumer frees them.
+
+    Messages on ``conn`` are msgpack maps: {"export"} once, then {"slot", "generation"} per
+    written slot; the consumer answers {"slot"} when it has copied a slot out.
+    """
+    _init_process()
+    with _errors_to(results):
+        device = torch.device("cuda", device_index)
+        torch.cuda.set_device(device)
+        transport = open_target_transport(cuda_ipc_transport_info(spec.layout, CUDA_IPC_SLOTS), device)
+        src = _scratch_slot(spec.layout, device)
+        rows = spec.layout.tokens_per_batch
+        _send(conn, {"export": transport.export()})
+        free = list(range(CUDA_IPC_SLOTS))
+        generation = 0
+        try:
+            while not stop.is_set():
+                while conn.poll(0 if free else POLL_MS / 1000):
+                    free.append(_recv(conn)["slot"])
+                if not free:
+                    continue
+                slot = free.pop(0)
+                generation += 1
+                view = transport.slot(slot)
+                view.begin_write()
+                view.hs.copy_(src.hs)
+                header = SlotHeader(generation=generation, job_id=generation, bucket=0, batch_size=1,
+                                    seq_len=rows, num_tokens=rows)
+                transport.finish_write(slot, header)
+                _send(conn, {"slot": slot, "generation": generation})
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            pass  # the consumer is done and gone
+        finally:
+            conn.close()
+            transport.close()
+
+
+def cuda_ipc_drafter(spec: BenchSpec, device_index: int, conn: Any, stop: Any, results: Any) -> None:
+    _init_process()
+    with _errors_to(results):
+        device = torch.device("cuda", device_index)
+        torch.cuda.set_device(device)
+        export = _recv(conn)["export"]
+        transport = open_drafter_transport(cuda_ipc_transport_info(spec.layout, CUDA_IPC_SLOTS), device)
+        row_bytes = spec.layout.row_width * spec.layout.torch_dtype.itemsize
+        meter = Meter(spec)
+        try:
+            while not stop.is_set():
+                message = _recv(conn)
+                # read() copies on a side stream and synchronizes it: the bytes are here on return.
+                # Its fresh tensors come from the caching allocator, so no new pages per read.
+                batch = transport.read(message["slot"], message["generation"], ipc=export, owner="bench-target")
+                rows = batch.header.num_rows
+                del batch
+                _send(conn, {"slot": message["slot"]})
+                if meter.add(rows * row_bytes):
+                    break
+        finally:
+            conn.close()
+            transport.close()
+        results.put(meter.result())
