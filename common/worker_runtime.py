@@ -79,10 +79,7 @@ class WorkerSession:
             try:
                 return self.client.call(op, worker_id=self.worker_id, timeout_s=timeout_s, **fields)
             except ProtocolError as exc:
-                if exc.code == ErrorCode.UNKNOWN_WORKER:
-                    self._stop_heartbeats()
-                    raise WorkerLost(exc.message) from None
-                raise
+                raise self._lost_if_unknown(exc) from None
             except DispatcherUnavailable:
                 if time.monotonic() > deadline:
                     raise DispatcherGone(f"no dispatcher at {self.endpoint} for {RECONNECT_S:.0f}s") from None
@@ -90,6 +87,13 @@ class WorkerSession:
                 # and the caller's job is then given back by the dispatcher on its own.
                 if op not in ("get_job", "get_hs", "heartbeat"):
                     raise WorkerLost(f"{op} got no reply") from None
+
+    def _lost_if_unknown(self, exc: ProtocolError) -> Exception:
+        """The exception to raise for an error reply: WorkerLost when the dispatcher forgot us."""
+        if exc.code != ErrorCode.UNKNOWN_WORKER:
+            return exc
+        self._stop_heartbeats()
+        return WorkerLost(exc.message)
 
     def submit(self, op: str, **fields: Any) -> int:
         """Send on this worker's behalf without waiting (pipelining); see :meth:`result`."""
@@ -101,10 +105,7 @@ class WorkerSession:
         try:
             return self.client.result(request_id, timeout_s=timeout_s)
         except ProtocolError as exc:
-            if exc.code == ErrorCode.UNKNOWN_WORKER:
-                self._stop_heartbeats()
-                raise WorkerLost(exc.message) from None
-            raise
+            raise self._lost_if_unknown(exc) from None
         except DispatcherUnavailable:
             raise WorkerLost(f"request {request_id} got no reply") from None
 

@@ -8,7 +8,6 @@ state change. Everything a restart must know goes through the journal before the
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -104,6 +103,7 @@ class DispatcherCore:
         self.counters = Counters()
         self.started_at = now
         self.schedules: dict[int, EpochSchedule] = {}
+        self.schedule_deviation: dict[int, float] = {}  # computed once: a schedule never changes
         self._next_worker = Counter()
         self._next_slot_id = shared_slots
         pool.add_slots(range(shared_slots))
@@ -133,6 +133,7 @@ class DispatcherCore:
         mine = [j for j in committed if split_job_id(j)[0] == schedule.epoch]
         self.ledger.add_epoch(schedule.epoch, batches, committed=mine)
         self.schedules[schedule.epoch] = schedule
+        self.schedule_deviation[schedule.epoch] = prefix_deviation(schedule.bucket_order)
 
     def _start_epoch(self, epoch: int) -> None:
         schedule = load_schedule(self.run_dir, epoch)
@@ -375,41 +376,3 @@ class DispatcherCore:
     def checkpoint(self, worker_id: str, step: int, now: float) -> None:
         self.worker(worker_id, now)
         self.journal.record("checkpoint", durable=True, step=step, w=worker_id)
-
-    # -- stats ------------------------------------------------------------------------------
-    def consumed_prefix_deviation(self, epoch: int) -> float:
-        progress = self.ledger.epochs[epoch]
-        return prefix_deviation(progress.consumed_order, progress.bucket_totals)
-
-    def worker_state(self, worker: Worker) -> str:
-        if worker.waiting_since is not None:
-            return worker.wait_reason or "idle"
-        if self.ledger.held_by(worker.id) or worker.role == "drafter":
-            return "busy" if not self.done else "idle"
-        return "idle"
-
-    def snapshot(self, now: float) -> dict[str, Any]:
-        epochs = []
-        for epoch in sorted(self.schedules):
-            progress = self.ledger.epochs[epoch]
-            epochs.append({"epoch": epoch, "jobs": progress.num_jobs, "committed": progress.committed,
-                           "taken": sum(progress.taken.values()),
-                           "schedule_prefix_deviation": round(self.schedules[epoch].figures()["prefix_deviation"], 3),
-                           "consumed_prefix_deviation": round(self.consumed_prefix_deviation(epoch), 3)})
-        workers = []
-        for w in self.workers.values():
-            alive_s = max(now - w.registered_at, 1e-9)
-            waiting = w.total_wait_s + (now - w.waiting_since if w.waiting_since is not None else 0.0)
-            workers.append({"id": w.id, "name": w.name, "role": w.role, "pid": w.pid, "host": w.host, "gpu": w.gpu,
-                            "state": self.worker_state(w), "jobs": w.num_jobs,
-                            "tokens_per_s": round(w.num_tokens / alive_s, 1),
-                            "idle_ratio": round(min(1.0, waiting / alive_s), 3),
-                            "heartbeat_age_s": round(now - w.last_seen, 3),
-                            "held": [j.job_id for j in self.ledger.held_by(w.id)]})
-        return {"time": time.time(), "uptime_s": round(now - self.started_at, 3), "done": self.done,
-                "epochs_total": self.options.epochs, "epochs": epochs,
-                "jobs_by_state": self.ledger.counts_by_state(),
-                "q_hsb": {str(b): n for b, n in self.pool.ready_per_bucket().items()},  # msgpack map keys are str
-                "pool": self.pool.counts(), "workers": workers, "steps": self.next_step,
-                "given_back": dict(self.counters.given_back), "requests": dict(self.counters.requests),
-                "errors": dict(self.counters.errors)}

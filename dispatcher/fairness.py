@@ -15,22 +15,35 @@ def bucket_totals(order: Sequence[int]) -> dict[int, int]:
     return dict(Counter(order))
 
 
+class PrefixDeviation:
+    """prefix deviation of a stream that grows one job at a time, in O(buckets) per job.
+
+    The dispatcher keeps one per epoch for the consumed stream, so stats and metrics never rescan
+    an epoch of 100,000 jobs.
+    """
+
+    def __init__(self, totals: dict[int, int]):
+        num_jobs = sum(totals.values())
+        self.shares = {b: n / num_jobs for b, n in totals.items()} if num_jobs else {}
+        self.counts: Counter = Counter()
+        self.length = 0
+        self.value = 0.0
+
+    def add(self, bucket: int) -> None:
+        self.length += 1
+        self.counts[bucket] += 1
+        if bucket not in self.shares:  # a bucket the totals do not know counts fully against them
+            self.value = max(self.value, self.counts[bucket])
+        for b, share in self.shares.items():
+            self.value = max(self.value, abs(self.counts[b] - self.length * share))
+
+
 def prefix_deviation(order: Sequence[int], totals: dict[int, int] | None = None) -> float:
     """max over prefixes t and buckets b of |count_b(t) - t * n_b / N|, in batches."""
-    totals = totals or bucket_totals(order)
-    num_jobs = sum(totals.values())
-    if num_jobs == 0:
-        return 0.0
-    shares = {b: n / num_jobs for b, n in totals.items()}
-    counts = dict.fromkeys(totals, 0)
-    worst = 0.0
-    for t, bucket in enumerate(order, start=1):
-        counts[bucket] = counts.get(bucket, 0) + 1
-        for b, share in shares.items():
-            worst = max(worst, abs(counts[b] - t * share))
-        if bucket not in shares:  # a bucket the totals do not know counts fully against them
-            worst = max(worst, counts[bucket])
-    return worst
+    tracker = PrefixDeviation(totals or bucket_totals(order))
+    for bucket in order:
+        tracker.add(bucket)
+    return tracker.value
 
 
 def tail_skew(order: Sequence[int], totals: dict[int, int] | None = None, tail_fraction: float = 0.1) -> float:

@@ -19,6 +19,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
+from dispatcher.fairness import PrefixDeviation
+
 JOB_ID_STRIDE = 1_000_000_000  # job id = epoch * stride + position in the epoch's job list
 
 
@@ -67,6 +69,20 @@ class EpochProgress:
     taken: Counter = field(default_factory=Counter)  # handed to drafters (training or later), per bucket
     consumed_order: list[int] = field(default_factory=list)  # bucket of each job as drafters took it
     committed: int = 0
+    consumed_deviation: PrefixDeviation | None = None  # prefix deviation of consumed_order, kept current
+
+    def __post_init__(self) -> None:
+        self.recompute_deviation()
+
+    def take(self, bucket: int) -> None:
+        self.taken[bucket] += 1
+        self.consumed_order.append(bucket)
+        self.consumed_deviation.add(bucket)
+
+    def recompute_deviation(self) -> None:
+        self.consumed_deviation = PrefixDeviation(self.bucket_totals)
+        for bucket in self.consumed_order:
+            self.consumed_deviation.add(bucket)
 
 
 class JobLedger:
@@ -96,9 +112,8 @@ class JobLedger:
             self.jobs[job_id] = job
             totals[bucket] += 1
         progress = EpochProgress(num_jobs=len(batches), bucket_totals=dict(totals))
-        for job_id in done:
-            progress.taken[self.jobs[job_id].bucket] += 1
-            progress.consumed_order.append(self.jobs[job_id].bucket)
+        for job_id in sorted(done):
+            progress.take(self.jobs[job_id].bucket)
         progress.committed = len(done)
         self.epochs[epoch] = progress
         heapq.heapify(self._pending)
@@ -171,9 +186,7 @@ class JobLedger:
         self._set_state(job, JobState.TRAINING)
         job.lease_deadline = now + lease_s
         self._hold(job, drafter)
-        progress = self.epochs[job.epoch]
-        progress.taken[job.bucket] += 1
-        progress.consumed_order.append(job.bucket)
+        self.epochs[job.epoch].take(job.bucket)
         return job
 
     def mark_consumed(self, job_id: int, drafter: str) -> Job:
@@ -229,6 +242,7 @@ class JobLedger:
             if progress.consumed_order[i] == job.bucket:
                 del progress.consumed_order[i]
                 break
+        progress.recompute_deviation()  # rare (a give-back): a full pass is fine
 
     def release_worker(self, worker_id: str) -> list[tuple[Job, JobState]]:
         """Give back every job the worker holds (it died or left)."""

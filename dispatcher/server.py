@@ -31,6 +31,7 @@ from dispatcher.ledger import LedgerError
 from dispatcher.metrics import MetricsServer
 from dispatcher.pool import HSPool
 from dispatcher.rundir import STATE_FILE, check_endpoint, lock_run_dir, warn_about_changed_settings, write_state_file
+from dispatcher.snapshot import build_snapshot, worker_state
 from dispatcher.transport_setup import DataPlane
 
 log = logging.getLogger("hsd.dispatcher")
@@ -157,7 +158,7 @@ class DispatcherServer:
         self._last_progress_marker = marker
         open_epochs = [e for e in sorted(core.schedules) if not core.ledger.epoch_complete(e)] or [max(core.schedules)]
         progress = core.ledger.epochs[open_epochs[0]]
-        states = [core.worker_state(w) for w in core.workers.values()]
+        states = [worker_state(core, w) for w in core.workers.values()]
         log.info("epoch %d/%d: %d/%d jobs committed, %d steps, ready per bucket %s, workers %s",
                  open_epochs[0] + 1, self.config.run.epochs, progress.committed, progress.num_jobs, core.next_step,
                  core.pool.ready_per_bucket() or "{}",
@@ -351,7 +352,7 @@ class DispatcherServer:
             return self._error(exc.request_id if exc.request_id is not None else request_id, exc.code, exc.message), False
 
     def _stats_snapshot(self) -> dict[str, Any]:
-        snapshot = self.core.snapshot(time.monotonic())
+        snapshot = build_snapshot(self.core, time.monotonic())
         snapshot.update(run_dir=str(self.run_dir), run_id=self.run_id, pid=os.getpid(),
                         transport=self.data_plane.describe_dict(), waiters=len(self.waiters))
         return snapshot

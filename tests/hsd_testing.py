@@ -76,3 +76,15 @@ def sim_args(run_dir: Path, *overrides: str) -> list[str]:
     """A small sim run: fast on a 2-core machine, still many jobs across 6 buckets."""
     return [f"run.dir={run_dir}", "target.sim=true", "drafter.sim=true", "data.synthetic_samples=400",
             "dispatcher.heartbeat_s=0.2", "dispatcher.worker_timeout_s=3", *overrides]
+
+
+def child_message(queue, child, timeout: float = 120.0):
+    """A spawned child's next message, failing fast (not after the timeout) if the child died."""
+    from queue import Empty
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return queue.get(timeout=0.2)
+        except Empty:
+            assert child.is_alive(), f"child exited with {child.exitcode} before answering"
+    raise AssertionError("child did not answer in time")

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
-import time
 import uuid
 from pathlib import Path
-from queue import Empty
 
 import msgpack
 import pytest
 import torch
+from hsd_testing import child_message
 
 from common.cuda_ipc import CudaIpcOpener, CudaSlotBlock, cuda_ipc_available
 from common.shm_arena import SHM_DIR, SlotArena
@@ -36,14 +35,6 @@ def _verify(batch, job_id: int) -> None:
                    expected_seq_lens=[256, 3, 100])
 
 
-def _get(queue, child):
-    deadline = time.monotonic() + TIMEOUT_S
-    while time.monotonic() < deadline:
-        try:
-            return queue.get(timeout=0.2)
-        except Empty:
-            assert child.is_alive(), f"child exited with {child.exitcode} before answering"
-    raise AssertionError("child did not answer in time")
 
 
 def _drafter(wire_export: bytes, to_parent, from_parent) -> None:
@@ -85,11 +76,11 @@ def test_export_open_and_read_in_another_process(monkeypatch) -> None:
     child = ctx.Process(target=_drafter, args=(msgpack.packb(export), to_parent, from_parent))
     child.start()
     try:
-        assert _get(to_parent, child) == "read"
+        assert child_message(to_parent, child) == "read"
         _fill(block.slot(1), job_id=18, generation=5)
         block.finish_write(1)
         from_parent.put("rewritten")
-        assert _get(to_parent, child) == "ok"
+        assert child_message(to_parent, child) == "ok"
         child.join(TIMEOUT_S)
         assert child.exitcode == 0
     finally:

@@ -9,11 +9,11 @@ import subprocess
 import sys
 import time
 import uuid
-from queue import Empty
 from pathlib import Path
 
 import pytest
 import torch
+from hsd_testing import child_message
 
 from common.shm_arena import SHM_DIR, SlotArena, check_fits, list_segments, sweep_dead_segments
 from common.slot_pattern import fill_pattern, verify_pattern
@@ -42,15 +42,6 @@ def spawn_ctx(monkeypatch):
     return multiprocessing.get_context("spawn")
 
 
-def _get(queue, child):
-    """The child's next message, failing fast (not after the timeout) if the child died."""
-    deadline = time.monotonic() + TIMEOUT_S
-    while time.monotonic() < deadline:
-        try:
-            return queue.get(timeout=0.2)
-        except Empty:
-            assert child.is_alive(), f"child exited with {child.exitcode} before answering"
-    raise AssertionError("child did not answer in time")
 
 
 def _fill(view: SlotView, job_id: int, generation: int) -> None:
@@ -85,12 +76,12 @@ def test_pattern_crosses_processes_zero_copy(run_id: str, spawn_ctx) -> None:
         child = ctx.Process(target=_worker, args=(arena.name, 3, to_parent, from_parent))
         child.start()
         try:
-            assert _get(to_parent, child) == "filled"
+            assert child_message(to_parent, child) == "filled"
             _check(arena.slot(0), job_id=7, generation=3)
             slot1.input_ids[5] = 31337
             from_parent.put("parent wrote")
-            assert _get(to_parent, child) == 31337
-            assert _get(to_parent, child) == "done"
+            assert child_message(to_parent, child) == 31337
+            assert child_message(to_parent, child) == "done"
             assert int(slot1.input_ids[6].item()) == 4242
             child.join(TIMEOUT_S)
             assert child.exitcode == 0
@@ -144,7 +135,7 @@ def test_sweep_removes_only_dead_creators(run_id: str, spawn_ctx) -> None:
     child.start()
     sleeper = subprocess.Popen(["sleep", str(TIMEOUT_S)])
     try:
-        dead_name = _get(to_parent, child)
+        dead_name = child_message(to_parent, child)
         os.kill(child.pid, signal.SIGKILL)
         child.join(TIMEOUT_S)
         # A live process whose pid appears in an older segment's name: the pid was reused.

@@ -10,6 +10,7 @@ from dispatcher.journal import Journal, read_journal
 from dispatcher.ledger import JobState, LedgerError, make_job_id
 from dispatcher.pool import HSPool
 from dispatcher.schedule import load_schedule
+from dispatcher.snapshot import build_snapshot, worker_state
 
 BUCKETS = [64, 128, 256]
 TOKENS = 512                          # batch sizes 8, 4, 2
@@ -135,7 +136,7 @@ def test_two_targets_two_drafters_two_epochs(tmp_path):
     assert Counter(journal_jobs) == Counter(committed)
     epochs_committed = [e["epoch"] for e in read_journal(tmp_path) if e["ev"] == "epoch_committed"]
     assert epochs_committed == [0, 1]
-    snapshot = core.snapshot(sim.now)
+    snapshot = build_snapshot(core, sim.now)
     assert snapshot["done"] is True and snapshot["jobs_by_state"]["committed"] == 24
 
 
@@ -258,7 +259,7 @@ def test_drafter_waits_for_min_ready_unless_the_epoch_drains(tmp_path):
         core.job_ready(t0, g.job.job_id, g.job.generation, 0.0, 1.0)
     assert core.pool.num_ready == 2
     assert core.get_hs(d0, 2.0) == (None, False)          # 2 < min_ready and 10 jobs still pending
-    assert core.worker_state(core.workers[d0]) == "starved"
+    assert worker_state(core, core.workers[d0]) == "starved"
     g = core.get_job(t0, 2.0)
     core.job_ready(t0, g.job.job_id, g.job.generation, 0.0, 2.0)
     grant, flush = core.get_hs(d0, 3.0)

@@ -77,3 +77,16 @@ def test_tail_skew_fraction():
 
 def test_bucket_totals():
     assert bucket_totals([2, 0, 2, 2]) == {2: 3, 0: 1}
+
+
+def test_incremental_tracker_equals_the_full_pass():
+    import random
+    rng = random.Random(5)
+    totals = {0: 30, 1: 50, 2: 20}
+    order = [b for b, n in totals.items() for _ in range(n)]
+    rng.shuffle(order)
+    from dispatcher.fairness import PrefixDeviation
+    tracker = PrefixDeviation(totals)
+    for t, bucket in enumerate(order, start=1):
+        tracker.add(bucket)
+        assert tracker.value == prefix_deviation(order[:t], totals)

@@ -1,0 +1,50 @@
+"""The stats snapshot: what ``hsd stats``, the stats socket and /metrics show of a running dispatcher.
+
+Built on the dispatcher's loop thread from the core's state; every figure is kept current by the
+core and ledger, so a snapshot costs O(workers + buckets), not O(jobs).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from dispatcher.core import DispatcherCore, Worker
+
+
+def worker_state(core: DispatcherCore, worker: Worker) -> str:
+    """busy, idle, starved (waiting with nothing to do) or blocked (a target waiting for a free slot)."""
+    if worker.waiting_since is not None:
+        return worker.wait_reason or "idle"
+    if core.done:
+        return "idle"
+    if core.ledger.held_by(worker.id) or worker.role == "drafter":
+        return "busy"
+    return "idle"
+
+
+def build_snapshot(core: DispatcherCore, now: float) -> dict[str, Any]:
+    epochs = []
+    for epoch in sorted(core.schedules):
+        progress = core.ledger.epochs[epoch]
+        epochs.append({"epoch": epoch, "jobs": progress.num_jobs, "committed": progress.committed,
+                       "taken": sum(progress.taken.values()),
+                       "schedule_prefix_deviation": round(core.schedule_deviation[epoch], 3),
+                       "consumed_prefix_deviation": round(progress.consumed_deviation.value, 3)})
+    workers = []
+    for w in core.workers.values():
+        alive_s = max(now - w.registered_at, 1e-9)
+        waiting = w.total_wait_s + (now - w.waiting_since if w.waiting_since is not None else 0.0)
+        workers.append({"id": w.id, "name": w.name, "role": w.role, "pid": w.pid, "host": w.host, "gpu": w.gpu,
+                        "state": worker_state(core, w), "jobs": w.num_jobs,
+                        "tokens_per_s": round(w.num_tokens / alive_s, 1),
+                        "idle_ratio": round(min(1.0, waiting / alive_s), 3),
+                        "heartbeat_age_s": round(now - w.last_seen, 3),
+                        "held": [j.job_id for j in core.ledger.held_by(w.id)]})
+    return {"time": time.time(), "uptime_s": round(now - core.started_at, 3), "done": core.done,
+            "epochs_total": core.options.epochs, "epochs": epochs,
+            "jobs_by_state": core.ledger.counts_by_state(),
+            "q_hsb": {str(b): n for b, n in core.pool.ready_per_bucket().items()},  # msgpack map keys are str
+            "pool": core.pool.counts(), "workers": workers, "steps": core.next_step,
+            "given_back": dict(core.counters.given_back), "requests": dict(core.counters.requests),
+            "errors": dict(core.counters.errors)}
