@@ -102,15 +102,18 @@ def build_report(run_dir: str | os.PathLike) -> dict[str, Any]:
                          "capacity_tokens_per_s": round(capacity, 1)}
     slower = min((s["capacity_tokens_per_s"] for s in stages.values() if s["capacity_tokens_per_s"]), default=0.0)
     epochs_committed = [e["epoch"] for e in events if e["ev"] == "epoch_committed"]
+    finished = bool(epochs) and all(e in epochs_committed for e in epochs) and any(
+        e["ev"] == "stop" and e.get("done") for e in events)
     return {
         "run_dir": str(run_dir),
-        "finished": bool(epochs) and all(e in epochs_committed for e in epochs) and bool(
-            [e for e in events if e["ev"] == "stop" and e.get("done")]),
+        "finished": finished,
         "epochs": len(epochs),
         "jobs_total": jobs_total,
         "committed": len(distinct),
         "duplicates": len(committed_jobs) - len(distinct),
-        "lost": jobs_total - len(distinct),
+        # A finished run that misses a job lost it; an unfinished one has it still to do.
+        "lost": jobs_total - len(distinct) if finished else 0,
+        "uncommitted": jobs_total - len(distinct),
         "slots_verified": sum(c.get("verified", 0) for c in commits),
         "given_back": dict(Counter(e["reason"] for e in events if e["ev"] == "give_back")),
         "steps": len(commits),
@@ -133,7 +136,8 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [f"run {report['run_dir']}: {'finished' if report['finished'] else 'NOT finished'}, "
              f"{report['epochs']} epoch(s), {report['wall_s']:.1f}s, {report['restarts']} dispatcher restart(s)",
              f"jobs      total {report['jobs_total']}  committed {report['committed']}  "
-             f"duplicates {report['duplicates']}  lost {report['lost']}  given back {report['given_back'] or 0}  "
+             f"duplicates {report['duplicates']}  lost {report['lost']}  still to do {report['uncommitted']}  "
+             f"given back {report['given_back'] or 0}  "
              f"slots verified {report['slots_verified']}",
              f"steps     {report['steps']}  step_mix {report['step_mix']:.3f} (at window open "
              f"{report['step_mix_at_open']:.3f}, {report['mean_buckets_per_step']:.2f} buckets per step)",

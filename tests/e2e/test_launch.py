@@ -116,3 +116,20 @@ def test_launch_2_targets_2_drafters_verifies_every_slot(run_dir):
     # each sim drafter checked every slot it read against the pattern its target wrote
     assert r["slots_verified"] == r["jobs_total"]
     assert "SlotIntegrityError" not in proc.stdout and "StaleSlotError" not in proc.stdout
+
+
+def test_ctrl_c_stops_the_run_cleanly_and_a_relaunch_finishes_it(run_dir, tmp_path):
+    args = sim_args(run_dir, "run.epochs=1", "target.count=2", "drafter.count=1", "target.sim_cost_per_token=5e-5")
+    launch = start_hsd("launch", *args, log_path=tmp_path / "launch.log")
+    try:
+        wait_for(lambda: (lambda s: s and s["steps"] >= 3)(stats(run_dir)), 120, what="3 committed steps")
+        os.kill(launch.pid, signal.SIGINT)
+        assert launch.wait(timeout=60) == 130
+    finally:
+        kill_tree(launch)
+    assert not list_segments(run_id_for(run_dir)), "a clean stop unlinks the arena"
+    r = report(run_dir)
+    assert not r["finished"] and r["lost"] == 0 and r["uncommitted"] > 0 and r["duplicates"] == 0
+    hsd("launch", *args, timeout=240)
+    r = report(run_dir)
+    assert r["finished"] and (r["committed"], r["duplicates"], r["lost"]) == (r["jobs_total"], 0, 0)
