@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.config import Config, write_resolved
+from dispatcher.journal import read_journal
 from dispatcher.rundir import STATE_FILE
 
 log = logging.getLogger("hsd.launch")
@@ -36,6 +37,12 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
         pass  # not Linux: children outlive a killed launcher, as with any plain spawn
+
+
+def _run_completed(run_dir: Path) -> bool:
+    """Whether the dispatcher's last stop, as journaled, came after every epoch was committed."""
+    stops = [e for e in read_journal(run_dir) if e["ev"] == "stop"]
+    return bool(stops) and bool(stops[-1].get("done"))
 
 
 @dataclass
@@ -165,11 +172,14 @@ class Launcher:
         while not self._stop.wait(0.2):
             code = dispatcher.process.poll()
             if code is not None:
-                if code == 0:
-                    log.info("run complete: every epoch committed")
-                else:
+                if code != 0:
                     log.error("the dispatcher exited with code %d", code)
-                return code
+                    return code
+                if not _run_completed(self.run_dir):
+                    log.error("the dispatcher stopped before the run was complete (was it stopped from outside?)")
+                    return 1
+                log.info("run complete: every epoch committed")
+                return 0
             for child in workers:
                 code = child.process.poll()
                 if code is None or child.finished:

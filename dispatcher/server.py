@@ -350,6 +350,9 @@ class DispatcherServer:
             return protocol.ok_reply(request_id, stats=self._stats_snapshot()), False
         except ProtocolError as exc:
             return self._error(exc.request_id if exc.request_id is not None else request_id, exc.code, exc.message), False
+        except Exception as exc:  # a bug in the snapshot must not take the run down with it
+            log.exception("internal error on the stats socket")
+            return self._error(request_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"), False
 
     def _stats_snapshot(self) -> dict[str, Any]:
         snapshot = build_snapshot(self.core, time.monotonic())

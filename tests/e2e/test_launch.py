@@ -133,3 +133,15 @@ def test_ctrl_c_stops_the_run_cleanly_and_a_relaunch_finishes_it(run_dir, tmp_pa
     hsd("launch", *args, timeout=240)
     r = report(run_dir)
     assert r["finished"] and (r["committed"], r["duplicates"], r["lost"]) == (r["jobs_total"], 0, 0)
+
+
+def test_launch_fails_when_the_dispatcher_is_stopped_before_the_end(run_dir, tmp_path):
+    args = sim_args(run_dir, "run.epochs=1", "target.count=1", "drafter.count=1", "target.sim_cost_per_token=5e-5")
+    launch = start_hsd("launch", *args, log_path=tmp_path / "launch.log")
+    try:
+        s = wait_for(lambda: (lambda s: s if s and s["steps"] >= 2 else None)(stats(run_dir)), 120, what="2 steps")
+        os.kill(s["pid"], signal.SIGTERM)  # the dispatcher itself, from outside the launcher
+        assert launch.wait(timeout=60) == 1
+    finally:
+        kill_tree(launch)
+    assert "stopped before the run was complete" in (tmp_path / "launch.log").read_text()
