@@ -19,7 +19,6 @@ install: $(BIN)/.installed
 demo: install
 	rm -rf runs/demo
 	$(BIN)/hsd launch --config deploy/configs/demo.yaml
-	$(BIN)/hsd report --run-dir runs/demo
 
 test: install
 	$(BIN)/pytest -q

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from common.config import Config, write_resolved
 from dispatcher.journal import read_journal
+from dispatcher.report import build_report, format_report
 from dispatcher.rundir import STATE_FILE
 
 log = logging.getLogger("hsd.launch")
@@ -179,6 +180,10 @@ class Launcher:
                     log.error("the dispatcher stopped before the run was complete (was it stopped from outside?)")
                     return 1
                 log.info("run complete: every epoch committed")
+                try:
+                    print(format_report(build_report(self.run_dir)), flush=True)
+                except (OSError, ValueError, KeyError) as exc:  # the run is done; a report problem is not a failure
+                    log.warning("no run report: %s", exc)
                 return 0
             for child in workers:
                 code = child.process.poll()
