@@ -97,6 +97,10 @@ class DispatcherServer:
             log.info("Prometheus metrics on http://%s:%d/metrics", config.dispatcher.metrics_host, self.metrics.port)
         log.info("serving %s (stats %s), run %s, %s", config.control_endpoint, config.stats_endpoint,
                  self.run_id, self.data_plane.describe())
+        needed = config.target.count * config.pool.target_credits + config.pool.min_ready
+        if self.data_plane.kind == "shm" and config.pool.slots < needed:
+            log.warning("pool.slots=%d < target.count x pool.target_credits + pool.min_ready = %d: targets will "
+                        "often wait for a free slot; raise pool.slots if memory allows", config.pool.slots, needed)
 
     def _bind(self, endpoint: str) -> zmq.Socket:
         sock = self._context.socket(zmq.ROUTER)

@@ -145,3 +145,18 @@ def test_launch_fails_when_the_dispatcher_is_stopped_before_the_end(run_dir, tmp
     finally:
         kill_tree(launch)
     assert "stopped before the run was complete" in (tmp_path / "launch.log").read_text()
+
+
+def test_launch_over_loopback_tcp(run_dir):
+    import socket
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    proc = hsd("launch", *sim_args(run_dir, "run.epochs=1", "target.count=1", "drafter.count=1",
+                                   f"dispatcher.endpoint=tcp://127.0.0.1:{ports[0]}",
+                                   f"dispatcher.stats_endpoint=tcp://127.0.0.1:{ports[1]}"), timeout=240)
+    assert "run complete: every epoch committed" in proc.stderr
+    r = report(run_dir)
+    assert (r["committed"], r["duplicates"], r["lost"]) == (r["jobs_total"], 0, 0)
