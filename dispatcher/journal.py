@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,26 +20,77 @@ JOURNAL_NAME = "journal.jsonl"
 
 
 class Journal:
-    def __init__(self, run_dir: str | os.PathLike):
+    """Append-only writer. With ``sync_in_background`` the fsync of durable events runs on a thread
+    of its own, so the dispatcher's loop never waits on the disk (a shared filesystem can take tens
+    of milliseconds): the loop holds back each reply that needs durability until ``synced_seq``
+    reaches it, and ``notify_fd`` becomes readable whenever a sync completes."""
+
+    def __init__(self, run_dir: str | os.PathLike, *, sync_in_background: bool = False):
         self.path = Path(run_dir) / JOURNAL_NAME
         self._file = open(self.path, "a", encoding="utf-8")
+        self.written_seq = 0  # durable events written so far
+        self.synced_seq = 0   # ... of which fsynced
+        self._syncer: threading.Thread | None = None
+        if sync_in_background:
+            self.notify_fd, self._notify_w = os.pipe()
+            os.set_blocking(self.notify_fd, False)
+            self._wake = threading.Event()
+            self._stopping = False
+            self._syncer = threading.Thread(target=self._sync_loop, name="journal-sync", daemon=True)
+            self._syncer.start()
 
     def record(self, event: str, *, durable: bool = False, **fields: Any) -> None:
-        """Append one event; ``durable`` ones are on disk when this returns, the others by the next
-        :meth:`flush` (the dispatcher flushes a few times a second)."""
+        """Append one event. A ``durable`` one is on disk when this returns, or (background sync)
+        once ``synced_seq`` reaches the ``written_seq`` it got; the others by the next :meth:`flush`
+        (the dispatcher flushes a few times a second)."""
         line = json.dumps({"ev": event, "t": round(time.time(), 6), **fields}, separators=(",", ":"))
         self._file.write(line + "\n")
         if durable:
             self._file.flush()
+            self.written_seq += 1
+            if self._syncer is None:
+                os.fsync(self._file.fileno())
+                self.synced_seq = self.written_seq
+            else:
+                self._wake.set()
+
+    @property
+    def unsynced(self) -> bool:
+        return self.synced_seq < self.written_seq
+
+    def _sync_loop(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._stopping:
+                return
+            target = self.written_seq  # everything written up to here is flushed to the OS already
             os.fsync(self._file.fileno())
+            self.synced_seq = target
+            os.write(self._notify_w, b"s")
+
+    def drain_notifications(self) -> None:
+        try:
+            while os.read(self.notify_fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
 
     def flush(self) -> None:
         self._file.flush()
 
     def close(self) -> None:
+        if self._syncer is not None:
+            self._stopping = True
+            self._wake.set()
+            self._syncer.join()
+            self._syncer = None
+            os.close(self.notify_fd)
+            os.close(self._notify_w)
         if not self._file.closed:
             self._file.flush()
             os.fsync(self._file.fileno())
+            self.synced_seq = self.written_seq
             self._file.close()
 
 

@@ -65,7 +65,7 @@ class DispatcherServer:
         self.run_id = run_id_for(self.run_dir)
         self.hostname = socket.gethostname()
         self.data_plane = DataPlane.create(config, self.run_id)
-        self.journal = Journal(self.run_dir)
+        self.journal = Journal(self.run_dir, sync_in_background=True)
         pool = HSPool(min_ready=config.pool.min_ready, target_credits=config.pool.target_credits,
                       pull=config.pool.pull, seed=config.run.seed)
         now = time.monotonic()
@@ -80,6 +80,7 @@ class DispatcherServer:
             raise
         self.max_bytes = config.dispatcher.max_message_bytes
         self.waiters: list[Waiter] = []
+        self.held_replies: list[tuple[int, bytes, dict]] = []  # (journal seq, identity, reply) until durable
         self._stop = False
         self._done_since: float | None = None
         self._next_progress = time.monotonic() + PROGRESS_INTERVAL_S
@@ -122,6 +123,7 @@ class DispatcherServer:
         poller = zmq.Poller()
         poller.register(self.control, zmq.POLLIN)
         poller.register(self.stats, zmq.POLLIN)
+        poller.register(self.journal.notify_fd, zmq.POLLIN)
         next_sweep = time.monotonic() + SWEEP_INTERVAL_S
         try:
             while not self._stop:
@@ -133,6 +135,9 @@ class DispatcherServer:
                     changed |= self._drain(self.control, self._handle_control)
                 if self.stats in events:
                     self._drain(self.stats, self._handle_stats)
+                if self.journal.notify_fd in events:
+                    self.journal.drain_notifications()
+                    self._release_durable_replies()
                 now = time.monotonic()
                 if now >= next_sweep:
                     changed |= bool(self.core.sweep(now, self._is_alive))
@@ -267,13 +272,28 @@ class DispatcherServer:
                 raise ProtocolError(ErrorCode.MALFORMED, "job_ids must be a list of integers")
             step = core.commit_step(worker_id, job_ids, float(field_of(f, "busy_s", (int, float))),
                                     bool(f.get("checkpointed")), now, verified=int(f.get("verified") or 0))
-            return protocol.ok_reply(request.id, step=step, done=core.done), True
+            return self._when_durable(identity, protocol.ok_reply(request.id, step=step, done=core.done)), True
         elif op == "checkpoint":
             core.checkpoint(worker_id, field_of(f, "step", int), now)
+            return self._when_durable(identity, protocol.ok_reply(request.id)), True
         elif op == "deregister":
             self._drop_waiters(worker_id)
             core.deregister(worker_id, now)
         return protocol.ok_reply(request.id), True
+
+    def _when_durable(self, identity: bytes, reply: dict) -> dict | None:
+        """A commit is acknowledged only once the journal's sync thread has it on disk."""
+        if not self.journal.unsynced:
+            return reply
+        self.held_replies.append((self.journal.written_seq, identity, reply))
+        return None
+
+    def _release_durable_replies(self) -> None:
+        synced = self.journal.synced_seq
+        ready = [held for held in self.held_replies if held[0] <= synced]
+        self.held_replies = [held for held in self.held_replies if held[0] > synced]
+        for _, identity, reply in ready:
+            self._send(self.control, identity, reply)
 
     def _register(self, f: dict, now: float) -> dict[str, Any]:
         role = field_of(f, "role", str)
@@ -370,7 +390,8 @@ class DispatcherServer:
                        self._error(waiter.request_id, ErrorCode.UNKNOWN_WORKER, "the dispatcher is stopping"))
         self.waiters = []
         self.journal.record("stop", done=self.core.done)
-        self.journal.close()
+        self.journal.close()  # its last fsync makes every held commit durable
+        self._release_durable_replies()
         self.control.close(linger=0)
         self.stats.close(linger=0)
         self._context.term()

@@ -1,6 +1,7 @@
 """dispatcher/journal.py: append-only events, torn lines, recovery of committed steps."""
 
 import json
+import time
 
 from dispatcher.journal import JOURNAL_NAME, Journal, read_journal, recover
 
@@ -110,3 +111,21 @@ def test_later_checkpoint_covers_earlier_commits(tmp_path):
     recovered = recover(tmp_path)
     assert recovered.committed == {1, 2, 3} and recovered.steps_to_revert == []
     assert recovered.next_step == 3
+
+
+def test_background_sync_catches_up_and_notifies(tmp_path):
+    import select
+    journal = Journal(tmp_path, sync_in_background=True)
+    try:
+        for step in range(50):
+            journal.record("commit", durable=True, step=step, jobs=[step])
+        assert journal.written_seq == 50
+        deadline = time.monotonic() + 10
+        while journal.synced_seq < journal.written_seq and time.monotonic() < deadline:
+            select.select([journal.notify_fd], [], [], 0.5)
+            journal.drain_notifications()
+        assert journal.synced_seq == 50 and not journal.unsynced
+        assert [e["step"] for e in read_journal(tmp_path) if e["ev"] == "commit"] == list(range(50))
+    finally:
+        journal.close()
+    assert journal.synced_seq == journal.written_seq
