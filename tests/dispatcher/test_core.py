@@ -1,112 +1,15 @@
 """dispatcher/core.py: the dispatcher's decisions driven by hand, no sockets."""
 
-import random
 from collections import Counter
 
 import pytest
 
-from dispatcher.core import DONE, CoreOptions, DispatcherCore, UnknownWorker
-from dispatcher.journal import Journal, read_journal
+from core_harness import Sim, all_job_ids, make_core, register
+from dispatcher.core import DONE, UnknownWorker
+from dispatcher.journal import read_journal
 from dispatcher.ledger import JobState, LedgerError, make_job_id
-from dispatcher.pool import HSPool
 from dispatcher.schedule import load_schedule
 from dispatcher.snapshot import build_snapshot, worker_state
-
-BUCKETS = [64, 128, 256]
-TOKENS = 512                          # batch sizes 8, 4, 2
-
-
-def small_lengths(seed=0, scale=1):
-    """24 + 16 + 10 samples -> 3 + 4 + 5 = 12 jobs per epoch (times ``scale``)."""
-    rng = random.Random(seed)
-    lengths = ([rng.randint(1, 64) for _ in range(24 * scale)] + [rng.randint(65, 128) for _ in range(16 * scale)]
-               + [rng.randint(129, 256) for _ in range(10 * scale)])
-    rng.shuffle(lengths)
-    return lengths
-
-
-def make_core(run_dir, *, lengths=None, epochs=2, shared_slots=6, min_ready=2, credits=2, lease_s=1000.0,
-              worker_timeout_s=1e6, now=0.0):
-    options = CoreOptions(lease_s=lease_s, worker_timeout_s=worker_timeout_s, epochs=epochs, run_seed=3,
-                          buckets=list(BUCKETS), tokens_per_batch=TOKENS, order="interleave")
-    pool = HSPool(min_ready=min_ready, target_credits=credits, pull="deficit", seed=1)
-    return DispatcherCore(options, run_dir=run_dir, lengths=small_lengths() if lengths is None else lengths,
-                          journal=Journal(run_dir), pool=pool, shared_slots=shared_slots, now=now)
-
-
-def register(core, role, n, now=0.0):
-    return [core.register(role=role, name=f"{role}{i}", pid=1000 + i, host="h", gpu=None, now=now).id
-            for i in range(n)]
-
-
-class Sim:
-    """Targets and drafters taking turns; every decision goes through the core's methods."""
-
-    def __init__(self, core, targets, drafters, *, accum=2, checkpointed=True):
-        self.core, self.targets, self.drafters, self.accum = core, targets, drafters, accum
-        self.checkpointed = checkpointed
-        self.extracting = {t: [] for t in targets}
-        self.window = {d: [] for d in drafters}
-        self.commits = []          # (step, drafter, job ids)
-        self.now = 1.0
-        self.finished = set()
-
-    def round(self):
-        core = self.core
-        self.now += 1.0
-        for t in self.targets:
-            for grant in self.extracting[t]:
-                core.job_ready(t, grant.job.job_id, grant.job.generation, 0.01, self.now)
-            self.extracting[t] = []
-            while True:
-                grant = core.get_job(t, self.now)
-                if grant is None:
-                    break
-                if grant == DONE:
-                    self.finished.add(t)
-                    break
-                assert grant.job.state is JobState.EXTRACTING and grant.job.holder == t
-                assert grant.lengths == [core.lengths[s] for s in grant.job.samples]
-                self.extracting[t].append(grant)
-        for d in self.drafters:
-            ready_before = core.pool.num_ready
-            grant, flush = core.get_hs(d, self.now)
-            if grant == DONE:
-                assert flush is False
-                self.finished.add(d)
-                continue
-            if grant is not None:
-                job = grant.job
-                pending = core.ledger.count(job.epoch, JobState.PENDING)
-                # the min-ready reservoir: below it only while the epoch's tail drains
-                assert ready_before >= core.pool.min_ready or pending == 0
-                # epochs are consumed in order
-                for e in core.schedules:
-                    if e < job.epoch:
-                        assert core.ledger.count(e, JobState.PENDING, JobState.EXTRACTING, JobState.READY) == 0
-                assert job.state is JobState.TRAINING and job.holder == d
-                core.consumed(d, job.job_id, self.now)
-                self.window[d].append(job.job_id)
-            if self.window[d] and (len(self.window[d]) == self.accum or flush):
-                step = core.commit_step(d, self.window[d], 0.01, self.checkpointed, self.now)
-                self.commits.append((step, d, list(self.window[d])))
-                self.window[d] = []
-
-    def run(self, until=lambda sim: False, max_rounds=500):
-        for _ in range(max_rounds):
-            if self.core.done or until(self):
-                return
-            self.round()
-
-    def committed_ids(self):
-        return [j for _, _, jobs in self.commits for j in jobs]
-
-
-def all_job_ids(core):
-    return {make_job_id(e, i) for e, s in core.schedules.items() for i in range(len(s.batches))}
-
-
-# -- a whole run ----------------------------------------------------------------------------------
 
 def test_two_targets_two_drafters_two_epochs(tmp_path):
     core = make_core(tmp_path)
@@ -334,116 +237,6 @@ def test_flush_when_every_remaining_job_is_held_by_drafters(tmp_path):
 
 # -- resume ---------------------------------------------------------------------------------------
 
-def restart(core, tmp_path, **kwargs):
-    core.journal.close()
-    return make_core(tmp_path, **kwargs)
-
-
-def test_resume_keeps_committed_and_nothing_else(tmp_path):
-    lengths = small_lengths(scale=4)       # 48 jobs per epoch: the restart comes within the first
-    core = make_core(tmp_path, lengths=lengths)
-    targets, drafters = register(core, "target", 2), register(core, "drafter", 2)
-    sim = Sim(core, targets, drafters)
-    sim.run(until=lambda s: len(s.commits) >= 2)
-    kept = set(sim.committed_ids())
-    sim.checkpointed = False
-    sim.run(until=lambda s: len(s.commits) >= 4)
-    lost = set(sim.committed_ids()) - kept
-    assert lost and len(core.schedules) == 1
-    states_before = Counter(j.state for j in core.ledger.jobs.values())
-    assert states_before[JobState.READY] + states_before[JobState.EXTRACTING] > 0
-    schedule = core.schedules[0]
-
-    resumed = restart(core, tmp_path, lengths=lengths)
-    assert resumed.schedules[0] == schedule                    # read back, never re-drawn
-    assert set(resumed.schedules) == {0}
-    for job_id, job in resumed.ledger.jobs.items():
-        expected = JobState.COMMITTED if job_id in kept else JobState.PENDING
-        assert job.state is expected, job_id
-    assert resumed.ledger.epochs[0].committed == len(kept)
-    assert resumed.next_step == len(sim.commits)               # step numbers go on
-    reverts = [e for e in read_journal(tmp_path) if e["ev"] == "revert"]
-    assert len(reverts) == 1 and sorted(reverts[0]["steps"]) == [2, 3]
-    assert resumed.pool.counts()["free"] == 6 and resumed.pool.num_ready == 0
-
-    # the resumed run finishes: every job committed exactly once counting the kept commits
-    targets, drafters = register(resumed, "target", 2), register(resumed, "drafter", 2)
-    sim2 = Sim(resumed, targets, drafters)
-    sim2.run()
-    assert resumed.done
-    assert Counter(kept) + Counter(sim2.committed_ids()) == Counter(all_job_ids(resumed))
-    assert min(step for step, _, _ in sim2.commits) == 4
-
-
-def test_restart_of_a_finished_run_is_done(tmp_path):
-    core = make_core(tmp_path)
-    sim = Sim(core, register(core, "target", 2), register(core, "drafter", 2))
-    sim.run()
-    assert core.done
-    again = restart(core, tmp_path)
-    assert again.done
-    assert all(job.state is JobState.COMMITTED for job in again.ledger.jobs.values())
-    assert [again.ledger.epochs[e].committed for e in (0, 1)] == [12, 12]
-    (t,) = register(again, "target", 1)
-    (d,) = register(again, "drafter", 1)
-    assert again.get_job(t, 0.0) == DONE and again.get_hs(d, 0.0) == (DONE, False)
-
-
-def test_restart_of_a_finished_one_epoch_run_is_done(tmp_path):
-    core = make_core(tmp_path, epochs=1)
-    sim = Sim(core, register(core, "target", 2), register(core, "drafter", 2))
-    sim.run()
-    assert core.done
-    again = restart(core, tmp_path, epochs=1)
-    assert again.done and len(again.schedules) == 1
-    (t,) = register(again, "target", 1)
-    assert again.get_job(t, 0.0) == DONE
-
-
-def test_resume_after_the_second_epoch_started(tmp_path):
-    """Commits in both epochs, then a restart: each epoch keeps exactly its own committed jobs."""
-    core = make_core(tmp_path)
-    targets, drafters = register(core, "target", 2), register(core, "drafter", 2)
-    sim = Sim(core, targets, drafters)
-    sim.run(until=lambda s: any(j >= make_job_id(1, 0) for j in s.committed_ids()))
-    assert not core.done and len(core.schedules) == 2
-    kept = set(sim.committed_ids())
-    per_epoch = Counter(core.ledger.jobs[j].epoch for j in kept)
-
-    resumed = restart(core, tmp_path)
-    for job_id, job in resumed.ledger.jobs.items():
-        assert job.state is (JobState.COMMITTED if job_id in kept else JobState.PENDING), job_id
-    for epoch in (0, 1):
-        assert resumed.ledger.epochs[epoch].committed == per_epoch[epoch]
-        assert sum(resumed.ledger.epochs[epoch].taken.values()) == per_epoch[epoch]
-    targets, drafters = register(resumed, "target", 2), register(resumed, "drafter", 2)
-    sim2 = Sim(resumed, targets, drafters)
-    sim2.run()
-    assert resumed.done
-    assert Counter(kept) + Counter(sim2.committed_ids()) == Counter(all_job_ids(resumed))
-
-
-def test_resume_with_second_epoch_started_but_only_first_epoch_commits_finishes(tmp_path):
-    core = make_core(tmp_path)
-    targets, drafters = register(core, "target", 2), register(core, "drafter", 2)
-    sim = Sim(core, targets, drafters)
-    sim.run(until=lambda s: len(s.core.schedules) == 2 and s.commits)
-    assert not any(j >= make_job_id(1, 0) for j in sim.committed_ids())
-    kept = set(sim.committed_ids())
-    assert kept
-
-    resumed = restart(core, tmp_path)
-    assert resumed.ledger.epochs[1].committed == 0
-    assert not resumed.ledger.epoch_complete(1)
-    targets, drafters = register(resumed, "target", 2), register(resumed, "drafter", 2)
-    sim2 = Sim(resumed, targets, drafters)
-    sim2.run()
-    assert resumed.done
-    assert Counter(kept) + Counter(sim2.committed_ids()) == Counter(all_job_ids(resumed))
-
-
-# -- targets that own their slots (cuda_ipc) -------------------------------------------------------
-
 def test_owner_slots_are_indexed_in_the_owners_memory_and_lost_with_it(tmp_path):
     core = make_core(tmp_path, epochs=1, shared_slots=0, min_ready=1, credits=2)
     t0 = core.register(role="target", name="a", pid=1, host="h", gpu=0, now=0.0).id
@@ -509,14 +302,3 @@ def test_jobs_given_back_behind_a_full_pool_of_the_next_epoch_do_not_deadlock(tm
     core.job_ready(t0, grant.job.job_id, grant.job.generation, 0.0, 3.0)
     hs2, _ = core.get_hs(d1, 3.0)
     assert hs2.job.epoch == 0                     # and epoch 0 is served again as soon as it is ready
-
-
-def test_worker_ids_differ_across_dispatcher_restarts(tmp_path):
-    first = make_core(tmp_path, epochs=1)
-    (old,) = register(first, "drafter", 1)
-    first.journal.close()
-    second = make_core(tmp_path, epochs=1)
-    (new,) = register(second, "drafter", 1)
-    assert old != new
-    with pytest.raises(UnknownWorker):  # a request still naming the old id is not the new worker's
-        second.get_hs(old, 1.0)
