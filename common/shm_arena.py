@@ -173,10 +173,7 @@ class SlotArena:
             os.unlink(path)
             raise
         os.close(fd)
-        arena = cls(name, layout, num_slots, mapping, owner=True)
-        if pin_device is not None and pin_device.type == "cuda":
-            mapping.pin(pin_device)
-        return arena
+        return cls._mapped(name, layout, num_slots, mapping, owner=True, pin_device=pin_device)
 
     @classmethod
     def attach(cls, name: str, layout: SlotLayout, num_slots: int, *, pin_device: torch.device | None = None
@@ -199,9 +196,14 @@ class SlotArena:
             mapping = _Mapping(_map(fd, nbytes), nbytes)
         finally:
             os.close(fd)
-        arena = cls(name, layout, num_slots, mapping, owner=False)
+        return cls._mapped(name, layout, num_slots, mapping, owner=False, pin_device=pin_device)
+
+    @classmethod
+    def _mapped(cls, name: str, layout: SlotLayout, num_slots: int, mapping: _Mapping, *, owner: bool,
+                pin_device: torch.device | None) -> SlotArena:
+        arena = cls(name, layout, num_slots, mapping, owner=owner)
         if pin_device is not None and pin_device.type == "cuda":
-            mapping.pin(pin_device)
+            mapping.pin(pin_device)  # page-locked for this process's async host<->device copies
         return arena
 
     @property

@@ -42,7 +42,6 @@ class Worker:
     total_wait_s: float = 0.0
     num_tokens: int = 0
     num_jobs: int = 0
-    busy_s: float = 0.0
     window_avail: int | None = None  # drafter: buckets eligible when its accumulation window opened
     window_mixed: bool = True  # drafter: every pull of the window took a new bucket when one was eligible
     ipc_block: dict[str, Any] | None = None  # target on cuda_ipc: how drafters open its slots
@@ -274,7 +273,6 @@ class DispatcherCore:
         self.pool.publish(job.slot, epoch=job.epoch, bucket=job.bucket)
         worker.num_tokens += job.num_tokens
         worker.num_jobs += 1
-        worker.busy_s += busy_s
         self.journal.record("ready", job=job_id, w=worker_id, tokens=job.num_tokens, busy_s=round(busy_s, 6))
 
     def job_failed(self, worker_id: str, job_id: int, reason: str, now: float) -> None:
@@ -360,14 +358,14 @@ class DispatcherCore:
                     self._give_back(job, "step_refused")
             raise
         self.next_step += 1
-        worker.busy_s += busy_s
+        num_tokens = sum(j.num_tokens for j in jobs)
         self.journal.record("commit", durable=True, step=step, jobs=list(job_ids), w=worker_id,
                             buckets=sorted({j.bucket for j in jobs}), avail=worker.window_avail, mixed=worker.window_mixed,
-                            tokens=sum(j.num_tokens for j in jobs), busy_s=round(busy_s, 6),
+                            tokens=num_tokens, busy_s=round(busy_s, 6),
                             checkpointed=checkpointed, verified=verified)
         worker.window_avail, worker.window_mixed = None, True
         worker.num_jobs += len(jobs)
-        worker.num_tokens += sum(j.num_tokens for j in jobs)
+        worker.num_tokens += num_tokens
         for epoch in sorted({j.epoch for j in jobs}):
             if self.ledger.epoch_complete(epoch):
                 self.journal.record("epoch_committed", durable=True, epoch=epoch)
