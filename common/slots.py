@@ -24,13 +24,12 @@ from typing import Any
 
 import torch
 
-DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+from common.slot_layout import (DTYPE_SIZES, HEADER_BYTES, REGION_ALIGN, SLOT_ALIGN, SlotLayout, StaleSlotError,
+                                format_bytes)
+
 _DTYPE_CODES = {"bfloat16": 1, "float16": 2, "float32": 3}
 _DTYPE_NAMES = {code: name for name, code in _DTYPE_CODES.items()}
 
-HEADER_BYTES = 256
-REGION_ALIGN = 64
-SLOT_ALIGN = 4096
 # "HSDSLOT1" read as a little-endian int64; the digit is the header version.
 SLOT_MAGIC = int.from_bytes(b"HSDSLOT1", "little")
 
@@ -40,129 +39,12 @@ _NUM_LAYERS, _HIDDEN_SIZE, _DTYPE_CODE, _TOKENS_PER_BATCH, _MAX_SEQS = range(7, 
 _HEADER_WORDS = 12
 _MAX_GENERATION = (1 << 63) - 1
 
+DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+assert DTYPES.keys() == DTYPE_SIZES.keys()
+assert all(DTYPES[name].itemsize == size for name, size in DTYPE_SIZES.items())
 
-class StaleSlotError(RuntimeError):
-    """The slot no longer holds the generation the reader was given: it was (or is being) rewritten."""
-
-    def __init__(self, expected: int, found: int, when: str):
-        super().__init__(f"stale slot: expected generation {expected}, found {found} {when} the copy")
-        self.expected = expected
-        self.found = found
-
-
-def _align(n: int, to: int) -> int:
-    return (n + to - 1) // to * to
-
-
-def format_bytes(n: int) -> str:
-    """Decimal units, one decimal: what a user compares against ``df`` and ``free -h``."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
-
-
-@dataclass(frozen=True)
-class SlotLayout:
-    """Byte layout of one slot; identical in every process of a run (sent in the register reply)."""
-
-    tokens_per_batch: int
-    num_layers: int
-    hidden_size: int
-    dtype: str
-    max_seqs: int
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"slot dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
-        for name in ("tokens_per_batch", "num_layers", "hidden_size", "max_seqs"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"slot layout {name} must be a positive integer, got {value!r}")
-        if self.max_seqs > self.tokens_per_batch:
-            raise ValueError(f"slot layout max_seqs ({self.max_seqs}) exceeds tokens_per_batch ({self.tokens_per_batch})")
-
-    @classmethod
-    def from_config(cls, config: Any) -> SlotLayout:
-        # The shortest bucket packs the most sequences into the token budget.
-        return cls(
-            tokens_per_batch=config.schedule.tokens_per_batch,
-            num_layers=config.target.num_capture_layers,
-            hidden_size=config.target.hidden_size,
-            dtype=config.target.dtype,
-            max_seqs=config.schedule.tokens_per_batch // config.schedule.buckets[0],
-        )
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    @property
-    def row_width(self) -> int:
-        """Elements per token row of the hidden states: K captured layers side by side."""
-        return self.num_layers * self.hidden_size
-
-    @property
-    def header_bytes(self) -> int:
-        return HEADER_BYTES
-
-    @property
-    def hs_offset(self) -> int:
-        return HEADER_BYTES
-
-    @property
-    def hs_bytes(self) -> int:
-        return self.tokens_per_batch * self.row_width * self.torch_dtype.itemsize
-
-    @property
-    def input_ids_offset(self) -> int:
-        return _align(self.hs_offset + self.hs_bytes, REGION_ALIGN)
-
-    @property
-    def input_ids_bytes(self) -> int:
-        return self.tokens_per_batch * 4
-
-    @property
-    def loss_mask_offset(self) -> int:
-        return _align(self.input_ids_offset + self.input_ids_bytes, REGION_ALIGN)
-
-    @property
-    def loss_mask_bytes(self) -> int:
-        return self.tokens_per_batch
-
-    @property
-    def seq_lens_offset(self) -> int:
-        return _align(self.loss_mask_offset + self.loss_mask_bytes, REGION_ALIGN)
-
-    @property
-    def seq_lens_bytes(self) -> int:
-        return self.max_seqs * 4
-
-    @property
-    def slot_bytes(self) -> int:
-        return _align(self.seq_lens_offset + self.seq_lens_bytes, SLOT_ALIGN)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain values for msgpack; ``slot_bytes`` lets the receiver detect a layout-code mismatch."""
-        return {"tokens_per_batch": self.tokens_per_batch, "num_layers": self.num_layers,
-                "hidden_size": self.hidden_size, "dtype": self.dtype, "max_seqs": self.max_seqs,
-                "slot_bytes": self.slot_bytes}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SlotLayout:
-        try:
-            layout = cls(tokens_per_batch=data["tokens_per_batch"], num_layers=data["num_layers"],
-                         hidden_size=data["hidden_size"], dtype=data["dtype"], max_seqs=data["max_seqs"])
-        except KeyError as exc:
-            raise ValueError(f"slot layout is missing {exc.args[0]!r}: {data!r}") from None
-        if "slot_bytes" in data and data["slot_bytes"] != layout.slot_bytes:
-            raise ValueError(f"slot layout says {data['slot_bytes']} bytes per slot but this build computes "
-                             f"{layout.slot_bytes}: the processes run different hsdispatch versions")
-        return layout
-
-    def describe(self) -> str:
-        return (f"slot {format_bytes(self.slot_bytes)} = {self.tokens_per_batch} tok × {self.num_layers} layers × "
-                f"{self.hidden_size} hidden × {self.dtype} + ids/mask")
+__all__ = ["DTYPES", "HEADER_BYTES", "REGION_ALIGN", "SLOT_ALIGN", "SLOT_MAGIC", "SlotBatch", "SlotHeader",
+           "SlotLayout", "SlotView", "StaleSlotError", "copy_out", "format_bytes"]
 
 
 @dataclass(frozen=True)

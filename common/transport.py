@@ -1,6 +1,6 @@
 """What workers use to move hidden states, whatever the transport kind.
 
-The dispatcher picks the kind (:func:`resolve_transport`) and sends a ``transport_info`` map in
+The dispatcher picks the kind (:func:`common.transport_info.resolve_transport`) and sends a ``transport_info`` map in
 its register reply; a target opens a :class:`TargetTransport` from it and writes slots, a drafter
 opens a :class:`DrafterTransport` and reads them. With ``shm`` every worker maps the dispatcher's
 pool; with ``cuda_ipc`` every target allocates its own slots on its GPU and sends the dispatcher
@@ -13,52 +13,11 @@ from typing import Any
 
 import torch
 
-from common.cuda_ipc import CudaIpcOpener, CudaSlotBlock, cuda_ipc_available
+from common.cuda_ipc import CudaIpcOpener, CudaSlotBlock
 from common.shm_arena import SlotArena
 from common.slots import SlotBatch, SlotHeader, SlotLayout, SlotView, copy_out
-
-TRANSPORT_KINDS = ("shm", "cuda_ipc")
-TRANSPORT_CHOICES = ("auto",) + TRANSPORT_KINDS
-
-
-def resolve_transport(requested: str, same_node: bool, *, cuda_available: bool | None = None) -> str:
-    """``pool.transport`` -> the kind to use: auto picks cuda_ipc for local CUDA workers, else shm."""
-    if requested not in TRANSPORT_CHOICES:
-        raise ValueError(f"pool.transport: {requested!r} is not one of {', '.join(TRANSPORT_CHOICES)}")
-    if cuda_available is None:
-        cuda_available = cuda_ipc_available()
-    if requested == "cuda_ipc":
-        if not cuda_available:
-            raise ValueError("pool.transport=cuda_ipc needs CUDA on Linux, and this host has none; "
-                             "use pool.transport=shm (or auto)")
-        if not same_node:
-            raise ValueError("pool.transport=cuda_ipc needs every worker on the dispatcher's node")
-        return "cuda_ipc"
-    if requested == "auto":
-        return "cuda_ipc" if cuda_available and same_node else "shm"
-    return requested
-
-
-def shm_transport_info(arena: SlotArena) -> dict[str, Any]:
-    return {"kind": "shm", "arena": arena.name, "num_slots": arena.num_slots, "layout": arena.layout.to_dict()}
-
-
-def cuda_ipc_transport_info(layout: SlotLayout, num_slots: int) -> dict[str, Any]:
-    """``num_slots`` is what each target allocates on its GPU (its share of the pool)."""
-    return {"kind": "cuda_ipc", "num_slots": num_slots, "layout": layout.to_dict()}
-
-
-def _parse_info(info: dict[str, Any]) -> tuple[str, SlotLayout, int]:
-    kind = info.get("kind")
-    if kind not in TRANSPORT_KINDS:
-        raise ValueError(f"unknown transport kind {kind!r} (known: {', '.join(TRANSPORT_KINDS)})")
-    num_slots = info.get("num_slots")
-    if not isinstance(num_slots, int) or num_slots <= 0:
-        raise ValueError(f"transport info needs a positive num_slots, got {num_slots!r}")
-    if kind == "shm" and not isinstance(info.get("arena"), str):
-        raise ValueError("shm transport info needs the arena name")
-    return kind, SlotLayout.from_dict(info["layout"]), num_slots
-
+from common.transport_info import (TRANSPORT_CHOICES, TRANSPORT_KINDS, cuda_ipc_transport_info,  # noqa: F401
+                                   parse_transport_info, resolve_transport, shm_transport_info)
 
 class TargetTransport:
     """Writable slots of one target: the shared pool (shm) or the target's own GPU block (cuda_ipc)."""
@@ -180,7 +139,7 @@ def _resolve_device(device: torch.device | str) -> torch.device:
 
 
 def open_target_transport(info: dict[str, Any], device: torch.device | str) -> TargetTransport:
-    kind, layout, num_slots = _parse_info(info)
+    kind, layout, num_slots = parse_transport_info(info)
     device = _resolve_device(device)
     if kind == "shm":
         arena = SlotArena.attach(info["arena"], layout, num_slots, pin_device=device)
@@ -190,7 +149,7 @@ def open_target_transport(info: dict[str, Any], device: torch.device | str) -> T
 
 
 def open_drafter_transport(info: dict[str, Any], device: torch.device | str) -> DrafterTransport:
-    kind, layout, num_slots = _parse_info(info)
+    kind, layout, num_slots = parse_transport_info(info)
     device = _resolve_device(device)
     if kind == "shm":
         arena = SlotArena.attach(info["arena"], layout, num_slots, pin_device=device)

@@ -73,7 +73,7 @@ def cmd_report(args) -> int:
 
 def cmd_cleanup(args) -> int:
     from common.client import run_id_for
-    from common.shm_arena import sweep_dead_segments
+    from common.shm_segment import sweep_dead_segments
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         raise ConfigError(f"run directory {run_dir} does not exist")

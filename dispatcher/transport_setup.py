@@ -2,7 +2,8 @@
 
 With ``shm`` the dispatcher creates one shared-memory arena holding every slot and tells workers
 its name. With ``cuda_ipc`` each target allocates its own slots on its GPU and registers their IPC
-handle; the dispatcher only relays the handle to drafters. Either way no tensor byte passes here.
+handle; the dispatcher only relays the handle to drafters. Either way no tensor byte passes here,
+and nothing here imports torch: the dispatcher never maps the slots it accounts for.
 """
 
 from __future__ import annotations
@@ -12,15 +13,15 @@ from typing import Any
 
 from common.config import Config
 from common.protocol import ErrorCode, ProtocolError
-from common.shm_arena import SlotArena, check_fits, sweep_dead_segments
-from common.slots import SlotLayout
-from common.transport import cuda_ipc_transport_info, resolve_transport, shm_transport_info
+from common.shm_segment import PoolSegment, check_fits, sweep_dead_segments
+from common.slot_layout import SlotLayout
+from common.transport_info import cuda_ipc_transport_info, resolve_transport, shm_transport_info
 
 log = logging.getLogger("hsd.dispatcher")
 
 
 class DataPlane:
-    def __init__(self, kind: str, layout: SlotLayout, num_slots: int, arena: SlotArena | None):
+    def __init__(self, kind: str, layout: SlotLayout, num_slots: int, arena: PoolSegment | None):
         self.kind = kind
         self.layout = layout
         self.num_slots = num_slots
@@ -35,7 +36,7 @@ class DataPlane:
             log.info("removed %d shared-memory segment(s) of dead runs: %s", len(swept), ", ".join(swept))
         if kind == "shm":
             check_fits(config.pool.slots, layout.slot_bytes)
-            arena = SlotArena.create(run_id, layout, config.pool.slots)
+            arena = PoolSegment(run_id, layout, config.pool.slots)
             return cls(kind, layout, config.pool.slots, arena)
         per_target = max(2, -(-config.pool.slots // max(1, config.target.count)))
         return cls(kind, layout, per_target, None)
@@ -69,6 +70,5 @@ class DataPlane:
 
     def close(self) -> None:
         if self.arena is not None:
-            self.arena.close()
             self.arena.unlink()
             self.arena = None
