@@ -93,6 +93,8 @@ class DrafterSection:
     sim: bool = opt(False, "Start simulated drafters (modeled cost, real protocol and data plane).")
     sim_cost_per_token: float = opt(1e-6, "Seconds a sim drafter spends per token.")
     accum_steps: int = opt(4, "Micro-batches per optimizer step (gradient accumulation).")
+    checkpoint_every: int = opt(50, "Optimizer steps between checkpoints (one is also saved when the run drains).")
+    checkpoint_keep: int = opt(3, "Checkpoints kept per model; older step directories are removed.")
     max_restarts: int = opt(3, "Restarts hsd launch grants a crashed drafter.")
 
 
@@ -212,7 +214,8 @@ def validate(config: Config) -> None:
             f"schedule.tokens_per_batch ({config.schedule.tokens_per_batch}) must hold at least one sequence "
             f"of the longest bucket ({buckets[-1]})")
     positive = [("run", "epochs"), ("pool", "slots"), ("pool", "target_credits"), ("drafter", "accum_steps"),
-                ("target", "hidden_size"), ("target", "num_capture_layers"), ("dispatcher", "max_message_bytes")]
+                ("drafter", "checkpoint_every"), ("drafter", "checkpoint_keep"), ("target", "hidden_size"),
+                ("target", "num_capture_layers"), ("dispatcher", "max_message_bytes")]
     for section, key in positive:
         if getattr(getattr(config, section), key) <= 0:
             raise ConfigError(f"{section}.{key} must be positive")

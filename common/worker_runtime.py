@@ -1,33 +1,43 @@
-"""What every worker process does around its own work: register, heartbeat, re-register, leave.
+"""A worker's session with the dispatcher: registration, the session token, held jobs, heartbeats.
 
-A worker talks to the dispatcher through a :class:`WorkerSession`. A background thread sends
-heartbeats with a client of its own (sockets are not thread-safe) so leases stay alive while the
-main thread computes. When the dispatcher restarts it no longer knows the worker: calls then raise
-:class:`WorkerLost` and the worker registers again and carries on with fresh jobs.
+Every request after ``register`` carries the worker id and the token registration returned. The
+session keeps the set of jobs the worker holds (:class:`HeldJobs`) and lists it in every heartbeat,
+which the control channel's I/O thread sends on the same socket as the worker's requests. When the
+dispatcher restarts it no longer knows the worker: calls then raise :class:`WorkerLost`, and the
+worker registers again (:mod:`common.worker_loop`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import threading
 import time
-from typing import Any, Callable, TypeVar
+from typing import Any
 
-from common.client import DispatcherClient, DispatcherUnavailable
+from common.client import DispatcherUnavailable
 from common.config import Config
+from common.control_channel import ControlChannel
+from common.held_jobs import HeldJobs
 from common.protocol import ErrorCode, ProtocolError
 
 log = logging.getLogger("hsd.worker")
 
 RECONNECT_S = 60.0  # how long a worker keeps trying to reach a dispatcher that went away
 CALL_TIMEOUT_S = 10.0
+# Replies that settle a held job: a target's report, a drafter's read failure or commit.
+_GRANTS = ("get_job", "get_hs")
+_RELEASES = ("job_ready", "job_failed", "read_failed")
 
 
 class WorkerLost(Exception):
     """The dispatcher no longer knows this worker (it restarted, or declared the worker dead)."""
+
+
+class NoReply(WorkerLost):
+    """A request got no reply: the dispatcher is down, restarting, or the reply was lost. A caller that
+    can repeat its request (an idempotent commit, a poll) does; any other starts over, as if lost."""
 
 
 class DispatcherGone(Exception):
@@ -41,77 +51,97 @@ class WorkerSession:
         self.name = name
         self.gpu = gpu
         self.endpoint = config.control_endpoint
-        self.client = DispatcherClient(self.endpoint, secret=config.dispatcher.secret, timeout_s=CALL_TIMEOUT_S)
+        self.held = HeldJobs()
+        self.channel = ControlChannel(self.endpoint, secret=config.dispatcher.secret, on_reply=self._on_reply,
+                                      name=name)
         self.worker_id: str | None = None
+        self.token: str | None = None
         self.registration: dict[str, Any] = {}
         self.stop_requested = threading.Event()
-        self._heartbeat_thread: threading.Thread | None = None
-        self._heartbeat_stop = threading.Event()
 
-    def install_signal_handlers(self) -> None:
-        def on_signal(signum, _frame):
-            log.info("%s: signal %d, leaving after the current job", self.name, signum)
-            self.stop_requested.set()
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
+    # -- held jobs, kept current by the control channel's I/O thread ----------------------------
+    def _on_reply(self, op: str, fields: dict[str, Any], reply: dict[str, Any]) -> None:
+        if op in _GRANTS and reply.get("ok") and reply.get("job"):
+            self.held.add(reply["job"]["job_id"])
+        elif op in _RELEASES:
+            self.held.discard([fields["job_id"]])
+        elif op == "commit_step" and reply.get("ok"):
+            self.held.discard(fields["job_ids"])
 
+    def _heartbeat_fields(self) -> dict[str, Any] | None:
+        if self.worker_id is None:
+            return None
+        return {"worker_id": self.worker_id, "token": self.token, "holding": self.held.snapshot()}
+
+    # -- registration -------------------------------------------------------------------------
     def register(self, **extra: Any) -> dict[str, Any]:
-        """Register (retrying while the dispatcher starts) and start heartbeats."""
+        """Register (retrying while the dispatcher starts or restarts) and start heartbeats.
+
+        ``extra``: the optional fields of ``register`` (``contract``, a drafter's ``model``), None
+        values left out. A refusal (an incompatible contract) raises ProtocolError.
+        """
+        self.worker_id = self.token = None
+        self.held.clear()
+        self.channel.set_heartbeat(None)
+        fields = {k: v for k, v in extra.items() if v is not None}
         deadline = time.monotonic() + RECONNECT_S
         while True:
             try:
-                reply = self.client.call("register", role=self.role, name=self.name, pid=os.getpid(),
-                                         host=socket.gethostname(), gpu=self.gpu, **extra)
+                reply = self.channel.call("register", role=self.role, name=self.name, pid=os.getpid(),
+                                          host=socket.gethostname(), gpu=self.gpu, timeout_s=CALL_TIMEOUT_S, **fields)
                 break
             except DispatcherUnavailable:
                 if time.monotonic() > deadline or self.stop_requested.is_set():
                     raise DispatcherGone(f"no dispatcher at {self.endpoint} for {RECONNECT_S:.0f}s") from None
+                time.sleep(0.2)
         self.worker_id = reply["worker_id"]
+        self.token = reply.get("token")
         self.registration = reply
-        self._start_heartbeats(reply["heartbeat_s"])
+        self.channel.set_heartbeat(reply["heartbeat_s"], self._heartbeat_fields)
         log.info("%s registered as %s with run %s", self.name, self.worker_id, reply["run_id"])
         return reply
 
-    def call(self, op: str, *, timeout_s: float = CALL_TIMEOUT_S, **fields: Any) -> dict[str, Any]:
-        """A call on behalf of this worker; retries while the dispatcher is briefly unreachable."""
-        deadline = time.monotonic() + RECONNECT_S
-        while True:
-            try:
-                return self.client.call(op, worker_id=self.worker_id, timeout_s=timeout_s, **fields)
-            except ProtocolError as exc:
-                raise self._lost_if_unknown(exc) from None
-            except DispatcherUnavailable:
-                if time.monotonic() > deadline:
-                    raise DispatcherGone(f"no dispatcher at {self.endpoint} for {RECONNECT_S:.0f}s") from None
-                # The request may have been served; a repeat of a state-changing op gets BAD_STATE,
-                # and the caller's job is then given back by the dispatcher on its own.
-                if op not in ("get_job", "get_hs", "heartbeat"):
-                    raise WorkerLost(f"{op} got no reply") from None
-
-    def _lost_if_unknown(self, exc: ProtocolError) -> Exception:
-        """The exception to raise for an error reply: WorkerLost when the dispatcher forgot us."""
-        if exc.code != ErrorCode.UNKNOWN_WORKER:
-            return exc
-        self._stop_heartbeats()
-        return WorkerLost(exc.message)
+    # -- requests -----------------------------------------------------------------------------
+    def _auth(self, fields: dict[str, Any]) -> dict[str, Any]:
+        return {"worker_id": self.worker_id, "token": self.token, **fields}
 
     def submit(self, op: str, **fields: Any) -> int:
         """Send on this worker's behalf without waiting (pipelining); see :meth:`result`."""
-        return self.client.submit(op, worker_id=self.worker_id, **fields)
+        return self.channel.submit(op, **self._auth(fields))
 
     def result(self, request_id: int, *, timeout_s: float = CALL_TIMEOUT_S) -> dict[str, Any]:
-        """The reply to :meth:`submit`. A pipelined worker that loses a reply cannot tell what the
-        dispatcher did with it, so it starts over: WorkerLost, and the dispatcher gives its jobs back."""
+        """The reply to :meth:`submit`: WorkerLost when the dispatcher forgot us, NoReply when none
+        came (the caller cannot tell what the dispatcher did with the request)."""
         try:
-            return self.client.result(request_id, timeout_s=timeout_s)
+            return self.channel.result(request_id, timeout_s=timeout_s)
         except ProtocolError as exc:
-            raise self._lost_if_unknown(exc) from None
-        except DispatcherUnavailable:
-            raise WorkerLost(f"request {request_id} got no reply") from None
+            if exc.code == ErrorCode.UNKNOWN_WORKER:
+                self.channel.set_heartbeat(None)
+                raise WorkerLost(exc.message) from None
+            raise
+        except DispatcherUnavailable as exc:
+            raise NoReply(str(exc)) from None
+
+    def done(self, request_id: int) -> bool:
+        return self.channel.done(request_id)
+
+    def call(self, op: str, *, timeout_s: float = CALL_TIMEOUT_S, **fields: Any) -> dict[str, Any]:
+        return self.result(self.submit(op, **fields), timeout_s=timeout_s)
+
+    def call_until_answered(self, op: str, *, timeout_s: float = CALL_TIMEOUT_S, **fields: Any) -> dict[str, Any]:
+        """An idempotent request, sent again while it gets no reply (up to RECONNECT_S)."""
+        deadline = time.monotonic() + RECONNECT_S
+        while True:
+            try:
+                return self.call(op, timeout_s=timeout_s, **fields)
+            except NoReply:
+                if time.monotonic() > deadline:
+                    raise DispatcherGone(f"no dispatcher at {self.endpoint} for {RECONNECT_S:.0f}s") from None
+                log.warning("%s: %s got no reply; sending it again", self.name, op)
 
     def report(self, op: str, **fields: Any) -> dict[str, Any] | None:
         """A state-changing call that the dispatcher may refuse because the job was already given back
-        (its lease ran out, or the step lost a job): None then, and the caller drops that work."""
+        (its lease ran out): None then, and the caller drops that work."""
         try:
             return self.call(op, **fields)
         except ProtocolError as exc:
@@ -120,76 +150,18 @@ class WorkerSession:
             log.warning("%s: %s refused, dropping that work: %s", self.name, op, exc.message)
             return None
 
-    def poll(self, op: str, wait_ms: int = 1000) -> dict[str, Any]:
-        return self.call(op, wait_ms=wait_ms, timeout_s=wait_ms / 1000 + CALL_TIMEOUT_S)
-
-    def _start_heartbeats(self, interval_s: float) -> None:
-        self._stop_heartbeats()
-        self._heartbeat_stop = threading.Event()
-        worker_id, stop = self.worker_id, self._heartbeat_stop
-
-        def beat() -> None:
-            client = DispatcherClient(self.endpoint, secret=self.config.dispatcher.secret, timeout_s=CALL_TIMEOUT_S)
+    def close_registration(self) -> None:
+        """Leave (best effort): the dispatcher gives back at once whatever this registration held."""
+        self.channel.set_heartbeat(None)
+        if self.worker_id is not None:
             try:
-                while not stop.wait(interval_s):
-                    try:
-                        client.call("heartbeat", worker_id=worker_id)
-                    except DispatcherUnavailable:
-                        continue
-                    except ProtocolError as exc:
-                        if exc.code == ErrorCode.UNKNOWN_WORKER:
-                            return
-            finally:
-                client.close()
-
-        self._heartbeat_thread = threading.Thread(target=beat, name=f"{self.name}-heartbeat", daemon=True)
-        self._heartbeat_thread.start()
-
-    def _stop_heartbeats(self) -> None:
-        self._heartbeat_stop.set()
-        if self._heartbeat_thread is not None and self._heartbeat_thread is not threading.current_thread():
-            self._heartbeat_thread.join(timeout=5)
-        self._heartbeat_thread = None
+                self.call("deregister", timeout_s=2.0)
+            except (ProtocolError, WorkerLost):
+                pass
+        self.worker_id = self.token = None
+        self.held.clear()
 
     def close(self, *, deregister: bool = True) -> None:
-        self._stop_heartbeats()
-        if deregister and self.worker_id is not None:
-            try:
-                self.client.call("deregister", worker_id=self.worker_id, timeout_s=2.0)
-            except (ProtocolError, DispatcherUnavailable):
-                pass
-        self.worker_id = None
-        self.client.close()
-
-
-Transport = TypeVar("Transport")
-
-
-def run_worker(session: WorkerSession, open_transport: Callable[[dict[str, Any]], Transport],
-               work: Callable[[dict[str, Any], Transport], None]) -> int:
-    """Register, open the data plane, and ``work`` until the run is done or a signal asks to stop.
-
-    ``work`` returns when the dispatcher says the run is done (or a stop was requested); if the
-    dispatcher forgets the worker (it restarted), the worker registers again, with a fresh
-    transport (a new dispatcher means a new arena), and goes on.
-    """
-    session.install_signal_handlers()
-    try:
-        while not session.stop_requested.is_set():
-            registration = session.register()
-            transport = open_transport(registration["transport"])
-            try:
-                work(registration, transport)
-                return 0
-            except WorkerLost as exc:
-                log.warning("%s: the dispatcher lost track of us (%s); registering again", session.name, exc)
-            finally:
-                transport.close()
-        return 0
-    finally:
-        session.close()
-
-
-def sim_device(transport_info: dict[str, Any]) -> str:
-    """Sim workers compute nothing, but cuda_ipc slots live on a GPU."""
-    return "cuda" if transport_info.get("kind") == "cuda_ipc" else "cpu"
+        if deregister:
+            self.close_registration()
+        self.channel.close()

@@ -40,11 +40,15 @@ def cmd_worker(args) -> int:
     role = args.command
     if not (args.sim or getattr(config, role).sim):
         raise ConfigError(f"the real {role} worker is not available yet: use --sim or {role}.sim=true")
+    name = args.name or f"{role}-{os.getpid()}"
     if role == "target":
-        from target_worker.sim import run_sim_target as run
-    else:
-        from drafter_worker.sim import run_sim_drafter as run
-    return run(config, args.name or f"{role}-{os.getpid()}")
+        from common.target_loop import TargetLoop
+        from target_worker.sim import SimTarget
+        return TargetLoop(config, name, SimTarget(config)).run()
+    from common.drafter_loop import DrafterLoop
+    from drafter_worker.sim import SimDrafter
+    # An independent sim drafter trains a model of its own, named after it: a restart resumes it.
+    return DrafterLoop(config, name, SimDrafter(config, model_id=name)).run()
 
 
 def cmd_launch(args) -> int:

@@ -1,53 +1,69 @@
-"""A simulated drafter: pulls ready hidden states, verifies their bytes, models the training cost.
+"""A simulated drafter: verifies every byte it reads, models the training cost, keeps a real witness.
 
-It groups ``drafter.accum_steps`` micro-batches into one optimizer step and commits it; when the
-dispatcher says nothing more is coming (``flush``) it commits a partial step. Any byte that
-differs from the pattern the sim target wrote fails the worker loudly.
+Its model state is exactly its trained-jobs witness (:class:`common.witness.TrainedJobs`): an
+applied step appends the step's job ids, a checkpoint saves them, a restart loads them back. The
+run report judges exactly-once from these records alone. Any byte that differs from the pattern
+the sim target wrote fails the worker loudly.
 """
 
 from __future__ import annotations
 
-import logging
+import os
 import time
+from typing import Any
 
 from common.config import Config
 from common.slot_pattern import verify_pattern
-from common.transport import DrafterTransport, open_drafter_transport
-from common.worker_runtime import WorkerSession, run_worker, sim_device
-
-log = logging.getLogger("hsd.drafter")
+from common.slots import SlotBatch
+from common.witness import TrainedJobs, check_model_id, latest_checkpoint, save_checkpoint
 
 
-def run_sim_drafter(config: Config, name: str) -> int:
-    session = WorkerSession(config, "drafter", name)
-    cost = config.drafter.sim_cost_per_token
-    num_steps = 0
+def _test_faults() -> tuple[int | None, int | None]:
+    """Test-only faults planted in the witness, so a test can show the report catches them:
+    ``HSD_TEST_WITNESS_DUPLICATE=<job id>`` records that job twice, ``HSD_TEST_WITNESS_DROP=<job id>``
+    never records it."""
+    def job(name: str) -> int | None:
+        value = os.environ.get(name, "")
+        return int(value) if value else None
+    return job("HSD_TEST_WITNESS_DUPLICATE"), job("HSD_TEST_WITNESS_DROP")
 
-    def work(registration: dict, transport: DrafterTransport) -> None:
-        nonlocal num_steps
-        accum_steps = registration["accum_steps"]
-        window: list[int] = []  # a fresh registration starts a fresh step: uncommitted work was given back
-        busy_s = 0.0
-        while not session.stop_requested.is_set():
-            reply = session.poll("get_hs")
-            job = reply["job"]
-            if job is not None:
-                started = time.perf_counter()
-                batch = transport.read(job["slot"], job["generation"], ipc=job.get("ipc"), owner=job.get("owner") or "")
-                if session.report("consumed", job_id=job["job_id"]) is None:
-                    continue
-                verify_pattern(batch.hs, batch.input_ids, batch.loss_mask, batch.seq_lens,
-                               job_id=job["job_id"], expected_seq_lens=job["lengths"])
-                time.sleep(cost * job["num_tokens"])
-                busy_s += time.perf_counter() - started
-                window.append(job["job_id"])
-            if window and (len(window) == accum_steps or reply["flush"]):
-                if session.report("commit_step", job_ids=window, busy_s=busy_s, checkpointed=True,
-                                  verified=len(window)) is not None:
-                    num_steps += 1
-                window, busy_s = [], 0.0
-            if reply["done"]:
-                log.info("%s: run complete after %d steps", name, num_steps)
-                return
 
-    return run_worker(session, lambda info: open_drafter_transport(info, device=sim_device(info)), work)
+class SimDrafter:
+    contract = None
+    verifies_slots = True  # every micro-batch is checked byte for byte (commit_step's ``verified``)
+
+    def __init__(self, config: Config, model_id: str):
+        self.model_id = check_model_id(model_id)
+        self.step = 0
+        self.trained = TrainedJobs()
+        self.cost_per_token = config.drafter.sim_cost_per_token
+        self.keep = config.drafter.checkpoint_keep
+        self._window: list[int] = []
+        self._duplicate, self._drop = _test_faults()
+
+    def load_latest(self, run_dir: str | os.PathLike) -> int:
+        checkpoint = latest_checkpoint(run_dir, self.model_id)
+        self.trained = checkpoint.trained_jobs() if checkpoint else TrainedJobs()
+        self.step = checkpoint.step if checkpoint else 0
+        self._window = []
+        return self.step
+
+    def micro_batch(self, job: dict[str, Any], batch: SlotBatch) -> None:
+        verify_pattern(batch.hs, batch.input_ids, batch.loss_mask, batch.seq_lens, job_id=job["job_id"],
+                       expected_seq_lens=job["lengths"])
+        time.sleep(self.cost_per_token * job["num_tokens"])
+        self._window.append(job["job_id"])
+
+    def apply_step(self, job_ids: list[int]) -> dict:
+        assert job_ids == self._window, f"committed {job_ids}, trained on {self._window}"
+        self.trained.add(j for j in job_ids if j != self._drop)
+        self.trained.add(j for j in job_ids if j == self._duplicate)
+        self.step += 1
+        self._window = []
+        return {"micro_batches": len(job_ids)}
+
+    def drop_step(self) -> None:
+        self._window = []
+
+    def save_checkpoint(self, run_dir: str | os.PathLike) -> None:
+        save_checkpoint(run_dir, self.model_id, self.step, self.trained, keep_last=self.keep)

@@ -1,0 +1,230 @@
+"""A worker's control connection: one DEALER socket owned by an I/O thread.
+
+The worker's main thread computes for seconds at a time while requests it sent ahead (a prefetched
+``get_job``/``get_hs``) are answered. Replies must be seen when they arrive, not when the main
+thread next looks: a grant the worker has not read yet is already a job it holds, and the heartbeat
+has to say so. So one thread owns the socket: it sends what the main thread submits (in order, so
+a heartbeat never overtakes a report sent before it), receives every reply, runs ``on_reply`` on it
+at once (the held-jobs bookkeeping) and sends the heartbeats itself. The main thread never touches
+ZeroMQ: it queues requests, wakes the I/O thread through a pipe, and waits for replies by id.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+from collections import deque
+from typing import Any, Callable
+
+import zmq
+
+from common import protocol
+from common.client import DispatcherUnavailable
+from common.protocol import ErrorCode, ProtocolError
+
+log = logging.getLogger("hsd.worker")
+
+ReplyHook = Callable[[str, dict[str, Any], dict[str, Any]], None]  # (op, request fields, reply)
+HeartbeatFields = Callable[[], "dict[str, Any] | None"]
+
+
+class ControlChannel:
+    def __init__(self, endpoint: str, *, secret: str = "", on_reply: ReplyHook | None = None, name: str = "worker"):
+        self.endpoint = endpoint
+        self.secret = secret
+        self._on_reply = on_reply
+        self._ids = itertools.count(1)
+        self._cond = threading.Condition()
+        self._outbox: deque[tuple[str, Any]] = deque()  # (command, argument) for the I/O thread
+        self._pending: dict[int, tuple[str, dict[str, Any]]] = {}  # request id -> (op, fields), until answered
+        self._replies: dict[int, dict[str, Any]] = {}
+        self._dropped: set[int] = set()  # ids given up by reset(): their waiters get no reply
+        self._heartbeat: tuple[float, HeartbeatFields] | None = None
+        self.heartbeat_refused = threading.Event()  # the dispatcher no longer knows the heartbeat's worker
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name=f"{name}-control", daemon=True)
+        self._thread.start()
+
+    # -- the main thread's side ---------------------------------------------------------------
+    def submit(self, op: str, **fields: Any) -> int:
+        """Queue a request without waiting; its reply is kept for :meth:`result` (matched by id)."""
+        request_id = next(self._ids)
+        message = protocol.request(op, request_id, **fields)
+        if self.secret:
+            message["secret"] = self.secret
+        frame = protocol.pack(message)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the control channel is closed")
+            self._pending[request_id] = (op, fields)
+            self._outbox.append(("send", frame))
+        self._wake()
+        return request_id
+
+    def result(self, request_id: int, *, timeout_s: float) -> dict[str, Any]:
+        """The reply to a submitted request: ProtocolError for an error reply; DispatcherUnavailable
+        when none came within ``timeout_s`` (the socket is then reset: late replies are dropped)."""
+        deadline = time.monotonic() + timeout_s
+        timed_out = False
+        with self._cond:
+            while request_id not in self._replies:
+                if request_id in self._dropped or request_id not in self._pending:
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    timed_out = True
+                    break
+                self._cond.wait(remaining)
+            reply = self._replies.pop(request_id, None)
+            self._dropped.discard(request_id)
+        if reply is None:
+            if timed_out:
+                self.reset()
+                raise DispatcherUnavailable(f"no reply from {self.endpoint} within {timeout_s:.1f}s")
+            raise DispatcherUnavailable(f"request {request_id} was given up (the connection was reset)")
+        if not reply.get("ok"):
+            error = reply.get("error") or {}
+            raise ProtocolError(error.get("code", ErrorCode.INTERNAL), error.get("message", "error reply"))
+        return reply
+
+    def done(self, request_id: int) -> bool:
+        """Whether the reply to ``request_id`` is in (or will never come), without waiting."""
+        with self._cond:
+            return request_id in self._replies or request_id in self._dropped or request_id not in self._pending
+
+    def call(self, op: str, *, timeout_s: float, **fields: Any) -> dict[str, Any]:
+        return self.result(self.submit(op, **fields), timeout_s=timeout_s)
+
+    def reset(self) -> None:
+        """A fresh socket: requests still queued or unanswered are given up (their waiters fail at once),
+        so a dispatcher that comes back does not receive a burst of stale requests."""
+        with self._cond:
+            self._dropped.update(self._pending)
+            self._pending.clear()
+            self._outbox.append(("reset", None))
+            self._cond.notify_all()
+        self._wake()
+
+    def set_heartbeat(self, interval_s: float | None, fields: HeartbeatFields | None = None) -> None:
+        """Send ``heartbeat`` every ``interval_s`` with ``fields()`` (None skips a beat); None stops."""
+        self.heartbeat_refused.clear()
+        with self._cond:
+            self._outbox.append(("heartbeat", None if interval_s is None else (interval_s, fields)))
+        self._wake()
+
+    def close(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._outbox.append(("stop", None))
+        self._wake()
+        self._thread.join(timeout=5)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:  # the pipe is full of wake-ups already: the thread will look
+            pass
+
+    # -- the I/O thread -----------------------------------------------------------------------
+    def _connect(self, context: zmq.Context) -> zmq.Socket:
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoint)
+        return sock
+
+    def _serve(self) -> None:
+        context = zmq.Context.instance()
+        sock = self._connect(context)
+        heartbeat_ids: set[int] = set()
+        next_beat = float("inf")
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        try:
+            while True:
+                timeout_ms = None if next_beat == float("inf") else max(0, int(1000 * (next_beat - time.monotonic())))
+                events = dict(poller.poll(timeout_ms))
+                if self._wake_r in events:
+                    try:
+                        while os.read(self._wake_r, 4096):
+                            pass
+                    except BlockingIOError:
+                        pass
+                while True:
+                    with self._cond:
+                        if not self._outbox:
+                            break
+                        command, argument = self._outbox.popleft()
+                    if command == "send":
+                        sock.send(argument)
+                    elif command == "reset":
+                        poller.unregister(sock)
+                        sock.close(linger=0)
+                        sock = self._connect(context)
+                        poller.register(sock, zmq.POLLIN)
+                        heartbeat_ids.clear()
+                    elif command == "heartbeat":
+                        self._heartbeat = argument
+                        next_beat = float("inf") if argument is None else time.monotonic() + argument[0]
+                    else:
+                        return
+                while sock.poll(0):
+                    self._receive(sock.recv(), heartbeat_ids)
+                if self._heartbeat is None:
+                    next_beat = float("inf")
+                elif time.monotonic() >= next_beat:
+                    interval_s, fields = self._heartbeat
+                    next_beat = time.monotonic() + interval_s
+                    beat = fields() if fields is not None else None
+                    if beat is not None:
+                        request_id = next(self._ids)
+                        heartbeat_ids.add(request_id)
+                        message = protocol.request("heartbeat", request_id, **beat)
+                        if self.secret:
+                            message["secret"] = self.secret
+                        sock.send(protocol.pack(message))
+        except Exception:
+            log.exception("control channel to %s failed", self.endpoint)
+        finally:
+            sock.close(linger=0)
+            with self._cond:
+                self._closed = True
+                self._dropped.update(self._pending)
+                self._pending.clear()
+                self._cond.notify_all()
+
+    def _receive(self, frame: bytes, heartbeat_ids: set[int]) -> None:
+        try:
+            reply = protocol.unpack(frame)
+        except ProtocolError:
+            log.warning("dropped an undecodable reply from %s", self.endpoint)
+            return
+        request_id = reply.get("id")
+        if request_id in heartbeat_ids:
+            heartbeat_ids.discard(request_id)
+            if not reply.get("ok") and (reply.get("error") or {}).get("code") == ErrorCode.UNKNOWN_WORKER:
+                # The worker's next request learns it too; beating on would only draw more refusals.
+                self._heartbeat = None
+                self.heartbeat_refused.set()
+            return
+        with self._cond:
+            request = self._pending.pop(request_id, None)
+        if request is None:
+            return  # a reply to a request given up on
+        if self._on_reply is not None:
+            try:
+                self._on_reply(request[0], request[1], reply)
+            except Exception:
+                log.exception("reply hook failed on %s", request[0])
+        with self._cond:
+            self._replies[request_id] = reply
+            self._cond.notify_all()

@@ -1,0 +1,217 @@
+"""A drafter worker: accumulate a step of micro-batches, commit it, apply it once it is durable.
+
+The handshake with the dispatcher (protocol v2), in the order the loop keeps:
+
+- start: load the model's latest checkpoint and register with ``model: {id, step}``; the ledger
+  rolls the model back to exactly that step. A model ahead of the ledger reloads its checkpoint and
+  registers again.
+- a step: ``get_hs`` (the next one always in flight), copy the slot out, ``consumed``, the backend's
+  ``micro_batch``. After ``accum_steps`` micro-batches (fewer when the dispatcher says ``flush``),
+  ``commit_step {model, step: current + 1, job_ids}``. The next slot is copied while the commit is
+  in flight; before the next micro-batch the loop waits for the answer: acknowledged → the backend
+  applies the step (weights, witness); refused → the step is dropped and its jobs leave the held
+  set, so the dispatcher gives them back. No answer → the same commit again (it is idempotent).
+- checkpoints: every ``drafter.checkpoint_every`` steps, and when the dispatcher says nothing more
+  is coming (``flush`` with an empty window, or ``done``) while steps are not yet checkpointed:
+  the backend saves weights + witness, then ``checkpoint {model, step}``. The dispatcher says
+  ``done`` only once every model's last commit is checkpointed.
+- a slot rewritten under the copy (StaleSlotError): ``read_failed``, and on to the next job.
+- the dispatcher restarted (unknown worker): the pending step is dropped (its jobs were given back)
+  and the drafter registers again with the step it has applied.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from common.config import Config
+from common.protocol import ErrorCode, ProtocolError
+from common.slots import SlotBatch, StaleSlotError
+from common.transport import DrafterTransport, open_drafter_transport
+from common.worker_backends import DrafterBackend
+from common.worker_loop import WorkerLoop
+from common.worker_runtime import CALL_TIMEOUT_S, RECONNECT_S, DispatcherGone, NoReply, WorkerLost
+
+log = logging.getLogger("hsd.drafter")
+
+
+class DrafterLoop(WorkerLoop):
+    role = "drafter"
+
+    def __init__(self, config: Config, name: str, backend: DrafterBackend, **kwargs: Any):
+        super().__init__(config, name, backend, **kwargs)
+        self.run_dir = config.run_dir
+        self.checkpoint_every = config.drafter.checkpoint_every
+        self.checkpointed_step = 0
+        self.window: list[int] = []  # job ids of the step being accumulated
+        self.busy_s = 0.0
+        self.commit: tuple[dict[str, Any], int] | None = None  # (fields, request id) of the commit in flight
+        self.num_dropped_steps = 0
+        self.num_read_failures = 0
+        self.read_s = 0.0  # time spent copying slots out (benchmarks read it)
+
+    # -- registration: the model's step ---------------------------------------------------------
+    def _start(self) -> None:
+        self.checkpointed_step = self.backend.load_latest(self.run_dir)
+        if self.checkpointed_step:
+            log.info("%s: model %s resumes from its checkpoint at step %d", self.name, self.backend.model_id,
+                     self.checkpointed_step)
+
+    def _register(self) -> dict[str, Any]:
+        backend = self.backend
+        while True:
+            reply = self.session.register(contract=backend.contract, model={"id": backend.model_id, "step": backend.step})
+            ledger_step = reply.get("model_step", backend.step)
+            if ledger_step == backend.step:
+                return reply
+            if ledger_step > backend.step:
+                raise RuntimeError(f"the dispatcher holds step {ledger_step} for model {backend.model_id}, "
+                                   f"which registered at step {backend.step}: its ledger did not roll back")
+            # Our state is ahead of what the journal made durable: go back to the checkpoint.
+            ahead = backend.step
+            self.checkpointed_step = backend.load_latest(self.run_dir)
+            log.warning("%s: model %s at step %d is ahead of the ledger (%d); reloaded its checkpoint at step %d",
+                        self.name, backend.model_id, ahead, ledger_step, backend.step)
+            if backend.step >= ahead:
+                raise RuntimeError(f"model {backend.model_id}: the ledger holds step {ledger_step} but the latest "
+                                   f"checkpoint is at step {backend.step}: nothing to roll back to")
+            self.session.close_registration()
+
+    def _open_transport(self, info: dict[str, Any]) -> DrafterTransport:
+        return open_drafter_transport(info, device=self._device(info))
+
+    def _lost(self) -> None:
+        if self.window or self.commit is not None:
+            self.backend.drop_step()
+            self.num_dropped_steps += 1
+        self.window, self.busy_s, self.commit = [], 0.0, None
+
+    # -- the loop -----------------------------------------------------------------------------
+    def _work(self, registration: dict[str, Any], transport: DrafterTransport) -> None:
+        accum_steps = registration["accum_steps"]
+        self.window, self.busy_s, self.commit = [], 0.0, None
+        reports: list[int] = []
+        poll = self._poll("get_hs")
+        while True:
+            reply = self._await_poll(poll, "get_hs")
+            if self.stopping:
+                self._stop(reports)
+                return
+            done, flush, job = reply["done"], reply.get("flush", False), reply["job"]
+            if not done:
+                poll = self._poll("get_hs")  # prefetch: the next job is asked for before this one computes
+            reports = self._collect(reports)
+            if job is not None:
+                self._train_on(job, transport, reports)
+            if self.window and (len(self.window) >= accum_steps or flush or done):
+                self._send_commit()
+            if flush or done:
+                self._settle_commit()
+                if not self.window and self.backend.step > self.checkpointed_step:
+                    self._checkpoint()
+            if done:
+                self._collect(reports, wait=True)
+                log.info("%s: run complete, model %s at step %d (%d steps dropped, %d stale reads)", self.name,
+                         self.backend.model_id, self.backend.step, self.num_dropped_steps, self.num_read_failures)
+                return
+
+    def _train_on(self, job: dict[str, Any], transport: DrafterTransport, reports: list[int]) -> None:
+        started = time.perf_counter()
+        batch = self._read(job, transport, reports)
+        if batch is None:
+            return
+        reports.append(self.session.submit("consumed", job_id=job["job_id"]))
+        self._settle_commit()  # the previous step's commit was in flight during the copy
+        self.backend.micro_batch(job, batch)
+        self.window.append(job["job_id"])
+        self.busy_s += time.perf_counter() - started
+
+    def _read(self, job: dict[str, Any], transport: DrafterTransport, reports: list[int]) -> SlotBatch | None:
+        started = time.perf_counter()
+        try:
+            return transport.read(job["slot"], job["generation"], ipc=job.get("ipc"), owner=job.get("owner") or "")
+        except StaleSlotError as exc:
+            # The slot was given to another job under us (our lease lapsed): the dispatcher extracts
+            # this one again; we carry on with the next.
+            self.num_read_failures += 1
+            log.warning("%s: job %d: %s; reported, carrying on", self.name, job["job_id"], exc)
+            reports.append(self.session.submit("read_failed", job_id=job["job_id"], reason=str(exc)))
+            return None
+        finally:
+            self.read_s += time.perf_counter() - started
+
+    # -- commit, then apply ---------------------------------------------------------------------
+    def _send_commit(self) -> None:
+        assert self.commit is None, "one commit in flight at a time"
+        fields: dict[str, Any] = {"model": self.backend.model_id, "step": self.backend.step + 1,
+                                  "job_ids": list(self.window), "busy_s": self.busy_s}
+        if getattr(self.backend, "verifies_slots", False):
+            fields["verified"] = len(self.window)
+        self.commit = (fields, self.session.submit("commit_step", **fields))
+        self.window, self.busy_s = [], 0.0
+
+    def _settle_commit(self) -> None:
+        """Wait for the commit in flight; apply the step when acknowledged, drop it when refused."""
+        if self.commit is None:
+            return
+        fields, request_id = self.commit
+        deadline = time.monotonic() + RECONNECT_S
+        while True:
+            try:
+                self.session.result(request_id, timeout_s=CALL_TIMEOUT_S)
+                break
+            except NoReply:
+                if time.monotonic() > deadline:
+                    raise DispatcherGone(f"commit of step {fields['step']} unanswered for {RECONNECT_S:.0f}s") from None
+                log.warning("%s: commit of step %d got no reply; sending it again", self.name, fields["step"])
+                request_id = self.session.submit("commit_step", **fields)
+                self.commit = (fields, request_id)
+            except ProtocolError as exc:
+                if exc.code != ErrorCode.BAD_STATE:
+                    raise
+                log.warning("%s: step %d refused, dropped: %s", self.name, fields["step"], exc.message)
+                self.commit = None
+                self.backend.drop_step()
+                self.session.held.discard(fields["job_ids"])  # the next heartbeat gives them back
+                self.num_dropped_steps += 1
+                return
+        self.commit = None
+        metrics = self.backend.apply_step(fields["job_ids"])
+        log.debug("%s: step %d  %d jobs  %.3fs  %s", self.name, self.backend.step, len(fields["job_ids"]),
+                  fields["busy_s"], metrics)
+        if self.backend.step - self.checkpointed_step >= self.checkpoint_every:
+            self._checkpoint()
+
+    def _checkpoint(self, *, best_effort: bool = False) -> None:
+        """Save weights + witness, then tell the dispatcher that the model's state at this step is durable."""
+        step = self.backend.step
+        self.backend.save_checkpoint(self.run_dir)
+        self.checkpointed_step = step
+        try:
+            if best_effort:
+                self.session.call("checkpoint", model=self.backend.model_id, step=step)
+            else:
+                self.session.call_until_answered("checkpoint", model=self.backend.model_id, step=step)
+        except (ProtocolError, WorkerLost, DispatcherGone) as exc:
+            if not best_effort:
+                raise
+            log.warning("%s: checkpoint at step %d saved, but not acknowledged: %s", self.name, step, exc)
+            return
+        log.info("%s: checkpoint of model %s at step %d", self.name, self.backend.model_id, step)
+
+    def _stop(self, reports: list[int]) -> None:
+        """A clean stop: settle the commit in flight, drop the partial step, save what was applied."""
+        try:
+            self._settle_commit()
+            self._collect(reports, wait=True)
+        except (WorkerLost, DispatcherGone) as exc:
+            log.warning("%s: stopping without the last answers: %s", self.name, exc)
+            self._lost()
+        if self.window:
+            self.backend.drop_step()
+            self.session.held.discard(self.window)
+            self.window, self.busy_s = [], 0.0
+        if self.backend.step > self.checkpointed_step:
+            self._checkpoint(best_effort=True)

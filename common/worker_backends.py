@@ -1,0 +1,44 @@
+"""What a worker computes, behind the one worker loop (:mod:`common.worker_loop`).
+
+The loop owns the control plane, the transport, the job dicts and the window of a drafter's step;
+a backend only computes. A target backend fills a slot for a job; a drafter backend trains on a
+batch the loop has already copied out of its slot, and applies an optimizer step only once the
+dispatcher has made the commit durable (commit, then apply): the model's state never runs ahead of
+the journal, and the trained-jobs witness it checkpoints (:mod:`common.witness`) is exactly what
+its weights saw.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Protocol
+
+from common.slots import SlotBatch, SlotView
+
+
+class TargetBackend(Protocol):
+    contract: dict | None  # capture contract sent at registration (None for sim)
+
+    def extract(self, job: dict[str, Any], slot: SlotView) -> None:
+        """Fill the slot for ``job``: data, then the header with the generation last."""
+
+
+class DrafterBackend(Protocol):
+    model_id: str
+    contract: dict | None
+    step: int  # optimizer steps applied (the model's state)
+
+    def load_latest(self, run_dir: str | os.PathLike) -> int:
+        """Load the latest checkpoint; return its step (0 = none)."""
+
+    def micro_batch(self, job: dict[str, Any], batch: SlotBatch) -> None:
+        """Compute on one micro-batch (``batch`` is the reader's copy, valid until the next read)."""
+
+    def apply_step(self, job_ids: list[int]) -> dict:
+        """The commit was acknowledged: apply, ``step += 1``, witness += ``job_ids``; return step metrics."""
+
+    def drop_step(self) -> None:
+        """The step was refused or lost: discard what :meth:`micro_batch` accumulated."""
+
+    def save_checkpoint(self, run_dir: str | os.PathLike) -> None:
+        """Weights + witness at ``self.step`` (:func:`common.witness.save_checkpoint`)."""

@@ -1,0 +1,145 @@
+"""The one loop every worker runs: register, open the data plane, work, and start over when lost.
+
+A worker is a :class:`TargetLoop` (:mod:`common.target_loop`) or a :class:`DrafterLoop`
+(:mod:`common.drafter_loop`) around a backend (:mod:`common.worker_backends`) that only computes.
+The loop here owns what they share:
+
+- registration, retried while the dispatcher starts; the session token; heartbeats that list the
+  jobs the worker holds (:mod:`common.worker_runtime`);
+- the transport: opened from the register reply, closed (and opened afresh) when the dispatcher
+  restarts, since a new dispatcher means a new arena;
+- prefetch: the next ``get_job``/``get_hs`` is always in flight while the current job computes, so
+  when work is available the hot loop never waits on the control plane;
+- a poll that got no reply is asked again (a grant lost with it is given back by the dispatcher,
+  since no heartbeat lists it); an unknown worker (the dispatcher restarted) registers again;
+- a clean stop on SIGTERM/SIGINT after the current job, leaving through ``deregister``.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from typing import Any
+
+from common.config import Config
+from common.protocol import ErrorCode, ProtocolError
+from common.worker_runtime import CALL_TIMEOUT_S, RECONNECT_S, DispatcherGone, NoReply, WorkerLost, WorkerSession
+
+log = logging.getLogger("hsd.worker")
+
+POLL_MS = 1000  # long-poll of get_job/get_hs; also bounds how long a stop request waits
+EMPTY_POLL = {"job": None, "done": False, "flush": False}
+
+
+def sim_device(transport_info: dict[str, Any]) -> str:
+    """Sim workers compute nothing, but cuda_ipc slots live on a GPU."""
+    return "cuda" if transport_info.get("kind") == "cuda_ipc" else "cpu"
+
+
+class WorkerLoop:
+    role = ""
+
+    def __init__(self, config: Config, name: str, backend: Any, *, gpu: int | None = None,
+                 external_stop: Any = None):
+        """``external_stop``: anything with ``is_set()`` (a multiprocessing Event) that also stops the loop."""
+        self.config = config
+        self.name = name
+        self.backend = backend
+        self.session = WorkerSession(config, self.role, name, gpu=gpu)
+        self._external_stop = external_stop
+        self.poll_ms = POLL_MS
+
+    # -- stopping -----------------------------------------------------------------------------
+    @property
+    def stopping(self) -> bool:
+        return self.session.stop_requested.is_set() or bool(self._external_stop and self._external_stop.is_set())
+
+    def request_stop(self) -> None:
+        self.session.stop_requested.set()
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def on_signal(signum, _frame):
+            log.info("%s: signal %d, leaving after the current job", self.name, signum)
+            self.request_stop()
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
+    # -- the loop -----------------------------------------------------------------------------
+    def run(self) -> int:
+        """Work until the dispatcher says the run is done (0), or a stop is requested (0)."""
+        self._install_signal_handlers()
+        try:
+            self._start()
+            while not self.stopping:
+                registration = self._register()
+                transport = self._open_transport(registration["transport"])
+                try:
+                    self._work(registration, transport)
+                    return 0
+                except WorkerLost as exc:
+                    log.warning("%s: the dispatcher lost track of us (%s); registering again", self.name, exc)
+                    self._lost()
+                finally:
+                    transport.close()
+            return 0
+        finally:
+            self.session.close()
+
+    def _start(self) -> None:
+        """Once, before the first registration."""
+
+    def _register(self) -> dict[str, Any]:
+        return self.session.register(contract=self.backend.contract)
+
+    def _open_transport(self, info: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def _device(self, info: dict[str, Any]) -> Any:
+        return getattr(self.backend, "device", None) or sim_device(info)
+
+    def _work(self, registration: dict[str, Any], transport: Any) -> None:
+        raise NotImplementedError
+
+    def _lost(self) -> None:
+        """The dispatcher forgot us: drop what only it could have accepted."""
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _poll(self, op: str) -> int:
+        return self.session.submit(op, wait_ms=self.poll_ms)
+
+    def _await_poll(self, request_id: int, op: str) -> dict[str, Any]:
+        """The reply to a long-poll; asked again while the dispatcher does not answer."""
+        deadline = time.monotonic() + RECONNECT_S
+        while True:
+            try:
+                return self.session.result(request_id, timeout_s=self.poll_ms / 1000 + CALL_TIMEOUT_S)
+            except NoReply:
+                if self.stopping:
+                    return dict(EMPTY_POLL)
+                if time.monotonic() > deadline:
+                    raise DispatcherGone(f"no dispatcher at {self.session.endpoint} for {RECONNECT_S:.0f}s") from None
+                log.warning("%s: %s got no reply; asking again", self.name, op)
+                request_id = self._poll(op)
+
+    def _collect(self, request_ids: list[int], *, wait: bool = False) -> list[int]:
+        """Settle pipelined reports whose replies are in (all of them with ``wait``); return the rest.
+
+        A refusal (the job was given back meanwhile) only drops that work: the dispatcher has it again.
+        """
+        left = []
+        for request_id in request_ids:
+            if not wait and not self.session.done(request_id):
+                left.append(request_id)
+                continue
+            try:
+                self.session.result(request_id)
+            except ProtocolError as exc:
+                if exc.code != ErrorCode.BAD_STATE:
+                    raise
+                log.warning("%s: a report was refused, that work is dropped: %s", self.name, exc.message)
+        return left
