@@ -62,22 +62,27 @@ class DrafterLoop(WorkerLoop):
     def _register(self) -> dict[str, Any]:
         backend = self.backend
         while True:
-            reply = self.session.register(contract=backend.contract, model={"id": backend.model_id, "step": backend.step})
+            try:
+                reply = self.session.register(contract=backend.contract,
+                                              model={"id": backend.model_id, "step": backend.step})
+            except ProtocolError as exc:
+                if exc.code != ErrorCode.BAD_STATE:
+                    raise
+                # The model is ahead of the ledger (a commit it applied is not in the journal this
+                # dispatcher replayed): go back to the latest checkpoint and register from there.
+                ahead = backend.step
+                self.checkpointed_step = backend.load_latest(self.run_dir)
+                log.warning("%s: model %s at step %d refused (%s); reloaded its checkpoint at step %d",
+                            self.name, backend.model_id, ahead, exc.message, backend.step)
+                if backend.step >= ahead:
+                    raise RuntimeError(f"model {backend.model_id}: the dispatcher refuses step {ahead} and the "
+                                       f"latest checkpoint is at step {backend.step}: {exc.message}") from None
+                continue
             ledger_step = reply.get("model_step", backend.step)
-            if ledger_step == backend.step:
-                return reply
-            if ledger_step > backend.step:
+            if ledger_step != backend.step:
                 raise RuntimeError(f"the dispatcher holds step {ledger_step} for model {backend.model_id}, "
-                                   f"which registered at step {backend.step}: its ledger did not roll back")
-            # Our state is ahead of what the journal made durable: go back to the checkpoint.
-            ahead = backend.step
-            self.checkpointed_step = backend.load_latest(self.run_dir)
-            log.warning("%s: model %s at step %d is ahead of the ledger (%d); reloaded its checkpoint at step %d",
-                        self.name, backend.model_id, ahead, ledger_step, backend.step)
-            if backend.step >= ahead:
-                raise RuntimeError(f"model {backend.model_id}: the ledger holds step {ledger_step} but the latest "
-                                   f"checkpoint is at step {backend.step}: nothing to roll back to")
-            self.session.close_registration()
+                                   f"which registered at step {backend.step}: the ledger did not roll back to it")
+            return reply
 
     def _open_transport(self, info: dict[str, Any]) -> DrafterTransport:
         return open_drafter_transport(info, device=self._device(info))
@@ -107,10 +112,10 @@ class DrafterLoop(WorkerLoop):
                 self._train_on(job, transport, reports)
             if self.window and (len(self.window) >= accum_steps or flush or done):
                 self._send_commit()
-            if flush or done:
-                self._settle_commit()
-                if not self.window and self.backend.step > self.checkpointed_step:
-                    self._checkpoint()
+            if self.commit is not None and (job is None or flush or done or self.session.done(self.commit[1])):
+                self._settle_commit()  # idle, or answered already: no copy left to overlap it with
+            if (flush or done) and not self.window and self.backend.step > self.checkpointed_step:
+                self._checkpoint()
             if done:
                 self._collect(reports, wait=True)
                 log.info("%s: run complete, model %s at step %d (%d steps dropped, %d stale reads)", self.name,
@@ -169,6 +174,15 @@ class DrafterLoop(WorkerLoop):
                 request_id = self.session.submit("commit_step", **fields)
                 self.commit = (fields, request_id)
             except ProtocolError as exc:
+                if exc.code == ErrorCode.INTERNAL and time.monotonic() <= deadline:
+                    # Not made durable (the journal failed and that dispatcher stops): the same commit
+                    # goes to the next one, which answers unknown_worker, and the step is dropped then.
+                    log.warning("%s: commit of step %d failed (%s); sending it again", self.name, fields["step"],
+                                exc.message)
+                    time.sleep(1.0)
+                    request_id = self.session.submit("commit_step", **fields)
+                    self.commit = (fields, request_id)
+                    continue
                 if exc.code != ErrorCode.BAD_STATE:
                     raise
                 log.warning("%s: step %d refused, dropped: %s", self.name, fields["step"], exc.message)

@@ -61,6 +61,8 @@ class WorkerSession:
 
     # -- held jobs, kept current by the control channel's I/O thread ----------------------------
     def _on_reply(self, op: str, fields: dict[str, Any], reply: dict[str, Any]) -> None:
+        if fields.get("worker_id") != self.worker_id:
+            return  # a late reply to a previous registration: its jobs went back with it
         if op in _GRANTS and reply.get("ok") and reply.get("job"):
             self.held.add(reply["job"]["job_id"])
         elif op in _RELEASES:

@@ -96,7 +96,7 @@ def cmd_config(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from dispatcher.bench import run_transport_bench
+    from benchmarks.transport import run_transport_bench
     return run_transport_bench(slot_mb=args.slot_mb, as_json=args.json, seconds=args.seconds)
 
 

@@ -1,4 +1,4 @@
-"""dispatcher/bench.py: `hsd bench transport` runs end to end and leaves nothing behind.
+"""benchmarks/transport.py: `hsd bench transport` runs end to end and leaves nothing behind.
 
 The speed targets live in the benchmark's own output, not here: a test box says nothing reliable
 about bandwidth.
@@ -14,8 +14,8 @@ import time
 import psutil
 
 from common.shm_arena import list_segments
-from dispatcher.bench import bench_layout
-from dispatcher.bench_workers import BenchSpec, Meter, percentile
+from benchmarks.transport import bench_layout
+from benchmarks.transport_workers import BenchSpec, Meter, percentile
 
 REQUIRED_KEYS = ("slot_bytes", "memcpy_gbps", "shm_gbps", "torch_mp_queue_gbps", "zmq_ipc_gbps",
                  "rtt_p50_ms", "rtt_p99_ms")
@@ -83,7 +83,7 @@ def test_bench_layout_sizes_the_hidden_states():
 
 def test_meter_counts_only_the_window(monkeypatch):
     clock = iter([0.0, 0.5, 1.0, 1.5, 2.0, 2.5])
-    monkeypatch.setattr("dispatcher.bench_workers.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("benchmarks.transport_workers.time.perf_counter", lambda: next(clock))
     meter = Meter(BenchSpec(bench_layout(1), seconds=1.5, warmup_s=1.0))
     # 0.0: first item; 0.5: warming up; 1.0: opens the window; 1.5, 2.0, 2.5: counted, then done.
     assert [meter.add(100) for _ in range(6)] == [False] * 5 + [True]

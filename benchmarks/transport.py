@@ -46,8 +46,8 @@ from common.config import Config, load_config
 from common.cuda_ipc import cuda_ipc_available
 from common.shm_arena import SHM_DIR, sweep_dead_segments
 from common.slots import SlotLayout, format_bytes
-from dispatcher import bench_workers as workers
-from dispatcher.bench_workers import BenchSpec, Meter
+from benchmarks import protocol_workers, transport_workers as workers
+from benchmarks.transport_workers import BenchSpec, Meter
 
 SLOT_TOKENS = 8192
 SLOT_LAYERS = 5
@@ -225,15 +225,15 @@ def _measure_protocol(ctx: Any, spec: BenchSpec, config: Config, *, num_rtt_cycl
     """The shm arena and the control plane, against one real dispatcher."""
     figures: dict[str, Any] = {}
     with _dispatcher(ctx, config):
-        result = _run_pair(ctx, "shm", workers.shm_target, (config, spec, True),
-                           workers.shm_drafter, (config, spec), timeout_s=timeout_s)
+        result = _run_pair(ctx, "shm", protocol_workers.shm_target, (config, spec, True),
+                           protocol_workers.shm_drafter, (config, spec), timeout_s=timeout_s)
         figures.update(shm_gbps=result["gbps"], shm_copy_gbps=result["copy_gbps"],
                        shm_control_ms=result["control_ms"])
         _progress(f"shm: {result['gbps']:.2f} GB/s, {result['items']} items; the drafter copies at "
                   f"{result['copy_gbps']:.2f} GB/s and spends {result['control_ms']:.2f} ms per item in "
                   f"get_hs/consumed/commit_step (a commit every {config.drafter.accum_steps} items)")
-        result = _run_pair(ctx, "rtt", workers.shm_target, (config, spec, False),
-                           workers.rtt_drafter, (config, spec, num_rtt_cycles), timeout_s=timeout_s)
+        result = _run_pair(ctx, "rtt", protocol_workers.shm_target, (config, spec, False),
+                           protocol_workers.rtt_drafter, (config, spec, num_rtt_cycles), timeout_s=timeout_s)
         figures.update(result)
         _progress(f"rtt get_hs+consumed: p50 {result['rtt_p50_ms']:.3f} ms, p99 {result['rtt_p99_ms']:.3f} ms "
                   f"({result['rtt_cycles']} cycles, {result['rtt_waited']} waited)")

@@ -1,0 +1,174 @@
+"""The processes of ``hsd bench transport`` that speak the real protocol to a real dispatcher.
+
+The shm path runs the one worker loop of every target and drafter (:mod:`common.worker_loop`)
+with benchmark backends: the figures are those of the code a run uses. The round-trip probe drives
+a session by hand instead, so that each figure is one request.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from benchmarks.transport_workers import (POLL_MS, BenchSpec, Meter, _errors_to, _init_process, _scratch_slot,
+                                          percentile)
+from common.config import Config
+from common.drafter_loop import DrafterLoop
+from common.slots import SlotBatch, SlotHeader, SlotView
+from common.target_loop import TargetLoop
+from common.witness import TrainedJobs, save_checkpoint
+from common.worker_runtime import WorkerSession
+
+
+# -- shm arena through the real protocol: benchmark backends on the one worker loop --------------
+def _header_for(job: dict[str, Any]) -> SlotHeader:
+    return SlotHeader(generation=job["generation"], job_id=job["job_id"], bucket=job["bucket"],
+                      batch_size=len(job["samples"]), seq_len=job["seq_len"], num_tokens=job["num_tokens"])
+
+
+class BenchTarget:
+    """Writes a preallocated source into the slot (what a target's capture copy costs). Without
+    ``write_hs`` only the header is published: the control-plane benchmark keeps the pool full
+    without moving data."""
+
+    contract = None
+
+    def __init__(self, spec: BenchSpec, write_hs: bool):
+        self.src = _scratch_slot(spec.layout)
+        self.write_hs = write_hs
+
+    def extract(self, job: dict[str, Any], slot: SlotView) -> None:
+        header = _header_for(job)
+        slot.begin_write()
+        if self.write_hs:
+            rows, src = header.num_rows, self.src
+            slot.hs[:rows].copy_(src.hs[:rows])
+            slot.input_ids[:rows].copy_(src.input_ids[:rows])
+            slot.loss_mask[:rows].copy_(src.loss_mask[:rows])
+            slot.seq_lens[:header.batch_size].copy_(torch.tensor(job["lengths"], dtype=torch.int32))
+        slot.write_header(header)
+
+
+class BenchDrafter:
+    """Counts the bytes the loop copied out (:class:`Meter`) and where the time between two
+    micro-batches went: the copy (the loop's ``read_s``) or the control plane (the rest). Its model
+    state is a real witness, as a drafter's is; it asks the loop to stop once the window is measured."""
+
+    contract = None
+
+    def __init__(self, spec: BenchSpec, model_id: str):
+        self.model_id = model_id
+        self.step = 0
+        self.trained = TrainedJobs()
+        self.meter = Meter(spec)
+        self.row_bytes = spec.layout.row_width * spec.layout.itemsize
+        self.loop: DrafterLoop | None = None
+        self.copy_s = self.control_s = 0.0  # inside the window
+        self._last: tuple[float, float] | None = None  # (time, loop.read_s) at the previous micro-batch
+        self._window: list[int] = []
+
+    def load_latest(self, run_dir: Any) -> int:
+        return 0  # every benchmark run starts in a fresh run directory
+
+    def micro_batch(self, job: dict[str, Any], batch: SlotBatch) -> None:
+        assert self.loop is not None
+        now, read_s = time.perf_counter(), self.loop.read_s
+        num_counted = self.meter.num_items
+        if self.meter.add(batch.header.num_rows * self.row_bytes):
+            self.loop.request_stop()
+        if self.meter.num_items > num_counted and self._last is not None:
+            copy_s = read_s - self._last[1]
+            self.copy_s += copy_s
+            self.control_s += (now - self._last[0]) - copy_s
+        self._last = (now, read_s)
+        self._window.append(job["job_id"])
+
+    def apply_step(self, job_ids: list[int]) -> dict:
+        self.trained.add(job_ids)
+        self.step += 1
+        self._window = []
+        return {}
+
+    def drop_step(self) -> None:
+        self._window = []
+
+    def save_checkpoint(self, run_dir: Any) -> None:
+        save_checkpoint(run_dir, self.model_id, self.step, self.trained)
+
+    def result(self) -> dict[str, float]:
+        result = self.meter.result()
+        result.update(copy_gbps=self.meter.num_bytes / self.copy_s / 1e9,
+                      control_ms=1e3 * self.control_s / self.meter.num_items)
+        return result
+
+
+def shm_target(config: Config, spec: BenchSpec, write_hs: bool, stop: Any, results: Any) -> None:
+    """A target on the worker loop (get_job → write the slot → job_ready, the next get_job in flight:
+    target_credits allows two slots), until stopped."""
+    _init_process()
+    with _errors_to(results):
+        loop = TargetLoop(config, "bench-target", BenchTarget(spec, write_hs), external_stop=stop)
+        loop.poll_ms = POLL_MS
+        loop.run()
+
+
+def shm_drafter(config: Config, spec: BenchSpec, stop: Any, results: Any) -> None:
+    """A drafter on the worker loop: get_hs (the next one in flight) → ``DrafterTransport.read`` →
+    consumed, and a commit every ``accum_steps`` items, until the measured window is complete."""
+    _init_process()
+    with _errors_to(results):
+        backend = BenchDrafter(spec, "bench-drafter")
+        loop = DrafterLoop(config, "bench-drafter", backend, external_stop=stop)
+        backend.loop = loop
+        loop.run()
+        results.put(backend.result())
+
+
+def rtt_drafter(config: Config, spec: BenchSpec, num_cycles: int, stop: Any, results: Any) -> None:
+    """Time get_hs + consumed round trips (no data copy) while a target keeps the pool full.
+
+    get_hs is sent with ``wait_ms=0``: a cycle that finds no ready slot is not timed (it would
+    measure the target, not the control plane) but counted as ``waited`` and served untimed.
+    commit_step (journaled with fsync) is timed separately. A measuring probe, not a worker: it
+    drives the session by hand, one request at a time, so every figure is one round trip.
+    """
+    _init_process()
+    with _errors_to(results):
+        session = WorkerSession(config, "drafter", "bench-rtt-drafter")
+        model = "bench-rtt-drafter"
+        step = session.register(model={"id": model, "step": 0}).get("model_step", 0)
+        num_warmup = max(20, num_cycles // 20)
+        cycle_ms: list[float] = []
+        commit_ms: list[float] = []
+        num_waited = 0
+        try:
+            while len(cycle_ms) < num_cycles and not stop.is_set():
+                started = time.perf_counter()
+                reply = session.call("get_hs", wait_ms=0)
+                waited = reply["job"] is None
+                if waited:
+                    if reply["done"]:
+                        raise RuntimeError("the benchmark dispatcher ran out of jobs: raise data.synthetic_samples")
+                    reply = session.call("get_hs", wait_ms=1000, timeout_s=11.0)
+                    if reply["job"] is None:
+                        continue
+                session.call("consumed", job_id=reply["job"]["job_id"])
+                consumed = time.perf_counter()
+                session.call("commit_step", model=model, step=step + 1, job_ids=[reply["job"]["job_id"]], busy_s=0.0)
+                committed = time.perf_counter()
+                step += 1
+                if num_warmup:
+                    num_warmup -= 1
+                    continue
+                if waited:
+                    num_waited += 1
+                else:
+                    cycle_ms.append(1e3 * (consumed - started))
+                commit_ms.append(1e3 * (committed - consumed))
+        finally:
+            session.close()
+        results.put({"rtt_p50_ms": percentile(cycle_ms, 50), "rtt_p99_ms": percentile(cycle_ms, 99),
+                     "commit_rtt_p50_ms": percentile(commit_ms, 50), "commit_rtt_p99_ms": percentile(commit_ms, 99),
+                     "rtt_cycles": len(cycle_ms), "rtt_waited": num_waited})
