@@ -75,6 +75,9 @@ class ControlChannel:
             while request_id not in self._replies:
                 if request_id in self._dropped or request_id not in self._pending:
                     break
+                if self.heartbeat_refused.is_set():
+                    self._pending.pop(request_id, None)
+                    raise ProtocolError(ErrorCode.UNKNOWN_WORKER, "the dispatcher refused our heartbeat")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     timed_out = True
@@ -173,6 +176,7 @@ class ControlChannel:
                         poller.register(sock, zmq.POLLIN)
                         heartbeat_ids.clear()
                     elif command == "heartbeat":
+                        heartbeat_ids.clear()  # replies to a previous registration's beats mean nothing now
                         self._heartbeat = argument
                         next_beat = float("inf") if argument is None else time.monotonic() + argument[0]
                     else:
@@ -212,9 +216,12 @@ class ControlChannel:
         if request_id in heartbeat_ids:
             heartbeat_ids.discard(request_id)
             if not reply.get("ok") and (reply.get("error") or {}).get("code") == ErrorCode.UNKNOWN_WORKER:
-                # The worker's next request learns it too; beating on would only draw more refusals.
+                # Beating on would only draw more refusals; a worker waiting on a long-poll learns it
+                # now rather than when its poll times out (a restarted dispatcher lost it).
                 self._heartbeat = None
-                self.heartbeat_refused.set()
+                with self._cond:
+                    self.heartbeat_refused.set()
+                    self._cond.notify_all()
             return
         with self._cond:
             request = self._pending.pop(request_id, None)
