@@ -76,7 +76,12 @@ class WorkerLoop:
         try:
             self._start()
             while not self.stopping:
-                registration = self._register()
+                try:
+                    registration = self._register()
+                except DispatcherGone:
+                    if self.stopping:  # asked to stop while looking for a dispatcher: nothing to leave
+                        return 0
+                    raise
                 transport = self._open_transport(registration["transport"])
                 try:
                     self._work(registration, transport)
