@@ -42,6 +42,7 @@ class DataSection:
     lengths: str = opt("", "Lengths file (one sequence length per line) used as the samples of a sim run.")
     path: str = opt("", "Prepared dataset directory (tokenized samples); empty with no lengths file = synthetic.")
     synthetic_samples: int = opt(3000, "Number of samples in the built-in synthetic length distribution.")
+    allow_changed: bool = opt(False, "Resume a run directory although its data changed (its schedules index the old samples).")
 
 
 @dataclass

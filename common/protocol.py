@@ -16,33 +16,53 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # op -> required request fields (beyond v/op/id). Optional fields are documented at each op.
+# Every op after ``register`` carries the ``worker_id`` and the session ``token`` that registration
+# returned: a request under a registered id without its token is refused (``unauthorized``).
 REQUESTS: dict[str, tuple[str, ...]] = {
-    # {role: target|drafter, name, pid, host, gpu?, layout?} -> {worker_id, run_id, transport, ...}
+    # {role: target|drafter, name, pid, host, gpu?, contract?, model?}
+    #   -> {worker_id, token, run_id, transport, heartbeat_s, worker_timeout_s, accum_steps, buckets,
+    #       epochs, contract, model_step?}
+    # contract: the capture contract the worker produces (target) or expects (drafter); one that
+    #   differs from the run's is refused (incompatible), naming both sides.
+    # model (drafter): {id, step}: the model it trains and the step of the state it holds now
+    #   (0 = fresh). The ledger rolls that model back to exactly that step: its commits after it go
+    #   back to pending. The reply's model_step is the step the ledger now holds for the model; a
+    #   model *ahead* of the ledger (its last commit never became durable) must reload its latest
+    #   checkpoint and register again with that step.
     "register": ("role", "name", "pid", "host"),
-    # {worker_id, ipc_block, num_slots} -> {}; a cuda_ipc target offers the slots it allocated on its GPU
-    "register_slots": ("worker_id", "ipc_block", "num_slots"),
-    # {worker_id} -> {done}; keeps the worker alive (a silent one is declared dead, its jobs given back)
-    "heartbeat": ("worker_id",),
-    # {worker_id, wait_ms} -> {job: {...} | None, done: bool}; long-poll until a job and a slot are free
-    "get_job": ("worker_id", "wait_ms"),
-    # {worker_id, job_id, generation, busy_s} -> {}; the slot now holds the job's hidden states
-    "job_ready": ("worker_id", "job_id", "generation", "busy_s"),
-    # {worker_id, job_id, reason} -> {}; the target could not extract the job: it goes back to pending
-    "job_failed": ("worker_id", "job_id", "reason"),
-    # {worker_id, wait_ms} -> {job: {...} | None, done: bool}; long-poll for a ready slot
-    "get_hs": ("worker_id", "wait_ms"),
-    # {worker_id, job_id} -> {}; the drafter copied the slot out: the slot is free again
-    "consumed": ("worker_id", "job_id"),
-    # {worker_id, job_ids, busy_s, checkpointed, verified?} -> {step}; journaled and fsynced before the reply
+    # {ipc_block, num_slots} -> {}; a cuda_ipc target offers the slots it allocated on its GPU
+    "register_slots": ("worker_id", "token", "ipc_block", "num_slots"),
+    # {holding: [job_id]} -> {done}; keeps the worker alive (a silent one is declared dead, its jobs
+    # given back). ``holding`` lists every job the worker holds (extracting, reading, consumed but not
+    # committed); a job the dispatcher thinks it holds, granted more than a heartbeat ago and not
+    # listed, is given back at once.
+    "heartbeat": ("worker_id", "token", "holding"),
+    # {wait_ms} -> {job: {...} | None, done: bool}; long-poll until a job and a slot are free
+    "get_job": ("worker_id", "token", "wait_ms"),
+    # {job_id, generation, busy_s} -> {}; the slot now holds the job's hidden states
+    "job_ready": ("worker_id", "token", "job_id", "generation", "busy_s"),
+    # {job_id, reason} -> {}; the target could not extract the job: it goes back to pending
+    "job_failed": ("worker_id", "token", "job_id", "reason"),
+    # {wait_ms} -> {job: {...} | None, done: bool, flush: bool}; long-poll for a ready slot
+    # (flush: nothing more is coming for now, commit a partial step)
+    "get_hs": ("worker_id", "token", "wait_ms"),
+    # {job_id} -> {}; the drafter copied the slot out: the slot is free again
+    "consumed": ("worker_id", "token", "job_id"),
+    # {job_id, reason} -> {}; the drafter could not read the slot (stale generation): the job is
+    # extracted again and the drafter carries on
+    "read_failed": ("worker_id", "token", "job_id", "reason"),
+    # {model, step, job_ids, busy_s, verified?} -> {step, done}; the model took optimizer step
+    # ``step`` (its previous step + 1) on exactly these jobs. Journaled and fsynced before the reply.
+    # Idempotent: the same (model, step, job_ids) again gets the first answer.
     # (verified: how many of the step's slots a sim drafter checked byte for byte)
-    "commit_step": ("worker_id", "job_ids", "busy_s", "checkpointed"),
-    # {worker_id, step} -> {}; model state up to this global step is durable
-    "checkpoint": ("worker_id", "step"),
-    # {worker_id} -> {}; leaving cleanly: leased jobs go back at once
-    "deregister": ("worker_id",),
+    "commit_step": ("worker_id", "token", "model", "step", "job_ids", "busy_s"),
+    # {model, step} -> {}; the model's state at ``step`` (witness included) is durable on disk
+    "checkpoint": ("worker_id", "token", "model", "step"),
+    # {} -> {}; leaving cleanly: leased jobs go back at once
+    "deregister": ("worker_id", "token"),
     # {} -> {stats snapshot}; served on the read-only stats socket only
     "stats": (),
 }

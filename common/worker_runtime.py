@@ -43,8 +43,11 @@ class WorkerSession:
         self.endpoint = config.control_endpoint
         self.client = DispatcherClient(self.endpoint, secret=config.dispatcher.secret, timeout_s=CALL_TIMEOUT_S)
         self.worker_id: str | None = None
+        self.token: str = ""
         self.registration: dict[str, Any] = {}
+        self.holding: set[int] = set()  # job ids this worker holds; each heartbeat lists them
         self.stop_requested = threading.Event()
+        self.register_extra: Callable[[], dict[str, Any]] = dict  # extra register fields (a drafter's model)
         self._heartbeat_thread: threading.Thread | None = None
         self._heartbeat_stop = threading.Event()
 
@@ -61,12 +64,14 @@ class WorkerSession:
         while True:
             try:
                 reply = self.client.call("register", role=self.role, name=self.name, pid=os.getpid(),
-                                         host=socket.gethostname(), gpu=self.gpu, **extra)
+                                         host=socket.gethostname(), gpu=self.gpu, **self.register_extra(), **extra)
                 break
             except DispatcherUnavailable:
                 if time.monotonic() > deadline or self.stop_requested.is_set():
                     raise DispatcherGone(f"no dispatcher at {self.endpoint} for {RECONNECT_S:.0f}s") from None
         self.worker_id = reply["worker_id"]
+        self.token = reply["token"]
+        self.holding = set()
         self.registration = reply
         self._start_heartbeats(reply["heartbeat_s"])
         log.info("%s registered as %s with run %s", self.name, self.worker_id, reply["run_id"])
@@ -77,7 +82,7 @@ class WorkerSession:
         deadline = time.monotonic() + RECONNECT_S
         while True:
             try:
-                return self.client.call(op, worker_id=self.worker_id, timeout_s=timeout_s, **fields)
+                return self.client.call(op, worker_id=self.worker_id, token=self.token, timeout_s=timeout_s, **fields)
             except ProtocolError as exc:
                 raise self._lost_if_unknown(exc) from None
             except DispatcherUnavailable:
@@ -97,7 +102,7 @@ class WorkerSession:
 
     def submit(self, op: str, **fields: Any) -> int:
         """Send on this worker's behalf without waiting (pipelining); see :meth:`result`."""
-        return self.client.submit(op, worker_id=self.worker_id, **fields)
+        return self.client.submit(op, worker_id=self.worker_id, token=self.token, **fields)
 
     def result(self, request_id: int, *, timeout_s: float = CALL_TIMEOUT_S) -> dict[str, Any]:
         """The reply to :meth:`submit`. A pipelined worker that loses a reply cannot tell what the
@@ -126,14 +131,14 @@ class WorkerSession:
     def _start_heartbeats(self, interval_s: float) -> None:
         self._stop_heartbeats()
         self._heartbeat_stop = threading.Event()
-        worker_id, stop = self.worker_id, self._heartbeat_stop
+        worker_id, token, stop = self.worker_id, self.token, self._heartbeat_stop
 
         def beat() -> None:
             client = DispatcherClient(self.endpoint, secret=self.config.dispatcher.secret, timeout_s=CALL_TIMEOUT_S)
             try:
                 while not stop.wait(interval_s):
                     try:
-                        client.call("heartbeat", worker_id=worker_id)
+                        client.call("heartbeat", worker_id=worker_id, token=token, holding=sorted(self.holding))
                     except DispatcherUnavailable:
                         continue
                     except ProtocolError as exc:
@@ -155,7 +160,7 @@ class WorkerSession:
         self._stop_heartbeats()
         if deregister and self.worker_id is not None:
             try:
-                self.client.call("deregister", worker_id=self.worker_id, timeout_s=2.0)
+                self.client.call("deregister", worker_id=self.worker_id, token=self.token, timeout_s=2.0)
             except (ProtocolError, DispatcherUnavailable):
                 pass
         self.worker_id = None

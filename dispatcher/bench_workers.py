@@ -179,6 +179,7 @@ def shm_drafter(config: Config, spec: BenchSpec, stop: Any, results: Any) -> Non
         copy_s = control_s = 0.0  # inside the window: where the consumer's time goes
         window: list[int] = []
         acks: list[int] = []
+        num_steps = 0
         try:
             polling = session.submit("get_hs", wait_ms=1000)
             while not stop.is_set():
@@ -197,7 +198,9 @@ def shm_drafter(config: Config, spec: BenchSpec, stop: Any, results: Any) -> Non
                 acks.append(session.submit("consumed", job_id=job["job_id"]))
                 window.append(job["job_id"])
                 if len(window) == accum_steps:
-                    acks.append(session.submit("commit_step", job_ids=window, busy_s=0.0, checkpointed=True))
+                    num_steps += 1
+                    acks.append(session.submit("commit_step", model=session.name, step=num_steps, job_ids=window,
+                                               busy_s=0.0))
                     window = []
                 finished = time.perf_counter()
                 num_counted = meter.num_items
@@ -230,6 +233,7 @@ def rtt_drafter(config: Config, spec: BenchSpec, num_cycles: int, stop: Any, res
         cycle_ms: list[float] = []
         commit_ms: list[float] = []
         num_waited = 0
+        num_steps = 0
         try:
             while len(cycle_ms) < num_cycles and not stop.is_set():
                 started = time.perf_counter()
@@ -243,7 +247,9 @@ def rtt_drafter(config: Config, spec: BenchSpec, num_cycles: int, stop: Any, res
                         continue
                 session.call("consumed", job_id=reply["job"]["job_id"])
                 consumed = time.perf_counter()
-                session.call("commit_step", job_ids=[reply["job"]["job_id"]], busy_s=0.0, checkpointed=True)
+                num_steps += 1
+                session.call("commit_step", model=session.name, step=num_steps, job_ids=[reply["job"]["job_id"]],
+                             busy_s=0.0)
                 committed = time.perf_counter()
                 if num_warmup:
                     num_warmup -= 1

@@ -25,7 +25,7 @@ def worker_state(core: DispatcherCore, worker: Worker) -> str:
 
 def build_snapshot(core: DispatcherCore, now: float) -> dict[str, Any]:
     epochs = []
-    for epoch in sorted(core.schedules):
+    for epoch in sorted(core.ledger.epochs):
         progress = core.ledger.epochs[epoch]
         epochs.append({"epoch": epoch, "jobs": progress.num_jobs, "committed": progress.committed,
                        "taken": sum(progress.taken.values()),
@@ -45,6 +45,7 @@ def build_snapshot(core: DispatcherCore, now: float) -> dict[str, Any]:
             "epochs_total": core.options.epochs, "epochs": epochs,
             "jobs_by_state": core.ledger.counts_by_state(),
             "q_hsb": {str(b): n for b, n in core.pool.ready_per_bucket().items()},  # msgpack map keys are str
-            "pool": core.pool.counts(), "workers": workers, "steps": core.next_step,
+            "pool": core.pool.counts(), "workers": workers, "steps": core.num_steps,
+            "models": {m: {"step": s, "checkpoint": core.checkpoints.get(m, 0)} for m, s in core.ledger.model_step.items()},
             "given_back": dict(core.counters.given_back), "requests": dict(core.counters.requests),
             "errors": dict(core.counters.errors)}

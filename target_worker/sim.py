@@ -36,6 +36,7 @@ def run_sim_target(config: Config, name: str) -> int:
             job = reply["job"]
             if job is None:
                 continue
+            session.holding.add(job["job_id"])
             started = time.perf_counter()
             time.sleep(cost * job["num_tokens"])
             fill_pattern(transport.slot(job["slot"]), job_id=job["job_id"], generation=job["generation"],
@@ -45,5 +46,6 @@ def run_sim_target(config: Config, name: str) -> int:
             if session.report("job_ready", job_id=job["job_id"], generation=job["generation"],
                               busy_s=time.perf_counter() - started) is not None:
                 num_jobs += 1
+            session.holding.discard(job["job_id"])
 
     return run_worker(session, lambda info: open_target_transport(info, device=sim_device(info)), work)
