@@ -135,10 +135,11 @@ def rates_from_run(run_dir: str | os.PathLike) -> StageRates:
 
 
 # -- the command ---------------------------------------------------------------------------------
-def plan_dict(rates: StageRates, num_gpus: int, config_path: str | None = None) -> dict[str, Any]:
+def plan_dict(rates: StageRates, num_gpus: int, config_path: str | None = None,
+              from_run: str | None = None) -> dict[str, Any]:
     splits = plan_splits(rates, num_gpus)
     best = recommend(rates, splits)
-    return {"gpus": num_gpus, "source": rates.source, "config": config_path,
+    return {"gpus": num_gpus, "source": rates.source, "config": config_path, "from_run": from_run,
             "rate_per_gpu": {"target": rates.target, "drafter": rates.drafter},
             "splits": [asdict(s) for s in splits], "recommended": asdict(best)}
 
@@ -167,7 +168,9 @@ def format_plan(plan: dict[str, Any]) -> str:
               f"recommended: {best['targets']} target(s) + {best['drafters']} drafter(s): "
               f"{best['tokens_per_s']:,.0f} tok/s expected, {_idle_words(best)}, "
               f"GPU efficiency {best['gpu_efficiency']:.1%}",
-              f"  hsd launch --config {plan.get('config') or 'C'} target.count={best['targets']} drafter.count={best['drafters']}"]
+              f"  hsd launch --config {plan.get('config') or 'C'}"
+              + (" run.dir=NEW_RUN_DIR" if plan.get("from_run") else "")
+              + f" target.count={best['targets']} drafter.count={best['drafters']}"]
     return "\n".join(lines)
 
 
@@ -179,7 +182,7 @@ def run_plan(*, config_path: str | None, overrides: list[str], num_gpus: int, fr
     else:
         config = load_config(config_path, overrides) if (config_path or overrides) else Config()
         rates = rates_from_config(config, f"the sim cost model of {config_path or 'the default config'}")
-    plan = plan_dict(rates, num_gpus, config_path)
+    plan = plan_dict(rates, num_gpus, config_path, from_run)
     print(json.dumps(plan, indent=2) if as_json else format_plan(plan))
     return 0
 
