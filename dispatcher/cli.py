@@ -71,6 +71,12 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from dispatcher.planner import run_plan
+    return run_plan(config_path=args.config, overrides=args.overrides, num_gpus=args.gpus, from_run=args.from_run,
+                    as_json=args.json)
+
+
 def cmd_cleanup(args) -> int:
     from common.client import run_id_for
     from common.shm_arena import sweep_dead_segments
@@ -136,6 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", required=True)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("plan", help="split N GPUs between targets and drafters from measured or modeled rates")
+    _add_config_args(p)
+    p.add_argument("--gpus", type=int, required=True, help="GPUs to split (targets + drafters)")
+    p.add_argument("--from", dest="from_run", metavar="RUN_DIR",
+                   help="measure each stage's rate in this run's journal instead of the config's sim cost model")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("cleanup", help="remove shared-memory segments left by a dead run")
     p.add_argument("--run-dir", required=True)
