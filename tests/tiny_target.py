@@ -14,13 +14,16 @@ VOCAB = 97
 
 
 def save_tiny_model(kind: str, path: Path, *, num_layers: int = 8, seed: int = 0) -> Path:
-    """A randomly initialised ``kind`` (qwen3, llama) causal LM saved as a local model directory."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
-    classes = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
-    config_class, model_class = classes[kind]
+    """A randomly initialised ``kind`` (qwen3, llama, mistral, gemma3) causal LM saved as a local model directory."""
+    import transformers as tf
+    classes = {"qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, {}), "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, {}),
+               "mistral": (tf.MistralConfig, tf.MistralForCausalLM, {}),
+               # Gemma 3: embedding scaling, sandwich norms and alternating sliding-window layers.
+               "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, {"sliding_window": 8})}
+    config_class, model_class, extra = classes[kind]
     config = config_class(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
-                          tie_word_embeddings=False)
+                          tie_word_embeddings=False, **extra)
     torch.manual_seed(seed)
     model_class(config).save_pretrained(path)
     return path

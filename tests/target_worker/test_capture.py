@@ -48,6 +48,22 @@ def test_capture_equals_output_hidden_states(model_dir, layer_ids):
     assert [len(layer._forward_hooks) for layer in model.model.layers] == hooks_before
 
 
+@pytest.mark.parametrize("kind", ["mistral", "gemma3"])
+def test_capture_finds_other_decoder_only_architectures(kind, tmp_path):
+    model_dir = save_tiny_model(kind, tmp_path / kind)
+    model = load_target_model(model_dir, dtype=torch.float32, attn_implementation="sdpa", device=CPU)
+    torch.manual_seed(2)
+    ids = torch.randint(1, 97, (2, 24))
+    mask = torch.ones_like(ids)
+    mask[1, 13:] = 0
+    capture = LayerCapture(model, [1, 3, 5], max_tokens=48)
+    captured = capture(ids, mask).clone()
+    expected = _plain_layers(model, ids, mask, [1, 3, 5])
+    torch.testing.assert_close(captured[0], expected[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(captured[1, :13], expected[1, :13], atol=1e-5, rtol=0)
+    capture.close()
+
+
 def test_contract_from_config_json_matches_loaded_model(model_dir):
     contract = contract_from_model_dir(model_dir, num_capture_layers=3, dtype="float32")
     model = load_target_model(model_dir, dtype=torch.float32, attn_implementation="sdpa", device=CPU)
