@@ -10,7 +10,8 @@ what a drafter would have received. Per sample ``i`` (real tokens only)::
     sample.{i}.loss_mask  [length]              uint8
 
 The file's metadata holds the capture contract (JSON) and the sample indices. Samples longer than
-the last bucket are skipped, as the schedule drops them.
+the last bucket are skipped, as the schedule drops them. The file is streamed to disk one batch at a
+time (memory stays at one slot, whatever N is) and appears under its name only when complete.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from common.config import Config
 from common.slots import SlotLayout, SlotView
 from target_worker.hf_backend import HFTargetBackend, SampleSource, default_device
+from target_worker.safetensors_stream import StreamingSafetensorsWriter
 
 
 def open_dataset(path: str | Path) -> SampleSource:
@@ -75,7 +77,6 @@ def plan_jobs(lengths: list[int], *, buckets: list[int], tokens_per_batch: int) 
 def capture_to_file(config: Config, dataset: SampleSource, *, num_samples: int, out: str | Path,
                     progress: bool = True) -> dict[str, Any]:
     """Capture samples ``0..num_samples-1`` into ``out``; returns a summary (samples, tokens, skipped)."""
-    from safetensors.torch import save_file
     from tqdm import tqdm
 
     if num_samples <= 0:
@@ -83,26 +84,31 @@ def capture_to_file(config: Config, dataset: SampleSource, *, num_samples: int, 
     lengths = sample_lengths(dataset, num_samples)
     jobs, skipped = plan_jobs(lengths, buckets=list(config.schedule.buckets),
                               tokens_per_batch=config.schedule.tokens_per_batch)
+    dropped = set(skipped)
+    captured = [i for i in range(num_samples) if i not in dropped]
     backend = HFTargetBackend(config, device=default_device(config), dataset=dataset)
     layout = SlotLayout.from_contract(backend.contract, config.schedule)
     slot = SlotView(torch.zeros(layout.slot_bytes, dtype=torch.uint8), layout)
-    tensors: dict[str, torch.Tensor] = {}
-    with tqdm(total=num_samples - len(skipped), unit="sample", desc="capture", disable=not progress,
-              file=sys.stderr) as bar:
-        for job in jobs:
-            backend.extract(job, slot)
-            batch = slot.batch(slot.expect_generation(job["generation"]))
-            for row, index in enumerate(job["samples"]):
-                length = int(batch.seq_lens[row])
-                tensors[f"sample.{index}.hidden"] = batch.hs[row, :length].clone()
-                tensors[f"sample.{index}.input_ids"] = batch.input_ids[row, :length].clone()
-                tensors[f"sample.{index}.loss_mask"] = batch.loss_mask[row, :length].clone()
-            bar.update(len(job["samples"]))
-    backend.close()
-    dropped = set(skipped)
-    captured = [i for i in range(num_samples) if i not in dropped]
+    specs = []
+    for i in captured:
+        specs += [(f"sample.{i}.hidden", layout.torch_dtype, (lengths[i], layout.row_width)),
+                  (f"sample.{i}.input_ids", torch.int32, (lengths[i],)),
+                  (f"sample.{i}.loss_mask", torch.uint8, (lengths[i],))]
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out), metadata={"contract": json.dumps(backend.contract),
-                                           "samples": json.dumps(captured)})
+    metadata = {"contract": json.dumps(backend.contract), "samples": json.dumps(captured)}
+    try:
+        with StreamingSafetensorsWriter(out, specs, metadata=metadata) as writer, \
+                tqdm(total=len(captured), unit="sample", desc="capture", disable=not progress, file=sys.stderr) as bar:
+            for job in jobs:
+                backend.extract(job, slot)
+                batch = slot.batch(slot.expect_generation(job["generation"]))
+                for row, index in enumerate(job["samples"]):
+                    length = int(batch.seq_lens[row])
+                    writer.write(f"sample.{index}.hidden", batch.hs[row, :length])
+                    writer.write(f"sample.{index}.input_ids", batch.input_ids[row, :length])
+                    writer.write(f"sample.{index}.loss_mask", batch.loss_mask[row, :length])
+                bar.update(len(job["samples"]))
+    finally:
+        backend.close()
     return {"samples": len(captured), "tokens": sum(lengths[i] for i in captured), "skipped": skipped,
             "jobs": len(jobs), "out": str(out), "contract": backend.contract}
