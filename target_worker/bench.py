@@ -64,7 +64,7 @@ def bench_target(config: Config, *, warmup: int = 2, reps: int = 5, seed: int = 
     device = default_device(config)
     vocab_size = _vocab_size(config)
     dataset, jobs = _bucket_jobs(config, vocab_size, seed)
-    backend = HFTargetBackend(config, device=device, dataset=dataset)
+    backend = HFTargetBackend(config, device=device, dataset=dataset, keep_full_model=True)
     layer_ids = list(backend.contract["layer_ids"])
     model = backend.model
 

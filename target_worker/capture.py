@@ -73,6 +73,19 @@ def contract_shape_of(model: nn.Module) -> tuple[str, int, int]:
     return architectures[0], len(decoder._modules[layers_name]), text_config(model).hidden_size
 
 
+def drop_unused_modules(model: nn.Module, *, last_layer: int) -> None:
+    """Free the decoder layers past ``last_layer`` and the LM head (a :class:`LayerCapture` built
+    before keeps working; the model's own forward no longer does)."""
+    decoder, layers_name = find_decoder(model)
+    decoder._modules[layers_name] = decoder._modules[layers_name][:last_layer + 1]
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for name, child in list(model.named_children()):
+        if output is not None and child is output:  # a head tied to the embedding keeps its weight alive
+            model._modules[name] = None
+    if next(model.parameters()).device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 class LayerCapture:
     """Runs the decoder up to the last captured layer and returns ``[B, S, K × hidden]``.
 

@@ -23,7 +23,7 @@ import torch
 from common.capture_contract import CaptureContract, check_same_contract, contract_from_config
 from common.config import Config
 from common.slots import DTYPES, SlotHeader, SlotView
-from target_worker.capture import LayerCapture, contract_shape_of, load_target_model
+from target_worker.capture import LayerCapture, contract_shape_of, drop_unused_modules, load_target_model
 
 
 class SampleSource(Protocol):
@@ -86,7 +86,10 @@ def default_device(config: Config) -> torch.device:
 class HFTargetBackend:
     """Loads ``target.model`` once; :meth:`extract` fills one slot per job."""
 
-    def __init__(self, config: Config, *, device: str | torch.device, dataset: SampleSource):
+    def __init__(self, config: Config, *, device: str | torch.device, dataset: SampleSource,
+                 keep_full_model: bool = False):
+        """``keep_full_model`` keeps the layers past the last captured one and the LM head (the benchmark
+        runs the plain forward too); a worker frees them (on an 8B target, about 2 GB of GPU memory)."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -102,6 +105,8 @@ class HFTargetBackend:
         check_same_contract(declared, loaded, ours_name="config.json", theirs_name="loaded model")
         self.contract: dict[str, Any] = declared.to_dict()
         self.capture = LayerCapture(self.model, declared.layer_ids, max_tokens=self.tokens_per_batch)
+        if not keep_full_model:
+            drop_unused_modules(self.model, last_layer=declared.layer_ids[-1])
 
     def forward(self, batch: PaddedBatch) -> torch.Tensor:
         """``[rows, seq_len, K × hidden]`` for the whole fixed-shape batch (a view reused by the next call)."""

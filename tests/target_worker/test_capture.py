@@ -87,7 +87,7 @@ def test_padding_to_bucket_shape_leaves_real_states_unchanged(model_dir, tmp_pat
     config = tiny_config(tmp_path, model_dir)  # buckets 16/32/64, 128 tokens per batch
     lengths = [33, 64, 40, 50]
     dataset = random_samples(lengths, seed=2)
-    backend = HFTargetBackend(config, device="cpu", dataset=dataset)
+    backend = HFTargetBackend(config, device="cpu", dataset=dataset, keep_full_model=True)
     slot = _slot(backend, config)
     layer_ids = backend.contract["layer_ids"]
 
@@ -129,6 +129,15 @@ def test_extract_fills_the_slot_as_readers_expect(model_dir, tmp_path):
         assert batch.loss_mask[row, :n].tolist() == mask.tolist() and not batch.loss_mask[row, n:].any()
         assert not batch.hs[row, n:].any() and batch.hs[row, :n].abs().sum(-1).min() > 0
     backend.close()
+
+    # A worker frees the layers past the last captured one and the LM head; the slot is the same.
+    assert len(backend.model.model.layers) == 6 and backend.model.lm_head is None
+    full = HFTargetBackend(config, device="cpu", dataset=dataset, keep_full_model=True)
+    assert len(full.model.model.layers) == 8
+    again = _slot(full, config)
+    full.extract(job, again)
+    assert torch.equal(again.buffer, slot.buffer)
+    full.close()
 
 
 def test_extract_refuses_a_dataset_that_is_not_the_scheduled_one(model_dir, tmp_path):
