@@ -9,9 +9,10 @@ what a drafter would have received. Per sample ``i`` (real tokens only)::
     sample.{i}.input_ids  [length]              int32
     sample.{i}.loss_mask  [length]              uint8
 
-The file's metadata holds the capture contract (JSON) and the sample indices. Samples longer than
-the last bucket are skipped, as the schedule drops them. The file is streamed to disk one batch at a
-time (memory stays at one slot, whatever N is) and appears under its name only when complete.
+The file's metadata holds the capture contract (JSON), the sample indices and the dataset's
+fingerprint when it has one. Samples longer than the last bucket are skipped, as the schedule drops
+them. The file is streamed to disk one batch at a time (memory stays at one slot, whatever N is)
+and appears under its name only when complete.
 """
 
 from __future__ import annotations
@@ -96,6 +97,9 @@ def capture_to_file(config: Config, dataset: SampleSource, *, num_samples: int, 
                   (f"sample.{i}.loss_mask", torch.uint8, (lengths[i],))]
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     metadata = {"contract": json.dumps(backend.contract), "samples": json.dumps(captured)}
+    fingerprint = getattr(dataset, "fingerprint", None)
+    if fingerprint is not None:  # which dataset version the states belong to
+        metadata["dataset_fingerprint"] = str(fingerprint)
     try:
         with StreamingSafetensorsWriter(out, specs, metadata=metadata) as writer, \
                 tqdm(total=len(captured), unit="sample", desc="capture", disable=not progress, file=sys.stderr) as bar:

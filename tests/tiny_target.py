@@ -57,6 +57,7 @@ class NpzSamples(ListSamples):
     """A minimal on-disk dataset for command tests: ``samples.npz`` with ids_i / mask_i arrays."""
 
     FILE = "samples.npz"
+    fingerprint = "npz-test-set"
 
     @classmethod
     def write(cls, directory: Path, source: ListSamples) -> Path:

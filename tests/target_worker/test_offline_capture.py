@@ -52,6 +52,7 @@ def test_capture_file_matches_what_extract_writes_into_a_shm_slot(setup, monkeyp
                                      for name in ("hidden", "input_ids", "loss_mask"))
     with safe_open(str(out), framework="pt") as f:
         contract = json.loads(f.metadata()["contract"])
+        assert f.metadata()["dataset_fingerprint"] == "npz-test-set"
     assert contract["layer_ids"] == [1, 3, 5] and contract["dtype"] == "float32"
 
     # The worker's path: the same jobs extracted into a slot of a real shared-memory arena.
