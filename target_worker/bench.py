@@ -5,7 +5,8 @@ attention_mask=..., output_hidden_states=True)`` and a concatenation of the want
 every layer and the LM head and keeps every layer's output; the capture stops after the last
 captured layer and keeps only those. Both run on the same batches (random tokens, lengths spread
 over each bucket's range, padded to its fixed shape, seeded), without a KV cache, after warmup;
-each figure is the median over the timed repetitions, in real (unpadded) tokens per second.
+each figure is the median over the timed repetitions, in real (unpadded) tokens per second. On a
+GPU it also reports each path's peak memory (weights included).
 """
 
 from __future__ import annotations
@@ -58,6 +59,14 @@ def _timed(fn, device: torch.device) -> float:
     return time.perf_counter() - started
 
 
+def _peak_bytes(fn, device: torch.device) -> int:
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device)
+
+
 def bench_target(config: Config, *, warmup: int = 2, reps: int = 5, seed: int = 0) -> dict[str, Any]:
     if warmup < 0 or reps <= 0:
         raise ValueError(f"--warmup must be >= 0 and --reps positive, got {warmup} and {reps}")
@@ -87,9 +96,11 @@ def bench_target(config: Config, *, warmup: int = 2, reps: int = 5, seed: int = 
                 times[name].append(_timed(fn, device))
         tokens = job["num_tokens"]
         capture_s, plain_s = statistics.median(times["capture"]), statistics.median(times["plain"])
-        buckets[str(job["seq_len"])] = {"batch": list(batch.input_ids.shape), "tokens": tokens,
-                                        "capture_tok_s": tokens / capture_s, "plain_tok_s": tokens / plain_s,
-                                        "speedup": plain_s / capture_s}
+        row = {"batch": list(batch.input_ids.shape), "tokens": tokens, "capture_tok_s": tokens / capture_s,
+               "plain_tok_s": tokens / plain_s, "speedup": plain_s / capture_s}
+        if device.type == "cuda":  # the other half of the gain: no layer outputs or logits kept alive
+            row.update({f"{name}_peak_gb": _peak_bytes(fn, device) / 1e9 for name, fn in runs.items()})
+        buckets[str(job["seq_len"])] = row
     backend.close()
     return {"device": str(device), "dtype": backend.contract["dtype"], "contract": backend.contract,
             "warmup": warmup, "reps": reps, "buckets": buckets,
