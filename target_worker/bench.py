@@ -122,8 +122,10 @@ def format_target_bench(result: dict[str, Any]) -> str:
              f"{'bucket':>7}  {'batch':>10}  {'capture tok/s':>14}  {'plain tok/s':>12}  {'speedup':>7}"]
     for seq_len, row in result["buckets"].items():
         shape = "×".join(str(n) for n in row["batch"])
+        memory = (f"  peak {row['capture_peak_gb']:.1f} vs {row['plain_peak_gb']:.1f} GB"
+                  if "capture_peak_gb" in row else "")
         lines.append(f"{seq_len:>7}  {shape:>10}  {row['capture_tok_s']:>14,.0f}  {row['plain_tok_s']:>12,.0f}  "
-                     f"{row['speedup']:>6.2f}x")
+                     f"{row['speedup']:>6.2f}x{memory}")
     verdict = "yes" if result["capture_not_slower"] else "NO"
     lines.append(f"capture at least as fast as the plain forward at every bucket: {verdict}")
     return "\n".join(lines)
