@@ -243,7 +243,8 @@ def validate(config: Config) -> None:
     for section, key in _PATH_KEYS[1:]:
         value = getattr(getattr(config, section), key)
         if value and not Path(value).exists():
-            raise ConfigError(f"{section}.{key}: {value} does not exist")
+            hint = " (a local model directory: nothing is downloaded)" if (section, key) == ("target", "model") else ""
+            raise ConfigError(f"{section}.{key}: {value} does not exist{hint}")
     _validate_capture(config)
 
 
