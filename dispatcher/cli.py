@@ -102,6 +102,30 @@ def cmd_bench(args) -> int:
     return run_transport_bench(slot_mb=args.slot_mb, as_json=args.json, seconds=args.seconds)
 
 
+def _require_model(config, command: str) -> None:
+    if not config.target.model:
+        raise ConfigError(f"hsd {command} needs target.model (a local Hugging Face model directory)")
+
+
+def cmd_bench_target(args) -> int:
+    config = _config(args)
+    _require_model(config, "bench target")
+    from target_worker.bench import run_target_bench
+    return run_target_bench(config, as_json=args.json, warmup=args.warmup, reps=args.reps)
+
+
+def cmd_capture(args) -> int:
+    config = _config(args)
+    _require_model(config, "capture")
+    from target_worker import offline
+    summary = offline.capture_to_file(config, offline.open_dataset(args.data), num_samples=args.samples,
+                                      out=args.out, progress=not args.quiet)
+    skipped = f", {len(summary['skipped'])} longer than the last bucket skipped" if summary["skipped"] else ""
+    print(f"captured {summary['samples']} samples ({summary['tokens']} tokens, {summary['jobs']} jobs) of layers "
+          f"{summary['contract']['layer_ids']} to {summary['out']}{skipped}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hsd", description="hsdispatch: online drafter training with a dispatcher")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -159,6 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.set_defaults(func=cmd_config)
 
+    p = sub.add_parser("capture", help="capture the target's layers for a dataset's first samples into a file")
+    _add_config_args(p, required=True)
+    p.add_argument("--data", required=True, help="prepared dataset directory")
+    p.add_argument("--samples", type=int, required=True, help="capture samples 0..N-1 (dataset order)")
+    p.add_argument("--out", required=True, help="output .safetensors file")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_capture)
+
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench", required=True)
     b = bench.add_parser("transport", help="hidden-state handoff bandwidth and control-plane latency")
@@ -166,6 +198,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seconds", type=float, default=2.0, help="time per measurement")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench)
+    b = bench.add_parser("target", help="capture tokens/s per bucket vs a plain Hugging Face forward")
+    _add_config_args(b, required=True)
+    b.add_argument("--warmup", type=int, default=2, help="untimed passes per bucket")
+    b.add_argument("--reps", type=int, default=5, help="timed passes per bucket (the median is reported)")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_target)
     return parser
 
 
