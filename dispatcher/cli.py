@@ -96,6 +96,12 @@ def cmd_bench(args) -> int:
     return run_transport_bench(slot_mb=args.slot_mb, as_json=args.json, seconds=args.seconds)
 
 
+def cmd_eval(args) -> int:
+    from drafter_worker.dflash.eval_cli import run_eval
+    return run_eval(_config(args), drafter=args.drafter, num_prompts=args.prompts, prompts_file=args.prompts_file,
+                    max_new_tokens=args.max_new_tokens, device=args.device, as_json=args.json)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hsd", description="hsdispatch: online drafter training with a dispatcher")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -144,6 +150,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="show every config key with its default, or the resolved config")
     _add_config_args(p)
     p.set_defaults(func=cmd_config)
+
+    p = sub.add_parser("eval", help="speculative decoding with a trained drafter: acceptance length tau")
+    _add_config_args(p, required=True)
+    p.add_argument("--drafter", required=True, help="exported drafter directory (config.json + model.safetensors)")
+    p.add_argument("--prompts", type=int, default=16, help="number of held-out prompts")
+    p.add_argument("--prompts-file", help="ShareGPT JSONL of prompts (default: <target.model>/heldout.jsonl)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench", required=True)
