@@ -17,7 +17,8 @@ def make_target(path, *, seed: int = 0, tie: bool = False, num_layers: int = 4, 
     torch.manual_seed(seed)
     config = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                         tie_word_embeddings=tie, rope_theta=10000.0)
+                         tie_word_embeddings=tie, rope_theta=10000.0,
+                         initializer_range=0.1)  # larger than the default 0.02: logits with a usable range
     model = Qwen3ForCausalLM(config).eval()
     model.save_pretrained(path)
     return model
