@@ -124,6 +124,7 @@ class DFlashTrainConfig:
     min_lr_ratio: float = opt(0.0, "Floor of the cosine decay, as a fraction of lr.")
     grad_clip: float = opt(1.0, "Clip the global gradient norm to this; 0 = no clipping.")
     total_steps: int = opt(0, "Optimizer steps of the whole run (sets the cosine schedule); required.")
+    loss_chunk_size: int = opt(4096, "Block positions whose logits are computed at once (bounds the logits' memory).")
     dtype: str = opt("auto", "Compute dtype: auto (bfloat16 autocast on GPU, float32 on CPU), bfloat16 or float32.")
     attention: str = opt("auto", "Attention kernel: auto (flex attention on GPU, SDPA elsewhere), flex or sdpa.")
 
@@ -139,6 +140,8 @@ class DFlashTrainConfig:
             raise ConfigError(f"dflash warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"dflash min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.loss_chunk_size <= 0:
+            raise ConfigError(f"dflash loss_chunk_size must be positive, got {self.loss_chunk_size}")
         if self.grad_clip < 0:
             raise ConfigError(f"dflash grad_clip must not be negative, got {self.grad_clip}")
         if self.dtype not in ("auto", "bfloat16", "float32"):

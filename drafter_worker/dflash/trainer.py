@@ -20,7 +20,7 @@ import torch
 
 from drafter_worker.dflash.anchors import IGNORE, check_anchors, block_labels, sample_anchors
 from drafter_worker.dflash.config import DFlashTrainConfig
-from drafter_worker.dflash.loss import position_weights, weighted_ce
+from drafter_worker.dflash.loss import position_weights, weighted_ce_chunked
 from drafter_worker.dflash.model import DFlashDraftModel, build_drafter
 
 
@@ -142,9 +142,10 @@ class DFlashTrainer:
         block_pos = torch.arange(labels.shape[-1], device=device).expand_as(labels)[supervised]
         with self._autocast():
             hidden = self.model(hs, input_ids, anchors)
-            # Only supervised positions reach the LM head: the vocabulary projection dominates memory.
-            logits = self.model.logits(hidden[supervised])
-        result = weighted_ce(logits, labels[supervised], block_pos, self.weights_K)
+            # Only supervised positions reach the LM head, in chunks: the vocabulary projection
+            # dominates the memory of a step.
+            result = weighted_ce_chunked(hidden[supervised], self.model.lm_head.weight, labels[supervised],
+                                         block_pos, self.weights_K, chunk_size=self.config.loss_chunk_size)
         if result.weight_total > 0:
             result.weighted_sum.backward()
         self._weighted_sum += float(result.weighted_sum.detach())

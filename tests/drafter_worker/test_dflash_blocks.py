@@ -130,3 +130,21 @@ def test_train_config_errors_name_the_key():
         DFlashTrainConfig(total_steps=0).validate()
     with pytest.raises(ConfigError, match="attention"):
         DFlashTrainConfig(total_steps=10, attention="xformers").validate()
+
+
+def test_chunked_loss_equals_the_plain_one_with_gradients():
+    from drafter_worker.dflash.loss import weighted_ce_chunked
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(11, 8, generator=g, requires_grad=True)
+    head = torch.randn(30, 8, generator=g)
+    labels = torch.randint(0, 30, (11,), generator=g)
+    block_pos = torch.randint(1, 4, (11,), generator=g)
+    weights = position_weights(4, 2.0)
+    plain = weighted_ce(hidden @ head.T, labels, block_pos, weights)
+    (expected_grad,) = torch.autograd.grad(plain.weighted_sum, hidden)
+    chunked = weighted_ce_chunked(hidden, head, labels, block_pos, weights, chunk_size=4)
+    (grad,) = torch.autograd.grad(chunked.weighted_sum, hidden)
+    torch.testing.assert_close(chunked.weighted_sum, plain.weighted_sum)
+    torch.testing.assert_close(grad, expected_grad)
+    assert chunked.weight_total == plain.weight_total
+    assert torch.equal(chunked.correct_K, plain.correct_K) and torch.equal(chunked.count_K, plain.count_K)

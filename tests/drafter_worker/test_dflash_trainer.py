@@ -19,7 +19,7 @@ def _params(trainer):
 def test_two_micro_batches_equal_one_pass_over_the_concatenated_batch(tiny_target, tiny_target_model):
     hs, ids, loss_mask, seq_lens = random_batch(tiny_target_model, batch=3, seq_len=24, seed=7)
     anchors = torch.tensor([[4, 10, 17, 20], [6, 7, PAD_ANCHOR, PAD_ANCHOR], [5, 9, 14, PAD_ANCHOR]])
-    split = make_trainer(tiny_target, seed=1)
+    split = make_trainer(tiny_target, seed=1, loss_chunk_size=7)  # chunking must not change anything either
     first = split.micro_batch(hs[:2], ids[:2], loss_mask[:2], seq_lens[:2], anchors=anchors[:2])
     second = split.micro_batch(hs[2:], ids[2:], loss_mask[2:], seq_lens[2:], anchors=anchors[2:, :3])
     split_stats = split.apply_step()
