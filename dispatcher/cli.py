@@ -96,6 +96,16 @@ def cmd_bench(args) -> int:
     return run_transport_bench(slot_mb=args.slot_mb, as_json=args.json, seconds=args.seconds)
 
 
+def cmd_bench_dflash(args) -> int:
+    from drafter_worker.dflash.bench import run_dflash_bench
+    return run_dflash_bench(hidden=args.hidden, intermediate=args.intermediate, heads=args.heads,
+                            kv_heads=args.kv_heads, head_dim=args.head_dim, vocab=args.vocab,
+                            num_target_layers=args.target_layers, num_capture=args.capture_layers,
+                            num_draft_layers=args.draft_layers, block_size=args.block_size, seq_lens=args.seq_lens,
+                            anchors=args.anchors, batch_tokens=args.batch_tokens, reps=args.reps,
+                            device=args.device, as_json=args.json)
+
+
 def cmd_eval(args) -> int:
     from drafter_worker.dflash.eval_cli import run_eval
     return run_eval(_config(args), drafter=args.drafter, num_prompts=args.prompts, prompts_file=args.prompts_file,
@@ -168,6 +178,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seconds", type=float, default=2.0, help="time per measurement")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench)
+    b = bench.add_parser("dflash", help="DFlash micro-batch cost by sequence length and anchor count")
+    for flag, default in (("hidden", 64), ("intermediate", 128), ("heads", 4), ("kv-heads", 2), ("head-dim", 16),
+                          ("vocab", 512), ("target-layers", 8), ("capture-layers", 3), ("draft-layers", 1),
+                          ("block-size", 16), ("batch-tokens", 1024), ("reps", 3)):
+        b.add_argument(f"--{flag}", type=int, default=default)
+    b.add_argument("--seq-lens", type=int, nargs="+", default=[128, 256, 512])
+    b.add_argument("--anchors", type=int, nargs="+", default=[16, 64])
+    b.add_argument("--device", default="cpu")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_dflash)
     return parser
 
 

@@ -45,7 +45,6 @@ class DFlashConfig:
     rope_theta: float = opt(1e6, "RoPE base.")
     max_position_embeddings: int = opt(40960, "Longest position the model is configured for (exported as is).")
     vocab_size: int = opt(0, "Vocabulary size (must equal the target's).")
-    tie_word_embeddings: bool = opt(False, "Whether the target ties its LM head to its embedding.")
 
     def __post_init__(self) -> None:
         if self.gamma == 0.0:
@@ -101,7 +100,6 @@ class DFlashConfig:
             rope_theta=float(rope_theta),
             max_position_embeddings=target.get("max_position_embeddings", 40960),
             vocab_size=target["vocab_size"],
-            tie_word_embeddings=bool(target.get("tie_word_embeddings", False)),
         )
         unknown = set(overrides) - set(cls.__dataclass_fields__)
         if unknown:

@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafter_worker.dflash.anchors import PAD_ANCHOR
 from drafter_worker.dflash.config import DFlashConfig
 from drafter_worker.dflash.mask import block_positions, dense_block_mask, flex_block_mask
 
@@ -213,5 +212,3 @@ def build_drafter(config: DFlashConfig, target_dir, *, dtype: torch.dtype = torc
     head = embed if head is embed else head.to(dtype)
     return DFlashDraftModel(config, embed_weight=embed, lm_head_weight=head)
 
-
-__all__ = ["DFlashDraftModel", "build_drafter", "PAD_ANCHOR"]
