@@ -94,6 +94,9 @@ class DFlashAttention(nn.Module):
         v = torch.cat([self.v_proj(ctx_BSH), self.v_proj(x_BQH)], dim=1)
         k = apply_rope(self.k_norm(self._heads(k, self.num_kv_heads)), *rope_kv)
         v = self._heads(v, self.num_kv_heads)
+        # Under autocast the norms (float32 weights) leave q and k in float32 while v comes out of a
+        # matmul in bfloat16; flex attention, unlike SDPA, does not reconcile them.
+        q, k = q.to(v.dtype), k.to(v.dtype)
         if isinstance(mask, torch.Tensor):
             groups = self.num_heads // self.num_kv_heads
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
