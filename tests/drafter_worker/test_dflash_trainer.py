@@ -107,3 +107,14 @@ def test_overfit_one_fixed_batch(tiny_target, tiny_target_model):
     print("overfit loss", " ".join(f"{x:.3f}" for x in losses[::4]), "acc@1", accuracy[-1])
     assert sum(losses[-5:]) / 5 < 0.4 * sum(losses[:5]) / 5
     assert accuracy[-1] > 0.9
+
+
+def test_bfloat16_autocast_step_is_close_to_float32(tiny_target, tiny_target_model):
+    batch = random_batch(tiny_target_model, batch=2, seq_len=20, seed=12)
+    anchors = torch.tensor([[4, 9, 13], [5, 8, PAD_ANCHOR]])
+    losses = []
+    for dtype in ("float32", "bfloat16"):
+        trainer = make_trainer(tiny_target, dtype=dtype)
+        losses.append(trainer.micro_batch(*batch, anchors=anchors).loss)
+        assert math.isfinite(trainer.apply_step().grad_norm)
+    assert math.isclose(losses[0], losses[1], rel_tol=2e-2)
