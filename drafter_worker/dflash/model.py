@@ -211,6 +211,11 @@ def build_drafter(config: DFlashConfig, target_dir, *, dtype: torch.dtype = torc
     """A drafter with the target's embedding and LM head (read from ``target_dir``), untrained."""
     from drafter_worker.dflash.target_head import load_target_head
     embed, head = load_target_head(target_dir)
+    if 0 <= config.mask_token_id < embed.shape[0] and not bool(embed[config.mask_token_id].any()):
+        # A zero row makes every masked position's first query zero, which RoPE cannot rotate: the
+        # first layer could not tell the block's positions apart.
+        raise ValueError(f"the target's embedding row {config.mask_token_id} (mask_token_id) is all zeros: "
+                         f"choose another mask token")
     embed = embed.to(dtype)
     head = embed if head is embed else head.to(dtype)
     return DFlashDraftModel(config, embed_weight=embed, lm_head_weight=head)

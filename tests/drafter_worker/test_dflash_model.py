@@ -132,3 +132,18 @@ def test_shared_head_is_read_from_the_target_and_tied_targets_work(tiny_target, 
     names = {n for n, _ in model.draft_named_parameters()}
     assert not any(n.startswith(("embed_tokens", "lm_head")) for n in names)
     assert model.config.vocab_size == VOCAB and model.config.mask_token_id == VOCAB - 1
+
+
+def test_a_zero_mask_embedding_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from dflash_testing import make_target
+    make_target(tmp_path, seed=2)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors["model.embed_tokens.weight"][VOCAB - 1] = 0
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    config = DFlashConfig.from_target(tmp_path, layer_ids=LAYER_IDS, block_size=4, num_draft_layers=1, gamma=2.0)
+    with pytest.raises(ValueError, match="all zeros"):
+        build_drafter(config, tmp_path)
+    build_drafter(DFlashConfig.from_target(tmp_path, layer_ids=LAYER_IDS, block_size=4, num_draft_layers=1,
+                                           gamma=2.0, mask_token_id=7), tmp_path)
