@@ -118,3 +118,15 @@ def test_bfloat16_autocast_step_is_close_to_float32(tiny_target, tiny_target_mod
         losses.append(trainer.micro_batch(*batch, anchors=anchors).loss)
         assert math.isfinite(trainer.apply_step().grad_norm)
     assert math.isclose(losses[0], losses[1], rel_tol=2e-2)
+
+
+def test_slot_dtypes_and_an_empty_padding_row(tiny_target, tiny_target_model):
+    # A slot holds int32 ids, a uint8 loss mask, int32 lengths, bfloat16 states, and rows beyond the
+    # batch's real sequences have length 0.
+    hs, ids, loss_mask, seq_lens = random_batch(tiny_target_model, batch=3, seq_len=16, seed=13)
+    seq_lens[2] = 0
+    loss_mask[2] = False
+    trainer = make_trainer(tiny_target)
+    stats = trainer.micro_batch(hs.to(torch.bfloat16), ids.to(torch.int32), loss_mask.to(torch.uint8),
+                                seq_lens.to(torch.int32))
+    assert stats.num_tokens == 16 + 13 and stats.num_blocks > 0 and math.isfinite(stats.loss)
