@@ -102,5 +102,9 @@ def test_hsd_eval_cli(tiny_target, tmp_path, capsys):
                  "--max-new-tokens", "6", "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["num_prompts"] == 3 and result["num_new_tokens"] == 18 and result["tau"] >= 1.0
+    assert main(["eval", "--config", str(config), "--drafter", str(tmp_path / "drafter"), "--prompts", "1",
+                 "--max-new-tokens", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "tau " in text and "acceptance per position:" in text
     assert main(["eval", "--config", str(config), "--drafter", str(tmp_path / "nowhere")]) == 2
     assert "no config.json" in capsys.readouterr().err
