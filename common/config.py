@@ -79,6 +79,7 @@ class DispatcherSection:
 
 @dataclass
 class TargetSection:
+    model: str = opt("", "Local Hugging Face model directory of the target.")
     count: int = opt(1, "Target workers started by hsd launch.")
     gpus: list[int] = opt([], "GPU ids for the targets (one per worker); empty = CPU.")
     sim: bool = opt(False, "Start simulated targets (modeled cost, real protocol and data plane).")

@@ -126,6 +126,22 @@ def cmd_capture(args) -> int:
     return 0
 
 
+def cmd_bench_dflash(args) -> int:
+    from drafter_worker.dflash.bench import run_dflash_bench
+    return run_dflash_bench(hidden=args.hidden, intermediate=args.intermediate, heads=args.heads,
+                            kv_heads=args.kv_heads, head_dim=args.head_dim, vocab=args.vocab,
+                            num_target_layers=args.target_layers, num_capture=args.capture_layers,
+                            num_draft_layers=args.draft_layers, block_size=args.block_size, seq_lens=args.seq_lens,
+                            anchors=args.anchors, batch_tokens=args.batch_tokens, reps=args.reps,
+                            device=args.device, as_json=args.json)
+
+
+def cmd_eval(args) -> int:
+    from drafter_worker.dflash.eval_cli import run_eval
+    return run_eval(_config(args), drafter=args.drafter, num_prompts=args.prompts, prompts_file=args.prompts_file,
+                    max_new_tokens=args.max_new_tokens, device=args.device, as_json=args.json)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hsd", description="hsdispatch: online drafter training with a dispatcher")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -190,6 +206,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output .safetensors file")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_capture)
+    p = sub.add_parser("eval", help="speculative decoding with a trained drafter: acceptance length tau")
+    _add_config_args(p, required=True)
+    p.add_argument("--drafter", required=True, help="exported drafter directory (config.json + model.safetensors)")
+    p.add_argument("--prompts", type=int, default=16, help="number of held-out prompts")
+    p.add_argument("--prompts-file", help="ShareGPT JSONL of prompts (default: <target.model>/heldout.jsonl)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench", required=True)
@@ -204,6 +229,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--reps", type=int, default=5, help="timed passes per bucket (the median is reported)")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_target)
+    b = bench.add_parser("dflash", help="DFlash micro-batch cost by sequence length and anchor count")
+    for flag, default in (("hidden", 64), ("intermediate", 128), ("heads", 4), ("kv-heads", 2), ("head-dim", 16),
+                          ("vocab", 512), ("target-layers", 8), ("capture-layers", 3), ("draft-layers", 1),
+                          ("block-size", 16), ("batch-tokens", 1024), ("reps", 3)):
+        b.add_argument(f"--{flag}", type=int, default=default)
+    b.add_argument("--seq-lens", type=int, nargs="+", default=[128, 256, 512])
+    b.add_argument("--anchors", type=int, nargs="+", default=[16, 64])
+    b.add_argument("--device", default="cpu")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_dflash)
     return parser
 
 
