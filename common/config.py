@@ -18,6 +18,8 @@ from typing import Any
 
 import yaml
 
+from common.capture_contract import contract_from_config, read_model_config
+
 
 class ConfigError(ValueError):
     """A configuration value a user can get wrong: the message names the key."""
@@ -42,6 +44,7 @@ class DataSection:
     lengths: str = opt("", "Lengths file (one sequence length per line) used as the samples of a sim run.")
     path: str = opt("", "Prepared dataset directory (tokenized samples); empty with no lengths file = synthetic.")
     synthetic_samples: int = opt(3000, "Number of samples in the built-in synthetic length distribution.")
+    allow_changed: bool = opt(False, "Resume a run directory although its data changed (its schedules index the old samples).")
 
 
 @dataclass
@@ -76,13 +79,17 @@ class DispatcherSection:
 
 @dataclass
 class TargetSection:
+    model: str = opt("", "Local Hugging Face model directory of the target.")
     count: int = opt(1, "Target workers started by hsd launch.")
     gpus: list[int] = opt([], "GPU ids for the targets (one per worker); empty = CPU.")
     sim: bool = opt(False, "Start simulated targets (modeled cost, real protocol and data plane).")
     sim_cost_per_token: float = opt(2e-6, "Seconds a sim target spends per token.")
+    model: str = opt("", "Local Hugging Face model directory of the target.")
+    capture_layers: list[int] = opt([], "Captured decoder layers (i = output of decoder layer i); empty = DFlash default.")
     hidden_size: int = opt(64, "Hidden size of the captured states (sim; real models read it from the model).")
-    num_capture_layers: int = opt(5, "Captured target layers K (the capture contract).")
-    dtype: str = opt("bfloat16", "Dtype of the captured hidden states.")
+    num_capture_layers: int = opt(5, "Captured target layers K of the DFlash default (ignored when capture_layers is set).")
+    attn_implementation: str = opt("sdpa", "Attention kernel of the target forward (Hugging Face attn_implementation).")
+    dtype: str = opt("auto", "Dtype of the target forward and captured states; auto = float32 for a model on CPU, else bfloat16.")
     max_restarts: int = opt(3, "Restarts hsd launch grants a crashed target.")
 
 
@@ -129,9 +136,10 @@ _CHOICES = {
     ("schedule", "order"): ("interleave", "shuffle"),
     ("pool", "pull"): ("deficit", "random"),
     ("pool", "transport"): ("auto", "shm", "cuda_ipc"),
-    ("target", "dtype"): ("bfloat16", "float16", "float32"),
+    ("target", "dtype"): ("auto", "bfloat16", "float16", "float32"),
+    ("target", "attn_implementation"): ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"),
 }
-_PATH_KEYS = (("run", "dir"), ("data", "lengths"), ("data", "path"))
+_PATH_KEYS = (("run", "dir"), ("data", "lengths"), ("data", "path"), ("target", "model"))
 
 
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
@@ -240,7 +248,26 @@ def validate(config: Config) -> None:
     for section, key in _PATH_KEYS[1:]:
         value = getattr(getattr(config, section), key)
         if value and not Path(value).exists():
-            raise ConfigError(f"{section}.{key}: {value} does not exist")
+            hint = " (a local model directory: nothing is downloaded)" if (section, key) == ("target", "model") else ""
+            raise ConfigError(f"{section}.{key}: {value} does not exist{hint}")
+    _validate_capture(config)
+
+
+def _validate_capture(config: Config) -> None:
+    layers = config.target.capture_layers
+    if layers and (layers[0] < 0 or list(layers) != sorted(set(layers))):
+        raise ConfigError(f"target.capture_layers: expected distinct layer ids >= 0 in ascending order, got {layers}")
+    if not config.target.model:
+        return
+    try:
+        doc = read_model_config(config.target.model)
+    except ValueError as exc:
+        raise ConfigError(f"target.model: {exc}") from None
+    try:
+        contract_from_config(config, model_config=doc)
+    except ValueError as exc:
+        key = "capture_layers" if layers else "num_capture_layers"
+        raise ConfigError(f"target.{key}: {exc}") from None
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = ()) -> Config:

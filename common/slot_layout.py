@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from common.capture_contract import CaptureContract, contract_from_config, resolve_capture_dtype
+
 if TYPE_CHECKING:
     import torch
 
@@ -64,14 +66,31 @@ class SlotLayout:
 
     @classmethod
     def from_config(cls, config: Any) -> SlotLayout:
-        # The shortest bucket packs the most sequences into the token budget.
+        """The run's layout: from the target model's capture contract when ``target.model`` is set (and
+        the targets are real), else from the hand-set ``target.hidden_size``/``num_capture_layers`` (sim)."""
+        if config.target.model and not config.target.sim:
+            return cls.from_contract(contract_from_config(config), config.schedule)
+        target = config.target
         return cls(
             tokens_per_batch=config.schedule.tokens_per_batch,
-            num_layers=config.target.num_capture_layers,
-            hidden_size=config.target.hidden_size,
-            dtype=config.target.dtype,
-            max_seqs=config.schedule.tokens_per_batch // config.schedule.buckets[0],
+            num_layers=len(target.capture_layers) or target.num_capture_layers,
+            hidden_size=target.hidden_size,
+            dtype=resolve_capture_dtype(config),
+            max_seqs=cls._max_seqs(config.schedule),
         )
+
+    @classmethod
+    def from_contract(cls, contract: CaptureContract | dict[str, Any], schedule: Any) -> SlotLayout:
+        """Slots sized for a capture contract and the schedule's token budget (``config.schedule``)."""
+        if not isinstance(contract, CaptureContract):
+            contract = CaptureContract.from_dict(contract)
+        return cls(tokens_per_batch=schedule.tokens_per_batch, num_layers=contract.num_capture_layers,
+                   hidden_size=contract.hidden_size, dtype=contract.dtype, max_seqs=cls._max_seqs(schedule))
+
+    @staticmethod
+    def _max_seqs(schedule: Any) -> int:
+        # The shortest bucket packs the most sequences into the token budget.
+        return schedule.tokens_per_batch // schedule.buckets[0]
 
     @property
     def torch_dtype(self) -> "torch.dtype":

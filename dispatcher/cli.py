@@ -75,6 +75,12 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from dispatcher.planner import run_plan
+    return run_plan(config_path=args.config, overrides=args.overrides, num_gpus=args.gpus, from_run=args.from_run,
+                    as_json=args.json)
+
+
 def cmd_cleanup(args) -> int:
     from common.client import run_id_for
     from common.shm_segment import sweep_dead_segments
@@ -98,6 +104,46 @@ def cmd_config(args) -> int:
 def cmd_bench(args) -> int:
     from benchmarks.transport import run_transport_bench
     return run_transport_bench(slot_mb=args.slot_mb, as_json=args.json, seconds=args.seconds)
+
+
+def _require_model(config, command: str) -> None:
+    if not config.target.model:
+        raise ConfigError(f"hsd {command} needs target.model (a local Hugging Face model directory)")
+
+
+def cmd_bench_target(args) -> int:
+    config = _config(args)
+    _require_model(config, "bench target")
+    from target_worker.bench import run_target_bench
+    return run_target_bench(config, as_json=args.json, warmup=args.warmup, reps=args.reps)
+
+
+def cmd_capture(args) -> int:
+    config = _config(args)
+    _require_model(config, "capture")
+    from target_worker import offline
+    summary = offline.capture_to_file(config, offline.open_dataset(args.data), num_samples=args.samples,
+                                      out=args.out, progress=not args.quiet)
+    skipped = f", {len(summary['skipped'])} longer than the last bucket skipped" if summary["skipped"] else ""
+    print(f"captured {summary['samples']} samples ({summary['tokens']} tokens, {summary['jobs']} jobs) of layers "
+          f"{summary['contract']['layer_ids']} to {summary['out']}{skipped}")
+    return 0
+
+
+def cmd_bench_dflash(args) -> int:
+    from drafter_worker.dflash.bench import run_dflash_bench
+    return run_dflash_bench(hidden=args.hidden, intermediate=args.intermediate, heads=args.heads,
+                            kv_heads=args.kv_heads, head_dim=args.head_dim, vocab=args.vocab,
+                            num_target_layers=args.target_layers, num_capture=args.capture_layers,
+                            num_draft_layers=args.draft_layers, block_size=args.block_size, seq_lens=args.seq_lens,
+                            anchors=args.anchors, batch_tokens=args.batch_tokens, reps=args.reps,
+                            device=args.device, as_json=args.json)
+
+
+def cmd_eval(args) -> int:
+    from drafter_worker.dflash.eval_cli import run_eval
+    return run_eval(_config(args), drafter=args.drafter, num_prompts=args.prompts, prompts_file=args.prompts_file,
+                    max_new_tokens=args.max_new_tokens, device=args.device, as_json=args.json)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,6 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_report)
 
+    p = sub.add_parser("plan", help="split N GPUs between targets and drafters from measured or modeled rates")
+    _add_config_args(p)
+    p.add_argument("--gpus", type=int, required=True, help="GPUs to split (targets + drafters)")
+    p.add_argument("--from", dest="from_run", metavar="RUN_DIR",
+                   help="measure each stage's rate in this run's journal instead of the config's sim cost model")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plan)
+
     p = sub.add_parser("cleanup", help="remove shared-memory segments left by a dead run")
     p.add_argument("--run-dir", required=True)
     p.set_defaults(func=cmd_cleanup)
@@ -149,6 +203,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.set_defaults(func=cmd_config)
 
+    p = sub.add_parser("capture", help="capture the target's layers for a dataset's first samples into a file")
+    _add_config_args(p, required=True)
+    p.add_argument("--data", required=True, help="prepared dataset directory")
+    p.add_argument("--samples", type=int, required=True, help="capture samples 0..N-1 (dataset order)")
+    p.add_argument("--out", required=True, help="output .safetensors file")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_capture)
+    p = sub.add_parser("eval", help="speculative decoding with a trained drafter: acceptance length tau")
+    _add_config_args(p, required=True)
+    p.add_argument("--drafter", required=True, help="exported drafter directory (config.json + model.safetensors)")
+    p.add_argument("--prompts", type=int, default=16, help="number of held-out prompts")
+    p.add_argument("--prompts-file", help="ShareGPT JSONL of prompts (default: <target.model>/heldout.jsonl)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_eval)
+
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench", required=True)
     b = bench.add_parser("transport", help="hidden-state handoff bandwidth and control-plane latency")
@@ -156,6 +227,22 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seconds", type=float, default=2.0, help="time per measurement")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench)
+    b = bench.add_parser("target", help="capture tokens/s per bucket vs a plain Hugging Face forward")
+    _add_config_args(b, required=True)
+    b.add_argument("--warmup", type=int, default=2, help="untimed passes per bucket")
+    b.add_argument("--reps", type=int, default=5, help="timed passes per bucket (the median is reported)")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_target)
+    b = bench.add_parser("dflash", help="DFlash micro-batch cost by sequence length and anchor count")
+    for flag, default in (("hidden", 64), ("intermediate", 128), ("heads", 4), ("kv-heads", 2), ("head-dim", 16),
+                          ("vocab", 512), ("target-layers", 8), ("capture-layers", 3), ("draft-layers", 1),
+                          ("block-size", 16), ("batch-tokens", 1024), ("reps", 3)):
+        b.add_argument(f"--{flag}", type=int, default=default)
+    b.add_argument("--seq-lens", type=int, nargs="+", default=[128, 256, 512])
+    b.add_argument("--anchors", type=int, nargs="+", default=[16, 64])
+    b.add_argument("--device", default="cpu")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_dflash)
     return parser
 
 

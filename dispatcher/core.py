@@ -8,20 +8,42 @@ state change. Everything a restart must know goes through the journal before the
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import secrets
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+
 from common.config import Config
-from dispatcher.fairness import prefix_deviation
-from dispatcher.journal import Journal, recover
-from dispatcher.ledger import Job, JobLedger, JobState, LedgerError, split_job_id
+from dispatcher.journal import Journal
+from dispatcher.ledger import Job, JobLedger, JobState, LedgerError, make_job_id, split_job_id
 from dispatcher.pool import HSPool
-from dispatcher.schedule import EpochSchedule, build_epoch_schedule, load_schedule, save_schedule
+from dispatcher.recovery import ModelRecord, Recovered, Snapshot, SnapshotWriter, recover
+from dispatcher.schedule import EpochSchedule, load_schedule
+from dispatcher.schedule_builder import LENGTHS_FILE, ScheduleBuilder, ScheduleSpec
+
+log = logging.getLogger("hsd.dispatcher")
+
+# A snapshot of the ledger closes the journal segment once it holds this many lines (and whenever an
+# epoch completes), so a restart never replays more than about this many.
+SNAPSHOT_EVERY_LINES = 200_000
+DATA_FINGERPRINT_FILE = "data_fingerprint"
 
 
 class UnknownWorker(KeyError):
     pass
+
+
+class Unauthorized(PermissionError):
+    """A request under a registered worker id without that worker's session token."""
+
+
+class Incompatible(ValueError):
+    """A worker that cannot serve this run (its capture contract differs from the run's)."""
 
 
 DONE = "done"  # get_job / get_hs result once every epoch is committed
@@ -46,6 +68,8 @@ class Worker:
     window_mixed: bool = True  # drafter: every pull of the window took a new bucket when one was eligible
     ipc_block: dict[str, Any] | None = None  # target on cuda_ipc: how drafters open its slots
     slot_base: int = 0
+    token: str = ""
+    model: str | None = None  # drafter: the model it trains
 
 
 @dataclass
@@ -53,12 +77,18 @@ class JobGrant:
     job: Job
     slot: int  # index inside the slot owner's memory
     owner: str | None
+    seq_len: int
+    samples: list[int]
     lengths: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
 
     def to_wire(self, *, ipc_block: dict | None = None) -> dict[str, Any]:
         job = self.job
-        wire = {"job_id": job.job_id, "epoch": job.epoch, "bucket": job.bucket, "seq_len": job.seq_len,
-                "samples": list(job.samples), "lengths": self.lengths, "num_tokens": job.num_tokens, "slot": self.slot,
+        wire = {"job_id": job.job_id, "epoch": job.epoch, "bucket": job.bucket, "seq_len": self.seq_len,
+                "samples": self.samples, "lengths": self.lengths, "num_tokens": self.num_tokens, "slot": self.slot,
                 "generation": job.generation, "owner": self.owner}
         if ipc_block is not None:
             wire["ipc"] = ipc_block
@@ -74,12 +104,18 @@ class CoreOptions:
     buckets: list[int]
     tokens_per_batch: int
     order: str
+    heartbeat_s: float = 0.5
+    build_ahead: bool = False  # build the next epoch's schedule in a child process (the daemon) or inline (tests)
+    allow_changed_data: bool = False
+    contract: dict[str, Any] | None = None  # the run's capture contract, when the config fixes it
 
     @classmethod
     def from_config(cls, config: Config) -> "CoreOptions":
         return cls(lease_s=config.dispatcher.lease_s, worker_timeout_s=config.dispatcher.worker_timeout_s,
                    epochs=config.run.epochs, run_seed=config.run.seed, buckets=list(config.schedule.buckets),
-                   tokens_per_batch=config.schedule.tokens_per_batch, order=config.schedule.order)
+                   tokens_per_batch=config.schedule.tokens_per_batch, order=config.schedule.order,
+                   heartbeat_s=config.dispatcher.heartbeat_s, build_ahead=True,
+                   allow_changed_data=config.data.allow_changed)
 
 
 @dataclass
@@ -90,85 +126,242 @@ class Counters:
 
 
 class DispatcherCore:
-    def __init__(self, options: CoreOptions, *, run_dir, lengths: list[int], journal: Journal, pool: HSPool,
+    def __init__(self, options: CoreOptions, *, run_dir, lengths, journal: Journal, pool: HSPool,
                  shared_slots: int, now: float):
         self.options = options
-        self.run_dir = run_dir
-        self.lengths = lengths
+        self.run_dir = Path(run_dir)
+        self.lengths = np.asarray(lengths, dtype=np.int64)
         self.journal = journal
         self.pool = pool
         self.ledger = JobLedger()
         self.workers: dict[str, Worker] = {}
         self.counters = Counters()
         self.started_at = now
-        self.schedules: dict[int, EpochSchedule] = {}
-        self.schedule_deviation: dict[int, float] = {}  # computed once: a schedule never changes
+        self.schedules: dict[int, EpochSchedule] = {}  # open epochs (memory-mapped); finished ones are dropped
+        self.epoch_jobs: dict[int, int] = {}           # every started epoch -> its job count
+        self.schedule_deviation: dict[int, float] = {}  # computed when built: a schedule never changes
+        self.checkpoints: dict[str, int] = {}  # model -> step of its latest durable checkpoint
+        self.contract = options.contract
         self._next_worker = Counter()
         self._next_slot_id = shared_slots
+        self._snapshot_due = False
+        self._snapshots = SnapshotWriter(self.run_dir)
+        self._segment = -1
         pool.add_slots(range(shared_slots))
+        self._check_data()
+        self.builder = ScheduleBuilder(self.run_dir, ScheduleSpec(tuple(options.buckets), options.tokens_per_batch,
+                                                                  options.run_seed, options.order),
+                                       inline=not options.build_ahead)
         self._recover()
 
-    # -- epochs -----------------------------------------------------------------------------
+    # -- data and epochs --------------------------------------------------------------------
+    def _check_data(self) -> None:
+        """A resume must train on the data its schedules were drawn from: refused unless allowed."""
+        fingerprint = hashlib.sha256(self.lengths.astype("<i8").tobytes()).hexdigest()
+        path = self.run_dir / DATA_FINGERPRINT_FILE
+        if path.exists():
+            previous = path.read_text().strip()
+            if previous != fingerprint:
+                if not self.options.allow_changed_data:
+                    raise ValueError(f"{self.run_dir} was started on other data (fingerprint {previous[:12]}, now "
+                                     f"{fingerprint[:12]}): its schedules index the old samples. Use a new run.dir, "
+                                     f"or set data.allow_changed=true to resume anyway")
+                log.warning("resuming on changed data (data.allow_changed=true): fingerprint %s -> %s",
+                            previous[:12], fingerprint[:12])
+        lengths_path = self.run_dir / LENGTHS_FILE
+        if not path.exists() or path.read_text().strip() != fingerprint or not lengths_path.exists():
+            tmp = lengths_path.with_suffix(".tmp.npy")
+            np.save(tmp, self.lengths)
+            tmp.replace(lengths_path)
+            path.write_text(fingerprint + "\n")
+
     def _recover(self) -> None:
         recovered = recover(self.run_dir)
-        if recovered.steps_to_revert:
-            self.journal.record("revert", durable=True, steps=recovered.steps_to_revert)
-        self.next_step = recovered.next_step
         self.incarnation = recovered.num_starts
+        snapshot = recovered.snapshot
+        if snapshot is not None:
+            self._segment = snapshot.segment
+            for model, record in sorted(snapshot.models.items(), key=lambda item: item[1].index):
+                self.ledger.model_index[model] = record.index
+                self.ledger.restore_model(model, record.step, record.last_commit)
+                self.checkpoints[model] = record.checkpoint
         for epoch in sorted(recovered.epochs_started):
             schedule = load_schedule(self.run_dir, epoch)
             if schedule is None:
-                raise RuntimeError(f"journal names epoch {epoch} but its schedule file is missing in {self.run_dir}")
-            self._add_schedule(schedule, recovered.committed)
-        self.journal.record("start", resumed=bool(recovered.epochs_started),
-                            committed=len(recovered.committed), reverted_steps=len(recovered.steps_to_revert))
-        if not self.schedules:
+                raise RuntimeError(f"journal names epoch {epoch} but its schedule is missing in {self.run_dir}")
+            self._add_schedule(schedule)
+            if snapshot is not None and epoch in snapshot.commit_step:
+                self.ledger.restore_arrays(epoch, snapshot.commit_step[epoch], snapshot.commit_model[epoch])
+        for event in recovered.events:
+            kind = event["ev"]
+            if kind == "commit":
+                self.ledger.restore_commit(event["model"], event["step"], event["jobs"])
+            elif kind == "rollback":
+                self.ledger.rollback(event["model"], event["step"])
+            elif kind == "checkpoint":
+                self.checkpoints[event["model"]] = max(self.checkpoints.get(event["model"], 0), event["step"])
+        for epoch in list(self.schedules):
+            self._forget_if_complete(epoch)
+        self.journal.record("start", durable=True, resumed=bool(recovered.epochs_started),
+                            committed=sum(p.committed for p in self.ledger.epochs.values()))
+        if not self.epoch_jobs:
+            self.builder.wait(0)
             self._start_epoch(0)
+        else:
+            self._request_next_build()
 
-    def _add_schedule(self, schedule: EpochSchedule, committed=()) -> None:
-        max_lens = [b.max_len for b in schedule.buckets]
-        batches = [(b.bucket, max_lens[b.bucket], b.samples, sum(self.lengths[s] for s in b.samples))
-                   for b in schedule.batches]
-        mine = [j for j in committed if split_job_id(j)[0] == schedule.epoch]
-        self.ledger.add_epoch(schedule.epoch, batches, committed=mine)
+    def _add_schedule(self, schedule: EpochSchedule) -> None:
+        self.ledger.add_epoch(schedule.epoch, schedule.job_bucket)
         self.schedules[schedule.epoch] = schedule
-        self.schedule_deviation[schedule.epoch] = prefix_deviation(schedule.bucket_order)
+        self.epoch_jobs[schedule.epoch] = schedule.num_jobs
+        self.schedule_deviation[schedule.epoch] = schedule.prefix_deviation
 
     def _start_epoch(self, epoch: int) -> None:
         schedule = load_schedule(self.run_dir, epoch)
-        if schedule is None:
-            o = self.options
-            schedule = build_epoch_schedule(self.lengths, bucket_max_lens=o.buckets, tokens_per_batch=o.tokens_per_batch,
-                                            run_seed=o.run_seed, epoch=epoch, order=o.order)
-            if not schedule.batches:
-                raise ValueError("the schedule holds no job: every sample is longer than the last bucket")
-            save_schedule(schedule, self.run_dir)
+        assert schedule is not None, "the builder wrote it"
         self._add_schedule(schedule)
-        self.journal.record("epoch", durable=True, epoch=epoch, jobs=len(schedule.batches),
+        self.journal.record("epoch", durable=True, epoch=epoch, jobs=schedule.num_jobs,
                             buckets=[b.num_batches for b in schedule.buckets])
+        self._request_next_build()
+
+    def _request_next_build(self) -> None:
+        following = max(self.epoch_jobs) + 1
+        if following < self.options.epochs:
+            self.builder.request(following)
 
     def _maybe_start_next_epoch(self) -> None:
-        last = max(self.schedules)
-        if self.ledger.num_pending == 0 and last + 1 < self.options.epochs:
-            self._start_epoch(last + 1)
+        following = max(self.epoch_jobs) + 1
+        if self.ledger.num_pending == 0 and following < self.options.epochs and self.builder.ready(following):
+            self._start_epoch(following)
+
+    def schedule(self, epoch: int) -> EpochSchedule:
+        """An epoch's schedule, mapped again if the epoch had finished (a rollback reopened it)."""
+        schedule = self.schedules.get(epoch)
+        if schedule is None:
+            schedule = load_schedule(self.run_dir, epoch)
+            assert schedule is not None
+            self.schedules[epoch] = schedule
+        return schedule
+
+    def _forget_if_complete(self, epoch: int) -> None:
+        if self.ledger.epoch_complete(epoch) and epoch in self.schedules:
+            del self.schedules[epoch]
+            self.ledger.forget_epoch_arrays(epoch)
+            self._snapshot_due = True
 
     @property
     def done(self) -> bool:
-        return len(self.schedules) == self.options.epochs and all(
-            self.ledger.epoch_complete(e) for e in self.schedules)
+        """Every epoch committed, and every model's last commit covered by a checkpoint of it."""
+        return (len(self.epoch_jobs) == self.options.epochs
+                and all(self.ledger.epoch_complete(e) for e in self.epoch_jobs)
+                and all(self.checkpoints.get(m, 0) >= step for m, step in self.ledger.model_step.items()))
+
+    @property
+    def num_steps(self) -> int:
+        """Optimizer steps the ledger holds, over every model."""
+        return sum(self.ledger.model_step.values())
+
+    @property
+    def all_committed(self) -> bool:
+        return len(self.epoch_jobs) == self.options.epochs and all(self.ledger.epoch_complete(e) for e in self.epoch_jobs)
 
     def _open_epochs(self) -> list[int]:
-        return [e for e in sorted(self.schedules) if not self.ledger.epoch_complete(e)]
+        return [e for e in sorted(self.epoch_jobs) if not self.ledger.epoch_complete(e)]
+
+    def _grant(self, job: Job, slot_id: int) -> JobGrant:
+        schedule = self.schedule(job.epoch)
+        index = split_job_id(job.job_id)[1]
+        samples = schedule.samples_of(index)
+        owner = self.pool.slots[slot_id].owner
+        base = self.workers[owner].slot_base if owner else 0
+        return JobGrant(job, slot_id - base, owner, schedule.buckets[job.bucket].max_len, samples,
+                        self.lengths[samples].tolist())
+
+    # -- snapshots --------------------------------------------------------------------------
+    def maybe_snapshot(self, *, force: bool = False) -> bool:
+        """Close the journal segment and snapshot the ledger when it is due; the write runs on a thread."""
+        if self._snapshots.error is not None:
+            raise RuntimeError(f"writing a ledger snapshot failed: {self._snapshots.error}")
+        due = force or self._snapshot_due or self.journal.num_lines >= SNAPSHOT_EVERY_LINES
+        if not due or self._snapshots.busy:
+            return False
+        self._segment += 1
+        ledger = self.ledger
+        snapshot = Snapshot(
+            segment=self._segment, num_starts=self.incarnation + 1, epochs_started=sorted(self.epoch_jobs),
+            models={m: ModelRecord(index=i, step=ledger.model_step.get(m, 0), checkpoint=self.checkpoints.get(m, 0),
+                                   last_commit=ledger.last_commit.get(m)) for m, i in ledger.model_index.items()},
+            commit_step={e: p.commit_step.copy() for e, p in ledger.epochs.items()},
+            commit_model={e: p.commit_model.copy() for e, p in ledger.epochs.items()})
+        self.journal.rotate(self._segment)
+        self._snapshots.submit(snapshot)
+        self._snapshot_due = False
+        return True
+
+    def close(self) -> None:
+        self._snapshots.wait()
+        self.builder.close()
 
     # -- membership -------------------------------------------------------------------------
-    def register(self, *, role: str, name: str, pid: int, host: str, gpu: int | None, now: float) -> Worker:
+    def register(self, *, role: str, name: str, pid: int, host: str, gpu: int | None, now: float,
+                 contract: dict[str, Any] | None = None, model: dict[str, Any] | None = None) -> Worker:
+        """A new session. A drafter names its model and the step of the state it holds: the ledger
+        rolls that model back to exactly that step (its later commits go back to pending)."""
+        if contract is not None:
+            self._check_contract(role, name, contract)
+        model_id, model_step = None, 0
+        if model is not None:
+            if role != "drafter":
+                raise LedgerError("only a drafter registers a model")
+            model_id, model_step = model.get("id"), model.get("step", 0)
+            if not isinstance(model_id, str) or not model_id or not isinstance(model_step, int) or model_step < 0:
+                raise LedgerError("model must be {id: non-empty string, step: integer >= 0}")
+            held = self.ledger.model_step.get(model_id, 0)
+            if model_step > held:
+                raise LedgerError(f"model {model_id} holds step {model_step}, ahead of the ledger's {held}: its last "
+                                  f"commit never became durable; reload its latest checkpoint and register again")
         # The incarnation keeps ids unique across dispatcher restarts: a worker still speaking for
         # the previous dispatcher's "d0" must get unknown_worker, not the new d0's jobs.
         worker_id = f"{role[0]}{self._next_worker[role]}.{self.incarnation}"
         self._next_worker[role] += 1
-        worker = Worker(worker_id, role, name, pid, host, gpu, registered_at=now, last_seen=now)
+        for other in [w for w in self.workers.values() if w.name == name and w.role == role and w.host == host]:
+            self.deregister(other.id, now, reason="replaced")  # the same worker registering again
+        worker = Worker(worker_id, role, name, pid, host, gpu, registered_at=now, last_seen=now,
+                        token=secrets.token_hex(16), model=model_id)
         self.workers[worker_id] = worker
         self.journal.record("join", w=worker_id, role=role, name=name, pid=pid, host=host)
+        if model_id is not None:
+            self._rollback(model_id, model_step)
+        return worker
+
+    def _check_contract(self, role: str, name: str, contract: dict[str, Any]) -> None:
+        if self.contract is None:
+            self.contract = dict(contract)
+            log.info("capture contract of this run (from %s %s): %s", role, name, self.contract)
+        elif dict(contract) != self.contract:
+            raise Incompatible(f"{role} {name} has capture contract {dict(contract)}, but this run's is {self.contract}")
+
+    def _rollback(self, model: str, step: int) -> None:
+        for worker in self.workers.values():  # another session of this model: its uncommitted work is void
+            if worker.model == model:
+                for job in self.ledger.held_by(worker.id):
+                    if job.state is JobState.CONSUMED:
+                        self._give_back(job, "model_rolled_back")
+        if self.ledger.model_step.get(model, 0) == step and model in self.ledger.model_index:
+            return
+        reverted = self.ledger.rollback(model, step)
+        if step < self.checkpoints.get(model, 0):
+            self.checkpoints[model] = step
+        self.journal.record("rollback", durable=True, model=model, step=step, jobs=len(reverted))
+        if reverted:
+            log.info("model %s registered at step %d: %d job(s) committed after it go back to pending",
+                     model, step, len(reverted))
+
+    def authenticate(self, worker_id: str, token: Any, now: float) -> Worker:
+        worker = self.worker(worker_id, now, touch=False)
+        if not isinstance(token, str) or not secrets.compare_digest(token, worker.token):
+            raise Unauthorized(f"request for {worker_id} without its session token")
+        worker.last_seen = now
         return worker
 
     def register_slots(self, worker_id: str, ipc_block: dict[str, Any], num_slots: int, now: float) -> None:
@@ -181,27 +374,41 @@ class DispatcherCore:
         worker.ipc_block, worker.slot_base = ipc_block, self._next_slot_id
         self._next_slot_id += num_slots
         self.pool.add_slots(range(worker.slot_base, worker.slot_base + num_slots), owner=worker_id)
+        if self.pool.effective_min_ready < self.pool.min_ready:
+            log.warning("pool.min_ready=%d cannot be reached with the %d slot(s) live targets registered (and "
+                        "pool.target_credits=%d): drafters are served from %d ready slot(s)", self.pool.min_ready,
+                        len(self.pool.slots), self.pool.target_credits, self.pool.effective_min_ready)
 
-    def worker(self, worker_id: str, now: float) -> Worker:
+    def worker(self, worker_id: str, now: float, *, touch: bool = True) -> Worker:
         worker = self.workers.get(worker_id)
         if worker is None:
             raise UnknownWorker(worker_id)
-        worker.last_seen = now
+        if touch:
+            worker.last_seen = now
         return worker
 
-    def heartbeat(self, worker_id: str, now: float) -> None:
-        """Keeps the worker alive; its leases are not renewed: a lease bounds one job's time."""
+    def heartbeat(self, worker_id: str, now: float, holding: list[int] | None = None) -> None:
+        """Keeps the worker alive (leases are not renewed: a lease bounds one job's time). A job the
+        ledger says it holds, granted more than a heartbeat ago but not in ``holding``, never
+        reached it (a reply lost on a reset socket) or was dropped: it is given back at once."""
         self.worker(worker_id, now)
+        if holding is None:
+            return
+        listed = set(holding)
+        for job in self.ledger.held_by(worker_id):
+            if job.job_id not in listed and now - job.granted_at > self.options.heartbeat_s:
+                self._give_back(job, "not_held")
 
     def deregister(self, worker_id: str, now: float, reason: str = "left") -> None:
         worker = self.worker(worker_id, now)
         self._end_wait(worker, now)
         for job in self.ledger.held_by(worker_id):
             self._give_back(job, reason)
+        self.pool.release_quarantined(worker_id)
         if worker.ipc_block is not None:
             for slot in self.pool.remove_owner(worker_id):
-                job = self.ledger.jobs[slot.job_id]
-                if job.state is JobState.READY:
+                job = self.ledger.jobs.get(slot.job_id)
+                if job is not None and job.state is JobState.READY:
                     self.ledger.drop_ready(job)
                     self.counters.given_back["slot_lost"] += 1
         del self.workers[worker_id]
@@ -218,17 +425,20 @@ class DispatcherCore:
         return dead
 
     def _give_back(self, job: Job, reason: str) -> None:
-        slot_id = job.slot
+        slot_id, holder = job.slot, job.holder
         previous = self.ledger.give_back(job)
         if previous is JobState.EXTRACTING:
-            self.pool.abort_write(slot_id)
+            if reason in ("dead", "left", "replaced"):
+                self.pool.abort_write(slot_id)
+            else:  # the writer may still be writing into it
+                self.pool.quarantine(slot_id)
         elif previous is JobState.TRAINING:
             if slot_id in self.pool.slots:
                 self.pool.unread(slot_id, epoch=job.epoch, bucket=job.bucket)
             else:  # the slot's memory went with its owner: extract the job again
                 self.ledger.drop_ready(job)
-        self.counters.given_back[reason] += 1
-        self.journal.record("give_back", job=job.job_id, was=previous.value, reason=reason)
+        self.counters.given_back[reason.split(":")[0]] += 1
+        self.journal.record("give_back", job=job.job_id, was=previous.value, reason=reason, w=holder)
 
     def _wait(self, worker: Worker, reason: str, now: float) -> None:
         if worker.waiting_since is None:
@@ -252,35 +462,44 @@ class DispatcherCore:
             self._end_wait(worker, now)
             return DONE
         self._maybe_start_next_epoch()
-        if self.ledger.peek_pending() is None:
+        head = self.ledger.peek_pending()
+        if head is None:
             self._wait(worker, "starved", now)
             return None
         slot_id = self.pool.writable_slot(worker_id)
         if slot_id is None:
             self._wait(worker, "blocked", now)
             return None
-        head = self.ledger.peek_pending()
-        generation = self.pool.begin_write(slot_id, worker_id, head.job_id)
+        generation = self.pool.begin_write(slot_id, worker_id, head)
         job = self.ledger.start_extract(worker_id, slot_id, generation, now, self.options.lease_s)
         self._end_wait(worker, now)
-        owner = self.pool.slots[slot_id].owner
-        base = self.workers[owner].slot_base if owner else 0
-        return JobGrant(job, slot_id - base, owner, [self.lengths[s] for s in job.samples])
+        return self._grant(job, slot_id)
 
     def job_ready(self, worker_id: str, job_id: int, generation: int, busy_s: float, now: float) -> None:
         worker = self.worker(worker_id, now)
         job = self.ledger.mark_ready(job_id, worker_id, generation)
         self.pool.publish(job.slot, epoch=job.epoch, bucket=job.bucket)
-        worker.num_tokens += job.num_tokens
+        num_tokens = self._num_tokens(job)
+        worker.num_tokens += num_tokens
         worker.num_jobs += 1
-        self.journal.record("ready", job=job_id, w=worker_id, tokens=job.num_tokens, busy_s=round(busy_s, 6))
+        self.journal.record("ready", job=job_id, w=worker_id, tokens=num_tokens, busy_s=round(busy_s, 6))
+
+    def _num_tokens(self, job_id_or_job: Job | int) -> int:
+        job_id = job_id_or_job if isinstance(job_id_or_job, int) else job_id_or_job.job_id
+        epoch, index = split_job_id(job_id)
+        return int(self.lengths[self.schedule(epoch).samples_of(index)].sum())
 
     def job_failed(self, worker_id: str, job_id: int, reason: str, now: float) -> None:
         self.worker(worker_id, now)
         job = self.ledger.jobs.get(job_id)
         if job is None or job.state is not JobState.EXTRACTING or job.holder != worker_id:
             raise LedgerError(f"job {job_id} is not being extracted by {worker_id}")
-        self._give_back(job, f"target_failed: {reason}"[:200])
+        slot_id = job.slot
+        self.ledger.give_back(job)
+        self.pool.abort_write(slot_id)  # the writer says it stopped writing
+        self.counters.given_back["target_failed"] += 1
+        self.journal.record("give_back", job=job_id, was="extracting", reason=f"target_failed: {reason}"[:200],
+                            w=worker_id)
 
     # -- drafters ---------------------------------------------------------------------------
     def _serving_epoch(self) -> tuple[int, bool] | None:
@@ -302,10 +521,10 @@ class DispatcherCore:
         return None
 
     def nothing_left_to_hand_out(self) -> bool:
-        if max(self.schedules) + 1 < self.options.epochs:
+        if max(self.epoch_jobs) + 1 < self.options.epochs:
             return False
         return all(self.ledger.count(e, JobState.PENDING, JobState.EXTRACTING, JobState.READY) == 0
-                   for e in self.schedules)
+                   for e in self.epoch_jobs)
 
     def get_hs(self, worker_id: str, now: float) -> tuple[JobGrant | str | None, bool]:
         """(grant, flush): flush tells a waiting drafter to commit its partial step, nothing more is coming."""
@@ -330,9 +549,7 @@ class DispatcherCore:
         self.pool.begin_read(ready)
         job = self.ledger.start_training(ready.job_id, worker_id, now, self.options.lease_s)
         self._end_wait(worker, now)
-        owner = self.pool.slots[ready.slot].owner
-        base = self.workers[owner].slot_base if owner else 0
-        return JobGrant(job, ready.slot - base, owner, [self.lengths[s] for s in job.samples]), False
+        return self._grant(job, ready.slot), False
 
     def consumed(self, worker_id: str, job_id: int, now: float) -> None:
         self.worker(worker_id, now)
@@ -342,14 +559,33 @@ class DispatcherCore:
         self.pool.release(slot_id)
         self.journal.record("consumed", job=job_id, w=worker_id, bucket=job.bucket)
 
-    def commit_step(self, worker_id: str, job_ids: list[int], busy_s: float, checkpointed: bool, now: float,
-                    *, verified: int = 0) -> int:
+    def read_failed(self, worker_id: str, job_id: int, reason: str, now: float) -> None:
+        """The drafter found the slot stale: its data cannot be trusted, so the job is extracted again."""
+        self.worker(worker_id, now)
+        job = self.ledger.jobs.get(job_id)
+        if job is None or job.state is not JobState.TRAINING or job.holder != worker_id:
+            raise LedgerError(f"job {job_id} is not being read by {worker_id}")
+        slot_id = job.slot
+        self.ledger.drop_ready(job)
+        self.pool.discard_ready(slot_id)
+        self.counters.given_back["read_failed"] += 1
+        self.journal.record("give_back", job=job_id, was="training", reason=f"read_failed: {reason}"[:200], w=worker_id)
+
+    def commit_step(self, worker_id: str, job_ids: list[int], busy_s: float, now: float, *, model: str | None = None,
+                    step: int | None = None, verified: int = 0) -> int:
+        """The drafter's model takes optimizer step ``step`` on ``job_ids``. Idempotent: the same
+        (model, step, jobs) again gets the same answer. Refused (all or nothing) otherwise when a
+        job is not consumed by this drafter or the step does not follow the model's last."""
         worker = self.worker(worker_id, now)
+        model = model or worker.model or worker_id
+        if step is None:
+            step = self.ledger.model_step.get(model, 0) + 1
         if not job_ids:
             raise LedgerError("a step must hold at least one job")
-        step = self.next_step
+        if self.ledger.last_commit.get(model) == (step, tuple(job_ids)):
+            return step  # a retry of a commit whose reply was lost
         try:
-            jobs = self.ledger.commit(job_ids, worker_id, step)
+            jobs = self.ledger.commit(job_ids, worker_id, model, step)
         except LedgerError:
             # All or nothing: the drafter drops the step (its gradients), so what it still holds of it is redone.
             for job_id in job_ids:
@@ -357,20 +593,25 @@ class DispatcherCore:
                 if job is not None and job.state is JobState.CONSUMED and job.holder == worker_id:
                     self._give_back(job, "step_refused")
             raise
-        self.next_step += 1
-        num_tokens = sum(j.num_tokens for j in jobs)
-        self.journal.record("commit", durable=True, step=step, jobs=list(job_ids), w=worker_id,
-                            buckets=sorted({j.bucket for j in jobs}), avail=worker.window_avail, mixed=worker.window_mixed,
-                            tokens=num_tokens, busy_s=round(busy_s, 6),
-                            checkpointed=checkpointed, verified=verified)
+        num_tokens = sum(self._num_tokens(j) for j in jobs)
+        self.journal.record("commit", durable=True, model=model, step=step, jobs=list(job_ids), w=worker_id,
+                            buckets=sorted({j.bucket for j in jobs}), avail=worker.window_avail,
+                            mixed=worker.window_mixed, tokens=num_tokens, busy_s=round(busy_s, 6), verified=verified)
         worker.window_avail, worker.window_mixed = None, True
         worker.num_jobs += len(jobs)
         worker.num_tokens += num_tokens
         for epoch in sorted({j.epoch for j in jobs}):
             if self.ledger.epoch_complete(epoch):
                 self.journal.record("epoch_committed", durable=True, epoch=epoch)
+                self._forget_if_complete(epoch)
         return step
 
-    def checkpoint(self, worker_id: str, step: int, now: float) -> None:
-        self.worker(worker_id, now)
-        self.journal.record("checkpoint", durable=True, step=step, w=worker_id)
+    def checkpoint(self, worker_id: str, step: int, now: float, *, model: str | None = None) -> None:
+        """The model's state at ``step`` (its witness included) is durable on disk."""
+        worker = self.worker(worker_id, now)
+        model = model or worker.model or worker_id
+        held = self.ledger.model_step.get(model, 0)
+        if step > held:
+            raise LedgerError(f"model {model}: checkpoint of step {step} is ahead of the ledger's {held}")
+        self.checkpoints[model] = max(self.checkpoints.get(model, 0), step)
+        self.journal.record("checkpoint", durable=True, model=model, step=step, w=worker_id)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Sequence
 
+import numpy as np
+
 
 def bucket_totals(order: Sequence[int]) -> dict[int, int]:
     return dict(Counter(order))
@@ -37,6 +39,12 @@ class PrefixDeviation:
         for b, share in self.shares.items():
             self.value = max(self.value, abs(self.counts[b] - self.length * share))
 
+    def remove(self, bucket: int) -> None:
+        """Take back one job of ``bucket`` (a give-back). The figure keeps the worst prefix seen so far:
+        recomputing it exactly would rescan the stream, and a give-back is the exception."""
+        self.length -= 1
+        self.counts[bucket] -= 1
+
 
 def prefix_deviation(order: Sequence[int], totals: dict[int, int] | None = None) -> float:
     """max over prefixes t and buckets b of |count_b(t) - t * n_b / N|, in batches."""
@@ -44,6 +52,22 @@ def prefix_deviation(order: Sequence[int], totals: dict[int, int] | None = None)
     for bucket in order:
         tracker.add(bucket)
     return tracker.value
+
+
+def prefix_deviation_array(order: np.ndarray, totals: dict[int, int] | None = None) -> float:
+    """The same figure as :func:`prefix_deviation`, vectorized: one pass per bucket over the array."""
+    order = np.asarray(order)
+    if totals is None:
+        totals = bucket_totals(order.tolist())
+    num_jobs = sum(totals.values())
+    if num_jobs == 0 or len(order) == 0:
+        return 0.0
+    t = np.arange(1, len(order) + 1, dtype=np.float64)
+    worst = 0.0
+    for bucket in set(totals) | set(np.unique(order).tolist()):
+        counts = np.cumsum(order == bucket, dtype=np.float64)
+        worst = max(worst, float(np.abs(counts - t * totals.get(bucket, 0) / num_jobs).max()))
+    return worst
 
 
 def tail_skew(order: Sequence[int], totals: dict[int, int] | None = None, tail_fraction: float = 0.1) -> float:

@@ -1,35 +1,101 @@
-"""The run journal: an append-only JSON-lines file in the run directory.
+"""The run journal: append-only, checksummed JSON lines in the run directory.
 
-Every event that changes what a restart must know (an epoch started, a step committed, a checkpoint
-made durable, commits reverted) is appended and fsynced before the dispatcher acknowledges it.
-Progress events (a job ready, a worker joined) are buffered and flushed a few times a second
-without fsync: the report reads them, a restart does not need them. A torn last line (power cut mid-write) is ignored on reading.
+Every event that changes what a restart must know (the dispatcher started, an epoch started, a
+step committed, a model rolled back or checkpointed) is appended and fsynced before the dispatcher
+acknowledges it. Progress events (a job ready, a worker joined) are buffered and flushed a few times
+a second without fsync: the report reads them, a restart does not need them.
+
+Each line is ``<crc32 of the JSON, 8 hex digits> <JSON>``. On open, a torn or corrupt tail (a power
+cut mid-write) is truncated back to the last whole record, so the next record never glues onto a
+broken line. An fsync that fails stops the dispatcher (fail closed): what was not durable was
+never acknowledged.
+
+The journal is a sequence of segments: ``journal.jsonl`` is the one being written; a snapshot of
+the ledger (``dispatcher/ledger_snapshot.py``) closes it as ``journal-NNNNNN.jsonl``, so a restart
+replays only the segments after the latest snapshot.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
+import re
 import threading
 import time
-from dataclasses import dataclass, field
+import zlib
 from pathlib import Path
 from typing import Any, Iterator
 
+log = logging.getLogger("hsd.journal")
+
 JOURNAL_NAME = "journal.jsonl"
+_SEGMENT = re.compile(r"^journal-(\d{6})\.jsonl$")
+FAULT_FSYNC_ENV = "HSD_FAULT_FSYNC_AFTER"  # fault injection for tests: fail every fsync after this many
+
+
+class JournalFailed(RuntimeError):
+    """The journal could not be made durable: the dispatcher must stop."""
+
+
+def encode_line(event: dict[str, Any]) -> bytes:
+    body = json.dumps(event, separators=(",", ":")).encode()
+    return b"%08x " % zlib.crc32(body) + body + b"\n"
+
+
+def decode_line(line: bytes) -> dict[str, Any] | None:
+    """The event of a whole, intact line; None for a torn or corrupt one."""
+    if len(line) < 11 or not line.endswith(b"\n") or line[8:9] != b" ":
+        return None
+    body = line[9:-1]
+    try:
+        if int(line[:8], 16) != zlib.crc32(body):
+            return None
+        event = json.loads(body)
+    except ValueError:
+        return None
+    return event if isinstance(event, dict) and "ev" in event else None
+
+
+def repair_tail(path: Path) -> int:
+    """Truncate ``path`` after its last intact record; returns the number of bytes cut."""
+    if not path.exists():
+        return 0
+    good = 0
+    with open(path, "rb") as f:
+        for line in f:
+            if decode_line(line) is None:
+                break
+            good += len(line)
+        size = f.seek(0, os.SEEK_END)
+    if good < size:
+        with open(path, "r+b") as f:
+            f.truncate(good)
+            f.flush()
+            os.fsync(f.fileno())
+        log.warning("journal %s: cut a torn or corrupt tail of %d bytes after the last whole record", path, size - good)
+    return size - good
 
 
 class Journal:
     """Append-only writer. With ``sync_in_background`` the fsync of durable events runs on a thread
     of its own, so the dispatcher's loop never waits on the disk (a shared filesystem can take tens
     of milliseconds): the loop holds back each reply that needs durability until ``synced_seq``
-    reaches it, and ``notify_fd`` becomes readable whenever a sync completes."""
+    reaches it, and ``notify_fd`` becomes readable whenever a sync completes or fails."""
 
     def __init__(self, run_dir: str | os.PathLike, *, sync_in_background: bool = False):
-        self.path = Path(run_dir) / JOURNAL_NAME
-        self._file = open(self.path, "a", encoding="utf-8")
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / JOURNAL_NAME
+        repair_tail(self.path)
+        self._file = open(self.path, "ab")
+        self._lock = threading.Lock()  # the file object, between the loop and the sync thread
         self.written_seq = 0  # durable events written so far
         self.synced_seq = 0   # ... of which fsynced
+        self.failed: BaseException | None = None
+        self.num_lines = 0    # lines in the current segment (written by this process)
+        fault = os.environ.get(FAULT_FSYNC_ENV)
+        self._fsyncs_left = int(fault) if fault else None
         self._syncer: threading.Thread | None = None
         if sync_in_background:
             self.notify_fd, self._notify_w = os.pipe()
@@ -39,20 +105,35 @@ class Journal:
             self._syncer = threading.Thread(target=self._sync_loop, name="journal-sync", daemon=True)
             self._syncer.start()
 
+    def _fsync(self) -> None:
+        if self._fsyncs_left is not None:
+            if self._fsyncs_left <= 0:
+                raise OSError(errno.EIO, f"fsync failed (injected by {FAULT_FSYNC_ENV})")
+            self._fsyncs_left -= 1
+        os.fsync(self._file.fileno())
+
     def record(self, event: str, *, durable: bool = False, **fields: Any) -> None:
         """Append one event. A ``durable`` one is on disk when this returns, or (background sync)
         once ``synced_seq`` reaches the ``written_seq`` it got; the others by the next :meth:`flush`
         (the dispatcher flushes a few times a second)."""
-        line = json.dumps({"ev": event, "t": round(time.time(), 6), **fields}, separators=(",", ":"))
-        self._file.write(line + "\n")
-        if durable:
-            self._file.flush()
-            self.written_seq += 1
-            if self._syncer is None:
-                os.fsync(self._file.fileno())
-                self.synced_seq = self.written_seq
-            else:
-                self._wake.set()
+        if self.failed is not None:
+            raise JournalFailed(f"the journal failed earlier: {self.failed}")
+        line = encode_line({"ev": event, "t": round(time.time(), 6), **fields})
+        with self._lock:
+            self._file.write(line)
+            self.num_lines += 1
+            if durable:
+                self._file.flush()
+                self.written_seq += 1
+                if self._syncer is None:
+                    try:
+                        self._fsync()
+                    except OSError as exc:
+                        self.failed = exc
+                        raise JournalFailed(f"fsync of {self.path} failed: {exc}") from exc
+                    self.synced_seq = self.written_seq
+        if durable and self._syncer is not None:
+            self._wake.set()
 
     @property
     def unsynced(self) -> bool:
@@ -64,8 +145,14 @@ class Journal:
             self._wake.clear()
             if self._stopping:
                 return
-            target = self.written_seq  # everything written up to here is flushed to the OS already
-            os.fsync(self._file.fileno())
+            with self._lock:
+                target = self.written_seq  # everything written up to here is flushed to the OS already
+                try:
+                    self._fsync()
+                except OSError as exc:
+                    self.failed = exc
+                    os.write(self._notify_w, b"f")
+                    return
             self.synced_seq = target
             os.write(self._notify_w, b"s")
 
@@ -77,7 +164,30 @@ class Journal:
             pass
 
     def flush(self) -> None:
-        self._file.flush()
+        with self._lock:
+            self._file.flush()
+
+    def rotate(self, segment: int) -> Path:
+        """Close the current segment as ``journal-<segment>.jsonl`` (durably) and start a new one."""
+        with self._lock:
+            self._file.flush()
+            try:
+                self._fsync()
+            except OSError as exc:
+                self.failed = exc
+                raise JournalFailed(f"fsync of {self.path} failed: {exc}") from exc
+            self._file.close()
+            archived = self.run_dir / f"journal-{segment:06d}.jsonl"
+            os.replace(self.path, archived)
+            self._file = open(self.path, "ab")
+            self.synced_seq = self.written_seq
+            self.num_lines = 0
+        fd = os.open(self.run_dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return archived
 
     def close(self) -> None:
         if self._syncer is not None:
@@ -89,59 +199,47 @@ class Journal:
             os.close(self._notify_w)
         if not self._file.closed:
             self._file.flush()
-            os.fsync(self._file.fileno())
-            self.synced_seq = self.written_seq
+            if self.failed is None:
+                try:
+                    self._fsync()
+                    self.synced_seq = self.written_seq
+                except OSError as exc:
+                    self.failed = exc
             self._file.close()
 
 
-def read_journal(run_dir: str | os.PathLike) -> Iterator[dict[str, Any]]:
-    path = Path(run_dir) / JOURNAL_NAME
-    if not path.exists():
-        return
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a torn last line
-            if isinstance(event, dict) and "ev" in event:
-                yield event
+def segment_paths(run_dir: str | os.PathLike, *, after: int = -1) -> list[Path]:
+    """The journal's segments in order: archived ones numbered above ``after``, then the current one."""
+    run_dir = Path(run_dir)
+    archived = []
+    if run_dir.is_dir():
+        for name in os.listdir(run_dir):
+            match = _SEGMENT.match(name)
+            if match and int(match.group(1)) > after:
+                archived.append((int(match.group(1)), run_dir / name))
+    paths = [path for _, path in sorted(archived)]
+    current = run_dir / JOURNAL_NAME
+    if current.exists():
+        paths.append(current)
+    return paths
 
 
-@dataclass
-class Recovered:
-    """What a restarting dispatcher needs from the journal."""
-    epochs_started: list[int] = field(default_factory=list)
-    committed: set[int] = field(default_factory=set)  # job ids whose commit is covered by a checkpoint
-    steps_to_revert: list[int] = field(default_factory=list)
-    next_step: int = 0
-    num_starts: int = 0  # dispatcher starts so far: ids handed out now must differ from theirs
+def last_segment_number(run_dir: str | os.PathLike) -> int:
+    numbers = [int(m.group(1)) for m in map(_SEGMENT.match, os.listdir(run_dir)) if m] if Path(run_dir).is_dir() else []
+    return max(numbers, default=-1)
 
 
-def recover(run_dir: str | os.PathLike) -> Recovered:
-    """Replay the journal: commits after the last durable checkpoint are reverted (their jobs rerun)."""
-    out = Recovered()
-    commits: dict[int, tuple[list[int], bool]] = {}
-    last_checkpoint = -1
-    for event in read_journal(run_dir):
-        kind = event["ev"]
-        if kind == "start":
-            out.num_starts += 1
-        elif kind == "epoch" and event["epoch"] not in out.epochs_started:
-            out.epochs_started.append(event["epoch"])
-        elif kind == "commit":
-            commits[event["step"]] = (event["jobs"], bool(event.get("checkpointed")))
-            out.next_step = max(out.next_step, event["step"] + 1)
-            if event.get("checkpointed"):  # the model saved with this step holds every earlier one too
-                last_checkpoint = max(last_checkpoint, event["step"])
-        elif kind == "checkpoint":
-            last_checkpoint = max(last_checkpoint, event["step"])
-        elif kind == "revert":
-            for step in event["steps"]:
-                commits.pop(step, None)
-    for step, (jobs, checkpointed) in sorted(commits.items()):
-        if step <= last_checkpoint:
-            out.committed.update(jobs)
-        else:
-            out.steps_to_revert.append(step)
-    return out
+def read_journal(run_dir: str | os.PathLike, *, after: int = -1, only: tuple[str, ...] | None = None
+                 ) -> Iterator[dict[str, Any]]:
+    """Every intact event of the journal's segments after ``after``, in order, streamed.
+
+    ``only`` skips the JSON decoding of other events (a restart needs a few kinds of millions)."""
+    needles = tuple(b'"ev":"%s"' % kind.encode() for kind in only) if only else None
+    for path in segment_paths(run_dir, after=after):
+        with open(path, "rb") as f:
+            for line in f:
+                if needles is not None and not any(n in line[9:40] for n in needles):
+                    continue
+                event = decode_line(line)
+                if event is not None:
+                    yield event

@@ -1,12 +1,19 @@
 """The job ledger: one state per job, and the only place that changes it.
 
     pending -> extracting(target, slot, lease) -> ready(slot) -> training(drafter, lease)
-            -> consumed(drafter) -> committed(step)
+            -> consumed(drafter) -> committed(model, step)
 
 Give-backs (dead worker, expired lease, step that never completed):
     extracting -> pending   (back at the head of the queue, in original order)
     training   -> ready     (the slot still holds the data)
     consumed   -> pending   (the optimizer step it belonged to never completed)
+Rollback (a model registers with an older step than the ledger holds for it):
+    committed(model, step > s) -> pending
+
+Sized for a million jobs an epoch: a job's state, and the model and step that committed it, are
+entries of per-epoch arrays; only the few jobs in flight (bounded by the pool and the drafters'
+windows) have an object. Jobs never handed out are found by a cursor that walks each epoch's list;
+jobs given back wait in a small heap, so the queue stays in schedule order.
 
 Pure code: no sockets, no clock of its own (callers pass ``now``), no I/O.
 """
@@ -19,9 +26,12 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
+import numpy as np
+
 from dispatcher.fairness import PrefixDeviation
 
 JOB_ID_STRIDE = 1_000_000_000  # job id = epoch * stride + position in the epoch's job list
+NOT_COMMITTED = -1
 
 
 class JobState(str, enum.Enum):
@@ -31,6 +41,11 @@ class JobState(str, enum.Enum):
     TRAINING = "training"
     CONSUMED = "consumed"
     COMMITTED = "committed"
+
+
+_STATES = list(JobState)
+_CODE = {state: code for code, state in enumerate(_STATES)}
+_PENDING, _COMMITTED = _CODE[JobState.PENDING], _CODE[JobState.COMMITTED]
 
 
 class LedgerError(Exception):
@@ -47,76 +62,111 @@ def split_job_id(job_id: int) -> tuple[int, int]:
 
 @dataclass
 class Job:
+    """A job in flight (extracting, ready, training or consumed)."""
     job_id: int
     epoch: int
     bucket: int
-    seq_len: int
-    samples: tuple[int, ...]
-    num_tokens: int
     state: JobState = JobState.PENDING
     holder: str | None = None  # worker id while extracting / training / consumed
     slot: int | None = None
     generation: int = 0
     lease_deadline: float = 0.0
-    step: int | None = None
-    times_given_back: int = 0
+    granted_at: float = 0.0  # when the current holder was handed the job
 
 
 @dataclass
 class EpochProgress:
     num_jobs: int
     bucket_totals: dict[int, int]
+    job_bucket: np.ndarray            # [num_jobs] the schedule's buckets
+    state: np.ndarray                 # [num_jobs] uint8 state codes
+    commit_step: np.ndarray           # [num_jobs] int64, NOT_COMMITTED unless committed
+    commit_model: np.ndarray          # [num_jobs] int32 model index of the commit
+    cursor: int = 0                   # jobs from here on were never handed out (unless committed at restore)
     taken: Counter = field(default_factory=Counter)  # handed to drafters (training or later), per bucket
-    consumed_order: list[int] = field(default_factory=list)  # bucket of each job as drafters took it
     committed: int = 0
-    consumed_deviation: PrefixDeviation | None = None  # prefix deviation of consumed_order, kept current
+    consumed_deviation: PrefixDeviation | None = None  # prefix deviation of the consumed stream, kept current
 
     def __post_init__(self) -> None:
-        self.recompute_deviation()
+        self.consumed_deviation = PrefixDeviation(self.bucket_totals)
 
     def take(self, bucket: int) -> None:
         self.taken[bucket] += 1
-        self.consumed_order.append(bucket)
         self.consumed_deviation.add(bucket)
 
-    def recompute_deviation(self) -> None:
-        self.consumed_deviation = PrefixDeviation(self.bucket_totals)
-        for bucket in self.consumed_order:
-            self.consumed_deviation.add(bucket)
+    def untake(self, bucket: int) -> None:
+        self.taken[bucket] -= 1
+        self.consumed_deviation.remove(bucket)
 
 
 class JobLedger:
     def __init__(self) -> None:
-        self.jobs: dict[int, Job] = {}
+        self.jobs: dict[int, Job] = {}  # jobs in flight only
         self.epochs: dict[int, EpochProgress] = {}
-        self._pending: list[int] = []  # min-heap of job ids = schedule order across epochs
+        self._returned: list[int] = []  # min-heap of job ids given back to pending
         self._by_holder: dict[str, set[int]] = defaultdict(set)
         self._counts: Counter = Counter()  # (epoch, state) -> number of jobs
+        self.model_index: dict[str, int] = {}  # model id -> index stored in commit_model
+        self.model_step: dict[str, int] = {}   # model id -> last step the ledger holds for it
+        # model id -> (step, job ids) of its last commit: a retried commit gets the first answer
+        self.last_commit: dict[str, tuple[int, tuple[int, ...]]] = {}
 
     # -- epochs -----------------------------------------------------------------------------
-    def add_epoch(self, epoch: int, batches: Sequence[tuple[int, int, tuple[int, ...], int]],
-                  committed: Iterable[int] = ()) -> None:
-        """batches: (bucket, seq_len, samples, num_tokens) in job order; ``committed`` job ids stay committed."""
+    def add_epoch(self, epoch: int, job_bucket: Sequence[int] | np.ndarray) -> EpochProgress:
+        """Add an epoch's jobs (their buckets, in job order), every job pending."""
         if epoch in self.epochs:
             raise LedgerError(f"epoch {epoch} already in the ledger")
-        done = {j for j in committed if split_job_id(j)[0] == epoch and split_job_id(j)[1] < len(batches)}
-        totals: Counter = Counter()
-        for index, (bucket, seq_len, samples, num_tokens) in enumerate(batches):
-            job_id = make_job_id(epoch, index)
-            job = Job(job_id, epoch, bucket, seq_len, tuple(samples), num_tokens)
-            if job_id in done:
-                job.state = JobState.COMMITTED
-            else:
-                self._pending.append(job_id)
-            self._counts[epoch, job.state] += 1
-            self.jobs[job_id] = job
-            totals[bucket] += 1
-        progress = EpochProgress(num_jobs=len(batches), bucket_totals=dict(totals))
-        for job_id in sorted(done):
-            progress.take(self.jobs[job_id].bucket)
-        progress.committed = len(done)
+        job_bucket = np.asarray(job_bucket)
+        num_jobs = len(job_bucket)
+        counts = np.bincount(job_bucket, minlength=1) if num_jobs else np.zeros(0, dtype=np.int64)
+        progress = EpochProgress(num_jobs=num_jobs, bucket_totals={b: int(n) for b, n in enumerate(counts) if n},
+                                 job_bucket=job_bucket, state=np.zeros(num_jobs, dtype=np.uint8),
+                                 commit_step=np.full(num_jobs, NOT_COMMITTED, dtype=np.int64),
+                                 commit_model=np.full(num_jobs, -1, dtype=np.int32))
         self.epochs[epoch] = progress
-        heapq.heapify(self._pending)
+        self._counts[epoch, JobState.PENDING] = num_jobs
+        return progress
+
+    def restore_arrays(self, epoch: int, commit_step: np.ndarray, commit_model: np.ndarray) -> None:
+        """Mark committed what a snapshot says was (restart)."""
+        progress = self.epochs[epoch]
+        committed = np.flatnonzero(commit_step != NOT_COMMITTED)
+        progress.commit_step[:] = commit_step
+        progress.commit_model[:] = commit_model
+        progress.state[committed] = _COMMITTED
+        self._counts[epoch, JobState.PENDING] -= len(committed)
+        self._counts[epoch, JobState.COMMITTED] += len(committed)
+        progress.committed += len(committed)
+        for bucket, n in enumerate(np.bincount(progress.job_bucket[committed]).tolist() if len(committed) else []):
+            for _ in range(n):
+                progress.take(bucket)
+
+    def restore_commit(self, model: str, step: int, job_ids: Sequence[int]) -> None:
+        """Replay one journaled commit (restart): its jobs go straight from pending to committed."""
+        index_of_model = self._model(model)
+        for job_id in job_ids:
+            epoch, index = split_job_id(job_id)
+            progress = self.epochs[epoch]
+            if progress.state[index] != _PENDING:
+                raise LedgerError(f"journal commits job {job_id} twice")
+            self._set_code(epoch, progress, index, _COMMITTED)
+            progress.commit_step[index] = step
+            progress.commit_model[index] = index_of_model
+            progress.committed += 1
+            progress.take(int(progress.job_bucket[index]))
+        self.model_step[model] = step
+        self.last_commit[model] = (step, tuple(job_ids))
+
+    def restore_model(self, model: str, step: int, last_commit: tuple[int, tuple[int, ...]] | None) -> None:
+        self._model(model)
+        self.model_step[model] = step
+        if last_commit is not None:
+            self.last_commit[model] = last_commit
+
+    def forget_epoch_arrays(self, epoch: int) -> None:
+        """A finished epoch keeps only what a rollback needs (who committed what, when)."""
+        progress = self.epochs[epoch]
+        progress.job_bucket = np.asarray(progress.job_bucket).copy()  # drop the mapping of the schedule file
 
     def epoch_complete(self, epoch: int) -> bool:
         progress = self.epochs.get(epoch)
@@ -125,13 +175,33 @@ class JobLedger:
     def count(self, epoch: int, *states: JobState) -> int:
         return sum(self._counts[epoch, state] for state in states)
 
+    def state_of(self, job_id: int) -> JobState:
+        epoch, index = split_job_id(job_id)
+        progress = self.epochs.get(epoch)
+        if progress is None or not 0 <= index < progress.num_jobs:
+            raise LedgerError(f"unknown job {job_id}")
+        return _STATES[progress.state[index]]
+
+    def bucket_of(self, job_id: int) -> int:
+        epoch, index = split_job_id(job_id)
+        return int(self.epochs[epoch].job_bucket[index])
+
     # -- queries ----------------------------------------------------------------------------
-    def peek_pending(self) -> Job | None:
-        return self.jobs[self._pending[0]] if self._pending else None
+    def peek_pending(self) -> int | None:
+        """The job id at the head of the pending queue (schedule order across epochs), or None."""
+        head = self._returned[0] if self._returned else None
+        for epoch in sorted(self.epochs):
+            progress = self.epochs[epoch]
+            while progress.cursor < progress.num_jobs and progress.state[progress.cursor] != _PENDING:
+                progress.cursor += 1
+            if progress.cursor < progress.num_jobs:
+                fresh = make_job_id(epoch, progress.cursor)
+                return fresh if head is None or fresh < head else head
+        return head
 
     @property
     def num_pending(self) -> int:
-        return len(self._pending)
+        return sum(self._counts[e, JobState.PENDING] for e in self.epochs)
 
     def held_by(self, worker_id: str) -> list[Job]:
         return [self.jobs[j] for j in sorted(self._by_holder.get(worker_id, ()))]
@@ -139,38 +209,63 @@ class JobLedger:
     def counts_by_state(self) -> dict[str, int]:
         return {state.value: sum(self.count(e, state) for e in self.epochs) for state in JobState}
 
+    def _model(self, model: str) -> int:
+        if model not in self.model_index:
+            self.model_index[model] = len(self.model_index)
+            self.model_step.setdefault(model, 0)
+        return self.model_index[model]
+
+    def _set_code(self, epoch: int, progress: EpochProgress, index: int, code: int) -> None:
+        self._counts[epoch, _STATES[progress.state[index]]] -= 1
+        self._counts[epoch, _STATES[code]] += 1
+        progress.state[index] = code
+
     def _set_state(self, job: Job, state: JobState) -> None:
-        self._counts[job.epoch, job.state] -= 1
-        self._counts[job.epoch, state] += 1
+        epoch, index = split_job_id(job.job_id)
+        self._set_code(epoch, self.epochs[epoch], index, _CODE[state])
         job.state = state
 
     def _expect(self, job_id: int, state: JobState, holder: str | None = None) -> Job:
         job = self.jobs.get(job_id)
         if job is None:
-            raise LedgerError(f"unknown job {job_id}")
+            raise LedgerError(f"job {job_id} is {self._describe(job_id)}, expected {state.value}")
         if job.state is not state:
             raise LedgerError(f"job {job_id} is {job.state.value}, expected {state.value}")
         if holder is not None and job.holder != holder:
             raise LedgerError(f"job {job_id} is held by {job.holder}, not {holder}")
         return job
 
-    def _hold(self, job: Job, holder: str | None) -> None:
+    def _describe(self, job_id: int) -> str:
+        try:
+            return self.state_of(job_id).value
+        except LedgerError:
+            return "unknown"
+
+    def _hold(self, job: Job, holder: str | None, now: float = 0.0) -> None:
         if job.holder is not None:
             self._by_holder[job.holder].discard(job.job_id)
+            if not self._by_holder[job.holder]:
+                del self._by_holder[job.holder]
         job.holder = holder
         if holder is not None:
             self._by_holder[holder].add(job.job_id)
+            job.granted_at = now
 
     # -- transitions ------------------------------------------------------------------------
     def start_extract(self, target: str, slot: int, generation: int, now: float, lease_s: float) -> Job:
         """Hand the head of the pending queue to ``target``, writing into ``slot``."""
-        if not self._pending:
+        job_id = self.peek_pending()
+        if job_id is None:
             raise LedgerError("no pending job")
-        job = self.jobs[heapq.heappop(self._pending)]
+        if self._returned and self._returned[0] == job_id:
+            heapq.heappop(self._returned)
+        epoch, index = split_job_id(job_id)
+        job = Job(job_id, epoch, int(self.epochs[epoch].job_bucket[index]))
+        self.jobs[job_id] = job
         self._set_state(job, JobState.EXTRACTING)
         job.slot, job.generation = slot, generation
         job.lease_deadline = now + lease_s
-        self._hold(job, target)
+        self._hold(job, target, now)
         return job
 
     def mark_ready(self, job_id: int, target: str, generation: int) -> Job:
@@ -185,7 +280,7 @@ class JobLedger:
         job = self._expect(job_id, JobState.READY)
         self._set_state(job, JobState.TRAINING)
         job.lease_deadline = now + lease_s
-        self._hold(job, drafter)
+        self._hold(job, drafter, now)
         self.epochs[job.epoch].take(job.bucket)
         return job
 
@@ -195,60 +290,89 @@ class JobLedger:
         job.slot = None
         return job
 
-    def commit(self, job_ids: Sequence[int], drafter: str, step: int) -> list[Job]:
-        """All or nothing: every job must be consumed by ``drafter``."""
-        jobs = [self._expect(job_id, JobState.CONSUMED, drafter) for job_id in job_ids]
+    def commit(self, job_ids: Sequence[int], drafter: str, model: str, step: int) -> list[Job]:
+        """All or nothing: every job must be consumed by ``drafter``; ``step`` follows the model's last."""
         if len(set(job_ids)) != len(job_ids):
             raise LedgerError("a step lists the same job twice")
+        expected = self.model_step.get(model, 0) + 1
+        if step != expected:
+            raise LedgerError(f"model {model}: step {step} does not follow the ledger's step {expected - 1}")
+        jobs = [self._expect(job_id, JobState.CONSUMED, drafter) for job_id in job_ids]
+        index_of_model = self._model(model)
         for job in jobs:
             self._set_state(job, JobState.COMMITTED)
-            job.step = step
             self._hold(job, None)
-            self.epochs[job.epoch].committed += 1
+            progress = self.epochs[job.epoch]
+            index = split_job_id(job.job_id)[1]
+            progress.commit_step[index] = step
+            progress.commit_model[index] = index_of_model
+            progress.committed += 1
+            del self.jobs[job.job_id]
+        self.model_step[model] = step
+        self.last_commit[model] = (step, tuple(job_ids))
         return jobs
+
+    def rollback(self, model: str, step: int) -> list[int]:
+        """The model holds ``step``: its commits after it go back to pending. Returns their job ids.
+
+        A scan of the per-epoch arrays: rare (a model restarted from a checkpoint), and it needs no
+        per-step record of the past.
+        """
+        index_of_model = self._model(model)
+        if step > self.model_step[model]:
+            raise LedgerError(f"model {model} is at step {step}, ahead of the ledger's {self.model_step[model]}")
+        reverted = []
+        for epoch in sorted(self.epochs):
+            progress = self.epochs[epoch]
+            later = np.flatnonzero((progress.commit_model == index_of_model) & (progress.commit_step > step))
+            for index in later.tolist():
+                self._set_code(epoch, progress, index, _PENDING)
+                progress.untake(int(progress.job_bucket[index]))
+                reverted.append(make_job_id(epoch, index))
+            progress.commit_step[later] = NOT_COMMITTED
+            progress.commit_model[later] = -1
+            progress.committed -= len(later)
+        for job_id in reverted:
+            heapq.heappush(self._returned, job_id)
+        self.model_step[model] = step
+        if self.last_commit.get(model, (0,))[0] > step:
+            del self.last_commit[model]
+        return reverted
 
     def give_back(self, job: Job) -> JobState:
         """Undo a job's progress after its holder failed; returns the state it was in."""
         previous = job.state
-        job.times_given_back += 1
         if previous is JobState.EXTRACTING or previous is JobState.CONSUMED:
             if previous is JobState.CONSUMED:
-                self._untake(job)
+                self.epochs[job.epoch].untake(job.bucket)
+            self._hold(job, None)
             self._push_pending(job)
         elif previous is JobState.TRAINING:
-            self._untake(job)
+            self.epochs[job.epoch].untake(job.bucket)
             self._set_state(job, JobState.READY)
+            self._hold(job, None)
         else:
             raise LedgerError(f"job {job.job_id} in state {previous.value} has nothing to give back")
-        self._hold(job, None)
         return previous
 
     def drop_ready(self, job: Job) -> None:
-        """A ready job whose slot vanished (its memory's owner died): extract it again."""
-        self._expect(job.job_id, JobState.READY)
-        job.times_given_back += 1
+        """A ready job whose slot vanished or cannot be trusted: extract it again."""
+        if job.state is JobState.TRAINING:
+            self.epochs[job.epoch].untake(job.bucket)
+            self._hold(job, None)
+        elif job.state is not JobState.READY:
+            raise LedgerError(f"job {job.job_id} is {job.state.value}, expected ready")
         self._push_pending(job)
 
     def _push_pending(self, job: Job) -> None:
         self._set_state(job, JobState.PENDING)
-        job.slot = None
-        heapq.heappush(self._pending, job.job_id)
-
-    def _untake(self, job: Job) -> None:
-        progress = self.epochs[job.epoch]
-        progress.taken[job.bucket] -= 1
-        # The consumed stream records what drafters took; a give-back removes its last entry of this bucket.
-        for i in range(len(progress.consumed_order) - 1, -1, -1):
-            if progress.consumed_order[i] == job.bucket:
-                del progress.consumed_order[i]
-                break
-        progress.recompute_deviation()  # rare (a give-back): a full pass is fine
+        del self.jobs[job.job_id]
+        heapq.heappush(self._returned, job.job_id)
 
     def release_worker(self, worker_id: str) -> list[tuple[Job, JobState]]:
         """Give back every job the worker holds (it died or left)."""
         return [(job, self.give_back(job)) for job in self.held_by(worker_id)]
 
     def expired(self, now: float) -> list[Job]:
-        return [self.jobs[job_id] for held in self._by_holder.values() for job_id in held
-                if self.jobs[job_id].state in (JobState.EXTRACTING, JobState.TRAINING)
-                and self.jobs[job_id].lease_deadline < now]
+        return [job for job in self.jobs.values()
+                if job.state in (JobState.EXTRACTING, JobState.TRAINING) and job.lease_deadline < now]

@@ -1,95 +1,171 @@
-"""Prometheus text exposition of the dispatcher's stats snapshot, served over plain HTTP.
+"""Prometheus metrics of the dispatcher, exposed through ``prometheus_client``.
 
-The snapshot is taken on the dispatcher's loop thread (the core is single-threaded) and handed to
-the HTTP thread as finished text, so a scrape never touches live state.
+The dispatcher's loop thread builds a stats snapshot once a second and hands it over with
+:meth:`MetricsServer.update`; the HTTP thread renders only that snapshot. A scrape therefore never
+touches the core (which is single-threaded and not locked), and costs the loop nothing.
+
+The metric families are produced by a custom collector rather than by Gauge/Counter objects:
+the snapshot already holds every figure, and the core's counters only ever grow, so re-exposing
+them as they are keeps counter semantics without a second copy of the state. Figures the snapshot
+does not carry (an older or newer core) are simply left out.
 """
 
 from __future__ import annotations
 
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import time
+from collections.abc import Iterator
 from typing import Any
 
+from prometheus_client import start_http_server
+from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
-def _line(name: str, value: float, **labels: Any) -> str:
-    if labels:
-        text = ",".join(f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
-                        for k, v in labels.items())
-        return f"{name}{{{text}}} {value}"
-    return f"{name} {value}"
+from dispatcher.stats_view import pool_usage
+
+WORKER_STATES = ("busy", "idle", "starved", "blocked")
+ROLES = ("target", "drafter")
+LEASE_EXPIRED = "lease_expired"  # the give-back reason the core records for an expired lease
 
 
-def render_prometheus(s: dict[str, Any]) -> str:
-    out: list[str] = []
+def _gauge(name: str, help_text: str, labels: tuple[str, ...], rows: list[tuple[tuple, float]]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, help_text, labels=list(labels))
+    for values, value in rows:
+        family.add_metric([str(v) for v in values], float(value))
+    return family
 
-    def metric(name: str, kind: str, help_text: str, samples: list[str]) -> None:
-        out.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *samples])
 
-    metric("hsd_up", "gauge", "1 while the dispatcher serves; 0 once every epoch is committed.",
-           [_line("hsd_up", 0 if s["done"] else 1)])
-    metric("hsd_jobs", "gauge", "Jobs by ledger state.",
-           [_line("hsd_jobs", n, state=state) for state, n in s["jobs_by_state"].items()])
-    metric("hsd_ready_slots", "gauge", "Ready hidden-state slots per bucket (q_hsb).",
-           [_line("hsd_ready_slots", n, bucket=b) for b, n in s["q_hsb"].items()])
-    metric("hsd_pool_slots", "gauge", "Pool slots by state.",
-           [_line("hsd_pool_slots", n, state=state) for state, n in s["pool"].items()])
-    metric("hsd_pool_bytes", "gauge", "Bytes of the hidden-state pool.", [_line("hsd_pool_bytes", s["transport"]["pool_bytes"])])
-    metric("hsd_steps_total", "counter", "Committed optimizer steps.", [_line("hsd_steps_total", s["steps"])])
-    metric("hsd_epoch_jobs_committed", "gauge", "Committed jobs of each started epoch.",
-           [_line("hsd_epoch_jobs_committed", e["committed"], epoch=e["epoch"]) for e in s["epochs"]])
-    metric("hsd_epoch_jobs", "gauge", "Jobs of each started epoch.",
-           [_line("hsd_epoch_jobs", e["jobs"], epoch=e["epoch"]) for e in s["epochs"]])
-    metric("hsd_prefix_deviation", "gauge", "Prefix deviation in batches, of the schedule and of the consumed stream.",
-           [_line("hsd_prefix_deviation", e[f"{stream}_prefix_deviation"], epoch=e["epoch"], stream=stream)
-            for e in s["epochs"] for stream in ("schedule", "consumed")])
-    workers = s["workers"]
-    metric("hsd_worker_tokens_per_second", "gauge", "Tokens per second of each worker since it registered.",
-           [_line("hsd_worker_tokens_per_second", w["tokens_per_s"], worker=w["name"], role=w["role"]) for w in workers])
-    metric("hsd_worker_idle_ratio", "gauge", "Share of its time a worker spent waiting.",
-           [_line("hsd_worker_idle_ratio", w["idle_ratio"], worker=w["name"], role=w["role"]) for w in workers])
-    metric("hsd_worker_heartbeat_age_seconds", "gauge", "Seconds since a worker was last heard from.",
-           [_line("hsd_worker_heartbeat_age_seconds", w["heartbeat_age_s"], worker=w["name"], role=w["role"])
-            for w in workers])
-    metric("hsd_workers", "gauge", "Workers by role and state.",
-           [_line("hsd_workers", sum(1 for w in workers if w["role"] == role and w["state"] == state),
-                  role=role, state=state)
-            for role in ("target", "drafter") for state in ("busy", "idle", "starved", "blocked")])
-    metric("hsd_errors_total", "counter", "Error replies by code.",
-           [_line("hsd_errors_total", n, code=code) for code, n in s["errors"].items()])
-    metric("hsd_given_back_total", "counter", "Jobs given back by reason.",
-           [_line("hsd_given_back_total", n, reason=reason) for reason, n in s["given_back"].items()])
-    return "\n".join(out) + "\n"
+def _counter(name: str, help_text: str, labels: tuple[str, ...], rows: list[tuple[tuple, float]]) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, help_text, labels=list(labels))
+    for values, value in rows:
+        family.add_metric([str(v) for v in values], float(value))
+    return family
+
+
+def _labelled(mapping: dict[str, Any] | None) -> list[tuple[tuple, float]]:
+    return [((key,), value) for key, value in sorted((mapping or {}).items())]
+
+
+def _membership_version(s: dict[str, Any]) -> int | None:
+    membership = s.get("membership")
+    if isinstance(membership, dict) and "version" in membership:
+        return membership["version"]
+    return s.get("membership_version")
+
+
+def _lease_expiries(s: dict[str, Any]) -> float:
+    """The core's own counter when it has one; else the give-backs it recorded for expired leases."""
+    if "lease_expiries" in s:
+        return s["lease_expiries"]
+    return (s.get("given_back") or {}).get(LEASE_EXPIRED, 0)
+
+
+def snapshot_families(s: dict[str, Any]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """Every ``hsd_*`` metric family of one stats snapshot."""
+    yield _gauge("hsd_up", "1 while the dispatcher serves; 0 once every epoch is committed.", (),
+                 [((), 0 if s.get("done") else 1)])
+    yield _gauge("hsd_snapshot_age_seconds", "Seconds since the snapshot this scrape shows was taken.", (),
+                 [((), max(0.0, time.time() - s.get("time", time.time())))])
+    yield _gauge("hsd_uptime_seconds", "Seconds since the dispatcher started.", (), [((), s.get("uptime_s", 0.0))])
+    yield _gauge("hsd_jobs", "Jobs by ledger state.", ("state",), _labelled(s.get("jobs_by_state")))
+    yield _gauge("hsd_ready_slots", "Ready hidden-state slots per bucket (q_hsb).", ("bucket",),
+                 [((b,), n) for b, n in (s.get("q_hsb") or {}).items()])
+    yield _gauge("hsd_pool_slots", "Pool slots by state.", ("state",), _labelled(s.get("pool")))
+    usage = pool_usage(s)
+    if usage is not None:
+        yield _gauge("hsd_pool_bytes", "Bytes of the hidden-state pool.", (), [((), usage[1])])
+        yield _gauge("hsd_pool_used_bytes", "Bytes of the pool held by a job (writing, ready or reading).", (),
+                     [((), usage[0])])
+    yield _counter("hsd_steps", "Committed optimizer steps.", (), [((), s.get("steps", 0))])
+
+    epochs = s.get("epochs") or []
+    yield _gauge("hsd_epochs", "Epochs the run trains.", (), [((), s.get("epochs_total", 0))])
+    yield _gauge("hsd_epoch_jobs", "Jobs of each started epoch.", ("epoch",),
+                 [((e["epoch"],), e["jobs"]) for e in epochs])
+    yield _gauge("hsd_epoch_jobs_committed", "Committed jobs of each started epoch.", ("epoch",),
+                 [((e["epoch"],), e["committed"]) for e in epochs])
+    yield _gauge("hsd_prefix_deviation", "Prefix deviation in batches, of the schedule and of the consumed stream.",
+                 ("epoch", "stream"),
+                 [((e["epoch"], stream), e[key]) for e in epochs for stream in ("schedule", "consumed")
+                  if (key := f"{stream}_prefix_deviation") in e])
+    skew = [((e["epoch"], stream), e[key]) for e in epochs for stream in ("schedule", "consumed")
+            if (key := f"{stream}_tail_skew") in e]
+    if skew:
+        yield _gauge("hsd_tail_skew", "Total variation distance of the last 10% of the jobs from the epoch's mix.",
+                     ("epoch", "stream"), skew)
+    if "step_mix" in s:
+        yield _gauge("hsd_step_mix", "Share of optimizer steps that mix as many buckets as were available.", (),
+                     [((), s["step_mix"])])
+
+    workers = s.get("workers") or []
+    per_worker = [(w["name"], w["role"]) for w in workers]
+    yield _gauge("hsd_worker_tokens_per_second", "Tokens per second of each worker since it registered.",
+                 ("worker", "role"), [(key, w["tokens_per_s"]) for key, w in zip(per_worker, workers)])
+    yield _gauge("hsd_worker_idle_ratio", "Share of its time a worker spent waiting.",
+                 ("worker", "role"), [(key, w["idle_ratio"]) for key, w in zip(per_worker, workers)])
+    yield _gauge("hsd_worker_heartbeat_age_seconds", "Seconds since a worker was last heard from.",
+                 ("worker", "role"), [(key, w["heartbeat_age_s"]) for key, w in zip(per_worker, workers)])
+    yield _counter("hsd_worker_jobs", "Jobs a worker finished since it registered.",
+                   ("worker", "role"), [(key, w.get("jobs", 0)) for key, w in zip(per_worker, workers)])
+    # One series per (worker, state), 1 for the state it is in: a stateset that sums and graphs well.
+    yield _gauge("hsd_worker_state", "1 for the state a worker is in (busy, idle, starved, blocked), else 0.",
+                 ("worker", "role", "state"),
+                 [((*key, state), int(w["state"] == state)) for key, w in zip(per_worker, workers)
+                  for state in WORKER_STATES])
+    yield _gauge("hsd_workers", "Workers by role and state.", ("role", "state"),
+                 [((role, state), sum(1 for w in workers if w["role"] == role and w["state"] == state))
+                  for role in ROLES for state in WORKER_STATES])
+
+    yield _counter("hsd_requests", "Requests by op.", ("op",), _labelled(s.get("requests")))
+    yield _counter("hsd_errors", "Error replies by code.", ("code",), _labelled(s.get("errors")))
+    yield _counter("hsd_given_back", "Jobs given back by reason.", ("reason",), _labelled(s.get("given_back")))
+    yield _counter("hsd_lease_expiries", "Leases that expired (their jobs were given back).", (),
+                   [((), _lease_expiries(s))])
+    version = _membership_version(s)
+    if version is not None:
+        yield _gauge("hsd_membership_version", "Version of the drafter group's membership.", (), [((), version)])
+
+
+class SnapshotCollector(Collector):
+    """Exposes the latest snapshot handed to it; exposes nothing before the first one."""
+
+    def __init__(self) -> None:
+        self._snapshot: dict[str, Any] | None = None
+
+    def update(self, snapshot: dict[str, Any]) -> None:
+        # One reference swap: a scrape in flight keeps the snapshot it started with.
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        snapshot = self._snapshot
+        if snapshot is not None:
+            yield from snapshot_families(snapshot)
+
+
+def render_prometheus(snapshot: dict[str, Any]) -> str:
+    """The text exposition of one snapshot (what a scrape returns)."""
+    from prometheus_client import generate_latest
+    registry = CollectorRegistry(auto_describe=False)
+    collector = SnapshotCollector()
+    collector.update(snapshot)
+    registry.register(collector)
+    return generate_latest(registry).decode()
 
 
 class MetricsServer:
+    """``/metrics`` on ``host:port`` (port 0 picks a free one, read back from ``.port``)."""
+
     def __init__(self, host: str, port: int):
-        self._text = b"# no snapshot yet\n"
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-                if self.path.split("?")[0] != "/metrics":
-                    self.send_error(404, "only /metrics is served")
-                    return
-                body = server._text
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *_: Any) -> None:
-                pass
-
-        self._http = ThreadingHTTPServer((host, port), Handler)
-        self._http.daemon_threads = True
+        self._collector = SnapshotCollector()
+        # A registry of our own: the process-wide default one also carries Python/GC collectors.
+        self._registry = CollectorRegistry(auto_describe=False)
+        self._registry.register(self._collector)
+        self._http, self._thread = start_http_server(port, addr=host, registry=self._registry)
         self.port = self._http.server_address[1]
-        self._thread = threading.Thread(target=self._http.serve_forever, name="metrics", daemon=True)
-        self._thread.start()
 
     def update(self, snapshot: dict[str, Any]) -> None:
-        self._text = render_prometheus(snapshot).encode()
+        self._collector.update(snapshot)
 
     def close(self) -> None:
         self._http.shutdown()
         self._http.server_close()
+        self._thread.join(timeout=5)

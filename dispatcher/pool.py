@@ -28,6 +28,7 @@ class SlotState(str, enum.Enum):
     WRITING = "writing"
     READY = "ready"
     READING = "reading"
+    QUARANTINED = "quarantined"  # its writer lost the lease but may still be writing: not reused until it is gone
 
 
 @dataclass
@@ -172,6 +173,25 @@ class HSPool:
         self._credits[slot.writer] -= 1
         self._free_slot(slot)
 
+    def quarantine(self, slot_id: int) -> None:
+        """The writer's lease lapsed while it may still be writing: keep the slot (and the writer's
+        credit) out of use until the writer is known gone. The seqlock assumes one writer."""
+        slot = self.slots.get(slot_id)
+        if slot is None:
+            return
+        assert slot.state is SlotState.WRITING, slot
+        slot.state, slot.job_id = SlotState.QUARANTINED, None
+
+    def release_quarantined(self, writer: str) -> int:
+        """``writer`` is gone (exited, left, or registered again): its quarantined slots are free."""
+        released = 0
+        for slot in self.slots.values():
+            if slot.state is SlotState.QUARANTINED and slot.writer == writer:
+                self._credits[writer] -= 1
+                self._free_slot(slot)
+                released += 1
+        return released
+
     # -- drafters ---------------------------------------------------------------------------
     def has_free_slot(self) -> bool:
         return any(self._free.values())
@@ -179,9 +199,15 @@ class HSPool:
     def has_ready(self, epoch: int) -> bool:
         return epoch in self._ready and any(self._ready[epoch].values())
 
+    @property
+    def effective_min_ready(self) -> int:
+        """min_ready, capped by what the slots that exist can hold ready while a target writes the next
+        (with cuda_ipc the pool is only the slots live targets registered)."""
+        return max(1, min(self.min_ready, len(self.slots) - 1))
+
     def may_serve(self, draining: bool) -> bool:
         """The min-ready reservoir: keep a mix to choose from unless the epoch's tail drains."""
-        return self._num_ready > 0 and (draining or self._num_ready >= self.min_ready)
+        return self._num_ready > 0 and (draining or self._num_ready >= self.effective_min_ready)
 
     def eligible(self, epoch: int, *, totals: dict[int, int], taken: Counter) -> dict[int, float]:
         """Buckets a drafter may be given now (see eligible_buckets); all ready ones for pull=random."""
@@ -216,6 +242,15 @@ class HSPool:
         if slot is not None:
             assert slot.state is SlotState.READING, slot
             self._free_slot(slot)
+
+    def discard_ready(self, slot_id: int) -> None:
+        """A ready slot whose data cannot be trusted (a reader found it stale): free it."""
+        slot = self.slots.get(slot_id)
+        if slot is None:
+            return
+        if slot.state is SlotState.READY:
+            self._unindex(slot)
+        self._free_slot(slot)
 
     def _unindex(self, slot: Slot) -> None:
         for per_bucket in self._ready.values():

@@ -11,7 +11,10 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from dispatcher.fairness import prefix_deviation, tail_skew
+import numpy as np
+
+from common.witness import latest_checkpoint, list_models
+from dispatcher.fairness import prefix_deviation_array, tail_skew
 from dispatcher.journal import read_journal
 from dispatcher.ledger import split_job_id
 from dispatcher.schedule import load_schedule
@@ -19,9 +22,30 @@ from dispatcher.schedule import load_schedule
 STAGES = ("target", "drafter")
 
 
-def _commits(events: list[dict]) -> list[dict]:
-    reverted = {step for e in events if e["ev"] == "revert" for step in e["steps"]}
-    return [e for e in events if e["ev"] == "commit" and e["step"] not in reverted]
+def _live_commits(events: list[dict]) -> list[dict]:
+    """Commits the ledger still holds: a rollback of a model to step s voids its commits after s."""
+    live: list[dict] = []
+    for e in events:
+        if e["ev"] == "commit":
+            live.append(e)
+        elif e["ev"] == "rollback":
+            live = [c for c in live if c.get("model") != e["model"] or c["step"] <= e["step"]]
+    return live
+
+
+def witness(run_dir: Path, epoch_jobs: dict[int, int]) -> dict[str, Any]:
+    """Judge exactly-once by the models' own records, never by the ledger: every job of ``epoch_jobs``
+    must appear exactly once over the latest checkpoints of every model."""
+    records = [latest_checkpoint(run_dir, model).trained_jobs() for model in list_models(run_dir)]
+    ids = np.concatenate([np.frombuffer(r.to_bytes(), dtype="<u8") for r in records]) if records else np.zeros(0, "<u8")
+    unique, counts = np.unique(ids, return_counts=True)
+    duplicates = int((counts - 1).sum())
+    missing = 0
+    for epoch, num_jobs in epoch_jobs.items():
+        expected = np.arange(num_jobs, dtype=np.uint64) + np.uint64(epoch * 1_000_000_000)
+        missing += int(num_jobs - np.isin(expected, unique, assume_unique=True).sum())
+    return {"witness_models": len(records), "witness_trained": int(len(ids)),
+            "witness_duplicates": duplicates, "witness_missing": missing}
 
 
 def _alive_seconds(events: list[dict], end: float) -> dict[str, float]:
@@ -52,8 +76,8 @@ def build_report(run_dir: str | os.PathLike) -> dict[str, Any]:
         raise FileNotFoundError(f"{run_dir} holds no journal: is it a run directory?")
     epochs = sorted({e["epoch"] for e in events if e["ev"] == "epoch"})
     schedules = {epoch: load_schedule(run_dir, epoch) for epoch in epochs}
-    jobs_total = sum(len(s.batches) for s in schedules.values() if s is not None)
-    commits = _commits(events)
+    jobs_total = sum(s.num_jobs for s in schedules.values() if s is not None)
+    commits = _live_commits(events)
     committed_jobs = [job for c in commits for job in c["jobs"]]
     distinct = set(committed_jobs)
 
@@ -72,19 +96,20 @@ def build_report(run_dir: str | os.PathLike) -> dict[str, Any]:
         epoch = split_job_id(job_id)[0]
         schedule = schedules.get(epoch)
         if schedule is not None:
-            streams[epoch].append(schedule.batches[split_job_id(job_id)[1]].bucket)
+            streams[epoch].append(schedule.bucket_of(split_job_id(job_id)[1]))
 
     per_epoch = []
     for epoch, schedule in schedules.items():
         if schedule is None:
             continue
-        totals = Counter(schedule.bucket_order)
+        totals = schedule.bucket_totals
         stream = streams.get(epoch, [])
-        per_epoch.append({"epoch": epoch, "jobs": len(schedule.batches),
+        per_epoch.append({"epoch": epoch, "jobs": schedule.num_jobs,
                           "committed": sum(1 for j in distinct if split_job_id(j)[0] == epoch),
-                          "schedule_prefix_deviation": round(prefix_deviation(schedule.bucket_order), 3),
-                          "consumed_prefix_deviation": round(prefix_deviation(stream, dict(totals)), 3),
-                          "schedule_tail_skew": round(tail_skew(schedule.bucket_order), 4),
+                          "schedule_prefix_deviation": round(schedule.prefix_deviation, 3),
+                          "consumed_prefix_deviation": round(prefix_deviation_array(np.asarray(stream), totals), 3),
+                          "schedule_tail_skew": round(schedule.figures()["tail_skew"] if schedule.saved_figures is None
+                                                      else schedule.saved_figures["tail_skew"], 4),
                           "consumed_tail_skew": round(tail_skew(stream, dict(totals)), 4)})
 
     start, end = events[0]["t"], events[-1]["t"]
@@ -104,7 +129,10 @@ def build_report(run_dir: str | os.PathLike) -> dict[str, Any]:
     epochs_committed = [e["epoch"] for e in events if e["ev"] == "epoch_committed"]
     finished = bool(epochs) and all(e in epochs_committed for e in epochs) and any(
         e["ev"] == "stop" and e.get("done") for e in events)
+    scope = {e: schedules[e].num_jobs for e in epochs if schedules.get(e) is not None
+             and (finished or e in epochs_committed)}
     return {
+        **witness(run_dir, scope),
         "run_dir": str(run_dir),
         "finished": finished,
         "epochs": len(epochs),
@@ -139,6 +167,9 @@ def format_report(report: dict[str, Any]) -> str:
              f"duplicates {report['duplicates']}  lost {report['lost']}  still to do {report['uncommitted']}  "
              f"given back {report['given_back'] or 0}  "
              f"slots verified {report['slots_verified']}",
+             f"witness   {report['witness_models']} model(s) trained on {report['witness_trained']} jobs: "
+             f"duplicates {report['witness_duplicates']}  missing {report['witness_missing']} "
+             f"(judged by the models' own records)",
              f"steps     {report['steps']}  step_mix {report['step_mix']:.3f} (at window open "
              f"{report['step_mix_at_open']:.3f}, {report['mean_buckets_per_step']:.2f} buckets per step)",
              f"fairness  prefix deviation schedule {report['prefix_deviation']['schedule']:.2f} / consumed "

@@ -3,22 +3,31 @@
 Pure code. ``build_epoch_schedule`` is a function of (sample lengths, bucket boundaries, token
 budget, run seed, epoch, order kind) only, so the same inputs always give the same list; the
 dispatcher persists the result before serving the first job and a restart reads it back.
+
+A schedule is three flat arrays, not one object per job, so an epoch of a million jobs is built in
+about a second, written as a few ``.npy`` files, and read back memory-mapped:
+
+- ``job_bucket[i]``: the bucket of job ``i``;
+- ``job_offsets[i]:job_offsets[i + 1]``: the slice of ``job_samples`` holding job ``i``'s samples.
 """
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import os
-import random
+import shutil
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Sequence
 
-from dispatcher.fairness import prefix_deviation, tail_skew
+import numpy as np
+
+from dispatcher.fairness import prefix_deviation_array, tail_skew
 
 ORDERS = ("interleave", "shuffle")
+SCHEDULE_DIR = "schedule"
 
 
 @dataclass(frozen=True)
@@ -36,42 +45,63 @@ class Batch:
     samples: tuple[int, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class EpochSchedule:
     epoch: int
     seed: int
     order_kind: str
     tokens_per_batch: int
     buckets: tuple[Bucket, ...]
-    batches: tuple[Batch, ...]  # in job order: job index i is batches[i]
     num_dropped: int  # samples longer than the last bucket
+    job_bucket: np.ndarray   # [num_jobs] int16
+    job_offsets: np.ndarray  # [num_jobs + 1] int64
+    job_samples: np.ndarray  # [num_samples kept] int64, sample indices
+    saved_figures: dict | None = None  # the figures stored with a persisted schedule
+
+    @property
+    def prefix_deviation(self) -> float:
+        figures = self.saved_figures or self.figures()
+        return figures["prefix_deviation"]
+
+    @property
+    def num_jobs(self) -> int:
+        return len(self.job_bucket)
+
+    def samples_of(self, index: int) -> list[int]:
+        return self.job_samples[self.job_offsets[index]:self.job_offsets[index + 1]].tolist()
+
+    def bucket_of(self, index: int) -> int:
+        return int(self.job_bucket[index])
 
     @property
     def bucket_order(self) -> list[int]:
-        return [batch.bucket for batch in self.batches]
+        return self.job_bucket.tolist()
+
+    @property
+    def batches(self) -> tuple[Batch, ...]:
+        """One object per job: for small schedules (tests, printing), never on the dispatcher's path."""
+        return tuple(Batch(self.bucket_of(i), tuple(self.samples_of(i))) for i in range(self.num_jobs))
+
+    @cached_property
+    def bucket_totals(self) -> dict[int, int]:
+        counts = np.bincount(self.job_bucket, minlength=len(self.buckets)) if self.num_jobs else []
+        return {b: int(n) for b, n in enumerate(counts) if n}
 
     def figures(self) -> dict[str, float]:
-        order = self.bucket_order
-        return {"prefix_deviation": prefix_deviation(order), "tail_skew": tail_skew(order)}
+        return {"prefix_deviation": prefix_deviation_array(self.job_bucket, self.bucket_totals),
+                "tail_skew": tail_skew(self.job_bucket.tolist())}
 
     def summary(self) -> dict:
         """The JSON shape printed by ``hsd schedule --json``."""
-        return {"epoch": self.epoch, "order_kind": self.order_kind, "num_jobs": len(self.batches),
+        return {"epoch": self.epoch, "order_kind": self.order_kind, "num_jobs": self.num_jobs,
                 "num_dropped": self.num_dropped, "buckets": [asdict(b) for b in self.buckets],
                 "order": self.bucket_order, **self.figures()}
 
-    def to_json(self) -> dict:
+    def meta(self) -> dict:
         return {"epoch": self.epoch, "seed": self.seed, "order_kind": self.order_kind,
                 "tokens_per_batch": self.tokens_per_batch, "num_dropped": self.num_dropped,
-                "buckets": [asdict(b) for b in self.buckets],
-                "batches": [[b.bucket, list(b.samples)] for b in self.batches]}
-
-    @classmethod
-    def from_json(cls, doc: dict) -> "EpochSchedule":
-        return cls(epoch=doc["epoch"], seed=doc["seed"], order_kind=doc["order_kind"],
-                   tokens_per_batch=doc["tokens_per_batch"], num_dropped=doc["num_dropped"],
-                   buckets=tuple(Bucket(**b) for b in doc["buckets"]),
-                   batches=tuple(Batch(bucket, tuple(samples)) for bucket, samples in doc["batches"]))
+                "num_jobs": self.num_jobs, "buckets": [asdict(b) for b in self.buckets],
+                "figures": self.saved_figures or self.figures()}
 
 
 def epoch_seed(run_seed: int, epoch: int) -> int:
@@ -79,107 +109,149 @@ def epoch_seed(run_seed: int, epoch: int) -> int:
     return int.from_bytes(digest[:8], "little")
 
 
-def assign_buckets(lengths: Sequence[int], bucket_max_lens: Sequence[int]) -> list[int]:
+def assign_buckets(lengths: Sequence[int] | np.ndarray, bucket_max_lens: Sequence[int]) -> list[int]:
     """Bucket index of each sample: the first bucket whose max length holds it; -1 when none does."""
-    last = len(bucket_max_lens)
-    out = []
-    for length in lengths:
-        b = bisect.bisect_left(bucket_max_lens, length)
-        out.append(b if b < last else -1)
+    return _assign(np.asarray(lengths, dtype=np.int64), bucket_max_lens).tolist()
+
+
+def _assign(lengths: np.ndarray, bucket_max_lens: Sequence[int]) -> np.ndarray:
+    out = np.searchsorted(np.asarray(bucket_max_lens, dtype=np.int64), lengths, side="left")
+    out[out >= len(bucket_max_lens)] = -1
     return out
 
 
-def interleave_order(counts: Sequence[int], rng: random.Random) -> list[int]:
+def interleave_order(counts: Sequence[int], rng: np.random.Generator) -> np.ndarray:
     """Largest-deficit order: at each position the bucket whose count lags its share the most.
 
     Each bucket starts from a random phase in [0, 1) of a batch, drawn per epoch, so epochs with
     equal bucket counts still get different orders; the phase shifts every prefix by less than one
     batch, which keeps the prefix deviation within about one batch per bucket. Exact ties fall to a
-    seeded random priority.
+    seeded random priority. A plain loop over positions (about a second per million jobs): the
+    dispatcher builds the next epoch in a process of its own, ahead of time.
     """
+    counts = [int(c) for c in counts]
     total = sum(counts)
+    num_buckets = len(counts)
     shares = [c / total for c in counts] if total else []
-    phase = [rng.random() for _ in counts]
-    priority = list(range(len(counts)))
-    rng.shuffle(priority)
-    taken = [0] * len(counts)
-    order = []
-    for t in range(1, total + 1):
+    deficit = [p - 0.5 for p in rng.random(num_buckets).tolist()]  # t * share - taken + phase - 0.5
+    priority = rng.permutation(num_buckets).tolist()
+    left = list(counts)
+    buckets = range(num_buckets)
+    order = bytearray(total) if num_buckets <= 256 else [0] * total
+    for t in range(total):
         best, best_key = -1, None
-        for b, count in enumerate(counts):
-            if taken[b] == count:
-                continue
-            key = (t * shares[b] - taken[b] + phase[b] - 0.5, priority[b])
-            if best_key is None or key > best_key:
-                best, best_key = b, key
-        taken[best] += 1
-        order.append(best)
-    return order
+        for b in buckets:
+            deficit[b] += shares[b]
+            if left[b]:
+                key = (deficit[b], priority[b])
+                if best_key is None or key > best_key:
+                    best, best_key = b, key
+        deficit[best] -= 1.0
+        left[best] -= 1
+        order[t] = best
+    return np.asarray(order if isinstance(order, list) else np.frombuffer(bytes(order), dtype=np.uint8), dtype=np.int16)
 
 
-def shuffle_order(counts: Sequence[int], rng: random.Random) -> list[int]:
-    order = [b for b, count in enumerate(counts) for _ in range(count)]
+def shuffle_order(counts: Sequence[int], rng: np.random.Generator) -> np.ndarray:
+    order = np.repeat(np.arange(len(counts)), np.asarray(counts, dtype=np.int64)).astype(np.int16)
     rng.shuffle(order)
     return order
 
 
-def build_epoch_schedule(lengths: Sequence[int], *, bucket_max_lens: Sequence[int], tokens_per_batch: int,
-                         run_seed: int, epoch: int, order: str = "interleave") -> EpochSchedule:
+def build_epoch_schedule(lengths: Sequence[int] | np.ndarray, *, bucket_max_lens: Sequence[int],
+                         tokens_per_batch: int, run_seed: int, epoch: int, order: str = "interleave") -> EpochSchedule:
     if order not in ORDERS:
         raise ValueError(f"unknown schedule order {order!r} (known: {', '.join(ORDERS)})")
     seed = epoch_seed(run_seed, epoch)
-    rng = random.Random(seed)
-    sample_ids = list(range(len(lengths)))
-    rng.shuffle(sample_ids)
-    assignment = assign_buckets(lengths, bucket_max_lens)
-    members: list[list[int]] = [[] for _ in bucket_max_lens]
-    for sample in sample_ids:
-        if assignment[sample] >= 0:
-            members[assignment[sample]].append(sample)
-    # Chunking the shuffled members gives each bucket its batches already in random order.
-    per_bucket: list[list[Batch]] = []
+    rng = np.random.default_rng(seed)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    shuffled = rng.permutation(len(lengths))
+    assignment = _assign(lengths[shuffled], bucket_max_lens)
+    # Chunking each bucket's shuffled members gives its batches already in random order.
+    chunk_bounds: list[np.ndarray] = []  # per bucket: start offsets of its batches inside its members
+    members: list[np.ndarray] = []
     buckets = []
     for b, max_len in enumerate(bucket_max_lens):
+        mine = shuffled[assignment == b]
         batch_size = tokens_per_batch // max_len
-        chunks = [Batch(b, tuple(members[b][i:i + batch_size])) for i in range(0, len(members[b]), batch_size)]
-        per_bucket.append(chunks)
-        buckets.append(Bucket(id=b, max_len=max_len, batch_size=batch_size, num_batches=len(chunks),
-                              num_samples=len(members[b])))
-    counts = [len(chunks) for chunks in per_bucket]
-    bucket_sequence = (interleave_order if order == "interleave" else shuffle_order)(counts, rng)
-    cursors = [0] * len(counts)
-    batches = []
-    for b in bucket_sequence:
-        batches.append(per_bucket[b][cursors[b]])
-        cursors[b] += 1
+        members.append(mine)
+        chunk_bounds.append(np.arange(0, len(mine), batch_size, dtype=np.int64))
+        buckets.append(Bucket(id=b, max_len=max_len, batch_size=batch_size,
+                              num_batches=len(chunk_bounds[-1]), num_samples=len(mine)))
+    counts = [b.num_batches for b in buckets]
+    job_bucket = (interleave_order if order == "interleave" else shuffle_order)(counts, rng)
+    # Job i takes its bucket's next batch: its rank among earlier jobs of the same bucket.
+    num_jobs = len(job_bucket)
+    rank = np.zeros(num_jobs, dtype=np.int64)
+    for b in range(len(bucket_max_lens)):
+        where = np.flatnonzero(job_bucket == b)
+        rank[where] = np.arange(len(where))
+    member_base = np.cumsum([0] + [len(m) for m in members])
+    all_members = np.concatenate(members) if members else np.zeros(0, dtype=np.int64)
+    sizes = np.empty(num_jobs, dtype=np.int64)
+    starts = np.empty(num_jobs, dtype=np.int64)
+    for b, bucket in enumerate(buckets):
+        where = job_bucket == b
+        begin = chunk_bounds[b][rank[where]]
+        starts[where] = member_base[b] + begin
+        sizes[where] = np.minimum(bucket.batch_size, bucket.num_samples - begin)
+    job_offsets = np.zeros(num_jobs + 1, dtype=np.int64)
+    np.cumsum(sizes, out=job_offsets[1:])
+    # Gather every job's slice of the members in job order.
+    gather = np.repeat(starts - job_offsets[:-1], sizes) + np.arange(int(job_offsets[-1]))
+    job_samples = all_members[gather].astype(np.int64)
     return EpochSchedule(epoch=epoch, seed=seed, order_kind=order, tokens_per_batch=tokens_per_batch,
-                         buckets=tuple(buckets), batches=tuple(batches), num_dropped=assignment.count(-1))
+                         buckets=tuple(buckets), num_dropped=int((assignment == -1).sum()),
+                         job_bucket=job_bucket.astype(np.int16), job_offsets=job_offsets, job_samples=job_samples)
 
 
 def schedule_path(run_dir: str | os.PathLike, epoch: int) -> Path:
-    return Path(run_dir) / "schedule" / f"epoch-{epoch:04d}.json"
+    return Path(run_dir) / SCHEDULE_DIR / f"epoch-{epoch:04d}"
+
+
+_ARRAYS = ("job_bucket", "job_offsets", "job_samples")
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def save_schedule(schedule: EpochSchedule, run_dir: str | os.PathLike) -> Path:
     """Write atomically and durably: the schedule must exist before its first job is served."""
     path = schedule_path(run_dir, schedule.epoch)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w") as f:
-        json.dump(schedule.to_json(), f, separators=(",", ":"))
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for name in _ARRAYS:
+        with open(tmp / f"{name}.npy", "wb") as f:
+            np.save(f, getattr(schedule, name))
+            f.flush()
+            os.fsync(f.fileno())
+    with open(tmp / "meta.json", "w") as f:
+        json.dump(schedule.meta(), f)
         f.flush()
         os.fsync(f.fileno())
+    _fsync_path(tmp)
+    if path.exists():
+        shutil.rmtree(path)
     os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    _fsync_path(path.parent)
     return path
 
 
 def load_schedule(run_dir: str | os.PathLike, epoch: int) -> EpochSchedule | None:
+    """The persisted schedule of ``epoch`` (arrays memory-mapped), or None if it was never written."""
     path = schedule_path(run_dir, epoch)
-    if not path.exists():
+    if not (path / "meta.json").exists():
         return None
-    return EpochSchedule.from_json(json.loads(path.read_text()))
+    meta = json.loads((path / "meta.json").read_text())
+    arrays = {name: np.load(path / f"{name}.npy", mmap_mode="r") for name in _ARRAYS}
+    return EpochSchedule(epoch=meta["epoch"], seed=meta["seed"], order_kind=meta["order_kind"],
+                         tokens_per_batch=meta["tokens_per_batch"], num_dropped=meta["num_dropped"],
+                         buckets=tuple(Bucket(**b) for b in meta["buckets"]), saved_figures=meta.get("figures"),
+                         **arrays)

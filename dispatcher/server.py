@@ -24,9 +24,9 @@ from common import protocol
 from common.client import run_id_for
 from common.config import Config, write_resolved
 from common.protocol import ErrorCode, ProtocolError, field_of
-from dispatcher.core import DONE, CoreOptions, DispatcherCore, UnknownWorker, Worker
+from dispatcher.core import DONE, CoreOptions, DispatcherCore, Incompatible, Unauthorized, UnknownWorker, Worker
 from dispatcher.dataset import load_lengths
-from dispatcher.journal import Journal
+from dispatcher.journal import Journal, JournalFailed
 from dispatcher.ledger import LedgerError
 from dispatcher.metrics import MetricsServer
 from dispatcher.pool import HSPool
@@ -125,6 +125,7 @@ class DispatcherServer:
         poller.register(self.stats, zmq.POLLIN)
         poller.register(self.journal.notify_fd, zmq.POLLIN)
         next_sweep = time.monotonic() + SWEEP_INTERVAL_S
+        self.exit_code = 0
         try:
             while not self._stop:
                 now = time.monotonic()
@@ -137,12 +138,16 @@ class DispatcherServer:
                     self._drain(self.stats, self._handle_stats)
                 if self.journal.notify_fd in events:
                     self.journal.drain_notifications()
+                    if self.journal.failed is not None:
+                        raise JournalFailed(f"fsync of {self.journal.path} failed: {self.journal.failed}")
                     self._release_durable_replies()
                 now = time.monotonic()
                 if now >= next_sweep:
                     changed |= bool(self.core.sweep(now, self._is_alive))
                     next_sweep = now + SWEEP_INTERVAL_S
                     self.journal.flush()
+                    self.core.maybe_snapshot()
+                    changed = True  # a sweep may have freed slots, started an epoch or finished a build
                     if now >= self._next_progress:
                         self._log_progress(now)
                     if self.metrics is not None and now >= self._next_metrics:
@@ -153,23 +158,27 @@ class DispatcherServer:
                 if changed:
                     self._serve_waiters(now)
                 self._expire_waiters(now)
+        except JournalFailed as exc:
+            log.critical("%s. Stopping (fail closed): nothing that was not durable was acknowledged; workers keep "
+                         "their state and register with the next dispatcher on this run directory.", exc)
+            self.exit_code = 3
         finally:
             self.close()
-        return 0
+        return self.exit_code
 
     def _log_progress(self, now: float) -> None:
         """One line every few seconds while work moves, so a long run shows where it is."""
         self._next_progress = now + PROGRESS_INTERVAL_S
         core = self.core
-        marker = (core.next_step, core.ledger.num_pending)
+        marker = (core.num_steps, core.ledger.num_pending)
         if marker == self._last_progress_marker:
             return
         self._last_progress_marker = marker
-        open_epochs = [e for e in sorted(core.schedules) if not core.ledger.epoch_complete(e)] or [max(core.schedules)]
+        open_epochs = [e for e in sorted(core.epoch_jobs) if not core.ledger.epoch_complete(e)] or [max(core.epoch_jobs)]
         progress = core.ledger.epochs[open_epochs[0]]
         states = [worker_state(core, w) for w in core.workers.values()]
         log.info("epoch %d/%d: %d/%d jobs committed, %d steps, ready per bucket %s, workers %s",
-                 open_epochs[0] + 1, self.config.run.epochs, progress.committed, progress.num_jobs, core.next_step,
+                 open_epochs[0] + 1, self.config.run.epochs, progress.committed, progress.num_jobs, core.num_steps,
                  core.pool.ready_per_bucket() or "{}",
                  " ".join(f"{state}={states.count(state)}" for state in sorted(set(states))) or "none")
 
@@ -225,6 +234,12 @@ class DispatcherServer:
             return self._error(exc.request_id if exc.request_id is not None else request_id, exc.code, exc.message), False
         except UnknownWorker as exc:
             return self._error(request_id, ErrorCode.UNKNOWN_WORKER, f"worker {exc.args[0]} is not registered"), False
+        except Unauthorized as exc:
+            return self._error(request_id, ErrorCode.UNAUTHORIZED, str(exc)), False
+        except Incompatible as exc:
+            return self._error(request_id, ErrorCode.INCOMPATIBLE, str(exc)), False
+        except JournalFailed:
+            raise  # fail closed: the loop stops the dispatcher
         except LedgerError as exc:
             return self._error(request_id, ErrorCode.BAD_STATE, str(exc)), False
         except Exception as exc:  # a bug must not take the run down with it
@@ -241,9 +256,14 @@ class DispatcherServer:
         if op == "register":
             return protocol.ok_reply(request.id, **self._register(f, now)), True
         worker_id = field_of(f, "worker_id", str)
+        core.authenticate(worker_id, f.get("token"), now)
         if op == "heartbeat":
-            core.heartbeat(worker_id, now)
-            return protocol.ok_reply(request.id, done=core.done), False
+            holding = field_of(f, "holding", list)
+            if not all(isinstance(j, int) and not isinstance(j, bool) for j in holding):
+                raise ProtocolError(ErrorCode.MALFORMED, "holding must be a list of job ids")
+            given_back = core.counters.given_back["not_held"]
+            core.heartbeat(worker_id, now, holding)
+            return protocol.ok_reply(request.id, done=core.done), core.counters.given_back["not_held"] != given_back
         if op in ("get_job", "get_hs"):
             wait_ms = min(max(0, field_of(f, "wait_ms", int)), MAX_WAIT_MS)
             core.worker(worker_id, now)
@@ -266,16 +286,19 @@ class DispatcherServer:
             core.job_failed(worker_id, field_of(f, "job_id", int), str(f.get("reason", "")), now)
         elif op == "consumed":
             core.consumed(worker_id, field_of(f, "job_id", int), now)
+        elif op == "read_failed":
+            core.read_failed(worker_id, field_of(f, "job_id", int), str(f.get("reason", "")), now)
         elif op == "commit_step":
             job_ids = field_of(f, "job_ids", list)
             if not all(isinstance(j, int) and not isinstance(j, bool) for j in job_ids):
                 raise ProtocolError(ErrorCode.MALFORMED, "job_ids must be a list of integers")
-            step = core.commit_step(worker_id, job_ids, float(field_of(f, "busy_s", (int, float))),
-                                    bool(f.get("checkpointed")), now, verified=int(f.get("verified") or 0))
+            step = core.commit_step(worker_id, job_ids, float(field_of(f, "busy_s", (int, float))), now,
+                                    model=field_of(f, "model", str), step=field_of(f, "step", int),
+                                    verified=int(f.get("verified") or 0))
             return self._when_durable(identity, protocol.ok_reply(request.id, step=step, done=core.done)), True
         elif op == "checkpoint":
-            core.checkpoint(worker_id, field_of(f, "step", int), now)
-            return self._when_durable(identity, protocol.ok_reply(request.id)), True
+            core.checkpoint(worker_id, field_of(f, "step", int), now, model=field_of(f, "model", str))
+            return self._when_durable(identity, protocol.ok_reply(request.id, done=core.done)), True
         elif op == "deregister":
             self._drop_waiters(worker_id)
             core.deregister(worker_id, now)
@@ -300,11 +323,21 @@ class DispatcherServer:
         if role not in protocol.ROLES:
             raise ProtocolError(ErrorCode.MALFORMED, f"role must be one of {', '.join(protocol.ROLES)}")
         self.data_plane.check_worker(role, f)
+        contract = f.get("contract")
+        model = f.get("model")
+        if contract is not None and not isinstance(contract, dict):
+            raise ProtocolError(ErrorCode.MALFORMED, "contract must be a map")
+        if model is not None and not isinstance(model, dict):
+            raise ProtocolError(ErrorCode.MALFORMED, "model must be a map {id, step}")
         worker = self.core.register(role=role, name=field_of(f, "name", str), pid=field_of(f, "pid", int),
-                                    host=field_of(f, "host", str), gpu=f.get("gpu"), now=now)
-        log.info("%s %s registered (%s pid %d on %s)", role, worker.id, worker.name, worker.pid, worker.host)
+                                    host=field_of(f, "host", str), gpu=f.get("gpu"), now=now, contract=contract,
+                                    model=model)
+        log.info("%s %s registered (%s pid %d on %s%s)", role, worker.id, worker.name, worker.pid, worker.host,
+                 f", model {worker.model} at step {model.get('step', 0)}" if worker.model else "")
         c = self.config
-        return {"worker_id": worker.id, "run_id": self.run_id, "transport": self.data_plane.info(role),
+        extra = {"model_step": self.core.ledger.model_step.get(worker.model, 0)} if worker.model else {}
+        return {"worker_id": worker.id, "token": worker.token, "contract": self.core.contract, **extra,
+                "run_id": self.run_id, "transport": self.data_plane.info(role),
                 "heartbeat_s": c.dispatcher.heartbeat_s, "worker_timeout_s": c.dispatcher.worker_timeout_s,
                 "accum_steps": c.drafter.accum_steps, "buckets": list(c.schedule.buckets),
                 "epochs": c.run.epochs}
@@ -389,9 +422,17 @@ class DispatcherServer:
             self._send(self.control, waiter.identity,
                        self._error(waiter.request_id, ErrorCode.UNKNOWN_WORKER, "the dispatcher is stopping"))
         self.waiters = []
-        self.journal.record("stop", done=self.core.done)
+        if self.journal.failed is None:
+            self.journal.record("stop", done=self.core.done)
         self.journal.close()  # its last fsync makes every held commit durable
-        self._release_durable_replies()
+        if self.journal.failed is None:
+            self._release_durable_replies()
+        else:  # never acknowledge what is not on disk: the worker retries with the next dispatcher
+            for _, identity, reply in self.held_replies:
+                self._send(self.control, identity, protocol.error_reply(
+                    reply.get("id"), ErrorCode.INTERNAL, f"the journal failed ({self.journal.failed}); not durable"))
+            self.held_replies = []
+        self.core.close()
         self.control.close(linger=0)
         self.stats.close(linger=0)
         self._context.term()

@@ -25,7 +25,7 @@ def worker_state(core: DispatcherCore, worker: Worker) -> str:
 
 def build_snapshot(core: DispatcherCore, now: float) -> dict[str, Any]:
     epochs = []
-    for epoch in sorted(core.schedules):
+    for epoch in sorted(core.ledger.epochs):
         progress = core.ledger.epochs[epoch]
         epochs.append({"epoch": epoch, "jobs": progress.num_jobs, "committed": progress.committed,
                        "taken": sum(progress.taken.values()),
@@ -40,11 +40,14 @@ def build_snapshot(core: DispatcherCore, now: float) -> dict[str, Any]:
                         "tokens_per_s": round(w.num_tokens / alive_s, 1),
                         "idle_ratio": round(min(1.0, waiting / alive_s), 3),
                         "heartbeat_age_s": round(now - w.last_seen, 3),
+                        # cumulative seconds: a viewer differences two snapshots for a recent idle ratio
+                        "alive_s": round(alive_s, 3), "wait_s": round(waiting, 3),
                         "held": [j.job_id for j in core.ledger.held_by(w.id)]})
     return {"time": time.time(), "uptime_s": round(now - core.started_at, 3), "done": core.done,
             "epochs_total": core.options.epochs, "epochs": epochs,
             "jobs_by_state": core.ledger.counts_by_state(),
             "q_hsb": {str(b): n for b, n in core.pool.ready_per_bucket().items()},  # msgpack map keys are str
-            "pool": core.pool.counts(), "workers": workers, "steps": core.next_step,
+            "pool": core.pool.counts(), "workers": workers, "steps": core.num_steps,
+            "models": {m: {"step": s, "checkpoint": core.checkpoints.get(m, 0)} for m, s in core.ledger.model_step.items()},
             "given_back": dict(core.counters.given_back), "requests": dict(core.counters.requests),
             "errors": dict(core.counters.errors)}

@@ -1,9 +1,15 @@
-"""``hsd stats``: ask a running dispatcher's read-only stats socket and print the answer."""
+"""``hsd stats``: ask a running dispatcher's read-only stats socket and print the answer.
+
+Besides the snapshot itself, the view derives three things a user watching a run asks first:
+how full the pool is in bytes, when the epoch (and the run) will end, and which stage holds the
+other back. The derivations are pure functions of snapshots, so they are tested without a run.
+"""
 
 from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +42,157 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
-def format_stats(s: dict[str, Any]) -> str:
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m"
+
+
+# -- pool bytes ------------------------------------------------------------------------------------
+def pool_usage(s: dict[str, Any]) -> tuple[int, int] | None:
+    """(bytes held by a job, bytes of the pool), from the slot states and the transport's slot size."""
+    transport, pool = s.get("transport"), s.get("pool")
+    if not transport or not pool:
+        return None
+    slot_bytes = transport["slot_bytes"]
+    total_slots = sum(pool.values())
+    return (total_slots - pool.get("free", 0)) * slot_bytes, total_slots * slot_bytes
+
+
+# -- epoch and run ETA ---------------------------------------------------------------------------
+RATE_WINDOW_S = 30.0  # long enough to smooth over optimizer-step bursts, short enough to follow a change
+
+
+def committed_jobs(s: dict[str, Any]) -> int:
+    return sum(e["committed"] for e in s.get("epochs", []))
+
+
+def remaining_jobs(s: dict[str, Any]) -> tuple[int, int]:
+    """(jobs left in the current epoch, jobs left in the run); epochs not yet started count as large
+    as the last started one (epochs of one dataset differ by a few batches at most)."""
+    epochs = s.get("epochs", [])
+    if not epochs:
+        return 0, 0
+    open_epochs = [e for e in epochs if e["committed"] < e["jobs"]]
+    epoch_left = open_epochs[0]["jobs"] - open_epochs[0]["committed"] if open_epochs else 0
+    unstarted = max(0, s.get("epochs_total", len(epochs)) - len(epochs))
+    run_left = sum(e["jobs"] - e["committed"] for e in epochs) + unstarted * epochs[-1]["jobs"]
+    return epoch_left, run_left
+
+
+class CommitRate:
+    """Committed jobs per second over the last ``RATE_WINDOW_S`` of snapshots."""
+
+    def __init__(self) -> None:
+        self._samples: deque[tuple[float, int]] = deque()
+        self._pid: int | None = None
+
+    def add(self, s: dict[str, Any]) -> None:
+        if s.get("pid") != self._pid:  # another dispatcher: its counts start over
+            self._samples.clear()
+            self._pid = s.get("pid")
+        self._samples.append((s["time"], committed_jobs(s)))
+        while len(self._samples) > 2 and self._samples[-1][0] - self._samples[1][0] >= RATE_WINDOW_S:
+            self._samples.popleft()
+
+    def rate(self, s: dict[str, Any]) -> float:
+        if len(self._samples) >= 2 and self._samples[-1][0] > self._samples[0][0]:
+            (t0, c0), (t1, c1) = self._samples[0], self._samples[-1]
+            return max(0.0, (c1 - c0) / (t1 - t0))
+        # a single snapshot: the average since the dispatcher started
+        return committed_jobs(s) / s["uptime_s"] if s.get("uptime_s") else 0.0
+
+
+def eta_line(s: dict[str, Any], rate: float) -> str:
+    if s.get("done"):
+        return "eta       run complete"
+    epoch_left, run_left = remaining_jobs(s)
+    if rate <= 0:
+        return f"eta       unknown (no job committed yet); {epoch_left} job(s) left in this epoch, {run_left} in the run"
+    return (f"eta       epoch in {_duration(epoch_left / rate)}, run in {_duration(run_left / rate)} "
+            f"({rate:,.1f} jobs/s committed; {epoch_left} left in this epoch, {run_left} in the run)")
+
+
+# -- bottleneck ------------------------------------------------------------------------------------
+# A stage that waits less than this share of its time counts as busy. Below it, waits are the
+# handoff gaps of a pipeline that runs at the slower stage's speed, not a missing resource.
+WAIT_THRESHOLD = 0.15
+
+
+def stage_waits(s: dict[str, Any], previous: dict[str, Any] | None = None) -> dict[str, float | None]:
+    """Share of time each stage's workers waited: since the previous snapshot when there is one
+    (workers present in both), else since each worker registered. None for a stage with no worker."""
+    old = {w["id"]: w for w in (previous or {}).get("workers", [])
+           if previous and previous.get("pid") == s.get("pid")}
+    waits: dict[str, float | None] = {}
+    for role in ("target", "drafter"):
+        workers = [w for w in s.get("workers", []) if w["role"] == role]
+        if not workers:
+            waits[role] = None
+            continue
+        alive = wait = 0.0
+        for w in workers:
+            before = old.get(w["id"])
+            if before is not None and "alive_s" in w and w["alive_s"] > before["alive_s"]:
+                alive += w["alive_s"] - before["alive_s"]
+                wait += w["wait_s"] - before["wait_s"]
+            elif "alive_s" in w:
+                alive += w["alive_s"]
+                wait += w["wait_s"]
+            else:  # a snapshot without the cumulative seconds: the mean of the ratios
+                alive += 1.0
+                wait += w["idle_ratio"]
+        waits[role] = min(1.0, max(0.0, wait / alive)) if alive > 0 else 0.0
+    return waits
+
+
+def nothing_to_extract(s: dict[str, Any]) -> bool:
+    """The last epoch has started and no job of it is pending: targets may idle, that is the tail."""
+    return (len(s.get("epochs", [])) >= s.get("epochs_total", 0)
+            and s.get("jobs_by_state", {}).get("pending", 0) == 0)
+
+
+def name_bottleneck(*, target_wait: float | None, drafter_wait: float | None, tail: bool = False,
+                    done: bool = False) -> str:
+    """One line: which stage idles, which starves, and what to change.
+
+    ``target_wait``/``drafter_wait`` are the shares of time each stage waited (None: no worker of
+    that stage). A target waits either blocked (no free slot it may take) or with nothing left to
+    extract; ``tail`` says the second case holds, so target waits are then not a drafter shortage.
+    """
+    if done:
+        return "run complete"
+    if target_wait is None or drafter_wait is None:
+        missing = [role for role, w in (("target", target_wait), ("drafter", drafter_wait)) if w is None]
+        return f"no {' and no '.join(missing)} registered — nothing moves until one attaches"
+    t_pct, d_pct = f"{target_wait:.0%}", f"{drafter_wait:.0%}"
+    if tail:
+        return (f"epoch tail: nothing left to extract — targets idle {t_pct}, drafters wait {d_pct} "
+                f"while the last jobs drain")
+    targets_wait, drafters_wait = target_wait >= WAIT_THRESHOLD, drafter_wait >= WAIT_THRESHOLD
+    if targets_wait and drafters_wait:
+        return (f"targets blocked {t_pct} while drafters wait for data {d_pct} — the pool holds both back: "
+                f"raise pool.slots or pool.target_credits, or lower pool.min_ready")
+    if drafters_wait:
+        return (f"drafters wait for data {d_pct} — targets are the bottleneck: "
+                f"add targets or raise pool.target_credits")
+    if targets_wait:
+        return f"targets blocked on a full pool {t_pct} — drafters are the bottleneck: add drafters"
+    return f"balanced: targets wait {t_pct}, drafters wait {d_pct}"
+
+
+def bottleneck_line(s: dict[str, Any], previous: dict[str, Any] | None = None) -> str:
+    waits = stage_waits(s, previous)
+    return "bottleneck " + name_bottleneck(target_wait=waits["target"], drafter_wait=waits["drafter"],
+                                           tail=nothing_to_extract(s), done=bool(s.get("done")))
+
+
+def format_stats(s: dict[str, Any], *, previous: dict[str, Any] | None = None, rate: float | None = None) -> str:
+    """The table ``hsd stats`` prints; ``previous`` (the last snapshot shown) and ``rate`` (committed
+    jobs/s) make the idle shares and the ETA recent rather than averages since the start."""
     t = s["transport"]
     lines = [f"run {s['run_dir']}  (run id {s['run_id']}, dispatcher pid {s['pid']}, up {s['uptime_s']:.0f}s)"
              + ("  DONE" if s["done"] else "")]
@@ -45,12 +201,17 @@ def format_stats(s: dict[str, Any]) -> str:
         lines.append(f"epoch {e['epoch'] + 1}/{s['epochs_total']}: {e['committed']}/{e['jobs']} committed ({pct:.0%}), "
                      f"{e['taken']} taken; prefix deviation schedule {e['schedule_prefix_deviation']:.2f} "
                      f"consumed {e['consumed_prefix_deviation']:.2f}")
+    lines.append(eta_line(s, rate if rate is not None else CommitRate().rate(s)))
     lines.append("jobs      " + "  ".join(f"{k} {v}" for k, v in s["jobs_by_state"].items()))
     lines.append("q_hsb     " + ("  ".join(f"b{b}:{n}" for b, n in s["q_hsb"].items()) or "(no ready slot)"))
     lines.append(f"pool      {t['kind']}, {t['num_slots']} slots{' per target' if t['per_target'] else ''} x "
                  f"{_mib(t['slot_bytes'])} = {_mib(t['pool_bytes'])}; "
                  + "  ".join(f"{k} {v}" for k, v in s["pool"].items()))
+    usage = pool_usage(s)
+    if usage is not None:
+        lines.append(f"pool use  {_mib(usage[0])} of {_mib(usage[1])} ({usage[0] / max(1, usage[1]):.0%})")
     lines.append(f"steps     {s['steps']}   given back {s['given_back'] or 0}   errors {s['errors'] or 0}")
+    lines.append(bottleneck_line(s, previous))
     lines.append("")
     lines.append(f"{'worker':<12} {'id':<5} {'role':<8} {'state':<8} {'jobs':>6} {'tok/s':>10} {'idle':>6} "
                  f"{'hb age':>7}  pid@host")
@@ -65,6 +226,7 @@ def format_stats(s: dict[str, Any]) -> str:
 
 def run_stats(*, endpoint: str | None, run_dir: str | None, as_json: bool, watch_s: float | None) -> int:
     endpoint, secret = resolve_stats_endpoint(endpoint, run_dir)
+    commit_rate, previous = CommitRate(), None
     while True:
         try:
             stats = fetch_stats(endpoint, secret)
@@ -76,9 +238,11 @@ def run_stats(*, endpoint: str | None, run_dir: str | None, as_json: bool, watch
             if as_json:
                 print(json.dumps(stats), flush=True)
             else:
+                commit_rate.add(stats)
                 if watch_s:
                     print("\033[2J\033[H", end="")
-                print(format_stats(stats), flush=True)
+                print(format_stats(stats, previous=previous, rate=commit_rate.rate(stats)), flush=True)
+                previous = stats
         if not watch_s:
             return 0
         time.sleep(watch_s)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 from dispatcher.core import DONE, CoreOptions, DispatcherCore
 from dispatcher.journal import Journal
@@ -63,7 +64,7 @@ class Sim:
                     self.finished.add(t)
                     break
                 assert grant.job.state is JobState.EXTRACTING and grant.job.holder == t
-                assert grant.lengths == [core.lengths[s] for s in grant.job.samples]
+                assert grant.lengths == [int(core.lengths[s]) for s in grant.samples]
                 self.extracting[t].append(grant)
         for d in self.drafters:
             ready_before = core.pool.num_ready
@@ -78,14 +79,16 @@ class Sim:
                 # the min-ready reservoir: below it only while the epoch's tail drains
                 assert ready_before >= core.pool.min_ready or pending == 0
                 # epochs are consumed in order
-                for e in core.schedules:
+                for e in core.epoch_jobs:
                     if e < job.epoch:
                         assert core.ledger.count(e, JobState.PENDING, JobState.EXTRACTING, JobState.READY) == 0
                 assert job.state is JobState.TRAINING and job.holder == d
                 core.consumed(d, job.job_id, self.now)
                 self.window[d].append(job.job_id)
             if self.window[d] and (len(self.window[d]) == self.accum or flush):
-                step = core.commit_step(d, self.window[d], 0.01, self.checkpointed, self.now)
+                step = core.commit_step(d, self.window[d], 0.01, self.now)
+                if self.checkpointed:
+                    core.checkpoint(d, step, self.now)
                 self.commits.append((step, d, list(self.window[d])))
                 self.window[d] = []
 
@@ -100,7 +103,69 @@ class Sim:
 
 
 def all_job_ids(core):
-    return {make_job_id(e, i) for e, s in core.schedules.items() for i in range(len(s.batches))}
+    return {make_job_id(e, i) for e, n in core.epoch_jobs.items() for i in range(n)}
 
 
 # -- a whole run ----------------------------------------------------------------------------------
+
+
+class Model:
+    """A drafter's model state as the core's tests see it: its step and its witness, live and checkpointed."""
+
+    def __init__(self, model_id):
+        self.id = model_id
+        self.step, self.trained = 0, []
+        self.ckpt_step, self.ckpt_trained = 0, []
+
+    def checkpoint(self):
+        self.ckpt_step, self.ckpt_trained = self.step, list(self.trained)
+
+    def crash(self):
+        """The process died: the state reloaded is the checkpoint's."""
+        self.step, self.trained = self.ckpt_step, list(self.ckpt_trained)
+
+
+class ModelSim(Sim):
+    """Sim whose drafters train named models with commit-then-apply and checkpoint every ``every`` steps."""
+
+    def __init__(self, core, targets, drafter_models, *, accum=2, every=1):
+        self.models = drafter_models  # drafter id -> Model
+        super().__init__(core, targets, list(drafter_models), accum=accum, checkpointed=False)
+        self.every = every
+
+    def round(self):
+        core = self.core
+        real_commit = core.commit_step
+
+        def commit(d, job_ids, busy_s, now):
+            model = self.models[d]
+            step = real_commit(d, job_ids, busy_s, now, model=model.id, step=model.step + 1)
+            model.step, model.trained = step, model.trained + list(job_ids)
+            if self.every and model.step % self.every == 0:
+                model.checkpoint()
+                core.checkpoint(d, model.step, now, model=model.id)
+            return step
+
+        core.commit_step = commit
+        try:
+            super().round()
+            for d, model in self.models.items():  # nothing more coming: checkpoint what is left
+                if d not in self.finished and not self.window[d] and model.step > model.ckpt_step \
+                        and core.all_committed:
+                    model.checkpoint()
+                    core.checkpoint(d, model.step, self.now, model=model.id)
+        finally:
+            del core.commit_step
+
+
+def register_models(core, models, now=0.0):
+    """Register one drafter per model, each with the step of the state it holds."""
+    return {core.register(role="drafter", name=f"drafter-{m.id}", pid=2000 + i, host="h", gpu=None, now=now,
+                          model={"id": m.id, "step": m.step}).id: m for i, m in enumerate(models)}
+
+
+def witness_counts(models):
+    counts = Counter()
+    for m in models:
+        counts.update(m.trained)
+    return counts

@@ -9,7 +9,7 @@ from common.protocol import (PROTOCOL_VERSION, REQUESTS, ErrorCode, ProtocolErro
 # a minimal valid value for every required request field
 FIELD_VALUES = {"role": "target", "name": "w", "pid": 123, "host": "h", "worker_id": "t0", "wait_ms": 10,
                 "job_id": 5, "generation": 1, "busy_s": 0.5, "reason": "oom", "job_ids": [1, 2],
-                "checkpointed": True, "step": 3, "ipc_block": {"handle": b"\x01"}, "num_slots": 2}
+                "token": "t", "holding": [], "model": "m", "step": 3, "ipc_block": {"handle": b"\x01"}, "num_slots": 2}
 
 
 def test_pack_unpack_round_trip():
@@ -41,8 +41,8 @@ def test_non_map_is_malformed(value):
 
 
 def test_parse_request_ok():
-    req = parse_request(unpack(pack(request("get_job", 7, worker_id="t0", wait_ms=100, extra="x"))))
-    assert req == Request(op="get_job", id=7, fields={"worker_id": "t0", "wait_ms": 100, "extra": "x"})
+    req = parse_request(unpack(pack(request("get_job", 7, worker_id="t0", token="k", wait_ms=100, extra="x"))))
+    assert req == Request(op="get_job", id=7, fields={"worker_id": "t0", "token": "k", "wait_ms": 100, "extra": "x"})
 
 
 @pytest.mark.parametrize("op", sorted(REQUESTS))

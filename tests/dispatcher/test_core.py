@@ -18,19 +18,21 @@ def test_two_targets_two_drafters_two_epochs(tmp_path):
     sim = Sim(core, targets, drafters)
     sim.run()
     assert core.done
-    assert len(core.schedules) == 2 and all(len(s.batches) == 12 for s in core.schedules.values())
+    assert len(core.epoch_jobs) == 2 and all(n == 12 for n in core.epoch_jobs.values())
     committed = sim.committed_ids()
     assert len(committed) == len(set(committed)) == 24           # exactly once
-    assert set(committed) == all_job_ids(core) == set(core.ledger.jobs)
-    assert all(job.state is JobState.COMMITTED for job in core.ledger.jobs.values())
-    assert [step for step, _, _ in sim.commits] == list(range(len(sim.commits)))
+    assert set(committed) == all_job_ids(core) and not core.ledger.jobs   # nothing left in flight
+    for d in ("d0.0", "d1.0"):   # each model's steps count 1, 2, 3, ...
+        steps = [step for step, drafter, _ in sim.commits if drafter == d]
+        assert steps == list(range(1, len(steps) + 1))
     assert {d for _, d, _ in sim.commits} == {"d0.0", "d1.0"}
     assert core.ledger.counts_by_state()["committed"] == 24
     assert core.pool.counts()["free"] == 6
     # every job trained with the samples of its schedule batch
-    for e, schedule in core.schedules.items():
-        assert [core.ledger.jobs[make_job_id(e, i)].samples for i in range(12)] == [b.samples for b in schedule.batches]
-        assert load_schedule(tmp_path, e) == schedule   # persisted
+    for e in core.epoch_jobs:
+        schedule = load_schedule(tmp_path, e)
+        assert all(core.ledger.state_of(make_job_id(e, i)) is JobState.COMMITTED for i in range(12))
+        assert schedule.num_jobs == 12
     # done from now on
     assert core.get_job("t0.0", sim.now) == DONE
     assert core.get_hs("d1.0", sim.now) == (DONE, False)
@@ -51,18 +53,21 @@ def test_commit_errors(tmp_path):
     hs, _ = core.get_hs(d0, 1.0)
     assert hs.job.job_id == grant.job.job_id and hs.slot == grant.slot and hs.job.generation == grant.job.generation
     with pytest.raises(LedgerError):
-        core.commit_step(d0, [hs.job.job_id], 0.0, True, 1.0)     # not consumed yet
+        core.commit_step(d0, [hs.job.job_id], 0.0, 1.0)     # not consumed yet
     core.consumed(d0, hs.job.job_id, 1.0)
     with pytest.raises(LedgerError):
-        core.commit_step(d1, [hs.job.job_id], 0.0, True, 1.0)     # another drafter's job
+        core.commit_step(d1, [hs.job.job_id], 0.0, 1.0)     # another drafter's job
     with pytest.raises(LedgerError):
-        core.commit_step(d0, [], 0.0, True, 1.0)
+        core.commit_step(d0, [], 0.0, 1.0)
     with pytest.raises(LedgerError):
         core.job_ready(t, grant.job.job_id, grant.job.generation, 0.0, 1.0)   # ready twice
     with pytest.raises(UnknownWorker):
         core.get_job("t9", 1.0)
-    assert core.commit_step(d0, [hs.job.job_id], 0.0, True, 1.0) == 0
-    assert core.next_step == 1
+    assert core.commit_step(d0, [hs.job.job_id], 0.0, 1.0, model="m", step=1) == 1
+    # a retried commit (its reply was lost) gets the first answer, and commits nothing twice
+    assert core.commit_step(d0, [hs.job.job_id], 0.0, 1.0, model="m", step=1) == 1
+    assert core.num_steps == 1
+    assert sum(1 for e in read_journal(tmp_path) if e["ev"] == "commit") == 1
 
 
 # -- dead workers ---------------------------------------------------------------------------------
@@ -126,7 +131,7 @@ def test_silent_worker_times_out_and_expired_lease_is_given_back(tmp_path):
     # d0 alive but its lease ran out at 11.0: training -> ready, the slot still holds it
     assert core.sweep(12.5, is_alive=lambda w: True) == []
     assert hs.job.state is JobState.READY and core.pool.num_ready == 1
-    assert core.ledger.epochs[0].consumed_order == []
+    assert sum(core.ledger.epochs[0].taken.values()) == 0
     with pytest.raises(LedgerError):
         core.consumed(d0, hs.job.job_id, 12.5)
 
@@ -147,7 +152,7 @@ def test_dead_drafter_gives_back_training_and_consumed_jobs(tmp_path):
     assert sum(core.ledger.epochs[0].taken.values()) == 0
     again, _ = core.get_hs(d1, 3.0)
     assert again.job.job_id == b.job.job_id
-    assert core.ledger.peek_pending().job_id == a.job.job_id
+    assert core.ledger.peek_pending() == a.job.job_id
 
 
 # -- min-ready reservoir and flush ----------------------------------------------------------------
@@ -176,7 +181,7 @@ def test_drafter_is_served_below_min_ready_when_the_tail_drains(tmp_path):
     core = make_core(tmp_path, epochs=1, lengths=lengths, min_ready=3, credits=2)
     (t0,) = register(core, "target", 1)
     (d0,) = register(core, "drafter", 1)
-    assert len(core.schedules[0].batches) == 2
+    assert core.epoch_jobs[0] == 2
     first = core.get_job(t0, 1.0)
     core.job_ready(t0, first.job.job_id, first.job.generation, 0.0, 1.0)
     assert core.get_hs(d0, 1.0) == (None, False)          # one job still pending: keep the reservoir
@@ -190,7 +195,9 @@ def test_drafter_is_served_below_min_ready_when_the_tail_drains(tmp_path):
         taken.append(grant.job.job_id)
     assert sorted(taken) == [first.job.job_id, second.job.job_id]
     assert core.get_hs(d0, 2.0) == (None, True)           # nothing more is coming: commit what you hold
-    core.commit_step(d0, taken, 0.0, True, 2.0)
+    core.commit_step(d0, taken, 0.0, 2.0)
+    assert not core.done                                  # the model's last step is not checkpointed yet
+    core.checkpoint(d0, 1, 2.0)
     assert core.done and core.get_hs(d0, 3.0) == (DONE, False) and core.get_job(t0, 3.0) == DONE
 
 
@@ -200,7 +207,7 @@ def test_flush_when_every_remaining_job_is_held_by_drafters(tmp_path):
     (t0,) = register(core, "target", 1)
     d0, d1 = register(core, "drafter", 2)
     grants = [core.get_job(t0, 1.0) for _ in range(4)]
-    assert all(g is not None for g in grants) and len(core.schedules) == 1
+    assert all(g is not None for g in grants) and len(core.epoch_jobs) == 1
     core.job_ready(t0, grants[0].job.job_id, grants[0].job.generation, 0.0, 1.0)
     held = []
     grant, flush = core.get_hs(d0, 1.0)
@@ -218,10 +225,10 @@ def test_flush_when_every_remaining_job_is_held_by_drafters(tmp_path):
     assert core.get_hs(d1, 2.0) == (None, False)
     for job_id in held:
         core.consumed(d0, job_id, 2.0)
-    core.commit_step(d0, held[:2], 0.0, True, 2.0)
+    core.commit_step(d0, held[:2], 0.0, 2.0)
     # the target starts the last epoch and extracts all of it; d1 takes it all
     second = [core.get_job(t0, 3.0) for _ in range(4)]
-    assert len(core.schedules) == 2 and all(g is not None and g.job.epoch == 1 for g in second)
+    assert len(core.epoch_jobs) == 2 and all(g is not None and g.job.epoch == 1 for g in second)
     assert core.get_job(t0, 3.0) is None
     for g in second:
         core.job_ready(t0, g.job.job_id, g.job.generation, 0.0, 3.0)

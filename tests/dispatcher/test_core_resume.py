@@ -1,123 +1,132 @@
-"""dispatcher/core.py across restarts: a new core on the same run directory resumes from the journal."""
+"""dispatcher/core.py across restarts of either side, judged by the models' own records (the witness).
+
+The model is the source of truth for what was trained: a drafter registers with the step of the
+state it holds and the ledger rolls back to exactly that step, whether or not the dispatcher
+restarted.
+"""
 
 from collections import Counter
 
 import pytest
 
-from core_harness import Sim, all_job_ids, make_core, register, small_lengths
+from core_harness import (Model, ModelSim, all_job_ids, make_core, register, register_models, small_lengths,
+                          witness_counts)
 from dispatcher.core import DONE, UnknownWorker
 from dispatcher.journal import read_journal
-from dispatcher.ledger import JobState, make_job_id
+from dispatcher.ledger import JobState, LedgerError, make_job_id
+
 
 def restart(core, tmp_path, **kwargs):
     core.journal.close()
+    core.close()
     return make_core(tmp_path, **kwargs)
 
 
-def test_resume_keeps_committed_and_nothing_else(tmp_path):
-    lengths = small_lengths(scale=4)       # 48 jobs per epoch: the restart comes within the first
+def assert_exactly_once(core, models):
+    assert core.done
+    assert witness_counts(models) == Counter(all_job_ids(core))
+
+
+def test_dispatcher_restart_while_drafters_keep_running(tmp_path):
+    """Uncheckpointed commits survive a dispatcher restart: the drafters still hold them in their weights."""
+    lengths = small_lengths(scale=4)
+    models = [Model("m0"), Model("m1")]
     core = make_core(tmp_path, lengths=lengths)
-    targets, drafters = register(core, "target", 2), register(core, "drafter", 2)
-    sim = Sim(core, targets, drafters)
-    sim.run(until=lambda s: len(s.commits) >= 2)
-    kept = set(sim.committed_ids())
-    sim.checkpointed = False
-    sim.run(until=lambda s: len(s.commits) >= 4)
-    lost = set(sim.committed_ids()) - kept
-    assert lost and len(core.schedules) == 1
-    states_before = Counter(j.state for j in core.ledger.jobs.values())
-    assert states_before[JobState.READY] + states_before[JobState.EXTRACTING] > 0
-    schedule = core.schedules[0]
+    sim = ModelSim(core, register(core, "target", 2), register_models(core, models), every=0)
+    sim.run(until=lambda s: s.core.num_steps >= 4)
+    assert all(m.ckpt_step == 0 for m in models) and sum(m.step for m in models) >= 4
 
     resumed = restart(core, tmp_path, lengths=lengths)
-    assert resumed.schedules[0] == schedule                    # read back, never re-drawn
-    assert set(resumed.schedules) == {0}
-    for job_id, job in resumed.ledger.jobs.items():
-        expected = JobState.COMMITTED if job_id in kept else JobState.PENDING
-        assert job.state is expected, job_id
-    assert resumed.ledger.epochs[0].committed == len(kept)
-    assert resumed.next_step == len(sim.commits)               # step numbers go on
-    reverts = [e for e in read_journal(tmp_path) if e["ev"] == "revert"]
-    assert len(reverts) == 1 and sorted(reverts[0]["steps"]) == [2, 3]
-    assert resumed.pool.counts()["free"] == 6 and resumed.pool.num_ready == 0
-
-    # the resumed run finishes: every job committed exactly once counting the kept commits
-    targets, drafters = register(resumed, "target", 2), register(resumed, "drafter", 2)
-    sim2 = Sim(resumed, targets, drafters)
+    assert resumed.ledger.epochs[0].committed == sum(len(m.trained) for m in models)   # nothing reverted
+    sim2 = ModelSim(resumed, register(resumed, "target", 2), register_models(resumed, models), every=3)
     sim2.run()
-    assert resumed.done
-    assert Counter(kept) + Counter(sim2.committed_ids()) == Counter(all_job_ids(resumed))
-    assert min(step for step, _, _ in sim2.commits) == 4
+    assert not [e for e in read_journal(tmp_path) if e["ev"] == "rollback" and e["jobs"]]
+    assert_exactly_once(resumed, models)
+
+
+def test_drafter_restarts_from_an_older_checkpoint_while_the_dispatcher_runs(tmp_path):
+    models = [Model("m0"), Model("m1")]
+    core = make_core(tmp_path, lengths=small_lengths(scale=4))
+    targets = register(core, "target", 2)
+    sim = ModelSim(core, targets, register_models(core, models), every=3)
+    sim.run(until=lambda s: models[0].step >= 5 and models[0].step % 3)
+    lost = models[0].trained[len(models[0].ckpt_trained):]
+    assert lost
+    models[0].crash()                                       # back to its checkpoint at step 3
+    (d,) = register_models(core, [models[0]])
+    for job_id in lost:
+        assert core.ledger.state_of(job_id) is JobState.PENDING
+    assert core.ledger.model_step["m0"] == models[0].step
+    others = {k: v for k, v in sim.models.items() if v is not models[0]}
+    sim2 = ModelSim(core, targets, {**others, d: models[0]}, every=3)
+    sim2.extracting, sim2.window = sim.extracting, {**{k: sim.window[k] for k in others}, d: []}
+    sim2.run()
+    assert_exactly_once(core, models)
+
+
+def test_everything_crashes_and_resumes_from_checkpoints(tmp_path):
+    lengths = small_lengths(scale=4)
+    models = [Model("m0"), Model("m1")]
+    core = make_core(tmp_path, lengths=lengths)
+    sim = ModelSim(core, register(core, "target", 2), register_models(core, models), every=2)
+    sim.run(until=lambda s: s.core.num_steps >= 7)
+    for m in models:
+        m.crash()
+    resumed = restart(core, tmp_path, lengths=lengths)
+    sim2 = ModelSim(resumed, register(resumed, "target", 2), register_models(resumed, models), every=2)
+    sim2.run()
+    assert_exactly_once(resumed, models)
+
+
+def test_a_model_ahead_of_the_ledger_is_refused(tmp_path):
+    core = make_core(tmp_path, epochs=1)
+    with pytest.raises(LedgerError, match="ahead of the ledger"):
+        core.register(role="drafter", name="d", pid=1, host="h", gpu=None, now=0.0, model={"id": "m", "step": 3})
 
 
 def test_restart_of_a_finished_run_is_done(tmp_path):
+    models = [Model("m0"), Model("m1")]
     core = make_core(tmp_path)
-    sim = Sim(core, register(core, "target", 2), register(core, "drafter", 2))
-    sim.run()
+    ModelSim(core, register(core, "target", 2), register_models(core, models)).run()
     assert core.done
     again = restart(core, tmp_path)
     assert again.done
-    assert all(job.state is JobState.COMMITTED for job in again.ledger.jobs.values())
     assert [again.ledger.epochs[e].committed for e in (0, 1)] == [12, 12]
     (t,) = register(again, "target", 1)
-    (d,) = register(again, "drafter", 1)
+    (d,) = register_models(again, [models[0]])
     assert again.get_job(t, 0.0) == DONE and again.get_hs(d, 0.0) == (DONE, False)
 
 
-def test_restart_of_a_finished_one_epoch_run_is_done(tmp_path):
-    core = make_core(tmp_path, epochs=1)
-    sim = Sim(core, register(core, "target", 2), register(core, "drafter", 2))
-    sim.run()
-    assert core.done
-    again = restart(core, tmp_path, epochs=1)
-    assert again.done and len(again.schedules) == 1
-    (t,) = register(again, "target", 1)
-    assert again.get_job(t, 0.0) == DONE
-
-
 def test_resume_after_the_second_epoch_started(tmp_path):
-    """Commits in both epochs, then a restart: each epoch keeps exactly its own committed jobs."""
+    """Commits in both epochs, then a crash of everything: each epoch keeps exactly its checkpointed jobs."""
+    models = [Model("m0"), Model("m1")]
     core = make_core(tmp_path)
-    targets, drafters = register(core, "target", 2), register(core, "drafter", 2)
-    sim = Sim(core, targets, drafters)
-    sim.run(until=lambda s: any(j >= make_job_id(1, 0) for j in s.committed_ids()))
-    assert not core.done and len(core.schedules) == 2
-    kept = set(sim.committed_ids())
-    per_epoch = Counter(core.ledger.jobs[j].epoch for j in kept)
-
+    sim = ModelSim(core, register(core, "target", 2), register_models(core, models), every=2)
+    sim.run(until=lambda s: any(j >= make_job_id(1, 0) for m in models for j in m.ckpt_trained))
+    assert not core.done and len(core.epoch_jobs) == 2
+    for m in models:
+        m.crash()
     resumed = restart(core, tmp_path)
-    for job_id, job in resumed.ledger.jobs.items():
-        assert job.state is (JobState.COMMITTED if job_id in kept else JobState.PENDING), job_id
-    for epoch in (0, 1):
-        assert resumed.ledger.epochs[epoch].committed == per_epoch[epoch]
-        assert sum(resumed.ledger.epochs[epoch].taken.values()) == per_epoch[epoch]
-    targets, drafters = register(resumed, "target", 2), register(resumed, "drafter", 2)
-    sim2 = Sim(resumed, targets, drafters)
+    sim2 = ModelSim(resumed, register(resumed, "target", 2), register_models(resumed, models), every=2)
     sim2.run()
-    assert resumed.done
-    assert Counter(kept) + Counter(sim2.committed_ids()) == Counter(all_job_ids(resumed))
+    assert_exactly_once(resumed, models)
 
 
-def test_resume_with_second_epoch_started_but_only_first_epoch_commits_finishes(tmp_path):
-    core = make_core(tmp_path)
-    targets, drafters = register(core, "target", 2), register(core, "drafter", 2)
-    sim = Sim(core, targets, drafters)
-    sim.run(until=lambda s: len(s.core.schedules) == 2 and s.commits)
-    assert not any(j >= make_job_id(1, 0) for j in sim.committed_ids())
-    kept = set(sim.committed_ids())
-    assert kept
-
-    resumed = restart(core, tmp_path)
-    assert resumed.ledger.epochs[1].committed == 0
-    assert not resumed.ledger.epoch_complete(1)
-    targets, drafters = register(resumed, "target", 2), register(resumed, "drafter", 2)
-    sim2 = Sim(resumed, targets, drafters)
+def test_snapshot_then_restart_replays_only_the_tail(tmp_path):
+    lengths = small_lengths(scale=4)
+    models = [Model("m0")]
+    core = make_core(tmp_path, lengths=lengths)
+    sim = ModelSim(core, register(core, "target", 2), register_models(core, models), every=1)
+    sim.run(until=lambda s: s.core.num_steps >= 3)
+    assert core.maybe_snapshot(force=True)
+    core.close()
+    sim.run(until=lambda s: s.core.num_steps >= 6)
+    resumed = restart(core, tmp_path, lengths=lengths)
+    assert resumed.ledger.epochs[0].committed == len(models[0].trained)
+    assert resumed.ledger.model_step["m0"] == models[0].step
+    sim2 = ModelSim(resumed, register(resumed, "target", 2), register_models(resumed, models))
     sim2.run()
-    assert resumed.done
-    assert Counter(kept) + Counter(sim2.committed_ids()) == Counter(all_job_ids(resumed))
-
-
-# -- targets that own their slots (cuda_ipc) -------------------------------------------------------
+    assert_exactly_once(resumed, models)
 
 
 def test_worker_ids_differ_across_dispatcher_restarts(tmp_path):

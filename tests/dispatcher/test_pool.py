@@ -84,7 +84,7 @@ def test_no_free_slot():
     publish(pool, 1, 0)
     assert pool.writable_slot("t0") is None and pool.writable_slot("t1") is None
     assert pool.blocked_reason("t0") == "no_free_slot"
-    assert pool.counts() == {"free": 0, "writing": 0, "ready": 2, "reading": 0}
+    assert pool.counts() == {"free": 0, "writing": 0, "ready": 2, "reading": 0, "quarantined": 0}
 
 
 def test_generation_increments_on_every_write():
@@ -331,3 +331,23 @@ def test_unread_puts_a_slot_back_to_ready():
     assert nonzero(pool.ready_per_bucket()) == {0: 1, 1: 1}
     again = pick(pool, 0, {0: 1, 1: 1}, Counter(), window={1})
     assert again == ready
+
+
+def test_min_ready_is_capped_by_the_slots_that_exist():
+    pool = make_pool(5, min_ready=8)
+    for slot in range(3):
+        publish(pool, slot, slot)
+    assert not pool.may_serve(draining=False)
+    publish(pool, 3, 0)
+    assert pool.effective_min_ready == 4 and pool.may_serve(draining=False)
+
+
+def test_a_quarantined_slot_is_reused_only_once_its_writer_is_gone():
+    pool = make_pool(1, credits=1)
+    slot = pool.writable_slot("t0")
+    pool.begin_write(slot, "t0", job_id=7)
+    pool.quarantine(slot)
+    assert pool.writable_slot("t1") is None and pool.counts()["quarantined"] == 1
+    assert pool.release_quarantined("t1") == 0
+    assert pool.release_quarantined("t0") == 1
+    assert pool.writable_slot("t1") == slot and pool.writable_slot("t0") == slot

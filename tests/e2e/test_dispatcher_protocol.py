@@ -53,15 +53,17 @@ def test_bad_messages_get_typed_errors_and_the_dispatcher_keeps_serving(dispatch
         assert error_of([protocol.pack({"v": 1}), b"second frame"])[0] == ErrorCode.MALFORMED
         assert error_of(protocol.pack({**base, "v": 99, "op": "heartbeat", "id": 7, "worker_id": "t0"})) == \
             (ErrorCode.BAD_VERSION, 7)
-        assert error_of(protocol.pack({**base, "v": 1, "op": "launch_missiles", "id": 8})) == (ErrorCode.UNKNOWN_OP, 8)
-        assert error_of(protocol.pack({**base, "v": 1, "op": "get_job", "id": 9})) == (ErrorCode.MALFORMED, 9)
-        assert error_of(protocol.pack({**base, "v": 1, "op": "register", "id": 10, "role": "target", "name": "x",
+        assert error_of(protocol.pack({**base, "v": protocol.PROTOCOL_VERSION, "op": "launch_missiles", "id": 8})) == (ErrorCode.UNKNOWN_OP, 8)
+        assert error_of(protocol.pack({**base, "v": protocol.PROTOCOL_VERSION, "op": "get_job", "id": 9})) == (ErrorCode.MALFORMED, 9)
+        assert error_of(protocol.pack({**base, "v": protocol.PROTOCOL_VERSION, "op": "register", "id": 10, "role": "target", "name": "x",
                                        "pid": "not an int", "host": "h"}))[0] == ErrorCode.MALFORMED
-        assert error_of(protocol.pack({**base, "v": 1, "op": "heartbeat", "id": 11, "worker_id": "t0",
+        assert error_of(protocol.pack({**base, "v": protocol.PROTOCOL_VERSION, "op": "heartbeat", "id": 11, "worker_id": "t0",
                                        "padding": "x" * 8000}))[0] == ErrorCode.TOO_LARGE
-        assert error_of(protocol.pack({"v": 1, "op": "heartbeat", "id": 12, "worker_id": "t0"}))[0] == \
+        assert error_of(protocol.pack({"v": protocol.PROTOCOL_VERSION, "op": "heartbeat", "id": 12, "worker_id": "t0",
+                                       "token": "x", "holding": []}))[0] == \
             ErrorCode.UNAUTHORIZED
-        assert error_of(protocol.pack({**base, "v": 1, "op": "heartbeat", "id": 13, "worker_id": "t9"}))[0] == \
+        assert error_of(protocol.pack({**base, "v": protocol.PROTOCOL_VERSION, "op": "heartbeat", "id": 13, "worker_id": "t9",
+                                       "token": "x", "holding": []}))[0] == \
             ErrorCode.UNKNOWN_WORKER
     finally:
         client.close()
@@ -70,16 +72,21 @@ def test_bad_messages_get_typed_errors_and_the_dispatcher_keeps_serving(dispatch
     worker = DispatcherClient(endpoint(run_dir), secret="s3cret", timeout_s=5)
     try:
         reg = worker.call("register", role="target", name="probe", pid=os.getpid(), host="elsewhere")
-        job = worker.call("get_job", worker_id=reg["worker_id"], wait_ms=2000)["job"]
+        me = {"worker_id": reg["worker_id"], "token": reg["token"]}
+        for token in (None, "", "0" * 32):  # a request under this id without its session token
+            with pytest.raises(ProtocolError) as refused:
+                worker.call("get_job", worker_id=reg["worker_id"], token=token, wait_ms=0)
+            assert refused.value.code == ErrorCode.UNAUTHORIZED
+        job = worker.call("get_job", **me, wait_ms=2000)["job"]
         assert job is not None and job["generation"] >= 1
         with pytest.raises(ProtocolError) as stale:
-            worker.call("job_ready", worker_id=reg["worker_id"], job_id=job["job_id"],
+            worker.call("job_ready", **me, job_id=job["job_id"],
                         generation=job["generation"] + 1, busy_s=0.0)
         assert stale.value.code == ErrorCode.BAD_STATE
-        worker.call("job_failed", worker_id=reg["worker_id"], job_id=job["job_id"], reason="probe")
-        again = worker.call("get_job", worker_id=reg["worker_id"], wait_ms=2000)["job"]
+        worker.call("job_failed", **me, job_id=job["job_id"], reason="probe")
+        again = worker.call("get_job", **me, wait_ms=2000)["job"]
         assert again["job_id"] == job["job_id"], "a given-back job goes to the head of the queue"
-        worker.call("deregister", worker_id=reg["worker_id"])
+        worker.call("deregister", **me)
     finally:
         worker.close()
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+
+from dispatcher.journal import read_journal
 import os
 import signal
 
@@ -49,7 +51,7 @@ def test_sigkilled_target_job_is_extracted_again(run_dir, tmp_path):
     r = report(run_dir)
     assert (r["committed"], r["duplicates"], r["lost"]) == (r["jobs_total"], 0, 0)
     assert r["given_back"].get("dead", 0) >= 1
-    events = [json.loads(line) for line in (run_dir / "journal.jsonl").read_text().splitlines()]
+    events = list(read_journal(run_dir))
     given_back = {e["job"] for e in events if e["ev"] == "give_back" and e["was"] == "extracting"}
     assert set(victim["held"]) & given_back
     for job in set(victim["held"]) & given_back:

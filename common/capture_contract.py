@@ -1,0 +1,171 @@
+"""The capture contract: which target layers a run captures, and the shape and dtype they have.
+
+A target and a drafter that disagree on it would train on the wrong features without any error
+(the bytes still fit a slot when only the layer ids differ), so the contract is derived once from
+the target model's ``config.json`` and compared wherever two sides meet. Deriving it needs no
+torch and no weights: the dispatcher, which imports no model code, sizes its slots from it.
+
+Layer ``i`` is the output of decoder layer ``i`` (0-based), i.e. ``hidden_states[i + 1]`` of a
+Hugging Face forward with ``output_hidden_states=True`` (index 0 is the embedding output). The
+captured layers sit side by side on the feature axis: ``[tokens, K × hidden_size]``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+MODEL_CONFIG_NAME = "config.json"
+CAPTURE_DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class CaptureContract:
+    architecture: str
+    num_layers: int  # decoder layers of the target
+    hidden_size: int
+    layer_ids: tuple[int, ...]  # captured decoder layers, ascending
+    dtype: str  # dtype of the captured states (and of the target's forward)
+
+    def __post_init__(self) -> None:
+        ids = list(self.layer_ids)
+        if not ids:
+            raise ValueError("a capture contract needs at least one layer")
+        if ids != sorted(set(ids)):
+            raise ValueError(f"capture layer ids must be distinct and ascending, got {ids}")
+        if ids[0] < 0 or ids[-1] >= self.num_layers:
+            raise ValueError(f"capture layer ids {ids} are outside the target's layers 0..{self.num_layers - 1}")
+        if self.dtype not in CAPTURE_DTYPES:
+            raise ValueError(f"capture dtype {self.dtype!r} is not one of {', '.join(CAPTURE_DTYPES)}")
+
+    @property
+    def num_capture_layers(self) -> int:
+        return len(self.layer_ids)
+
+    @property
+    def row_width(self) -> int:
+        """Features per token: the captured layers side by side."""
+        return self.num_capture_layers * self.hidden_size
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (msgpack, JSON): what a target sends when it registers."""
+        doc = asdict(self)
+        doc["layer_ids"] = list(self.layer_ids)
+        return doc
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> CaptureContract:
+        try:
+            return cls(architecture=str(doc["architecture"]), num_layers=int(doc["num_layers"]),
+                       hidden_size=int(doc["hidden_size"]), layer_ids=tuple(int(i) for i in doc["layer_ids"]),
+                       dtype=str(doc["dtype"]))
+        except KeyError as exc:
+            raise ValueError(f"capture contract is missing {exc.args[0]!r}: {dict(doc)!r}") from None
+
+
+def default_layer_ids(num_layers: int, num_capture_layers: int = 5) -> list[int]:
+    """The DFlash choice: K layers evenly spaced from layer 1 to layer N−3; one layer → the middle one.
+
+    Python's ``round`` (half to even) places the in-between layers, as the published DFlash drafters
+    record them, so a drafter trained here lists the same ids as theirs for the same target.
+    """
+    if num_capture_layers <= 0:
+        raise ValueError(f"the number of capture layers must be positive, got {num_capture_layers}")
+    if num_capture_layers == 1:
+        return [num_layers // 2]
+    first, last = 1, num_layers - 3
+    if last - first + 1 < num_capture_layers:
+        raise ValueError(f"{num_capture_layers} capture layers do not fit between layer {first} and layer "
+                         f"{last} of a {num_layers}-layer target; lower target.num_capture_layers or list "
+                         f"target.capture_layers")
+    span = last - first
+    return [round(first + k * span / (num_capture_layers - 1)) for k in range(num_capture_layers)]
+
+
+def read_model_config(model_dir: str | Path) -> dict[str, Any]:
+    """The ``config.json`` of a local model directory, with a clear error when it is not one."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ValueError(f"target model directory {path} does not exist")
+    config_path = path / MODEL_CONFIG_NAME
+    if not config_path.is_file():
+        raise ValueError(f"{path} is not a Hugging Face model directory (no {MODEL_CONFIG_NAME})")
+    try:
+        doc = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{config_path} is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{config_path}: expected a JSON object")
+    return doc
+
+
+def _text_config(doc: Mapping[str, Any]) -> Mapping[str, Any]:
+    # Multimodal checkpoints (Gemma 3, Qwen2.5-VL, ...) keep the language model's shape in text_config.
+    if "num_hidden_layers" not in doc and isinstance(doc.get("text_config"), Mapping):
+        return doc["text_config"]
+    return doc
+
+
+def model_shape(doc: Mapping[str, Any]) -> tuple[str, int, int]:
+    """(architecture, decoder layers, hidden size) of a parsed ``config.json``."""
+    text = _text_config(doc)
+    architectures = doc.get("architectures") or []
+    architecture = architectures[0] if architectures else str(doc.get("model_type", "unknown"))
+    try:
+        num_layers, hidden_size = int(text["num_hidden_layers"]), int(text["hidden_size"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"model config of {architecture} has no integer num_hidden_layers and hidden_size: "
+                         f"not a decoder-only language model this target can run") from None
+    return architecture, num_layers, hidden_size
+
+
+def build_contract(doc: Mapping[str, Any], *, layer_ids: Sequence[int] = (), num_capture_layers: int = 5,
+                   dtype: str) -> CaptureContract:
+    """The contract for a parsed ``config.json``: ``layer_ids``, or the DFlash default for K layers."""
+    architecture, num_layers, hidden_size = model_shape(doc)
+    ids = list(layer_ids) if layer_ids else default_layer_ids(num_layers, num_capture_layers)
+    return CaptureContract(architecture=architecture, num_layers=num_layers, hidden_size=hidden_size,
+                           layer_ids=tuple(ids), dtype=dtype)
+
+
+def contract_from_model_dir(model_dir: str | Path, *, layer_ids: Sequence[int] = (), num_capture_layers: int = 5,
+                            dtype: str) -> CaptureContract:
+    return build_contract(read_model_config(model_dir), layer_ids=layer_ids, num_capture_layers=num_capture_layers,
+                          dtype=dtype)
+
+
+def check_same_contract(ours: CaptureContract | Mapping[str, Any], theirs: CaptureContract | Mapping[str, Any], *,
+                        ours_name: str = "target", theirs_name: str = "drafter") -> None:
+    """Raise ValueError naming both sides and every field on which they differ."""
+    a = ours.to_dict() if isinstance(ours, CaptureContract) else CaptureContract.from_dict(ours).to_dict()
+    b = theirs.to_dict() if isinstance(theirs, CaptureContract) else CaptureContract.from_dict(theirs).to_dict()
+    differences = [f"{key}: {ours_name} {a[key]!r} vs {theirs_name} {b[key]!r}" for key in a if a[key] != b[key]]
+    if differences:
+        raise ValueError(f"capture contracts differ between {ours_name} and {theirs_name} ("
+                         + "; ".join(differences) + f"); {ours_name}: {a}, {theirs_name}: {b}")
+
+
+def resolve_capture_dtype(config: Any) -> str:
+    """``target.dtype`` with ``auto`` resolved from the config alone, so every process agrees on it.
+
+    A real target on the CPU (a model and no ``target.gpus``) runs float32: bf16 matmuls there are
+    slow and lossy. Everything else, sim targets included, captures bfloat16.
+    """
+    target = config.target
+    if target.dtype != "auto":
+        return target.dtype
+    return "float32" if target.model and not target.sim and not target.gpus else "bfloat16"
+
+
+def contract_from_config(config: Any, *, model_config: Mapping[str, Any] | None = None) -> CaptureContract:
+    """The run's contract from ``target.model`` (its ``config.json``), ``target.capture_layers`` or the
+    DFlash default for ``target.num_capture_layers``, and the resolved ``target.dtype``."""
+    target = config.target
+    if not target.model:
+        raise ValueError("target.model is not set: the capture contract comes from the target model's config.json")
+    doc = model_config if model_config is not None else read_model_config(target.model)
+    return build_contract(doc, layer_ids=target.capture_layers, num_capture_layers=target.num_capture_layers,
+                          dtype=resolve_capture_dtype(config))

@@ -1,0 +1,188 @@
+"""``hsd plan``: how to split N GPUs between targets and drafters.
+
+Each stage has a capacity per GPU: the tokens per second one worker moves while never waiting.
+A pipeline of ``t`` targets and ``d`` drafters then trains at most
+``min(t × target rate, d × drafter rate)`` tokens per second — every job passes through both
+stages, so the slower stage sets the pace and the faster one idles the rest of its time.
+
+The rates come either from a finished (or running) run's journal — target ``ready`` events and
+drafter ``commit`` events carry the busy seconds and tokens of what the worker did — or, for a
+sim run not made yet, from the configured cost model (one token costs ``sim_cost_per_token``
+seconds). The arithmetic is pure; :func:`run_plan` is the command around it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from common.config import Config, ConfigError, load_config
+from dispatcher.journal import read_journal
+
+STAGES = ("target", "drafter")
+
+
+@dataclass(frozen=True)
+class StageRates:
+    """Tokens per second of one worker (one GPU) of each stage when it never waits."""
+    target: float
+    drafter: float
+    source: str  # where the rates come from, said in the plan's header
+
+    def __post_init__(self) -> None:
+        for stage in STAGES:
+            rate = getattr(self, stage)
+            if not (math.isfinite(rate) and rate > 0):
+                raise ValueError(f"the {stage} rate must be a positive number of tokens/s, got {rate!r}")
+
+
+@dataclass(frozen=True)
+class Split:
+    targets: int
+    drafters: int
+    target_capacity: float  # tokens/s of all targets together
+    drafter_capacity: float
+    tokens_per_s: float  # what the pipeline trains: the slower stage's capacity
+    bottleneck: str  # "target", "drafter" or "balanced"
+    target_utilization: float  # share of the targets' time spent working
+    drafter_utilization: float
+    idle_share: float  # share of its time the faster stage waits (0 when balanced)
+    gpu_efficiency: float  # share of all GPU time spent working
+
+
+def evaluate_split(rates: StageRates, targets: int, drafters: int) -> Split:
+    target_capacity, drafter_capacity = targets * rates.target, drafters * rates.drafter
+    expected = min(target_capacity, drafter_capacity)
+    if math.isclose(target_capacity, drafter_capacity, rel_tol=1e-9):
+        bottleneck = "balanced"
+    else:
+        bottleneck = "target" if target_capacity < drafter_capacity else "drafter"
+    target_use, drafter_use = expected / target_capacity, expected / drafter_capacity
+    return Split(targets=targets, drafters=drafters, target_capacity=target_capacity,
+                 drafter_capacity=drafter_capacity, tokens_per_s=expected, bottleneck=bottleneck,
+                 target_utilization=target_use, drafter_utilization=drafter_use,
+                 idle_share=1.0 - min(target_use, drafter_use),
+                 gpu_efficiency=(targets * target_use + drafters * drafter_use) / (targets + drafters))
+
+
+def plan_splits(rates: StageRates, num_gpus: int) -> list[Split]:
+    """Every split t + d = num_gpus with at least one GPU per stage, fewest targets first."""
+    if num_gpus < 2:
+        raise ValueError(f"--gpus {num_gpus}: a run needs at least 2 GPUs (one target and one drafter)")
+    return [evaluate_split(rates, t, num_gpus - t) for t in range(1, num_gpus)]
+
+
+def recommend(rates: StageRates, splits: list[Split]) -> Split:
+    """The split that trains the most tokens/s; among equals, the one giving fewer GPUs to the
+    faster stage (per GPU): its spare capacity is what idles, so the slower stage gets the GPU."""
+    best = max(s.tokens_per_s for s in splits)
+    ties = [s for s in splits if math.isclose(s.tokens_per_s, best, rel_tol=1e-9)]
+    faster = "target" if rates.target >= rates.drafter else "drafter"
+    return min(ties, key=lambda s: s.targets if faster == "target" else s.drafters)
+
+
+# -- where the rates come from -------------------------------------------------------------------
+def rates_from_config(config: Config, source: str = "the sim cost model") -> StageRates:
+    costs = {stage: getattr(config, stage).sim_cost_per_token for stage in STAGES}
+    for stage, cost in costs.items():
+        if cost <= 0:
+            raise ConfigError(f"{stage}.sim_cost_per_token must be positive to plan from the cost model, got {cost}")
+    return StageRates(target=1.0 / costs["target"], drafter=1.0 / costs["drafter"], source=source)
+
+
+def measured_work(run_dir: str | os.PathLike) -> dict[str, dict[str, float]]:
+    """Tokens and busy seconds per stage from a run's journal, and how many workers each stage had.
+
+    Target work is every extraction that reached ``ready``; drafter work is every commit that a
+    later restart did not revert (reverted steps were redone, and their time is not throughput).
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run directory {run_dir} does not exist")
+    events = list(read_journal(run_dir))
+    if not events:
+        raise FileNotFoundError(f"{run_dir} holds no journal: is it a run directory?")
+    reverted = {step for e in events if e["ev"] == "revert" for step in e["steps"]}
+    work = {stage: {"tokens": 0.0, "busy_s": 0.0, "workers": 0} for stage in STAGES}
+    names: dict[str, set[str]] = {stage: set() for stage in STAGES}
+    for e in events:
+        if e["ev"] == "ready":
+            work["target"]["tokens"] += e.get("tokens", 0)
+            work["target"]["busy_s"] += e.get("busy_s", 0.0)
+        elif e["ev"] == "commit" and e["step"] not in reverted:
+            work["drafter"]["tokens"] += e.get("tokens", 0)
+            work["drafter"]["busy_s"] += e.get("busy_s", 0.0)
+        elif e["ev"] == "join" and e.get("role") in names:
+            names[e["role"]].add(e.get("name") or e["w"])
+    for stage in STAGES:
+        work[stage]["workers"] = len(names[stage])
+    return work
+
+
+def rates_from_run(run_dir: str | os.PathLike) -> StageRates:
+    work = measured_work(run_dir)
+    for stage in STAGES:
+        if work[stage]["busy_s"] <= 0 or work[stage]["tokens"] <= 0:
+            raise ValueError(f"{run_dir}: no {stage} work with busy time in the journal yet, nothing to measure")
+    workers = ", ".join(f"{work[s]['workers']} {s}s" for s in STAGES)
+    return StageRates(target=work["target"]["tokens"] / work["target"]["busy_s"],
+                      drafter=work["drafter"]["tokens"] / work["drafter"]["busy_s"],
+                      source=f"measured in {run_dir} ({workers})")
+
+
+# -- the command ---------------------------------------------------------------------------------
+def plan_dict(rates: StageRates, num_gpus: int, config_path: str | None = None,
+              from_run: str | None = None) -> dict[str, Any]:
+    splits = plan_splits(rates, num_gpus)
+    best = recommend(rates, splits)
+    return {"gpus": num_gpus, "source": rates.source, "config": config_path, "from_run": from_run,
+            "rate_per_gpu": {"target": rates.target, "drafter": rates.drafter},
+            "splits": [asdict(s) for s in splits], "recommended": asdict(best)}
+
+
+def _idle_words(split: dict[str, Any]) -> str:
+    if split["bottleneck"] == "balanced":
+        return "balanced, no stage idles"
+    idle = "drafters" if split["bottleneck"] == "target" else "targets"
+    return f"{idle} idle {split['idle_share']:.1%}"
+
+
+def format_plan(plan: dict[str, Any]) -> str:
+    rate = plan["rate_per_gpu"]
+    lines = [f"plan for {plan['gpus']} GPUs; per-GPU capacity target {rate['target']:,.0f} tok/s, "
+             f"drafter {rate['drafter']:,.0f} tok/s ({plan['source']})",
+             "",
+             f"{'targets':>7} {'drafters':>8} {'target cap':>12} {'drafter cap':>12} {'expected':>12}  "
+             f"{'bottleneck':<10} {'idle':<22} {'GPU eff':>7}"]
+    best = plan["recommended"]
+    for s in plan["splits"]:
+        mark = "  <- recommended" if (s["targets"], s["drafters"]) == (best["targets"], best["drafters"]) else ""
+        lines.append(f"{s['targets']:>7} {s['drafters']:>8} {s['target_capacity']:>12,.0f} "
+                     f"{s['drafter_capacity']:>12,.0f} {s['tokens_per_s']:>12,.0f}  {s['bottleneck']:<10} "
+                     f"{_idle_words(s):<22} {s['gpu_efficiency']:>7.1%}{mark}")
+    lines += ["",
+              f"recommended: {best['targets']} target(s) + {best['drafters']} drafter(s): "
+              f"{best['tokens_per_s']:,.0f} tok/s expected, {_idle_words(best)}, "
+              f"GPU efficiency {best['gpu_efficiency']:.1%}",
+              f"  hsd launch --config {plan.get('config') or 'C'}"
+              + (" run.dir=NEW_RUN_DIR" if plan.get("from_run") else "")
+              + f" target.count={best['targets']} drafter.count={best['drafters']}"]
+    return "\n".join(lines)
+
+
+def run_plan(*, config_path: str | None, overrides: list[str], num_gpus: int, from_run: str | None,
+             as_json: bool) -> int:
+    if from_run:
+        rates = rates_from_run(from_run)
+        config_path = config_path or str(Path(from_run) / "config.yaml")
+    else:
+        config = load_config(config_path, overrides) if (config_path or overrides) else Config()
+        rates = rates_from_config(config, f"the sim cost model of {config_path or 'the default config'}")
+    plan = plan_dict(rates, num_gpus, config_path, from_run)
+    print(json.dumps(plan, indent=2) if as_json else format_plan(plan))
+    return 0
+

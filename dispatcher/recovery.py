@@ -1,0 +1,162 @@
+"""What a restarting dispatcher reads back: the latest ledger snapshot, then the journal after it.
+
+A snapshot (``run_dir/snapshots/snap-NNNNNN/``) holds, for every started epoch, which model
+committed each job at which step (two arrays per epoch), plus each model's step, last commit and
+latest checkpoint, and the number of dispatcher starts. It is taken at a journal segment boundary:
+snapshot ``N`` covers every segment up to ``journal-N.jsonl``, so a restart replays only the
+segments after it. That keeps restart time proportional to the live state, not to the history.
+The snapshot is written to a temporary directory and renamed, so a crash mid-write leaves the
+previous one in force.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dispatcher.journal import read_journal
+
+SNAPSHOT_DIR = "snapshots"
+_SNAP = re.compile(r"^snap-(\d{6})$")
+RECOVERY_EVENTS = ("start", "epoch", "commit", "rollback", "checkpoint")
+
+
+@dataclass
+class ModelRecord:
+    index: int
+    step: int = 0
+    checkpoint: int = 0
+    last_commit: tuple[int, tuple[int, ...]] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "step": self.step, "checkpoint": self.checkpoint,
+                "last_commit": [self.last_commit[0], list(self.last_commit[1])] if self.last_commit else None}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> "ModelRecord":
+        last = doc.get("last_commit")
+        return cls(index=doc["index"], step=doc["step"], checkpoint=doc["checkpoint"],
+                   last_commit=(last[0], tuple(last[1])) if last else None)
+
+
+@dataclass
+class Snapshot:
+    segment: int
+    num_starts: int
+    epochs_started: list[int]
+    models: dict[str, ModelRecord]
+    commit_step: dict[int, np.ndarray]   # epoch -> [num_jobs] int64
+    commit_model: dict[int, np.ndarray]  # epoch -> [num_jobs] int32
+
+
+@dataclass
+class Recovered:
+    snapshot: Snapshot | None = None
+    num_starts: int = 0
+    epochs_started: list[int] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)  # commit / rollback / checkpoint after the snapshot
+
+
+def snapshot_root(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / SNAPSHOT_DIR
+
+
+def latest_snapshot_dir(run_dir: str | os.PathLike) -> Path | None:
+    root = snapshot_root(run_dir)
+    if not root.is_dir():
+        return None
+    found = sorted((int(m.group(1)), root / m.group(0)) for m in map(_SNAP.match, os.listdir(root)) if m)
+    return found[-1][1] if found else None
+
+
+def write_snapshot(run_dir: str | os.PathLike, snapshot: Snapshot) -> Path:
+    root = snapshot_root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"snap-{snapshot.segment:06d}"
+    tmp = root / f".tmp-{final.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for epoch in snapshot.commit_step:
+        np.save(tmp / f"commit_step-{epoch:04d}.npy", snapshot.commit_step[epoch])
+        np.save(tmp / f"commit_model-{epoch:04d}.npy", snapshot.commit_model[epoch])
+    (tmp / "state.json").write_text(json.dumps({
+        "segment": snapshot.segment, "num_starts": snapshot.num_starts, "epochs_started": snapshot.epochs_started,
+        "models": {model: record.to_json() for model, record in snapshot.models.items()}}))
+    for name in os.listdir(tmp):
+        with open(tmp / name, "rb") as f:
+            os.fsync(f.fileno())
+    os.replace(tmp, final)
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    for old in root.iterdir():
+        match = _SNAP.match(old.name)
+        if match and int(match.group(1)) < snapshot.segment:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def read_snapshot(path: Path) -> Snapshot:
+    state = json.loads((path / "state.json").read_text())
+    epochs = state["epochs_started"]
+    return Snapshot(segment=state["segment"], num_starts=state["num_starts"], epochs_started=list(epochs),
+                    models={m: ModelRecord.from_json(r) for m, r in state["models"].items()},
+                    commit_step={e: np.load(path / f"commit_step-{e:04d}.npy") for e in epochs},
+                    commit_model={e: np.load(path / f"commit_model-{e:04d}.npy") for e in epochs})
+
+
+class SnapshotWriter:
+    """Writes snapshots on a thread of its own: the arrays are copied on the loop, written off it."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.run_dir = Path(run_dir)
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, snapshot: Snapshot) -> None:
+        def write() -> None:
+            try:
+                write_snapshot(self.run_dir, snapshot)
+            except BaseException as exc:  # surfaced by the dispatcher's next check
+                self.error = exc
+        self._thread = threading.Thread(target=write, name="snapshot-writer", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+
+def recover(run_dir: str | os.PathLike) -> Recovered:
+    out = Recovered()
+    path = latest_snapshot_dir(run_dir)
+    after = -1
+    if path is not None:
+        out.snapshot = read_snapshot(path)
+        after = out.snapshot.segment
+        out.num_starts = out.snapshot.num_starts
+        out.epochs_started = list(out.snapshot.epochs_started)
+    for event in read_journal(run_dir, after=after, only=RECOVERY_EVENTS):
+        kind = event["ev"]
+        if kind == "start":
+            out.num_starts += 1
+        elif kind == "epoch":
+            if event["epoch"] not in out.epochs_started:
+                out.epochs_started.append(event["epoch"])
+        else:
+            out.events.append(event)
+    return out

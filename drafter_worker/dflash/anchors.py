@@ -1,0 +1,77 @@
+"""Where the draft blocks of a training sequence start, and what each block must predict.
+
+An anchor ``a`` is a position whose token and next token are both response tokens (``loss_mask``
+set at ``a`` and ``a+1``, ``a+1 < seq_len``): the block put there starts from a real response
+token and has at least one supervised label. Anchors are drawn fresh on every call (without
+replacement, from a generator the trainer owns and checkpoints), so over an epoch every position
+serves as an anchor in some step. The block at ``a`` predicts tokens ``a+1 .. a+B-1``; labels past
+the sequence or outside the loss mask are ``IGNORE``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE = -100
+PAD_ANCHOR = -1  # marks an unused slot of the padded [batch, num_blocks] anchor tensor
+
+
+def eligible_anchors(loss_mask_S: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Positions ``a < seq_len - 1`` with ``loss_mask[a]`` and ``loss_mask[a+1]`` set (1-D, ascending)."""
+    mask = loss_mask_S[:seq_len].bool()
+    if seq_len < 2:
+        return torch.zeros(0, dtype=torch.long, device=loss_mask_S.device)
+    return torch.nonzero(mask[:-1] & mask[1:]).flatten()
+
+
+def sample_anchors(loss_mask_BS: torch.Tensor, seq_lens_B: torch.Tensor, *, num_anchors: int,
+                   generator: torch.Generator) -> torch.Tensor:
+    """Up to ``num_anchors`` anchors per sequence, ascending, padded with ``PAD_ANCHOR`` to ``[B, N]``.
+
+    The draw happens on the CPU (``generator`` is a CPU generator) so that it is the same on every
+    device; the result is moved to the loss mask's device.
+    """
+    mask_cpu = loss_mask_BS.detach().to("cpu")
+    chosen = []
+    for row, seq_len in zip(mask_cpu, seq_lens_B.tolist()):
+        candidates = eligible_anchors(row, int(seq_len))
+        if len(candidates) > num_anchors:
+            pick = torch.randperm(len(candidates), generator=generator)[:num_anchors]
+            candidates = candidates[pick].sort().values
+        chosen.append(candidates)
+    return pad_anchors(chosen).to(loss_mask_BS.device)
+
+
+def pad_anchors(per_sequence: list[torch.Tensor]) -> torch.Tensor:
+    width = max([len(a) for a in per_sequence] + [1])
+    out = torch.full((len(per_sequence), width), PAD_ANCHOR, dtype=torch.long)
+    for i, anchors in enumerate(per_sequence):
+        out[i, :len(anchors)] = torch.as_tensor(anchors, dtype=torch.long)
+    return out
+
+
+def check_anchors(anchors_BN: torch.Tensor, loss_mask_BS: torch.Tensor, seq_lens_B: torch.Tensor) -> None:
+    """Pinned anchors must be eligible: a user passing wrong ones gets a clear error, not a silent loss."""
+    for i, (row, seq_len) in enumerate(zip(anchors_BN.tolist(), seq_lens_B.tolist())):
+        allowed = set(eligible_anchors(loss_mask_BS[i].detach().cpu(), int(seq_len)).tolist())
+        bad = [a for a in row if a != PAD_ANCHOR and a not in allowed]
+        if bad:
+            raise ValueError(f"sequence {i}: anchors {bad} are not eligible (need loss_mask at a and a+1, "
+                             f"a+1 < seq_len={seq_len})")
+
+
+def block_labels(input_ids_BS: torch.Tensor, loss_mask_BS: torch.Tensor, seq_lens_B: torch.Tensor,
+                 anchors_BN: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Labels ``[B, N, block_size]``: ``input_ids[a+k]`` at block position k, ``IGNORE`` where unsupervised.
+
+    Position 0 (the anchor itself) is always ``IGNORE``, as are the blocks of padded anchors.
+    """
+    seq_len_max = input_ids_BS.shape[1]
+    offsets = torch.arange(block_size, device=anchors_BN.device)
+    pos = anchors_BN.unsqueeze(-1) + offsets  # [B, N, block]
+    valid = (anchors_BN != PAD_ANCHOR).unsqueeze(-1) & (offsets > 0)
+    valid &= pos < seq_lens_B.view(-1, 1, 1).to(pos.device)
+    safe = pos.clamp(0, seq_len_max - 1).flatten(1)
+    tokens = torch.gather(input_ids_BS, 1, safe).view_as(pos)
+    supervised = torch.gather(loss_mask_BS.bool(), 1, safe).view_as(pos)
+    return torch.where(valid & supervised, tokens, torch.full_like(tokens, IGNORE))

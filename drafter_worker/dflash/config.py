@@ -1,0 +1,153 @@
+"""Configs of the DFlash drafter: the model's shape (:class:`DFlashConfig`) and how it trains
+(:class:`DFlashTrainConfig`).
+
+The draft layers are Qwen3-style decoder layers whose dimensions default to the target's own
+(read from the target directory's ``config.json``): the fused context lives in the target's hidden
+space and the drafter reuses the target's embedding and LM head, so ``hidden_size`` and
+``vocab_size`` must match the target; the other dimensions could differ but rarely should.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.config import ConfigError, opt
+
+# Loss decay gamma per block size, as published with the method; other block sizes need an explicit gamma.
+DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_gamma(block_size: int) -> float:
+    if block_size not in DEFAULT_GAMMA:
+        raise ConfigError(f"no default loss decay gamma for block_size {block_size} "
+                          f"(known: {sorted(DEFAULT_GAMMA)}): set gamma explicitly")
+    return DEFAULT_GAMMA[block_size]
+
+
+@dataclass
+class DFlashConfig:
+    block_size: int = opt(16, "Tokens per draft block: the anchor token plus block_size - 1 masked positions.")
+    num_draft_layers: int = opt(5, "Number of draft decoder layers.")
+    num_anchors: int = opt(512, "Most anchors (blocks) sampled per training sequence.")
+    gamma: float = opt(0.0, "Loss decay: position k weighs exp(-(k-1)/gamma); 0 = the default for block_size.")
+    target_layer_ids: list[int] = opt([], "Target layers whose outputs are fused (layer i = hidden_states[i+1]).")
+    num_target_layers: int = opt(0, "Decoder layers of the target (exported for serving engines).")
+    mask_token_id: int = opt(-1, "Token id of the masked block positions; -1 = the last row of the target embedding.")
+    hidden_size: int = opt(0, "Hidden size (must equal the target's).")
+    intermediate_size: int = opt(0, "SwiGLU inner size of the draft layers.")
+    num_attention_heads: int = opt(0, "Query heads of the draft layers.")
+    num_key_value_heads: int = opt(0, "Key/value heads of the draft layers (grouped-query attention).")
+    head_dim: int = opt(0, "Size of one attention head.")
+    rms_norm_eps: float = opt(1e-6, "Epsilon of every RMSNorm.")
+    rope_theta: float = opt(1e6, "RoPE base.")
+    max_position_embeddings: int = opt(40960, "Longest position the model is configured for (exported as is).")
+    vocab_size: int = opt(0, "Vocabulary size (must equal the target's).")
+
+    def __post_init__(self) -> None:
+        if self.gamma == 0.0:
+            self.gamma = default_gamma(self.block_size)
+        if self.mask_token_id == -1 and self.vocab_size > 0:
+            self.mask_token_id = self.vocab_size - 1
+        self.validate()
+
+    def validate(self) -> None:
+        if self.block_size < 2:
+            raise ConfigError(f"block_size must be at least 2 (the anchor plus one drafted token), got {self.block_size}")
+        for key in ("num_draft_layers", "num_anchors", "hidden_size", "intermediate_size", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "vocab_size"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"dflash {key} must be positive, got {getattr(self, key)}")
+        if not math.isfinite(self.gamma) or self.gamma <= 0:
+            raise ConfigError(f"dflash gamma must be a positive number, got {self.gamma}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                              f"num_key_value_heads ({self.num_key_value_heads})")
+        if not self.target_layer_ids:
+            raise ConfigError("dflash target_layer_ids is empty: name the captured target layers")
+        if self.num_target_layers and not all(0 <= i < self.num_target_layers for i in self.target_layer_ids):
+            raise ConfigError(f"target_layer_ids {self.target_layer_ids} out of range for a target with "
+                              f"{self.num_target_layers} layers")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ConfigError(f"mask_token_id {self.mask_token_id} is not a row of the target embedding "
+                              f"(vocab_size {self.vocab_size})")
+
+    @property
+    def num_context_layers(self) -> int:
+        return len(self.target_layer_ids)
+
+    @classmethod
+    def from_target(cls, target_dir: str | Path, *, layer_ids: list[int], **overrides) -> "DFlashConfig":
+        """Draft dimensions from the target's ``config.json``; ``overrides`` set any field."""
+        path = Path(target_dir) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"target directory {target_dir} has no config.json")
+        target = json.loads(path.read_text())
+        target = target.get("text_config", target)  # multimodal wrappers keep the language model's config inside
+        rope_theta = target.get("rope_theta") or (target.get("rope_parameters") or {}).get("rope_theta", 1e6)
+        num_heads = target["num_attention_heads"]
+        fields = dict(
+            target_layer_ids=list(layer_ids),
+            num_target_layers=target["num_hidden_layers"],
+            hidden_size=target["hidden_size"],
+            intermediate_size=target["intermediate_size"],
+            num_attention_heads=num_heads,
+            num_key_value_heads=target.get("num_key_value_heads") or num_heads,
+            head_dim=target.get("head_dim") or target["hidden_size"] // num_heads,
+            rms_norm_eps=target.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=target.get("max_position_embeddings", 40960),
+            vocab_size=target["vocab_size"],
+        )
+        unknown = set(overrides) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ConfigError(f"unknown DFlash config keys: {', '.join(sorted(unknown))}")
+        fields.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**fields)
+
+
+@dataclass
+class DFlashTrainConfig:
+    block_size: int = opt(16, "Tokens per draft block.")
+    num_draft_layers: int = opt(5, "Number of draft decoder layers.")
+    num_anchors: int = opt(512, "Most anchors (blocks) sampled per training sequence.")
+    gamma: float = opt(0.0, "Loss decay gamma; 0 = the default for block_size (7 for 16, 5 for 10, 4 for 8).")
+    mask_token_id: int = opt(-1, "Token id of the masked positions; -1 = the last row of the target embedding.")
+    lr: float = opt(6e-4, "Peak learning rate of AdamW.")
+    betas: list[float] = opt([0.9, 0.95], "AdamW betas.")
+    weight_decay: float = opt(0.0, "AdamW decoupled weight decay.")
+    warmup_ratio: float = opt(0.04, "Share of the total steps spent warming the learning rate up linearly.")
+    min_lr_ratio: float = opt(0.0, "Floor of the cosine decay, as a fraction of lr.")
+    grad_clip: float = opt(1.0, "Clip the global gradient norm to this; 0 = no clipping.")
+    total_steps: int = opt(0, "Optimizer steps of the whole run (sets the cosine schedule); required.")
+    loss_chunk_size: int = opt(4096, "Block positions whose logits are computed at once (bounds the logits' memory).")
+    dtype: str = opt("auto", "Compute dtype: auto (bfloat16 autocast on GPU, float32 on CPU), bfloat16 or float32.")
+    attention: str = opt("auto", "Attention kernel: auto (flex attention on GPU, SDPA elsewhere), flex or sdpa.")
+
+    def validate(self) -> None:
+        if self.total_steps <= 0:
+            raise ConfigError(f"dflash total_steps must be positive (it sets the learning-rate schedule), "
+                              f"got {self.total_steps}")
+        if self.lr <= 0:
+            raise ConfigError(f"dflash lr must be positive, got {self.lr}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"dflash betas must be two numbers in [0, 1), got {self.betas}")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ConfigError(f"dflash warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"dflash min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.loss_chunk_size <= 0:
+            raise ConfigError(f"dflash loss_chunk_size must be positive, got {self.loss_chunk_size}")
+        if self.grad_clip < 0:
+            raise ConfigError(f"dflash grad_clip must not be negative, got {self.grad_clip}")
+        if self.dtype not in ("auto", "bfloat16", "float32"):
+            raise ConfigError(f"dflash dtype {self.dtype!r} is not one of auto, bfloat16, float32")
+        if self.attention not in ("auto", "flex", "sdpa"):
+            raise ConfigError(f"dflash attention {self.attention!r} is not one of auto, flex, sdpa")
+
+    def model_config(self, target_dir: str | Path, layer_ids: list[int]) -> DFlashConfig:
+        return DFlashConfig.from_target(target_dir, layer_ids=layer_ids, block_size=self.block_size,
+                                        num_draft_layers=self.num_draft_layers, num_anchors=self.num_anchors,
+                                        gamma=self.gamma, mask_token_id=self.mask_token_id)

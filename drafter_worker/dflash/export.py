@@ -1,0 +1,109 @@
+"""Save a trained drafter as a Hugging Face-style directory that serving engines load as is.
+
+Layout (that of the published DFlash checkpoints): ``config.json`` is a Qwen3 config of the draft
+layers plus ``architectures: ["DFlashDraftModel"]``, ``block_size``, ``num_target_layers`` and
+``dflash_config: {target_layer_ids, mask_token_id}``; ``model.safetensors`` holds the draft tensors
+only (``fc``, ``hidden_norm``, ``layers.{i}.*``, ``norm``) — the embedding and the LM head are the
+target's. Optimizer, scheduler and data position are training state, saved elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from drafter_worker.dflash.config import DFlashConfig
+from drafter_worker.dflash.model import DFlashDraftModel, build_drafter
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def export_config(config: DFlashConfig, dtype: str) -> dict:
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_draft_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": config.max_position_embeddings,
+        "vocab_size": config.vocab_size,
+        "tie_word_embeddings": False,  # the drafter has no head of its own to tie
+        "layer_types": ["full_attention"] * config.num_draft_layers,
+        "use_sliding_window": False,
+        "torch_dtype": dtype,
+        "block_size": config.block_size,
+        "num_target_layers": config.num_target_layers,
+        "dflash_config": {
+            "target_layer_ids": list(config.target_layer_ids),
+            "mask_token_id": config.mask_token_id,
+            "block_size": config.block_size,
+        },
+        # Training-only knobs, kept so that a reload trains on the same way; engines ignore them.
+        "hsd_training": {"gamma": config.gamma, "num_anchors": config.num_anchors},
+    }
+
+
+def save_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, *, dtype: str = "bfloat16") -> Path:
+    """Write ``config.json`` + ``model.safetensors`` into ``out_dir`` (files replaced atomically)."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"export dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().to("cpu", _DTYPES[dtype]).contiguous() for name, t in model.draft_state_dict().items()}
+    tmp = out_dir / (WEIGHTS_NAME + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out_dir / WEIGHTS_NAME)
+    tmp = out_dir / (CONFIG_NAME + ".tmp")
+    tmp.write_text(json.dumps(export_config(model.config, dtype), indent=2) + "\n")
+    os.replace(tmp, out_dir / CONFIG_NAME)
+    return out_dir
+
+
+def config_from_export(doc: dict) -> DFlashConfig:
+    dflash = doc.get("dflash_config") or {}
+    if "DFlashDraftModel" not in doc.get("architectures", []) or "target_layer_ids" not in dflash:
+        raise ValueError("config.json is not a DFlash drafter's (needs architectures DFlashDraftModel and "
+                         "dflash_config.target_layer_ids)")
+    training = doc.get("hsd_training") or {}
+    rope_theta = doc.get("rope_theta") or (doc.get("rope_parameters") or {}).get("rope_theta", 1e6)
+    block_size = doc.get("block_size") or dflash.get("block_size")
+    return DFlashConfig(
+        block_size=block_size, num_draft_layers=doc["num_hidden_layers"],
+        num_anchors=training.get("num_anchors", 512), gamma=training.get("gamma", 0.0),
+        target_layer_ids=list(dflash["target_layer_ids"]), num_target_layers=doc.get("num_target_layers", 0),
+        mask_token_id=dflash["mask_token_id"], hidden_size=doc["hidden_size"],
+        intermediate_size=doc["intermediate_size"], num_attention_heads=doc["num_attention_heads"],
+        num_key_value_heads=doc["num_key_value_heads"], head_dim=doc["head_dim"],
+        rms_norm_eps=doc["rms_norm_eps"], rope_theta=float(rope_theta),
+        max_position_embeddings=doc.get("max_position_embeddings", 40960), vocab_size=doc["vocab_size"])
+
+
+def load_drafter(drafter_dir: str | os.PathLike, target_dir: str | os.PathLike, *,
+                 dtype: torch.dtype = torch.float32, device="cpu") -> DFlashDraftModel:
+    """An exported drafter with the target's embedding and LM head, in ``dtype`` on ``device``."""
+    drafter_dir = Path(drafter_dir)
+    config_path = drafter_dir / CONFIG_NAME
+    if not config_path.is_file():
+        raise FileNotFoundError(f"drafter directory {drafter_dir} has no {CONFIG_NAME}")
+    config = config_from_export(json.loads(config_path.read_text()))
+    model = build_drafter(config, target_dir, dtype=dtype)
+    with safe_open(str(drafter_dir / WEIGHTS_NAME), framework="pt") as f:
+        state = {name: f.get_tensor(name).to(torch.float32) for name in f.keys()}
+    model.load_draft_state_dict(state)
+    return model.to(device=device, dtype=dtype).eval()

@@ -1,0 +1,222 @@
+"""The DFlash draft model: a few Qwen3-style decoder layers that denoise a block of masked tokens,
+conditioned on the target's hidden states.
+
+Data flow for one sequence with anchors ``a_1..a_N`` (block size ``B``):
+
+* context: the captured target layers ``[S, K*H]`` are fused once, ``ctx = hidden_norm(fc(hs))``,
+  and the same ``ctx`` feeds every draft layer;
+* blocks: block j holds the token at ``a_j`` then ``B-1`` mask tokens, embedded with the target's
+  (frozen) embedding, at RoPE positions ``a_j .. a_j+B-1``;
+* each layer takes its queries from the blocks only; its keys and values are
+  ``[k_proj(ctx), k_proj(block)]`` and ``[v_proj(ctx), v_proj(block)]`` ("KV injection": the
+  context never runs through the MLP or the query/output projections), under the block-sparse
+  mask of :mod:`drafter_worker.dflash.mask`;
+* the final norm and the target's (frozen) LM head give the logits of block positions 1..B-1.
+
+Parameter names follow the published DFlash checkpoint layout (``fc``, ``hidden_norm``,
+``layers.{i}.self_attn.q_proj``, ..., ``norm``) so that :meth:`DFlashDraftModel.draft_state_dict`
+can be saved as is and served without conversion.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from drafter_worker.dflash.config import DFlashConfig
+from drafter_worker.dflash.mask import block_positions, dense_block_mask, flex_block_mask
+
+SHARED_PREFIXES = ("embed_tokens.", "lm_head.")  # the target's tensors: never trained, never exported
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[..., head_dim]`` for integer positions, in the half-split layout of Qwen3."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = positions.float().unsqueeze(-1) * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x [B, heads, T, D]``, ``cos/sin [B, T, D]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+_compiled_flex = None
+
+
+def _flex_attention(q, k, v, block_mask):
+    """Flex attention, compiled once per process on GPU (the eager version materialises the scores)."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+    if q.device.type != "cuda":
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=True)
+    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, num_heads: int) -> torch.Tensor:
+        return x.view(*x.shape[:2], num_heads, self.head_dim).transpose(1, 2)  # [B, heads, T, D]
+
+    def forward(self, x_BQH, ctx_BSH, rope_q, rope_kv, mask) -> torch.Tensor:
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(x_BQH), self.num_heads)), *rope_q)
+        k = torch.cat([self.k_proj(ctx_BSH), self.k_proj(x_BQH)], dim=1)
+        v = torch.cat([self.v_proj(ctx_BSH), self.v_proj(x_BQH)], dim=1)
+        k = apply_rope(self.k_norm(self._heads(k, self.num_kv_heads)), *rope_kv)
+        v = self._heads(v, self.num_kv_heads)
+        # Under autocast the norms (float32 weights) leave q and k in float32 while v comes out of a
+        # matmul in bfloat16; flex attention, unlike SDPA, does not reconcile them.
+        q, k = q.to(v.dtype), k.to(v.dtype)
+        if isinstance(mask, torch.Tensor):
+            groups = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            out = _flex_attention(q, k, v, mask)
+        return self.o_proj(out.transpose(1, 2).flatten(2))
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DFlashAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DFlashMLP(config)
+
+    def forward(self, x_BQH, ctx_BSH, rope_q, rope_kv, mask) -> torch.Tensor:
+        x_BQH = x_BQH + self.self_attn(self.input_layernorm(x_BQH), ctx_BSH, rope_q, rope_kv, mask)
+        return x_BQH + self.mlp(self.post_attention_layernorm(x_BQH))
+
+
+class DFlashDraftModel(nn.Module):
+    def __init__(self, config: DFlashConfig, *, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor):
+        super().__init__()
+        self.config = config
+        if tuple(embed_weight.shape) != (config.vocab_size, config.hidden_size):
+            raise ValueError(f"target embedding {tuple(embed_weight.shape)} does not match the drafter's "
+                             f"(vocab_size, hidden_size) = ({config.vocab_size}, {config.hidden_size})")
+        num_fused = config.num_context_layers * config.hidden_size
+        self.fc = nn.Linear(num_fused, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_draft_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embed_tokens = nn.Embedding.from_pretrained(embed_weight, freeze=True)
+        # On the meta device: the real weight is the target's, allocating another would be wasted.
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
+        if lm_head_weight is embed_weight:  # tied target: one tensor, moved and cast once
+            self.lm_head.weight = self.embed_tokens.weight
+        else:
+            self.lm_head.weight = nn.Parameter(lm_head_weight, requires_grad=False)
+        self.attention = "sdpa"  # or "flex": set by whoever places the model on a device
+
+    def init_weights(self, seed: int) -> None:
+        """Deterministic initialisation of the trainable tensors (normal 0.02, norms at 1)."""
+        generator = torch.Generator().manual_seed(seed)
+        for name, param in self.draft_named_parameters():
+            with torch.no_grad():
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                else:
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+
+    def draft_named_parameters(self):
+        return [(n, p) for n, p in self.named_parameters() if not n.startswith(SHARED_PREFIXES)]
+
+    def draft_state_dict(self) -> dict[str, torch.Tensor]:
+        """The trained tensors only, named as in the exported checkpoint."""
+        return {n: t for n, t in self.state_dict().items() if not n.startswith(SHARED_PREFIXES)}
+
+    def load_draft_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        expected = set(self.draft_state_dict())
+        missing, unexpected = expected - set(state), set(state) - expected
+        if missing or unexpected:
+            raise ValueError(f"drafter tensors do not match the model: missing {sorted(missing)[:5]}, "
+                             f"unexpected {sorted(unexpected)[:5]}")
+        self.load_state_dict(state, strict=False)
+
+    def forward(self, hs_BSD: torch.Tensor, input_ids_BS: torch.Tensor, anchors_BN: torch.Tensor) -> torch.Tensor:
+        """Final hidden states of every block position ``[B, N, block_size, H]``.
+
+        ``hs_BSD`` are the captured target layers (padded to ``S``), ``anchors_BN`` the anchors
+        (``PAD_ANCHOR`` for unused slots). Rows of padded anchors are garbage: callers mask them.
+        """
+        config = self.config
+        batch, ctx_len, _ = hs_BSD.shape
+        num_blocks, block = anchors_BN.shape[1], config.block_size
+        ctx = self.hidden_norm(self.fc(hs_BSD.to(self.fc.weight.dtype)))
+
+        starts = anchors_BN.clamp(min=0)
+        tokens = torch.full((batch, num_blocks, block), config.mask_token_id, dtype=torch.long,
+                            device=input_ids_BS.device)
+        tokens[:, :, 0] = torch.gather(input_ids_BS, 1, starts)
+        x = self.embed_tokens(tokens.flatten(1)).to(self.fc.weight.dtype)  # [B, N*block, H]
+
+        pos_q = block_positions(starts, block)
+        pos_ctx = torch.arange(ctx_len, device=hs_BSD.device).expand(batch, ctx_len)
+        rope_q = rope_cos_sin(pos_q, config.head_dim, config.rope_theta)
+        rope_kv = rope_cos_sin(torch.cat([pos_ctx, pos_q], dim=1), config.head_dim, config.rope_theta)
+        builder = flex_block_mask if self.attention == "flex" else dense_block_mask
+        mask = builder(anchors_BN, ctx_len=ctx_len, block_size=block)
+        for layer in self.layers:
+            x = layer(x, ctx, rope_q, rope_kv, mask)
+        return self.norm(x).view(batch, num_blocks, block, -1)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden.to(self.lm_head.weight.dtype))
+
+
+def build_drafter(config: DFlashConfig, target_dir, *, dtype: torch.dtype = torch.float32) -> DFlashDraftModel:
+    """A drafter with the target's embedding and LM head (read from ``target_dir``), untrained."""
+    from drafter_worker.dflash.target_head import load_target_head
+    embed, head = load_target_head(target_dir)
+    if 0 <= config.mask_token_id < embed.shape[0] and not bool(embed[config.mask_token_id].any()):
+        # A zero row makes every masked position's first query zero, which RoPE cannot rotate: the
+        # first layer could not tell the block's positions apart.
+        raise ValueError(f"the target's embedding row {config.mask_token_id} (mask_token_id) is all zeros: "
+                         f"choose another mask token")
+    embed = embed.to(dtype)
+    head = embed if head is embed else head.to(dtype)
+    return DFlashDraftModel(config, embed_weight=embed, lm_head_weight=head)
+

@@ -1,0 +1,74 @@
+"""Save a training state (nested dicts and lists of tensors and plain values) without pickle.
+
+The tensors go to one safetensors file (``state.safetensors``), the structure around them to
+``state.json``, where a tensor is ``{"__tensor__": name}``, a dict whose keys are not all strings
+(an optimizer's per-parameter state is keyed by int) is ``{"__items__": [[key, value], ...]}`` and a
+tuple is ``{"__tuple__": [...]}``. Loading never executes anything it reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+TENSORS_NAME = "state.safetensors"
+STRUCTURE_NAME = "state.json"
+
+
+def _flatten(value, tensors: dict[str, torch.Tensor]):
+    if isinstance(value, torch.Tensor):
+        name = f"t{len(tensors)}"
+        tensors[name] = value.detach().to("cpu").contiguous()
+        return {"__tensor__": name}
+    if isinstance(value, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in value):
+            return {k: _flatten(v, tensors) for k, v in value.items()}
+        return {"__items__": [[k, _flatten(v, tensors)] for k, v in value.items()]}
+    if isinstance(value, tuple):
+        return {"__tuple__": [_flatten(v, tensors) for v in value]}
+    if isinstance(value, list):
+        return [_flatten(v, tensors) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"cannot save a value of type {type(value).__name__} in a training state")
+
+
+def _unflatten(value, tensors: dict[str, torch.Tensor]):
+    if isinstance(value, dict):
+        if "__tensor__" in value:
+            return tensors[value["__tensor__"]]
+        if "__items__" in value:
+            return {k: _unflatten(v, tensors) for k, v in value["__items__"]}
+        if "__tuple__" in value:
+            return tuple(_unflatten(v, tensors) for v in value["__tuple__"])
+        return {k: _unflatten(v, tensors) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unflatten(v, tensors) for v in value]
+    return value
+
+
+def save_state(state: dict, out_dir: str | os.PathLike) -> Path:
+    """Write ``state`` into ``out_dir`` (both files replaced atomically, structure last)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    structure = _flatten(state, tensors)
+    tmp = out_dir / (TENSORS_NAME + ".tmp")
+    save_file(tensors, str(tmp))
+    os.replace(tmp, out_dir / TENSORS_NAME)
+    tmp = out_dir / (STRUCTURE_NAME + ".tmp")
+    tmp.write_text(json.dumps(structure))
+    os.replace(tmp, out_dir / STRUCTURE_NAME)
+    return out_dir
+
+
+def load_state(state_dir: str | os.PathLike) -> dict:
+    state_dir = Path(state_dir)
+    if not (state_dir / STRUCTURE_NAME).is_file():
+        raise FileNotFoundError(f"{state_dir} holds no training state ({STRUCTURE_NAME} missing)")
+    tensors = load_file(str(state_dir / TENSORS_NAME))
+    return _unflatten(json.loads((state_dir / STRUCTURE_NAME).read_text()), tensors)

@@ -1,0 +1,153 @@
+"""The frozen target's forward, stopped after the last captured layer, with only those layers kept.
+
+A plain ``model(ids, output_hidden_states=True)`` keeps every layer's output alive until it
+returns, runs the layers past the last one a drafter needs, and computes logits over the whole
+vocabulary that nobody reads. :class:`LayerCapture` instead runs the model's own decoder (so every
+Hugging Face decoder-only architecture keeps its embedding scaling, rotary embeddings, masks and
+layer types) over a layer list cut after the last captured layer, without the LM head; forward
+hooks on the captured layers copy each output straight into its column block of one preallocated
+``[tokens, K × hidden]`` buffer, so no layer output outlives the layer that follows it.
+
+The cut-down decoder is a shallow copy of the loaded one that shares every parameter: the full
+model stays usable (the benchmark compares against it) at no extra memory.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+_LAYER_LIST_NAMES = ("layers", "h", "blocks")
+_FINAL_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_norm")
+
+
+def _from_pretrained_dtype_key() -> str:
+    # transformers renamed from_pretrained's torch_dtype to dtype in 4.56; the old name warns since.
+    import transformers
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+
+
+def load_target_model(model_dir: str | Path, *, dtype: torch.dtype, attn_implementation: str,
+                      device: torch.device) -> nn.Module:
+    """A local causal LM, frozen and in eval mode, on ``device``; never downloads anything."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation=attn_implementation,
+                                                 local_files_only=True, **{_from_pretrained_dtype_key(): dtype})
+    model.requires_grad_(False)
+    model.eval()
+    return model.to(device)
+
+
+def text_config(model: nn.Module):
+    """The language model's config (multimodal models keep it in ``text_config``)."""
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def find_decoder(model: nn.Module) -> tuple[nn.Module, str]:
+    """(decoder module, attribute name of its layer list) of a Hugging Face causal LM.
+
+    The decoder is the module whose forward runs embeddings, layers and final norm
+    (``model.model`` for Llama, Qwen, Mistral, Gemma; the language model of a multimodal model).
+    """
+    num_layers = text_config(model).num_hidden_layers
+    root = model.get_decoder() if hasattr(model, "get_decoder") else model
+    for module in root.modules():
+        for name in _LAYER_LIST_NAMES:
+            child = module._modules.get(name)
+            if isinstance(child, nn.ModuleList) and len(child) == num_layers:
+                return module, name
+    raise ValueError(f"cannot find the {num_layers} decoder layers of {type(model).__name__}: "
+                     f"expected a layer list named {' or '.join(_LAYER_LIST_NAMES)}")
+
+
+def contract_shape_of(model: nn.Module) -> tuple[str, int, int]:
+    """(architecture, decoder layers, hidden size) of a loaded model, to check against its config.json."""
+    decoder, layers_name = find_decoder(model)
+    architectures = getattr(model.config, "architectures", None) or [type(model).__name__]
+    return architectures[0], len(decoder._modules[layers_name]), text_config(model).hidden_size
+
+
+def drop_unused_modules(model: nn.Module, *, last_layer: int) -> None:
+    """Free the decoder layers past ``last_layer`` and the LM head (a :class:`LayerCapture` built
+    before keeps working; the model's own forward no longer does)."""
+    decoder, layers_name = find_decoder(model)
+    decoder._modules[layers_name] = decoder._modules[layers_name][:last_layer + 1]
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for name, child in list(model.named_children()):
+        if output is not None and child is output:  # a head tied to the embedding keeps its weight alive
+            model._modules[name] = None
+    if next(model.parameters()).device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+class LayerCapture:
+    """Runs the decoder up to the last captured layer and returns ``[B, S, K × hidden]``.
+
+    The returned tensor is a view of a buffer reused by the next call: copy it out before calling
+    again. Inputs are right-padded ``input_ids``/``attention_mask`` of shape ``[B, S]`` with
+    ``B × S <= max_tokens``.
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int], *, max_tokens: int):
+        decoder, layers_name = find_decoder(model)
+        layers = decoder._modules[layers_name]
+        ids = list(layer_ids)
+        if not ids or ids != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= len(layers):
+            raise ValueError(f"capture layers {ids} must be distinct, ascending and within 0..{len(layers) - 1}")
+        self.layer_ids = ids
+        self.hidden_size = text_config(model).hidden_size
+        self.row_width = len(ids) * self.hidden_size
+        self.max_tokens = max_tokens
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        # hidden_states[N] of a Hugging Face forward is the final norm's output, not the last layer's:
+        # keep the norm when the last layer is captured, so layer i is hidden_states[i + 1] for every i.
+        self._last_from_norm = ids[-1] == len(layers) - 1
+        self._truncated = copy.copy(decoder)
+        self._truncated._modules = dict(decoder._modules)
+        self._truncated._modules[layers_name] = layers[:ids[-1] + 1]
+        if not self._last_from_norm:
+            for name in _FINAL_NORM_NAMES:
+                if name in self._truncated._modules:
+                    self._truncated._modules[name] = nn.Identity()
+        hooked = ids[:-1] if self._last_from_norm else ids
+        self._hooks = [layers[layer].register_forward_hook(self._hook(k)) for k, layer in enumerate(hooked)]
+        self._buffer: torch.Tensor | None = None
+        self._out: torch.Tensor | None = None  # set only during a call: the hooks are shared with the full model
+
+    def _hook(self, k: int):
+        columns = slice(k * self.hidden_size, (k + 1) * self.hidden_size)
+
+        def hook(_module: nn.Module, _args: tuple, output) -> None:
+            if self._out is not None:
+                self._out[..., columns].copy_(output[0] if isinstance(output, tuple) else output)
+        return hook
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        batch_size, seq_len = input_ids.shape
+        if batch_size * seq_len > self.max_tokens:
+            raise ValueError(f"a batch of {batch_size} × {seq_len} exceeds the capture buffer of {self.max_tokens} tokens")
+        if self._buffer is None:  # allocated once, at the largest shape, and reused by every bucket
+            self._buffer = torch.empty(self.max_tokens * self.row_width, dtype=self.dtype, device=self.device)
+        out = self._buffer[:batch_size * seq_len * self.row_width].view(batch_size, seq_len, self.row_width)
+        self._out = out
+        try:
+            result = self._truncated(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        finally:
+            self._out = None
+        if self._last_from_norm:
+            out[..., -self.hidden_size:].copy_(result.last_hidden_state)
+        return out
+
+    def close(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self._buffer = None

@@ -1,0 +1,116 @@
+"""The capture contract: derived from config.json alone, compared across sides, sizing the slots."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.capture_contract import (CaptureContract, build_contract, check_same_contract, contract_from_config,
+                                     contract_from_model_dir, default_layer_ids, resolve_capture_dtype)
+from common.config import ConfigError, load_config
+from common.slots import SlotLayout
+
+QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_hidden_layers": 36,
+            "hidden_size": 4096, "torch_dtype": "bfloat16"}
+
+
+def _model_dir(tmp_path, doc=QWEN3_8B):
+    path = tmp_path / "model"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(doc))
+    return path
+
+
+def test_default_layers_are_the_dflash_choice():
+    assert default_layer_ids(36) == [1, 9, 17, 25, 33]
+    assert default_layer_ids(36, 1) == [18]
+    assert default_layer_ids(28, 5) == [1, 7, 13, 19, 25]
+    assert default_layer_ids(8, 3) == [1, 3, 5]
+    assert default_layer_ids(8, 5) == [1, 2, 3, 4, 5]
+    with pytest.raises(ValueError, match="6 capture layers do not fit between layer 1 and layer 5"):
+        default_layer_ids(8, 6)
+
+
+def test_contract_from_config_json_needs_no_torch(tmp_path):
+    contract = contract_from_model_dir(_model_dir(tmp_path), dtype="bfloat16")
+    assert contract.to_dict() == {"architecture": "Qwen3ForCausalLM", "num_layers": 36, "hidden_size": 4096,
+                                  "layer_ids": [1, 9, 17, 25, 33], "dtype": "bfloat16"}
+    assert contract.row_width == 5 * 4096
+    assert CaptureContract.from_dict(contract.to_dict()) == contract
+    # The dispatcher derives it and imports no model code: the module must not pull torch in.
+    probe = "import sys, common.capture_contract; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                          cwd=Path(__file__).resolve().parents[2]).stdout.strip() == "False"
+
+
+def test_multimodal_config_reads_the_text_model():
+    doc = {"architectures": ["Gemma3ForConditionalGeneration"], "text_config": {"num_hidden_layers": 34,
+                                                                                "hidden_size": 2560}}
+    contract = build_contract(doc, layer_ids=[2, 30], dtype="bfloat16")
+    assert (contract.num_layers, contract.hidden_size, contract.layer_ids) == (34, 2560, (2, 30))
+
+
+def test_differing_contracts_raise_naming_both_sides():
+    ours = build_contract(QWEN3_8B, dtype="bfloat16")
+    theirs = build_contract(QWEN3_8B, layer_ids=[1, 9, 17, 25, 32], dtype="float32")
+    check_same_contract(ours, ours.to_dict())
+    with pytest.raises(ValueError) as info:
+        check_same_contract(ours, theirs, ours_name="target-0", theirs_name="drafter-1")
+    message = str(info.value)
+    assert "between target-0 and drafter-1" in message
+    assert "layer_ids: target-0 [1, 9, 17, 25, 33] vs drafter-1 [1, 9, 17, 25, 32]" in message
+    assert "dtype: target-0 'bfloat16' vs drafter-1 'float32'" in message
+
+
+@pytest.mark.parametrize("layer_ids, match", [([3, 1], "ascending"), ([1, 36], "outside the target's layers 0..35"),
+                                              ([], None)])
+def test_contract_checks_its_layers(layer_ids, match):
+    if match is None:
+        with pytest.raises(ValueError, match="at least one layer"):
+            CaptureContract("X", 4, 8, (), "float32")
+        return
+    with pytest.raises(ValueError, match=match):
+        build_contract(QWEN3_8B, layer_ids=layer_ids, dtype="bfloat16")
+
+
+def test_config_validates_the_model_and_its_layers(tmp_path):
+    model = _model_dir(tmp_path)
+    config = load_config(None, [f"target.model={model}", "target.capture_layers=[2, 20, 30]", "target.gpus=[0]"])
+    assert contract_from_config(config).layer_ids == (2, 20, 30)
+    with pytest.raises(ConfigError, match="target.model: .* does not exist"):
+        load_config(None, [f"target.model={tmp_path / 'nope'}"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"target.model: .*\(no config.json\)"):
+        load_config(None, [f"target.model={tmp_path / 'empty'}"])
+    with pytest.raises(ConfigError, match="target.capture_layers: .* outside the target's layers 0..35"):
+        load_config(None, [f"target.model={model}", "target.capture_layers=[1, 40]"])
+    with pytest.raises(ConfigError, match="target.capture_layers: expected distinct"):
+        load_config(None, ["target.capture_layers=[5, 5]"])
+    with pytest.raises(ConfigError, match="target.num_capture_layers: 40 capture layers do not fit"):
+        load_config(None, [f"target.model={model}", "target.num_capture_layers=40"])
+    with pytest.raises(ConfigError, match="target.attn_implementation"):
+        load_config(None, [f"target.model={model}", "target.attn_implementation=fast"])
+
+
+def test_dtype_auto_is_resolved_from_the_config_alone(tmp_path):
+    model = _model_dir(tmp_path)
+    assert resolve_capture_dtype(load_config(None, [f"target.model={model}"])) == "float32"  # a model on the CPU
+    assert resolve_capture_dtype(load_config(None, [f"target.model={model}", "target.gpus=[0]"])) == "bfloat16"
+    assert resolve_capture_dtype(load_config(None, [])) == "bfloat16"  # sim targets keep their layout
+    assert resolve_capture_dtype(load_config(None, [f"target.model={model}", "target.dtype=float16"])) == "float16"
+
+
+def test_slot_layout_comes_from_the_model(tmp_path):
+    model = _model_dir(tmp_path)
+    config = load_config(None, [f"target.model={model}", "target.gpus=[0]", "schedule.buckets=[512, 4096]",
+                                "schedule.tokens_per_batch=16384", "target.hidden_size=64"])
+    layout = SlotLayout.from_config(config)
+    assert layout == SlotLayout(tokens_per_batch=16384, num_layers=5, hidden_size=4096, dtype="bfloat16", max_seqs=32)
+    assert layout == SlotLayout.from_contract(contract_from_config(config).to_dict(), config.schedule)
+    # Sim targets keep the hand-set keys, the model notwithstanding.
+    sim = load_config(None, [f"target.model={model}", "target.sim=true", "target.hidden_size=64"])
+    assert SlotLayout.from_config(sim).hidden_size == 64

@@ -1,0 +1,193 @@
+"""The deploy recipes parse, and every `hsd` subcommand, option and config key they use exists."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from common.config import load_config
+from deploy_scan import DEPLOY, REPO, deploy_files, invocation_problems, is_shell, key_problems, snippets
+
+MANIFESTS = sorted(p for p in deploy_files() if p.suffix in (".yaml", ".yml"))
+SCRIPTS = sorted(p for p in deploy_files() if is_shell(p))
+
+
+def _name(path) -> str:
+    return str(path.relative_to(DEPLOY))
+
+
+def test_the_recipes_are_found():
+    assert len(MANIFESTS) >= 5 and len(SCRIPTS) >= 2
+    assert {p.suffix for p in SCRIPTS} >= {".sh", ".sbatch"}
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=_name)
+def test_yaml_parses(path):
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    assert docs, f"{path} holds no YAML document"
+    for doc in docs:
+        assert isinstance(doc, dict), f"{path}: a document is not a mapping"
+        if "apiVersion" in doc:  # a Kubernetes object
+            assert doc.get("kind") and (doc.get("metadata") or {}).get("name") or doc["kind"] == "Kustomization", \
+                f"{path}: a Kubernetes object needs kind and metadata.name"
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+@pytest.mark.parametrize("path", SCRIPTS, ids=_name)
+def test_shell_syntax(path):
+    proc = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def _k8s_objects() -> list[dict]:
+    return [doc for path in DEPLOY.glob("k8s/*.y*ml") for doc in yaml.safe_load_all(path.read_text())
+            if isinstance(doc, dict) and "kind" in doc]
+
+
+@pytest.mark.parametrize("path", sorted(DEPLOY.glob("configs/*.y*ml")), ids=_name)
+def test_config_files_load(path):
+    load_config(path)  # unknown sections or keys, ill-typed or inconsistent values raise ConfigError
+
+
+def test_k8s_configmap_holds_a_valid_config(tmp_path):
+    maps = [o for o in _k8s_objects() if o["kind"] == "ConfigMap"]
+    assert maps
+    for cm in maps:
+        for name, text in cm["data"].items():
+            if name.endswith((".yaml", ".yml")):
+                (tmp_path / name).write_text(text)
+                load_config(tmp_path / name)
+
+
+def test_k8s_references_resolve():
+    objects = _k8s_objects()
+    names = {(o["kind"], o["metadata"]["name"]) for o in objects if o["kind"] != "Kustomization"}
+    for o in objects:
+        if o["kind"] == "Kustomization":
+            for resource in o.get("resources", []):
+                assert (DEPLOY / "k8s" / resource).is_file(), f"kustomization lists a missing {resource}"
+        if o["kind"] != "Job":
+            continue
+        pod = o["spec"]["template"]["spec"]
+        for volume in pod.get("volumes", []):
+            if "configMap" in volume:
+                assert ("ConfigMap", volume["configMap"]["name"]) in names
+            if "persistentVolumeClaim" in volume:
+                assert ("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"]) in names
+        mounted = {m["name"] for c in pod["containers"] for m in c.get("volumeMounts", [])}
+        assert mounted <= {v["name"] for v in pod.get("volumes", [])}
+
+
+def test_systemd_units_use_only_variables_the_env_file_sets():
+    env = (DEPLOY / "systemd" / "env.example").read_text()
+    defined = set(re.findall(r"^#?\s*([A-Z_][A-Z0-9_]*)=", env, flags=re.M))
+    for unit in DEPLOY.glob("systemd/*.service"):
+        text = unit.read_text()
+        own = set(re.findall(r"^Environment=([A-Z_][A-Z0-9_]*)=", text, flags=re.M))
+        for line in text.splitlines():
+            if line.startswith("ExecStart"):
+                used = set(re.findall(r"\$\{?([A-Z_][A-Z0-9_]*)", line))
+                assert used <= defined | own, f"{unit.name}: {sorted(used - defined - own)} not set in env.example"
+
+
+def test_every_hsd_invocation_and_config_key_exists():
+    problems = []
+    for path in deploy_files():
+        for snippet in snippets(path):
+            problems += invocation_problems(snippet)
+            problems += key_problems(snippet)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_check_sees_mistakes(tmp_path, monkeypatch):
+    """The scanner itself: a wrong subcommand, option, section or key is reported where it is."""
+    import deploy_scan
+    bad = tmp_path / "deploy"
+    bad.mkdir()
+    (bad / "run.sh").write_text('#!/bin/bash\n# (default: hsd from PATH)\n"$hsd_bin" lanch --config c.yaml\n'
+                                'hsd stats --run-dir d --wach 2\nhsd launch --config c pool.slot=3\n'
+                                "hsd bench transprt\nhsd launch schedul.buckets=[1]\n")
+    (bad / "notes.md").write_text("Run `hsd schedule --lengths F` and raise `pool.target_credit`.\n\n"
+                                  "```bash\nhsd reprot --run-dir D   # comment\n```\n")
+    monkeypatch.setattr(deploy_scan, "REPO", tmp_path)
+    found = []
+    for path in sorted(bad.iterdir()):
+        for snippet in snippets(path):
+            found += invocation_problems(snippet) + key_problems(snippet)
+    text = "\n".join(found)
+    assert "deploy/run.sh:3: 'hsd lanch' is not a subcommand" in text
+    assert "deploy/run.sh:4: 'hsd stats' has no option --wach" in text
+    assert "deploy/run.sh:5: unknown config key pool.slot" in text
+    assert "deploy/run.sh:6: 'hsd bench transprt' is not a subcommand" in text
+    assert "deploy/run.sh:7: unknown config section 'schedul'" in text
+    assert "deploy/notes.md:1: unknown config key pool.target_credit" in text
+    assert "deploy/notes.md:4: 'hsd reprot' is not a subcommand" in text
+    assert "from" not in text and "schedule --lengths" not in text
+    assert REPO.is_dir()
+
+
+# -- the scripts run, with a stand-in for hsd that records what it was asked ----------------------
+STUB = """#!/bin/bash
+printf '%s\\0' "$@" > "$HSD_STUB_DIR/$1.argv"
+"""
+
+
+def _run_with_stub(tmp_path, script, *args, env_extra: dict) -> dict[str, list[str]]:
+    import os
+    stub = tmp_path / "hsd"
+    stub.write_text(STUB)
+    stub.chmod(0o755)
+    env = {"PATH": os.environ["PATH"], "HSD_BIN": str(stub), "HSD_STUB_DIR": str(tmp_path), **env_extra}
+    proc = subprocess.run(["bash", str(script), *args], capture_output=True, text=True, env=env, timeout=30)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return {p.stem: p.read_text().split("\0")[:-1] for p in tmp_path.glob("*.argv")}
+
+
+def _resolved(argv: list[str]):
+    from dispatcher.cli import build_parser
+    args = build_parser().parse_args(argv)
+    return load_config(args.config, args.overrides)
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+def test_single_node_script_runs_hsd_launch(tmp_path):
+    config = DEPLOY / "configs" / "8gpu-qwen3-8b.yaml"
+    calls = _run_with_stub(tmp_path, DEPLOY / "single-node" / "run.sh", str(config), "drafter.count=2",
+                           "drafter.gpus=[5,6]", env_extra={"HSD_RUN_DIR": str(tmp_path / "run")})
+    resolved = _resolved(calls["launch"])
+    assert resolved.run.dir == str(tmp_path / "run") and resolved.drafter.count == 2
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+@pytest.mark.parametrize("split", [(5, 3), (6, 2), (7, 1)])
+def test_sbatch_script_passes_a_valid_split(tmp_path, split):
+    targets, drafters = split
+    calls = _run_with_stub(tmp_path, DEPLOY / "slurm" / "hsd-node.sbatch", "pool.slots=30",
+                           env_extra={"HSD_CONFIG": str(DEPLOY / "configs" / "8gpu-qwen3-8b.yaml"),
+                                      "HSD_RUN_DIR": str(tmp_path / "run"), "NUM_TARGETS": str(targets),
+                                      "NUM_DRAFTERS": str(drafters)})
+    resolved = _resolved(calls["launch"])
+    assert resolved.target.gpus == list(range(targets))
+    assert resolved.drafter.gpus == list(range(targets, targets + drafters))
+    assert resolved.pool.slots == 30 and resolved.run.dir == str(tmp_path / "run")
+
+
+def test_k8s_job_reads_the_config_its_configmap_mounts():
+    objects = _k8s_objects()
+    maps = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ConfigMap"}
+    for job in (o for o in objects if o["kind"] == "Job"):
+        pod = job["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        for container in pod["containers"]:
+            argv = container.get("command", [])[1:] + container.get("args", [])
+            config_path = argv[argv.index("--config") + 1]
+            mounts = [m for m in container["volumeMounts"] if config_path.startswith(m["mountPath"].rstrip("/") + "/")]
+            assert mounts, f"{config_path} is on no volume of the container"
+            volume = volumes[mounts[0]["name"]]
+            assert "configMap" in volume, f"{config_path} is not on a ConfigMap volume"
+            key = config_path[len(mounts[0]["mountPath"].rstrip("/")) + 1:]
+            assert key in maps[volume["configMap"]["name"]]["data"], f"ConfigMap has no {key}"

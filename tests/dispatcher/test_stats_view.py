@@ -1,0 +1,111 @@
+"""The live view's derived figures over hand-made snapshots: bottleneck, ETA, pool bytes."""
+
+from __future__ import annotations
+
+import copy
+
+from dispatcher.stats_view import (CommitRate, WAIT_THRESHOLD, bottleneck_line, eta_line, format_stats,
+                                   name_bottleneck, pool_usage, remaining_jobs, stage_waits)
+
+
+def worker(wid: str, role: str, *, alive_s: float, wait_s: float, state: str = "busy") -> dict:
+    return {"id": wid, "name": f"{role}-{wid}", "role": role, "pid": 1, "host": "h", "gpu": None, "state": state,
+            "jobs": 3, "tokens_per_s": 1000.0, "idle_ratio": round(wait_s / alive_s, 3), "heartbeat_age_s": 0.1,
+            "held": [], "alive_s": alive_s, "wait_s": wait_s}
+
+
+def snapshot(*, t: float = 100.0, target_wait: float = 0.0, drafter_wait: float = 0.0, pending: int = 10,
+             committed: tuple[int, ...] = (20,), jobs: tuple[int, ...] = (100,), epochs_total: int = 2,
+             done: bool = False) -> dict:
+    """Two targets and one drafter, each alive ``t`` seconds, waiting the given share of it."""
+    return {"run_dir": "runs/x", "run_id": "r", "pid": 42, "time": 1000.0 + t, "uptime_s": t, "done": done,
+            "epochs_total": epochs_total,
+            "epochs": [{"epoch": i, "jobs": n, "committed": c, "taken": c, "schedule_prefix_deviation": 1.0,
+                        "consumed_prefix_deviation": 1.5} for i, (n, c) in enumerate(zip(jobs, committed))],
+            "jobs_by_state": {"pending": pending, "extracting": 2, "ready": 3, "training": 1, "consumed": 0,
+                              "committed": sum(committed)},
+            "q_hsb": {"0": 1, "5": 2}, "pool": {"free": 10, "writing": 2, "ready": 3, "reading": 1},
+            "transport": {"kind": "shm", "slot_bytes": 2**20, "num_slots": 16, "pool_bytes": 16 * 2**20,
+                          "per_target": False},
+            "workers": [worker("1", "target", alive_s=t, wait_s=target_wait * t),
+                        worker("2", "target", alive_s=t, wait_s=target_wait * t),
+                        worker("3", "drafter", alive_s=t, wait_s=drafter_wait * t)],
+            "steps": 5, "given_back": {}, "errors": {}, "requests": {}}
+
+
+def test_drafters_starving_names_the_targets():
+    line = name_bottleneck(target_wait=0.02, drafter_wait=0.38)
+    assert line == ("drafters wait for data 38% — targets are the bottleneck: add targets or raise "
+                    "pool.target_credits")
+
+
+def test_targets_blocked_names_the_drafters():
+    assert name_bottleneck(target_wait=0.40, drafter_wait=0.01) == (
+        "targets blocked on a full pool 40% — drafters are the bottleneck: add drafters")
+
+
+def test_balanced_below_the_threshold():
+    below = WAIT_THRESHOLD - 0.01
+    assert name_bottleneck(target_wait=below, drafter_wait=below).startswith("balanced: targets wait 14%")
+
+
+def test_both_waiting_points_at_the_pool():
+    assert "the pool holds both back: raise pool.slots" in name_bottleneck(target_wait=0.3, drafter_wait=0.3)
+
+
+def test_tail_and_done_and_missing_stage_are_not_blamed_on_a_stage():
+    assert name_bottleneck(target_wait=0.9, drafter_wait=0.5, tail=True).startswith("epoch tail: nothing left")
+    assert name_bottleneck(target_wait=0.9, drafter_wait=0.9, done=True) == "run complete"
+    assert name_bottleneck(target_wait=0.1, drafter_wait=None).startswith("no drafter registered")
+
+
+def test_stage_waits_since_start_and_over_the_last_interval():
+    early = snapshot(t=100.0, target_wait=0.0, drafter_wait=0.5)
+    assert stage_waits(early) == {"target": 0.0, "drafter": 0.5}
+    # in the last 100 s the drafter waited 90 s: the recent share, not the average since the start
+    later = copy.deepcopy(early)
+    later["time"] += 100
+    for w in later["workers"]:
+        w["alive_s"] += 100
+    later["workers"][2]["wait_s"] += 90
+    assert stage_waits(later, early)["drafter"] == 0.9
+    assert abs(stage_waits(later)["drafter"] - 0.7) < 1e-9
+    # a snapshot from another dispatcher (restart) is not a baseline
+    other = copy.deepcopy(early)
+    other["pid"] = 7
+    assert abs(stage_waits(later, other)["drafter"] - 0.7) < 1e-9
+
+
+def test_bottleneck_line_reads_the_snapshot():
+    assert "targets are the bottleneck" in bottleneck_line(snapshot(drafter_wait=0.38))
+    assert "drafters are the bottleneck" in bottleneck_line(snapshot(target_wait=0.4))
+    # the last epoch started and nothing is pending: idle targets are the tail, not a drafter shortage
+    tail = snapshot(target_wait=0.4, pending=0, committed=(100, 80), jobs=(100, 100))
+    assert "epoch tail" in bottleneck_line(tail)
+    # nothing pending but an epoch still to start: targets that wait are still blocked
+    assert "drafters are the bottleneck" in bottleneck_line(snapshot(target_wait=0.4, pending=0))
+
+
+def test_eta_from_the_commit_rate():
+    assert remaining_jobs(snapshot(committed=(20,), jobs=(100,), epochs_total=2)) == (80, 180)
+    assert remaining_jobs(snapshot(committed=(100, 30), jobs=(100, 90), epochs_total=3)) == (60, 150)
+    rate = CommitRate()
+    first = snapshot(t=10.0, committed=(20,))
+    rate.add(first)
+    assert rate.rate(first) == 2.0  # one snapshot: 20 jobs in 10 s since the start
+    second = snapshot(t=20.0, committed=(60,))
+    rate.add(second)
+    assert rate.rate(second) == 4.0  # 40 jobs in the last 10 s
+    assert eta_line(second, 4.0) == ("eta       epoch in 10s, run in 35s (4.0 jobs/s committed; "
+                                     "40 left in this epoch, 140 in the run)")
+    assert "unknown" in eta_line(snapshot(committed=(0,)), 0.0)
+    assert eta_line(snapshot(done=True), 1.0) == "eta       run complete"
+
+
+def test_pool_usage_and_the_printed_view():
+    s = snapshot(drafter_wait=0.38)
+    assert pool_usage(s) == (6 * 2**20, 16 * 2**20)
+    text = format_stats(s)
+    assert "pool use  6.0 MiB of 16.0 MiB (38%)" in text
+    assert "eta       epoch in" in text
+    assert "bottleneck drafters wait for data 38% — targets are the bottleneck" in text
