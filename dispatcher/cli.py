@@ -38,17 +38,38 @@ def cmd_worker(args) -> int:
     _setup_logging()
     config = _config(args)
     role = args.command
-    if not (args.sim or getattr(config, role).sim):
-        raise ConfigError(f"the real {role} worker is not available yet: use --sim or {role}.sim=true")
+    sim = args.sim or getattr(config, role).sim
     name = args.name or f"{role}-{os.getpid()}"
     if role == "target":
         from common.target_loop import TargetLoop
-        from target_worker.sim import SimTarget
-        return TargetLoop(config, name, SimTarget(config)).run()
+        return TargetLoop(config, name, _sim_target(config) if sim else _hf_target(config)).run()
+    if not sim:
+        raise ConfigError("the real drafter worker is not available yet: use --sim or drafter.sim=true")
     from common.drafter_loop import DrafterLoop
     from drafter_worker.sim import SimDrafter
     # An independent sim drafter trains a model of its own, named after it: a restart resumes it.
     return DrafterLoop(config, name, SimDrafter(config, model_id=name)).run()
+
+
+def _sim_target(config):
+    from target_worker.sim import SimTarget
+    return SimTarget(config)
+
+
+def _hf_target(config):
+    """The Hugging Face capture backend on ``target.model``, reading samples from ``data.path``."""
+    if not config.target.model:
+        raise ConfigError("target.model: a real target needs the model directory (or use --sim)")
+    if not config.data.path:
+        raise ConfigError("data.path: a real target reads its samples from a prepared dataset (or use --sim)")
+    import torch
+
+    from target_worker.hf_backend import HFTargetBackend, default_device
+    from target_worker.offline import open_dataset
+    # hsd launch gives each worker one GPU (CUDA_VISIBLE_DEVICES): it is cuda:0 in the worker.
+    pinned = config.target.gpus and os.environ.get("CUDA_VISIBLE_DEVICES", "").strip().isdigit()
+    device = torch.device("cuda", 0) if pinned else default_device(config)
+    return HFTargetBackend(config, device=device, dataset=open_dataset(config.data.path))
 
 
 def cmd_launch(args) -> int:
