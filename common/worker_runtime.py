@@ -46,6 +46,7 @@ class WorkerSession:
         self.token: str = ""
         self.registration: dict[str, Any] = {}
         self.holding: set[int] = set()  # job ids this worker holds; each heartbeat lists them
+        self.seen_grant = 0  # number of the latest job grant received
         self.stop_requested = threading.Event()
         self.register_extra: Callable[[], dict[str, Any]] = dict  # extra register fields (a drafter's model)
         self._heartbeat_thread: threading.Thread | None = None
@@ -72,6 +73,7 @@ class WorkerSession:
         self.worker_id = reply["worker_id"]
         self.token = reply["token"]
         self.holding = set()
+        self.seen_grant = 0
         self.registration = reply
         self._start_heartbeats(reply["heartbeat_s"])
         log.info("%s registered as %s with run %s", self.name, self.worker_id, reply["run_id"])
@@ -138,7 +140,8 @@ class WorkerSession:
             try:
                 while not stop.wait(interval_s):
                     try:
-                        client.call("heartbeat", worker_id=worker_id, token=token, holding=sorted(self.holding))
+                        client.call("heartbeat", worker_id=worker_id, token=token, holding=list(self.holding.copy()),
+                                    seen_grant=self.seen_grant)
                     except DispatcherUnavailable:
                         continue
                     except ProtocolError as exc:

@@ -50,6 +50,7 @@ def run_sim_drafter(config: Config, name: str) -> int:
             job = reply["job"]
             if job is not None:
                 session.holding.add(job["job_id"])
+                session.seen_grant = max(session.seen_grant, job["grant"])
                 started = time.perf_counter()
                 try:
                     batch = transport.read(job["slot"], job["generation"], ipc=job.get("ipc"),

@@ -37,6 +37,7 @@ def run_sim_target(config: Config, name: str) -> int:
             if job is None:
                 continue
             session.holding.add(job["job_id"])
+            session.seen_grant = max(session.seen_grant, job["grant"])
             started = time.perf_counter()
             time.sleep(cost * job["num_tokens"])
             fill_pattern(transport.slot(job["slot"]), job_id=job["job_id"], generation=job["generation"],
