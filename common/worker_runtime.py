@@ -64,7 +64,7 @@ class WorkerSession:
         if fields.get("worker_id") != self.worker_id:
             return  # a late reply to a previous registration: its jobs went back with it
         if op in _GRANTS and reply.get("ok") and reply.get("job"):
-            self.held.add(reply["job"]["job_id"])
+            self.held.add(reply["job"]["job_id"], reply["job"].get("grant", 0))
         elif op in _RELEASES:
             self.held.discard([fields["job_id"]])
         elif op == "commit_step" and reply.get("ok"):
@@ -73,7 +73,7 @@ class WorkerSession:
     def _heartbeat_fields(self) -> dict[str, Any] | None:
         if self.worker_id is None:
             return None
-        return {"worker_id": self.worker_id, "token": self.token, "holding": self.held.snapshot()}
+        return {"worker_id": self.worker_id, "token": self.token, **self.held.heartbeat_fields()}
 
     # -- registration -------------------------------------------------------------------------
     def register(self, **extra: Any) -> dict[str, Any]:

@@ -70,6 +70,7 @@ class Worker:
     slot_base: int = 0
     token: str = ""
     model: str | None = None  # drafter: the model it trains
+    num_grants: int = 0  # jobs handed to this session so far: each grant carries its number
 
 
 @dataclass
@@ -80,6 +81,7 @@ class JobGrant:
     seq_len: int
     samples: list[int]
     lengths: list[int]
+    grant_seq: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -89,7 +91,7 @@ class JobGrant:
         job = self.job
         wire = {"job_id": job.job_id, "epoch": job.epoch, "bucket": job.bucket, "seq_len": self.seq_len,
                 "samples": self.samples, "lengths": self.lengths, "num_tokens": self.num_tokens, "slot": self.slot,
-                "generation": job.generation, "owner": self.owner}
+                "generation": job.generation, "owner": self.owner, "grant": self.grant_seq}
         if ipc_block is not None:
             wire["ipc"] = ipc_block
         return wire
@@ -274,8 +276,11 @@ class DispatcherCore:
         samples = schedule.samples_of(index)
         owner = self.pool.slots[slot_id].owner
         base = self.workers[owner].slot_base if owner else 0
+        holder = self.workers[job.holder]
+        holder.num_grants += 1
+        job.grant_seq = holder.num_grants
         return JobGrant(job, slot_id - base, owner, schedule.buckets[job.bucket].max_len, samples,
-                        self.lengths[samples].tolist())
+                        self.lengths[samples].tolist(), job.grant_seq)
 
     # -- snapshots --------------------------------------------------------------------------
     def maybe_snapshot(self, *, force: bool = False) -> bool:
@@ -387,16 +392,21 @@ class DispatcherCore:
             worker.last_seen = now
         return worker
 
-    def heartbeat(self, worker_id: str, now: float, holding: list[int] | None = None) -> None:
-        """Keeps the worker alive (leases are not renewed: a lease bounds one job's time). A job the
-        ledger says it holds, granted more than a heartbeat ago but not in ``holding``, never
-        reached it (a reply lost on a reset socket) or was dropped: it is given back at once."""
+    def heartbeat(self, worker_id: str, now: float, holding: list[int] | None = None,
+                  seen_grant: int | None = None) -> None:
+        """Keeps the worker alive (leases are not renewed: a lease bounds one job's time).
+
+        ``holding`` lists the jobs the worker holds and ``seen_grant`` the number of the latest grant
+        it received. A job the ledger says it holds, granted no later than that, but not listed, was
+        dropped or never reached it (a reply lost on a reset socket, which a later grant reveals): it
+        is given back at once. Judging by grant numbers, not by time, a slow reply is never mistaken
+        for a lost one."""
         self.worker(worker_id, now)
-        if holding is None:
+        if holding is None or seen_grant is None:
             return
         listed = set(holding)
         for job in self.ledger.held_by(worker_id):
-            if job.job_id not in listed and now - job.granted_at > self.options.heartbeat_s:
+            if job.job_id not in listed and job.grant_seq <= seen_grant:
                 self._give_back(job, "not_held")
 
     def deregister(self, worker_id: str, now: float, reason: str = "left") -> None:
@@ -428,10 +438,10 @@ class DispatcherCore:
         slot_id, holder = job.slot, job.holder
         previous = self.ledger.give_back(job)
         if previous is JobState.EXTRACTING:
-            if reason in ("dead", "left", "replaced"):
-                self.pool.abort_write(slot_id)
-            else:  # the writer may still be writing into it
+            if reason == "lease_expired":  # the writer may still be writing into it
                 self.pool.quarantine(slot_id)
+            else:  # the writer is gone, or says it does not hold the job
+                self.pool.abort_write(slot_id)
         elif previous is JobState.TRAINING:
             if slot_id in self.pool.slots:
                 self.pool.unread(slot_id, epoch=job.epoch, bucket=job.bucket)
