@@ -53,7 +53,7 @@ def test_bad_input_is_a_clear_error(tmp_path):
         (["launch", "pool.sloths=3"], "pool.sloths"),
         (["launch", "run.epochs=many"], "run.epochs"),
         (["schedule", "--lengths", str(tmp_path / "nope.txt")], "nope.txt"),
-        (["target", "run.dir=" + str(tmp_path / "r")], "target.sim"),
+        (["target", "run.dir=" + str(tmp_path / "r")], "target.model"),
         (["dispatcher", "run.dir=" + str(tmp_path / "big"), "pool.slots=100000000"], "does not fit"),
     ]
     (tmp_path / "bad.txt").write_text("12\nabc\n")
