@@ -84,6 +84,7 @@ class TargetSection:
     num_capture_layers: int = opt(5, "Captured target layers K (the capture contract).")
     dtype: str = opt("bfloat16", "Dtype of the captured hidden states.")
     max_restarts: int = opt(3, "Restarts hsd launch grants a crashed target.")
+    model: str = opt("", "Local Hugging Face model directory of the target.")
 
 
 @dataclass
