@@ -109,7 +109,7 @@ class _Writer:
             handle.close()
 
     def finish(self) -> None:
-        for name, handle in self.files.items():
+        for handle in self.files.values():
             handle.flush()
             os.fsync(handle.fileno())
         self.close()

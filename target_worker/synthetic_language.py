@@ -58,7 +58,8 @@ def _numbers(items) -> str:
 def _task_repeat(rng: random.Random):
     items = rng.sample(WORDS, rng.randint(4, 12))
     question = rng.choice(("Repeat these words: {}.", "Say these words again: {}.", "Copy this list: {}."))
-    answer = f"Here are the words again: {_words(items)}. That is {len(items)} words."
+    answer = (f"Here are the words again: {_words(items)}. That is {len(items)} words, "
+              f"starting with {items[0]} and ending with {items[-1]}.")
     return question.format(_words(items)), answer, items
 
 
@@ -75,7 +76,7 @@ def _task_count(rng: random.Random):
     stop = start + rng.randint(5, 30)
     items = list(range(start, stop + 1))
     question = rng.choice(("Count from {} to {}.", "List the numbers from {} to {}."))
-    answer = f"Counting from {start} to {stop}: {_numbers(items)}. Done."
+    answer = f"Counting from {start} to {stop}: {_numbers(items)}. Done, I stopped at {stop}."
     return question.format(start, stop), answer, items
 
 
@@ -98,7 +99,8 @@ def _task_table(rng: random.Random):
 def _task_spell(rng: random.Random):
     word = rng.choice(WORDS)
     question = rng.choice(("Spell the word {}.", "How do you spell {}?"))
-    answer = f"The word {word} is spelled {' - '.join(word)}. It has {len(word)} letters."
+    answer = (f"The word {word} is spelled {' - '.join(word)}. "
+              f"It has {len(word)} letters, from {word[0]} to {word[-1]}.")
     return question.format(word), answer, list(word)
 
 
@@ -108,13 +110,14 @@ TASKS = (_task_repeat, _task_reverse, _task_count, _task_add, _task_table, _task
 def _follow_up(rng: random.Random, items: list) -> tuple[str, str]:
     kind = rng.randrange(3)
     if kind == 0:
-        return ("Now say them in reverse.",
-                f"In reverse: {_words(items[::-1])}. That is all {len(items)} of them backwards.")
+        return "Now say them in reverse.", (f"In reverse: {_words(items[::-1])}. That is all {len(items)} of them "
+                                            f"backwards, from {items[-1]} back to {items[0]}.")
     if kind == 1:
         return "How many were there, and which came first and last?", (
-            f"There were {len(items)} of them. The first was {items[0]} and the last was {items[-1]}.")
-    return "Say the first three again.", (f"The first three were: {_words(items[:3])}. "
-                                          f"After them came {len(items) - 3} more, ending with {items[-1]}.")
+            f"There were {len(items)} of them. The first was {items[0]} and the last was {items[-1]}. "
+            f"In order they were: {_words(items)}.")
+    return "Say the first three again.", (f"The first three were: {_words(items[:3])}. After them came "
+                                          f"{len(items) - 3} more, and the last one was {items[-1]}.")
 
 
 def make_conversation(rng: random.Random) -> Conversation:
