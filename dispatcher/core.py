@@ -117,7 +117,16 @@ class CoreOptions:
                    epochs=config.run.epochs, run_seed=config.run.seed, buckets=list(config.schedule.buckets),
                    tokens_per_batch=config.schedule.tokens_per_batch, order=config.schedule.order,
                    heartbeat_s=config.dispatcher.heartbeat_s, build_ahead=True,
-                   allow_changed_data=config.data.allow_changed)
+                   allow_changed_data=config.data.allow_changed, contract=run_contract(config))
+
+
+def run_contract(config: Config) -> dict[str, Any] | None:
+    """The capture contract the run's slots are laid out for: from the target model's config.json when
+    the run has a real target; None for a sim run (then the first worker that declares one sets it)."""
+    if config.target.sim or not config.target.model:
+        return None
+    from common.capture_contract import contract_from_config
+    return contract_from_config(config).to_dict()
 
 
 @dataclass
@@ -340,11 +349,15 @@ class DispatcherCore:
         return worker
 
     def _check_contract(self, role: str, name: str, contract: dict[str, Any]) -> None:
+        from common.capture_contract import check_same_contract
         if self.contract is None:
             self.contract = dict(contract)
             log.info("capture contract of this run (from %s %s): %s", role, name, self.contract)
-        elif dict(contract) != self.contract:
-            raise Incompatible(f"{role} {name} has capture contract {dict(contract)}, but this run's is {self.contract}")
+            return
+        try:
+            check_same_contract(self.contract, contract, ours_name="this run", theirs_name=f"{role} {name}")
+        except ValueError as exc:
+            raise Incompatible(str(exc)) from None
 
     def _rollback(self, model: str, step: int) -> None:
         for worker in self.workers.values():  # another session of this model: its uncommitted work is void

@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 
 from core_harness import Sim, all_job_ids, make_core, register
-from dispatcher.core import DONE, UnknownWorker
+from dispatcher.core import DONE, Incompatible, UnknownWorker
 from dispatcher.journal import read_journal
 from dispatcher.ledger import JobState, LedgerError, make_job_id
 from dispatcher.schedule import load_schedule
@@ -337,3 +337,16 @@ def test_a_slot_whose_writer_lost_its_lease_is_quarantined_until_the_writer_is_g
     assert core.get_job(t0, 7.0) is None                      # t0's credit is still tied to the quarantined slot
     core.deregister(t0, 8.0)
     assert core.pool.counts()["quarantined"] == 0 and core.pool.counts()["free"] == 1
+
+
+def test_a_worker_whose_capture_contract_differs_is_refused_naming_both(tmp_path):
+    core = make_core(tmp_path, epochs=1)
+    contract = {"architecture": "Qwen3ForCausalLM", "num_layers": 8, "hidden_size": 64, "layer_ids": [1, 3, 5],
+                "dtype": "float32"}
+    core.register(role="target", name="target-0", pid=1, host="h", gpu=None, now=0.0, contract=contract)
+    core.register(role="drafter", name="drafter-0", pid=2, host="h", gpu=None, now=0.0, contract=dict(contract))
+    with pytest.raises(Incompatible) as refused:
+        core.register(role="drafter", name="drafter-1", pid=3, host="h", gpu=None, now=0.0,
+                      contract={**contract, "layer_ids": [1, 4, 6]})
+    message = str(refused.value)
+    assert "this run" in message and "drafter drafter-1" in message and "[1, 3, 5]" in message and "[1, 4, 6]" in message
