@@ -13,6 +13,7 @@ NaN/Inf, which a sim drafter's arithmetic would propagate), and the comparison i
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -137,3 +138,30 @@ def verify_pattern(hs: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.T
     actual_mask = loss_mask.reshape(-1).to(torch.uint8)
     if not torch.equal(actual_mask, mask):
         raise SlotIntegrityError(job_id, f"loss_mask differs first at row {_first_mismatch(actual_mask, mask)}")
+
+
+def verify_against_dataset(hs: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                           seq_lens: torch.Tensor, *, job_id: int, samples: Sequence[int], dataset: Any) -> None:
+    """Check a batch a real target wrote against the prepared dataset it read: each sequence's token ids,
+    loss mask and length equal the dataset's sample, its hidden states are finite and not all zero,
+    and the padding after it is zero. The dataset is the witness here; the target's forward is not."""
+    if seq_lens.numel() != len(samples):
+        raise SlotIntegrityError(job_id, f"{seq_lens.numel()} sequences in the slot, the job has {len(samples)}")
+    batch_size = len(samples)
+    ids = input_ids.reshape(batch_size, -1)
+    mask = loss_mask.reshape(batch_size, -1)
+    states = hs.reshape(batch_size, ids.shape[1], -1)
+    for row, sample in enumerate(samples):
+        want_ids, want_mask = dataset.sample(sample)
+        length = int(seq_lens[row])
+        if length != len(want_ids):
+            raise SlotIntegrityError(job_id, f"sequence {row} (sample {sample}) has {length} tokens, the dataset {len(want_ids)}")
+        if not torch.equal(ids[row, :length].to(torch.int64), torch.as_tensor(want_ids, dtype=torch.int64)):
+            raise SlotIntegrityError(job_id, f"sequence {row} (sample {sample}): token ids differ from the dataset")
+        if not torch.equal(mask[row, :length].to(torch.int64), torch.as_tensor(want_mask, dtype=torch.int64)):
+            raise SlotIntegrityError(job_id, f"sequence {row} (sample {sample}): loss mask differs from the dataset")
+        real = states[row, :length].float()
+        if not torch.isfinite(real).all() or not real.abs().sum() > 0:
+            raise SlotIntegrityError(job_id, f"sequence {row} (sample {sample}): hidden states are not finite or all zero")
+        if ids[row, length:].any() or states[row, length:].abs().sum() > 0:
+            raise SlotIntegrityError(job_id, f"sequence {row} (sample {sample}): padding is not zero")

@@ -64,12 +64,16 @@ def _hf_target(config):
         raise ConfigError("data.path: a real target reads its samples from a prepared dataset (or use --sim)")
     import torch
 
+    from common.prepared import check_tokenizer
     from target_worker.hf_backend import HFTargetBackend, default_device
     from target_worker.offline import open_dataset
+    dataset = open_dataset(config.data.path)
+    if hasattr(dataset, "fingerprint"):  # a dataset tokenized by another tokenizer is refused, naming both
+        check_tokenizer(dataset, config.target.model)
     # hsd launch gives each worker one GPU (CUDA_VISIBLE_DEVICES): it is cuda:0 in the worker.
     pinned = config.target.gpus and os.environ.get("CUDA_VISIBLE_DEVICES", "").strip().isdigit()
     device = torch.device("cuda", 0) if pinned else default_device(config)
-    return HFTargetBackend(config, device=device, dataset=open_dataset(config.data.path))
+    return HFTargetBackend(config, device=device, dataset=dataset)
 
 
 def cmd_launch(args) -> int:

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from common.config import Config
-from common.slot_pattern import verify_pattern
+from common.slot_pattern import verify_against_dataset, verify_pattern
 from common.slots import SlotBatch
 from common.witness import TrainedJobs, check_model_id, latest_checkpoint, save_checkpoint
 
@@ -40,6 +40,12 @@ class SimDrafter:
         self.keep = config.drafter.checkpoint_keep
         self._window: list[int] = []
         self._duplicate, self._drop = _test_faults()
+        # Behind a real target the slots hold a model's states, not a pattern: check them against the
+        # prepared dataset the target read instead.
+        self._dataset = None
+        if not config.target.sim and config.data.path:
+            from common.prepared import PreparedDataset
+            self._dataset = PreparedDataset(config.data.path)
 
     def load_latest(self, run_dir: str | os.PathLike) -> int:
         checkpoint = latest_checkpoint(run_dir, self.model_id)
@@ -49,8 +55,12 @@ class SimDrafter:
         return self.step
 
     def micro_batch(self, job: dict[str, Any], batch: SlotBatch) -> None:
-        verify_pattern(batch.hs, batch.input_ids, batch.loss_mask, batch.seq_lens, job_id=job["job_id"],
-                       expected_seq_lens=job["lengths"])
+        if self._dataset is not None:
+            verify_against_dataset(batch.hs, batch.input_ids, batch.loss_mask, batch.seq_lens, job_id=job["job_id"],
+                                   samples=job["samples"], dataset=self._dataset)
+        else:
+            verify_pattern(batch.hs, batch.input_ids, batch.loss_mask, batch.seq_lens, job_id=job["job_id"],
+                           expected_seq_lens=job["lengths"])
         time.sleep(self.cost_per_token * job["num_tokens"])
         self._window.append(job["job_id"])
 
