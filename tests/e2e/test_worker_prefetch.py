@@ -27,6 +27,7 @@ def test_targets_and_drafters_hold_their_next_job_while_computing(run_dir, tmp_p
             return s and any(w["role"] == role and len(w["held"]) >= count for w in s["workers"])
         wait_for(lambda: holding("target", 2), 120, what="a target holding its prefetched job")
         wait_for(lambda: holding("drafter", 2), 120, what="a drafter holding its prefetched job")
+        wait_for(lambda: (lambda s: s and s["steps"] >= 1)(stats(run_dir)), 120, what="a committed step")
         # Heartbeats listed every job the workers held: the dispatcher never had to take one back.
         assert stats(run_dir)["given_back"].get("not_held", 0) == 0
         for proc in procs[1:]:
