@@ -91,6 +91,7 @@ class TargetSection:
     attn_implementation: str = opt("sdpa", "Attention kernel of the target forward (Hugging Face attn_implementation).")
     dtype: str = opt("auto", "Dtype of the target forward and captured states; auto = float32 for a model on CPU, else bfloat16.")
     max_restarts: int = opt(3, "Restarts hsd launch grants a crashed target.")
+    model: str = opt("", "Local Hugging Face model directory of the target.")
 
 
 @dataclass

@@ -35,10 +35,12 @@ REQUESTS: dict[str, tuple[str, ...]] = {
     "register": ("role", "name", "pid", "host"),
     # {ipc_block, num_slots} -> {}; a cuda_ipc target offers the slots it allocated on its GPU
     "register_slots": ("worker_id", "token", "ipc_block", "num_slots"),
-    # {holding: [job_id]} -> {done}; keeps the worker alive (a silent one is declared dead, its jobs
-    # given back). ``holding`` lists every job the worker holds (extracting, reading, consumed but not
-    # committed); a job the dispatcher thinks it holds, granted more than a heartbeat ago and not
-    # listed, is given back at once.
+    # {holding: [job_id], seen_grant?} -> {done}; keeps the worker alive (a silent one is declared
+    # dead, its jobs given back). ``holding`` lists every job the worker holds (extracting, reading,
+    # consumed but not committed); ``seen_grant`` is the ``grant`` number of the latest job it
+    # received (every job a get_job/get_hs hands out carries one, counting 1, 2, ... per session).
+    # A job the dispatcher thinks it holds, granted no later than seen_grant and not listed, is
+    # given back at once (it was dropped, or its reply was lost).
     "heartbeat": ("worker_id", "token", "holding"),
     # {wait_ms} -> {job: {...} | None, done: bool}; long-poll until a job and a slot are free
     "get_job": ("worker_id", "token", "wait_ms"),

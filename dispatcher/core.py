@@ -70,6 +70,7 @@ class Worker:
     slot_base: int = 0
     token: str = ""
     model: str | None = None  # drafter: the model it trains
+    num_grants: int = 0  # jobs handed to this session so far: each grant carries its number
 
 
 @dataclass
@@ -80,6 +81,7 @@ class JobGrant:
     seq_len: int
     samples: list[int]
     lengths: list[int]
+    grant_seq: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -89,7 +91,7 @@ class JobGrant:
         job = self.job
         wire = {"job_id": job.job_id, "epoch": job.epoch, "bucket": job.bucket, "seq_len": self.seq_len,
                 "samples": self.samples, "lengths": self.lengths, "num_tokens": self.num_tokens, "slot": self.slot,
-                "generation": job.generation, "owner": self.owner}
+                "generation": job.generation, "owner": self.owner, "grant": self.grant_seq}
         if ipc_block is not None:
             wire["ipc"] = ipc_block
         return wire
@@ -115,7 +117,16 @@ class CoreOptions:
                    epochs=config.run.epochs, run_seed=config.run.seed, buckets=list(config.schedule.buckets),
                    tokens_per_batch=config.schedule.tokens_per_batch, order=config.schedule.order,
                    heartbeat_s=config.dispatcher.heartbeat_s, build_ahead=True,
-                   allow_changed_data=config.data.allow_changed)
+                   allow_changed_data=config.data.allow_changed, contract=run_contract(config))
+
+
+def run_contract(config: Config) -> dict[str, Any] | None:
+    """The capture contract the run's slots are laid out for: from the target model's config.json when
+    the run has a real target; None for a sim run (then the first worker that declares one sets it)."""
+    if config.target.sim or not config.target.model:
+        return None
+    from common.capture_contract import contract_from_config
+    return contract_from_config(config).to_dict()
 
 
 @dataclass
@@ -274,8 +285,11 @@ class DispatcherCore:
         samples = schedule.samples_of(index)
         owner = self.pool.slots[slot_id].owner
         base = self.workers[owner].slot_base if owner else 0
+        holder = self.workers[job.holder]
+        holder.num_grants += 1
+        job.grant_seq = holder.num_grants
         return JobGrant(job, slot_id - base, owner, schedule.buckets[job.bucket].max_len, samples,
-                        self.lengths[samples].tolist())
+                        self.lengths[samples].tolist(), job.grant_seq)
 
     # -- snapshots --------------------------------------------------------------------------
     def maybe_snapshot(self, *, force: bool = False) -> bool:
@@ -335,11 +349,15 @@ class DispatcherCore:
         return worker
 
     def _check_contract(self, role: str, name: str, contract: dict[str, Any]) -> None:
+        from common.capture_contract import check_same_contract
         if self.contract is None:
             self.contract = dict(contract)
             log.info("capture contract of this run (from %s %s): %s", role, name, self.contract)
-        elif dict(contract) != self.contract:
-            raise Incompatible(f"{role} {name} has capture contract {dict(contract)}, but this run's is {self.contract}")
+            return
+        try:
+            check_same_contract(self.contract, contract, ours_name="this run", theirs_name=f"{role} {name}")
+        except ValueError as exc:
+            raise Incompatible(str(exc)) from None
 
     def _rollback(self, model: str, step: int) -> None:
         for worker in self.workers.values():  # another session of this model: its uncommitted work is void
@@ -387,16 +405,21 @@ class DispatcherCore:
             worker.last_seen = now
         return worker
 
-    def heartbeat(self, worker_id: str, now: float, holding: list[int] | None = None) -> None:
-        """Keeps the worker alive (leases are not renewed: a lease bounds one job's time). A job the
-        ledger says it holds, granted more than a heartbeat ago but not in ``holding``, never
-        reached it (a reply lost on a reset socket) or was dropped: it is given back at once."""
+    def heartbeat(self, worker_id: str, now: float, holding: list[int] | None = None,
+                  seen_grant: int | None = None) -> None:
+        """Keeps the worker alive (leases are not renewed: a lease bounds one job's time).
+
+        ``holding`` lists the jobs the worker holds and ``seen_grant`` the number of the latest grant
+        it received. A job the ledger says it holds, granted no later than that, but not listed, was
+        dropped or never reached it (a reply lost on a reset socket, which a later grant reveals): it
+        is given back at once. Judging by grant numbers, not by time, a slow reply is never mistaken
+        for a lost one."""
         self.worker(worker_id, now)
-        if holding is None:
+        if holding is None or seen_grant is None:
             return
         listed = set(holding)
         for job in self.ledger.held_by(worker_id):
-            if job.job_id not in listed and now - job.granted_at > self.options.heartbeat_s:
+            if job.job_id not in listed and job.grant_seq <= seen_grant:
                 self._give_back(job, "not_held")
 
     def deregister(self, worker_id: str, now: float, reason: str = "left") -> None:
@@ -428,10 +451,10 @@ class DispatcherCore:
         slot_id, holder = job.slot, job.holder
         previous = self.ledger.give_back(job)
         if previous is JobState.EXTRACTING:
-            if reason in ("dead", "left", "replaced"):
-                self.pool.abort_write(slot_id)
-            else:  # the writer may still be writing into it
+            if reason == "lease_expired":  # the writer may still be writing into it
                 self.pool.quarantine(slot_id)
+            else:  # the writer is gone, or says it does not hold the job
+                self.pool.abort_write(slot_id)
         elif previous is JobState.TRAINING:
             if slot_id in self.pool.slots:
                 self.pool.unread(slot_id, epoch=job.epoch, bucket=job.bucket)

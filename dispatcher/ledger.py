@@ -72,6 +72,7 @@ class Job:
     generation: int = 0
     lease_deadline: float = 0.0
     granted_at: float = 0.0  # when the current holder was handed the job
+    grant_seq: int = 0       # the holder's grant counter when it was handed the job
 
 
 @dataclass
@@ -189,7 +190,12 @@ class JobLedger:
     # -- queries ----------------------------------------------------------------------------
     def peek_pending(self) -> int | None:
         """The job id at the head of the pending queue (schedule order across epochs), or None."""
-        head = self._returned[0] if self._returned else None
+        returned = self._returned
+        # An entry goes stale when its job left pending another way (a replayed commit after a
+        # replayed rollback): drop those lazily.
+        while returned and self.state_of(returned[0]) is not JobState.PENDING:
+            heapq.heappop(returned)
+        head = returned[0] if returned else None
         for epoch in sorted(self.epochs):
             progress = self.epochs[epoch]
             while progress.cursor < progress.num_jobs and progress.state[progress.cursor] != _PENDING:

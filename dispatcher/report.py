@@ -22,17 +22,6 @@ from dispatcher.schedule import load_schedule
 STAGES = ("target", "drafter")
 
 
-def _live_commits(events: list[dict]) -> list[dict]:
-    """Commits the ledger still holds: a rollback of a model to step s voids its commits after s."""
-    live: list[dict] = []
-    for e in events:
-        if e["ev"] == "commit":
-            live.append(e)
-        elif e["ev"] == "rollback":
-            live = [c for c in live if c.get("model") != e["model"] or c["step"] <= e["step"]]
-    return live
-
-
 def witness(run_dir: Path, epoch_jobs: dict[int, int]) -> dict[str, Any]:
     """Judge exactly-once by the models' own records, never by the ledger: every job of ``epoch_jobs``
     must appear exactly once over the latest checkpoints of every model."""
@@ -48,77 +37,123 @@ def witness(run_dir: Path, epoch_jobs: dict[int, int]) -> dict[str, Any]:
             "witness_duplicates": duplicates, "witness_missing": missing}
 
 
-def _alive_seconds(events: list[dict], end: float) -> dict[str, float]:
-    """Sum over workers of each stage of the time between joining and leaving (or the run's end)."""
-    joined: dict[str, tuple[str, float]] = {}
-    alive: Counter = Counter()
-    for e in events:
-        if e["ev"] == "join":
-            joined[e["w"]] = (e["role"], e["t"])
-        elif e["ev"] == "leave" and e["w"] in joined:
-            role, since = joined.pop(e["w"])
-            alive[role] += e["t"] - since
-        elif e["ev"] in ("start", "stop"):  # a dispatcher restart forgets every worker
-            for role, since in joined.values():
-                alive[role] += e["t"] - since
-            joined.clear()
-    for role, since in joined.values():
-        alive[role] += end - since
-    return dict(alive)
+class _ReportPass:
+    """One streaming pass over the journal: what the report needs, never the whole list of events.
+
+    Memory grows with the live state (the commits the ledger still holds, one int per scheduled
+    job for the consumed order), not with the number of events."""
+
+    def __init__(self) -> None:
+        self.first_t: float | None = None
+        self.last_t = 0.0
+        self.epoch_jobs: dict[int, int] = {}
+        self.epochs_committed: set[int] = set()
+        self.commits: dict[str, list[dict]] = defaultdict(list)  # model -> its live commits, in order
+        self.consumed_at: dict[int, np.ndarray] = {}  # epoch -> position of each job's last consumed event
+        self.num_consumed = 0
+        self.joined: dict[str, tuple[str, float]] = {}
+        self.alive: Counter = Counter()
+        self.busy_target = 0.0
+        self.tokens_target = 0
+        self.given_back: Counter = Counter()
+        self.num_starts = 0
+        self.stopped_done = False
+
+    def add(self, e: dict) -> None:
+        kind, t = e["ev"], e["t"]
+        if self.first_t is None:
+            self.first_t = t
+        self.last_t = t
+        if kind == "commit":
+            self.commits[e.get("model", e.get("w", ""))].append(
+                {k: e.get(k) for k in ("step", "jobs", "buckets", "avail", "mixed", "tokens", "busy_s", "verified")})
+        elif kind == "rollback":
+            self.commits[e["model"]] = [c for c in self.commits[e["model"]] if c["step"] <= e["step"]]
+        elif kind == "consumed":
+            epoch, index = split_job_id(e["job"])
+            positions = self.consumed_at.get(epoch)
+            if positions is not None and index < len(positions):
+                positions[index] = self.num_consumed
+            self.num_consumed += 1
+        elif kind == "ready":
+            self.busy_target += e.get("busy_s", 0.0)
+            self.tokens_target += e.get("tokens", 0)
+        elif kind == "epoch":
+            if e["epoch"] not in self.epoch_jobs:
+                self.epoch_jobs[e["epoch"]] = e["jobs"]
+                self.consumed_at[e["epoch"]] = np.full(e["jobs"], -1, dtype=np.int64)
+        elif kind == "epoch_committed":
+            self.epochs_committed.add(e["epoch"])
+        elif kind == "give_back":
+            self.given_back[e["reason"].split(":")[0]] += 1
+        elif kind == "join":
+            self.joined[e["w"]] = (e["role"], t)
+        elif kind == "leave" and e["w"] in self.joined:
+            role, since = self.joined.pop(e["w"])
+            self.alive[role] += t - since
+        elif kind in ("start", "stop"):  # a dispatcher restart forgets every worker
+            for role, since in self.joined.values():
+                self.alive[role] += t - since
+            self.joined.clear()
+            if kind == "start":
+                self.num_starts += 1
+            elif e.get("done"):
+                self.stopped_done = True
+
+    def close(self) -> None:
+        for role, since in self.joined.values():
+            self.alive[role] += self.last_t - since
+        self.joined.clear()
 
 
 def build_report(run_dir: str | os.PathLike) -> dict[str, Any]:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory {run_dir} does not exist")
-    events = list(read_journal(run_dir))
-    if not events:
+    run = _ReportPass()
+    for event in read_journal(run_dir):
+        run.add(event)
+    if run.first_t is None:
         raise FileNotFoundError(f"{run_dir} holds no journal: is it a run directory?")
-    epochs = sorted({e["epoch"] for e in events if e["ev"] == "epoch"})
+    run.close()
+    epochs = sorted(run.epoch_jobs)
     schedules = {epoch: load_schedule(run_dir, epoch) for epoch in epochs}
     jobs_total = sum(s.num_jobs for s in schedules.values() if s is not None)
-    commits = _live_commits(events)
-    committed_jobs = [job for c in commits for job in c["jobs"]]
-    distinct = set(committed_jobs)
+    commits = [c for model_commits in run.commits.values() for c in model_commits]
+    num_committed_entries = sum(len(c["jobs"]) for c in commits)
+    committed_per_epoch: Counter = Counter()
+    distinct: set[int] = set()
+    for c in commits:
+        for job in c["jobs"]:
+            if job not in distinct:
+                distinct.add(job)
+                committed_per_epoch[split_job_id(job)[0]] += 1
 
     # step_mix: the step took a new bucket at every pull where an eligible new one was ready, i.e. it
     # covers min(accum, buckets available) with availability judged at each pull. The stricter
     # step_mix_at_open judges it once, when the step's window opened (other drafters may take those).
-    mixed = sum(1 for c in commits if c.get("mixed", True))
+    mixed = sum(1 for c in commits if c.get("mixed", True) is not False)
     mixed_at_open = sum(1 for c in commits if len(c["buckets"]) >= min(len(c["jobs"]), c.get("avail") or 0))
-
-    last_consumed: dict[int, int] = {}
-    consumed_events = [e for e in events if e["ev"] == "consumed"]
-    for position, e in enumerate(consumed_events):
-        last_consumed[e["job"]] = position
-    streams: dict[int, list[int]] = defaultdict(list)
-    for job_id, _ in sorted(last_consumed.items(), key=lambda item: item[1]):
-        epoch = split_job_id(job_id)[0]
-        schedule = schedules.get(epoch)
-        if schedule is not None:
-            streams[epoch].append(schedule.bucket_of(split_job_id(job_id)[1]))
 
     per_epoch = []
     for epoch, schedule in schedules.items():
         if schedule is None:
             continue
         totals = schedule.bucket_totals
-        stream = streams.get(epoch, [])
-        per_epoch.append({"epoch": epoch, "jobs": schedule.num_jobs,
-                          "committed": sum(1 for j in distinct if split_job_id(j)[0] == epoch),
-                          "schedule_prefix_deviation": round(schedule.prefix_deviation, 3),
-                          "consumed_prefix_deviation": round(prefix_deviation_array(np.asarray(stream), totals), 3),
-                          "schedule_tail_skew": round(schedule.figures()["tail_skew"] if schedule.saved_figures is None
-                                                      else schedule.saved_figures["tail_skew"], 4),
-                          "consumed_tail_skew": round(tail_skew(stream, dict(totals)), 4)})
+        positions = run.consumed_at[epoch]
+        taken = np.flatnonzero(positions >= 0)
+        stream = np.asarray(schedule.job_bucket)[taken[np.argsort(positions[taken], kind="stable")]]
+        figures = schedule.saved_figures or schedule.figures()
+        per_epoch.append({"epoch": epoch, "jobs": schedule.num_jobs, "committed": committed_per_epoch[epoch],
+                          "schedule_prefix_deviation": round(figures["prefix_deviation"], 3),
+                          "consumed_prefix_deviation": round(prefix_deviation_array(stream, totals), 3),
+                          "schedule_tail_skew": round(figures["tail_skew"], 4),
+                          "consumed_tail_skew": round(tail_skew(stream.tolist(), dict(totals)), 4)})
 
-    start, end = events[0]["t"], events[-1]["t"]
-    wall_s = max(end - start, 1e-9)
-    alive = _alive_seconds(events, end)
-    busy = {"target": sum(e.get("busy_s", 0.0) for e in events if e["ev"] == "ready"),
-            "drafter": sum(c.get("busy_s", 0.0) for c in commits)}
-    tokens = {"target": sum(e.get("tokens", 0) for e in events if e["ev"] == "ready"),
-              "drafter": sum(c.get("tokens", 0) for c in commits)}
+    wall_s = max(run.last_t - run.first_t, 1e-9)
+    alive = dict(run.alive)
+    busy = {"target": run.busy_target, "drafter": sum(c.get("busy_s") or 0.0 for c in commits)}
+    tokens = {"target": run.tokens_target, "drafter": sum(c.get("tokens") or 0 for c in commits)}
     stages = {}
     for stage in STAGES:
         capacity = tokens[stage] / busy[stage] * alive.get(stage, 0.0) / wall_s if busy[stage] else 0.0
@@ -126,9 +161,8 @@ def build_report(run_dir: str | os.PathLike) -> dict[str, Any]:
                          "tokens_per_s": round(tokens[stage] / wall_s, 1),
                          "capacity_tokens_per_s": round(capacity, 1)}
     slower = min((s["capacity_tokens_per_s"] for s in stages.values() if s["capacity_tokens_per_s"]), default=0.0)
-    epochs_committed = [e["epoch"] for e in events if e["ev"] == "epoch_committed"]
-    finished = bool(epochs) and all(e in epochs_committed for e in epochs) and any(
-        e["ev"] == "stop" and e.get("done") for e in events)
+    epochs_committed = run.epochs_committed
+    finished = bool(epochs) and all(e in epochs_committed for e in epochs) and run.stopped_done
     scope = {e: schedules[e].num_jobs for e in epochs if schedules.get(e) is not None
              and (finished or e in epochs_committed)}
     return {
@@ -138,12 +172,12 @@ def build_report(run_dir: str | os.PathLike) -> dict[str, Any]:
         "epochs": len(epochs),
         "jobs_total": jobs_total,
         "committed": len(distinct),
-        "duplicates": len(committed_jobs) - len(distinct),
+        "duplicates": num_committed_entries - len(distinct),
         # A finished run that misses a job lost it; an unfinished one has it still to do.
         "lost": jobs_total - len(distinct) if finished else 0,
         "uncommitted": jobs_total - len(distinct),
-        "slots_verified": sum(c.get("verified", 0) for c in commits),
-        "given_back": dict(Counter(e["reason"] for e in events if e["ev"] == "give_back")),
+        "slots_verified": sum(c.get("verified") or 0 for c in commits),
+        "given_back": dict(run.given_back),
         "steps": len(commits),
         "step_mix": round(mixed / len(commits), 4) if commits else 0.0,
         "step_mix_at_open": round(mixed_at_open / len(commits), 4) if commits else 0.0,
@@ -156,7 +190,7 @@ def build_report(run_dir: str | os.PathLike) -> dict[str, Any]:
         "wall_s": round(wall_s, 3),
         "stages": stages,
         "pipeline_efficiency": round(stages["drafter"]["tokens_per_s"] / slower, 4) if slower else 0.0,
-        "restarts": sum(1 for e in events if e["ev"] == "start") - 1,
+        "restarts": run.num_starts - 1,
     }
 
 

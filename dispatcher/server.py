@@ -261,8 +261,11 @@ class DispatcherServer:
             holding = field_of(f, "holding", list)
             if not all(isinstance(j, int) and not isinstance(j, bool) for j in holding):
                 raise ProtocolError(ErrorCode.MALFORMED, "holding must be a list of job ids")
+            seen_grant = f.get("seen_grant")
+            if seen_grant is not None and (not isinstance(seen_grant, int) or isinstance(seen_grant, bool)):
+                raise ProtocolError(ErrorCode.MALFORMED, "seen_grant must be an integer")
             given_back = core.counters.given_back["not_held"]
-            core.heartbeat(worker_id, now, holding)
+            core.heartbeat(worker_id, now, holding, seen_grant)
             return protocol.ok_reply(request.id, done=core.done), core.counters.given_back["not_held"] != given_back
         if op in ("get_job", "get_hs"):
             wait_ms = min(max(0, field_of(f, "wait_ms", int)), MAX_WAIT_MS)

@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 
 from core_harness import Sim, all_job_ids, make_core, register
-from dispatcher.core import DONE, UnknownWorker
+from dispatcher.core import DONE, Incompatible, UnknownWorker
 from dispatcher.journal import read_journal
 from dispatcher.ledger import JobState, LedgerError, make_job_id
 from dispatcher.schedule import load_schedule
@@ -309,3 +309,44 @@ def test_jobs_given_back_behind_a_full_pool_of_the_next_epoch_do_not_deadlock(tm
     core.job_ready(t0, grant.job.job_id, grant.job.generation, 0.0, 3.0)
     hs2, _ = core.get_hs(d1, 3.0)
     assert hs2.job.epoch == 0                     # and epoch 0 is served again as soon as it is ready
+
+
+def test_heartbeat_gives_back_a_dropped_job_but_not_one_whose_grant_is_still_on_its_way(tmp_path):
+    core = make_core(tmp_path, epochs=1, credits=3)
+    (t,) = register(core, "target", 1)
+    first, second = core.get_job(t, 1.0), core.get_job(t, 1.0)
+    assert (first.grant_seq, second.grant_seq) == (1, 2)
+    core.heartbeat(t, 50.0, holding=[], seen_grant=0)       # neither grant has arrived yet: slow, not lost
+    assert first.job.state is JobState.EXTRACTING and second.job.state is JobState.EXTRACTING
+    core.heartbeat(t, 51.0, holding=[second.job.job_id], seen_grant=2)   # the first reply was lost
+    assert core.ledger.state_of(first.job.job_id) is JobState.PENDING
+    assert second.job.state is JobState.EXTRACTING
+    assert core.counters.given_back["not_held"] == 1 and core.pool.counts()["quarantined"] == 0
+
+
+def test_a_slot_whose_writer_lost_its_lease_is_quarantined_until_the_writer_is_gone(tmp_path):
+    core = make_core(tmp_path, epochs=1, shared_slots=2, credits=1, lease_s=5.0)
+    t0, t1 = register(core, "target", 2)
+    late = core.get_job(t0, 1.0)
+    core.heartbeat(t0, 7.0)
+    core.sweep(7.0, is_alive=lambda w: True)                 # t0's lease lapsed, t0 itself still alive
+    assert core.ledger.state_of(late.job.job_id) is JobState.PENDING
+    assert core.pool.counts()["quarantined"] == 1
+    again = core.get_job(t1, 7.0)                             # the job goes to t1, into the other slot
+    assert again.job.job_id == late.job.job_id and again.slot != late.slot
+    assert core.get_job(t0, 7.0) is None                      # t0's credit is still tied to the quarantined slot
+    core.deregister(t0, 8.0)
+    assert core.pool.counts()["quarantined"] == 0 and core.pool.counts()["free"] == 1
+
+
+def test_a_worker_whose_capture_contract_differs_is_refused_naming_both(tmp_path):
+    core = make_core(tmp_path, epochs=1)
+    contract = {"architecture": "Qwen3ForCausalLM", "num_layers": 8, "hidden_size": 64, "layer_ids": [1, 3, 5],
+                "dtype": "float32"}
+    core.register(role="target", name="target-0", pid=1, host="h", gpu=None, now=0.0, contract=contract)
+    core.register(role="drafter", name="drafter-0", pid=2, host="h", gpu=None, now=0.0, contract=dict(contract))
+    with pytest.raises(Incompatible) as refused:
+        core.register(role="drafter", name="drafter-1", pid=3, host="h", gpu=None, now=0.0,
+                      contract={**contract, "layer_ids": [1, 4, 6]})
+    message = str(refused.value)
+    assert "this run" in message and "drafter drafter-1" in message and "[1, 3, 5]" in message and "[1, 4, 6]" in message

@@ -181,3 +181,16 @@ def test_counts_through_a_random_walk():
             step = rng.randrange(step + 1)
             ledger.rollback("m", step)
         check_counts(ledger)
+
+
+def test_a_job_committed_again_after_a_replayed_rollback_is_not_handed_out():
+    """Replaying the journal: commit, rollback (back to pending), commit again. The job must not come
+    out of the pending queue once it is committed again."""
+    ledger = ledger_with([0, 1, 0])
+    ledger.restore_commit("m", 1, [0, 1])
+    ledger.rollback("m", 0)
+    ledger.restore_commit("m", 1, [0, 1])
+    assert ledger.peek_pending() == 2
+    assert ledger.start_extract("t0", 0, 1, 0.0, 10.0).job_id == 2
+    assert ledger.peek_pending() is None
+    check_counts(ledger)

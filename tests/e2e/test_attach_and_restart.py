@@ -45,4 +45,5 @@ def test_late_drafter_and_dispatcher_restart_keep_exactly_once(run_dir, tmp_path
     r = report(run_dir)
     assert r["restarts"] == 1
     assert (r["committed"], r["duplicates"], r["lost"]) == (r["jobs_total"], 0, 0)
+    assert (r["witness_duplicates"], r["witness_missing"]) == (0, 0)   # judged by the models themselves
     assert r["slots_verified"] >= r["jobs_total"]

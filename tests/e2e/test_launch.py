@@ -23,6 +23,7 @@ def test_launch_5_targets_3_drafters_two_epochs_exactly_once(run_dir):
     assert r["finished"] and r["epochs"] == 2
     assert r["jobs_total"] > 100
     assert (r["committed"], r["duplicates"], r["lost"]) == (r["jobs_total"], 0, 0)
+    assert (r["witness_duplicates"], r["witness_missing"]) == (0, 0)   # judged by the models themselves
     assert r["step_mix"] >= 0.99
     assert r["prefix_deviation"]["consumed"] <= 3
     assert r["prefix_deviation"]["schedule"] <= 2
@@ -50,6 +51,7 @@ def test_sigkilled_target_job_is_extracted_again(run_dir, tmp_path):
         kill_tree(launch)
     r = report(run_dir)
     assert (r["committed"], r["duplicates"], r["lost"]) == (r["jobs_total"], 0, 0)
+    assert (r["witness_duplicates"], r["witness_missing"]) == (0, 0)   # judged by the models themselves
     assert r["given_back"].get("dead", 0) >= 1
     events = list(read_journal(run_dir))
     given_back = {e["job"] for e in events if e["ev"] == "give_back" and e["was"] == "extracting"}
@@ -102,12 +104,17 @@ def test_sigkill_everything_then_relaunch_resumes_and_sweeps_shm(run_dir, tmp_pa
         kill_tree(launch)
     stale = list_segments(run_id)
     assert stale
+    with open(run_dir / "journal.jsonl", "ab") as journal:   # a power cut in the middle of a record
+        journal.write(b'0badc0de {"ev":"rollback","model":"drafter-0","st')
     proc = hsd("launch", *args, timeout=240)
     assert "run complete: every epoch committed" in proc.stderr
     assert not any(s.name == stale[0].name for s in list_segments(run_id))
     r = report(run_dir)
     assert r["restarts"] == 2
+    joined = [e["w"] for e in read_journal(run_dir) if e["ev"] == "join"]
+    assert len(joined) == len(set(joined)), "a worker id was handed out twice"
     assert (r["committed"], r["duplicates"], r["lost"]) == (r["jobs_total"], 0, 0)
+    assert (r["witness_duplicates"], r["witness_missing"]) == (0, 0)   # judged by the models themselves
 
 
 def test_launch_2_targets_2_drafters_verifies_every_slot(run_dir):
@@ -115,6 +122,7 @@ def test_launch_2_targets_2_drafters_verifies_every_slot(run_dir):
     assert "run complete: every epoch committed" in proc.stderr
     r = report(run_dir)
     assert (r["committed"], r["duplicates"], r["lost"]) == (r["jobs_total"], 0, 0)
+    assert (r["witness_duplicates"], r["witness_missing"]) == (0, 0)   # judged by the models themselves
     # each sim drafter checked every slot it read against the pattern its target wrote
     assert r["slots_verified"] == r["jobs_total"]
     assert "SlotIntegrityError" not in proc.stdout and "StaleSlotError" not in proc.stdout
@@ -162,3 +170,4 @@ def test_launch_over_loopback_tcp(run_dir):
     assert "run complete: every epoch committed" in proc.stderr
     r = report(run_dir)
     assert (r["committed"], r["duplicates"], r["lost"]) == (r["jobs_total"], 0, 0)
+    assert (r["witness_duplicates"], r["witness_missing"]) == (0, 0)   # judged by the models themselves

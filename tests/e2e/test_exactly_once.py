@@ -1,0 +1,124 @@
+"""Exactly-once judged by the witness (the models' own trained-job records), under the failures that
+used to break it: a drafter restarting from an older checkpoint while the dispatcher runs, an fsync
+that fails, and a flood of requests under other workers' ids."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+from common.client import DispatcherClient, DispatcherUnavailable
+from common.protocol import ErrorCode, ProtocolError
+from common.witness import TrainedJobs, latest_checkpoint, list_models, save_checkpoint
+from dispatcher.journal import FAULT_FSYNC_ENV, read_journal
+from hsd_testing import hsd, kill_tree, report, sim_args, start_hsd, stats, wait_for
+
+
+def exact(r: dict) -> bool:
+    return (r["committed"], r["witness_duplicates"], r["witness_missing"]) == (r["jobs_total"], 0, 0)
+
+
+def test_witness_catches_a_job_trained_twice_and_one_never_trained(run_dir):
+    hsd("launch", *sim_args(run_dir, "run.epochs=1", "target.count=2", "drafter.count=2"), timeout=300)
+    r = report(run_dir)
+    assert exact(r) and r["duplicates"] == 0
+    # Plant both faults in one model's final record: the ledger's own figures cannot see them.
+    model = list_models(run_dir)[0]
+    checkpoint = latest_checkpoint(run_dir, model)
+    trained = list(checkpoint.trained_jobs())
+    planted = TrainedJobs(trained[1:] + [trained[-1]])   # the first job never trained, the last one twice
+    save_checkpoint(run_dir, model, checkpoint.step, planted)
+    r = report(run_dir)
+    assert (r["witness_duplicates"], r["witness_missing"]) == (1, 1)
+    assert (r["duplicates"], r["lost"]) == (0, 0)        # what the ledger alone would have said
+    text = hsd("report", "--run-dir", str(run_dir)).stdout
+    assert "duplicates 1  missing 1" in text
+
+
+def test_drafter_restarts_from_an_older_checkpoint_while_the_dispatcher_runs(run_dir, tmp_path):
+    args = sim_args(run_dir, "run.epochs=1", "target.count=2", "drafter.count=2", "drafter.checkpoint_every=4",
+                    "target.sim_cost_per_token=3e-5")
+    launch = start_hsd("launch", *args, log_path=tmp_path / "launch.log")
+    try:
+        def a_drafter_between_checkpoints():
+            s = stats(run_dir)
+            if not s:
+                return None
+            for model, state in (s.get("models") or {}).items():
+                if state["step"] >= 5 and state["step"] > state["checkpoint"]:
+                    return model
+            return None
+        model = wait_for(a_drafter_between_checkpoints, 120, interval=0.05, what="a model past its checkpoint")
+        victim = next(w for w in stats(run_dir)["workers"] if w["name"] == model)
+        os.kill(victim["pid"], signal.SIGKILL)   # it comes back (hsd launch restarts it) from its checkpoint
+        assert launch.wait(timeout=240) == 0, (tmp_path / "launch.log").read_text()[-3000:]
+    finally:
+        kill_tree(launch)
+    rollbacks = [e for e in read_journal(run_dir) if e["ev"] == "rollback" and e["model"] == model and e["jobs"]]
+    assert rollbacks, "the restarted drafter's commits after its checkpoint went back to pending"
+    assert exact(report(run_dir))
+
+
+def test_fsync_failure_stops_the_dispatcher_and_a_relaunch_finishes_exactly_once(run_dir, tmp_path):
+    args = sim_args(run_dir, "run.epochs=1", "target.count=2", "drafter.count=2")
+    env = dict(os.environ, **{FAULT_FSYNC_ENV: "12"})
+    started = time.monotonic()
+    proc = hsd_with_env(env, "launch", *args, timeout=180)
+    assert proc.returncode != 0
+    assert time.monotonic() - started < 150, "a held reply or a worker hung"
+    assert "fail closed" in proc.stdout + proc.stderr
+    assert "fsync" in proc.stdout + proc.stderr
+    r = report(run_dir)
+    assert not r["finished"] and r["witness_duplicates"] == 0
+    hsd("launch", *args, timeout=300)
+    assert exact(report(run_dir))
+
+
+def hsd_with_env(env, *args, timeout):
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-m", "dispatcher.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_requests_under_other_workers_ids_without_their_tokens_are_refused(run_dir, tmp_path):
+    args = sim_args(run_dir, "run.epochs=1", "target.count=2", "drafter.count=2")
+    launch = start_hsd("launch", *args, log_path=tmp_path / "launch.log")
+    refusals, others = [], []
+    stop = threading.Event()
+
+    def flood():
+        client = DispatcherClient(f"ipc://{run_dir / 'control.sock'}", timeout_s=2)
+        try:
+            while not stop.is_set():
+                s = stats(run_dir)
+                for w in (s or {}).get("workers", []):
+                    for op, fields in (("get_job", {"wait_ms": 0}), ("heartbeat", {"holding": []}),
+                                       ("deregister", {}), ("get_hs", {"wait_ms": 0})):
+                        try:
+                            client.call(op, worker_id=w["id"], token="forged", **fields)
+                            others.append(op)
+                        except ProtocolError as exc:
+                            if exc.code == ErrorCode.UNAUTHORIZED:
+                                refusals.append(exc.code)
+                            elif exc.code != ErrorCode.UNKNOWN_WORKER:   # a worker that just left
+                                others.append(exc.code)
+                        except DispatcherUnavailable:
+                            pass
+        finally:
+            client.close()
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    try:
+        wait_for(lambda: stats(run_dir), 60, what="the dispatcher")
+        flooder.start()
+        assert launch.wait(timeout=240) == 0, (tmp_path / "launch.log").read_text()[-3000:]
+    finally:
+        stop.set()
+        flooder.join(timeout=10)
+        kill_tree(launch)
+    assert len(refusals) > 100 and not others
+    r = report(run_dir)
+    assert exact(r) and not r["given_back"]   # nobody's work was taken away
