@@ -20,7 +20,6 @@ header store).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 

@@ -52,6 +52,7 @@ class WorkerSession:
         self.gpu = gpu
         self.endpoint = config.control_endpoint
         self.held = HeldJobs()
+        self.seen_grant = 0  # the grant number of the latest job received in this session
         self.channel = ControlChannel(self.endpoint, secret=config.dispatcher.secret, on_reply=self._on_reply,
                                       name=name)
         self.worker_id: str | None = None
@@ -64,7 +65,9 @@ class WorkerSession:
         if fields.get("worker_id") != self.worker_id:
             return  # a late reply to a previous registration: its jobs went back with it
         if op in _GRANTS and reply.get("ok") and reply.get("job"):
-            self.held.add(reply["job"]["job_id"], reply["job"].get("grant", 0))
+            job = reply["job"]
+            self.held.add(job["job_id"])
+            self.seen_grant = max(self.seen_grant, job.get("grant", 0))
         elif op in _RELEASES:
             self.held.discard([fields["job_id"]])
         elif op == "commit_step" and reply.get("ok"):
@@ -73,7 +76,10 @@ class WorkerSession:
     def _heartbeat_fields(self) -> dict[str, Any] | None:
         if self.worker_id is None:
             return None
-        return {"worker_id": self.worker_id, "token": self.token, **self.held.heartbeat_fields()}
+        # Both are written on the I/O thread that calls this: a grant counted in seen_grant is listed
+        # in holding unless the worker already reported or dropped it.
+        return {"worker_id": self.worker_id, "token": self.token, "holding": self.held.snapshot(),
+                "seen_grant": self.seen_grant}
 
     # -- registration -------------------------------------------------------------------------
     def register(self, **extra: Any) -> dict[str, Any]:
@@ -84,6 +90,7 @@ class WorkerSession:
         """
         self.worker_id = self.token = None
         self.held.clear()
+        self.seen_grant = 0
         self.channel.set_heartbeat(None)
         fields = {k: v for k, v in extra.items() if v is not None}
         deadline = time.monotonic() + RECONNECT_S

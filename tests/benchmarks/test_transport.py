@@ -7,6 +7,7 @@ about bandwidth.
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -39,7 +40,7 @@ def test_bench_transport_json_and_clean_exit():
                              "--seconds", "0.5", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     seen = set()
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 240  # a shared 2-core host can slow the benchmark a lot
     while True:
         seen |= session_pids(proc.pid)
         try:
@@ -47,7 +48,11 @@ def test_bench_transport_json_and_clean_exit():
             break
         except subprocess.TimeoutExpired:
             if time.monotonic() > deadline:
-                proc.kill()
+                for pid in session_pids(proc.pid):  # the whole benchmark, not just its parent
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
                 raise
     assert proc.returncode == 0, err[-4000:]
     assert len(seen) >= 4, f"expected the benchmark to start its own processes, saw {seen}"
