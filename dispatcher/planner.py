@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import Config, ConfigError, load_config
-from dispatcher.journal import read_journal
+from dispatcher.report import read_run
 
 STAGES = ("target", "drafter")
 
@@ -97,30 +97,16 @@ def rates_from_config(config: Config, source: str = "the sim cost model") -> Sta
 def measured_work(run_dir: str | os.PathLike) -> dict[str, dict[str, float]]:
     """Tokens and busy seconds per stage from a run's journal, and how many workers each stage had.
 
-    Target work is every extraction that reached ``ready``; drafter work is every commit that a
-    later restart did not revert (reverted steps were redone, and their time is not throughput).
+    Target work is every extraction that reached ``ready``; drafter work is every commit the ledger
+    still holds (a step rolled back was redone, and its time is not throughput).
     """
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise FileNotFoundError(f"run directory {run_dir} does not exist")
-    events = list(read_journal(run_dir))
-    if not events:
-        raise FileNotFoundError(f"{run_dir} holds no journal: is it a run directory?")
-    reverted = {step for e in events if e["ev"] == "revert" for step in e["steps"]}
-    work = {stage: {"tokens": 0.0, "busy_s": 0.0, "workers": 0} for stage in STAGES}
-    names: dict[str, set[str]] = {stage: set() for stage in STAGES}
-    for e in events:
-        if e["ev"] == "ready":
-            work["target"]["tokens"] += e.get("tokens", 0)
-            work["target"]["busy_s"] += e.get("busy_s", 0.0)
-        elif e["ev"] == "commit" and e["step"] not in reverted:
-            work["drafter"]["tokens"] += e.get("tokens", 0)
-            work["drafter"]["busy_s"] += e.get("busy_s", 0.0)
-        elif e["ev"] == "join" and e.get("role") in names:
-            names[e["role"]].add(e.get("name") or e["w"])
-    for stage in STAGES:
-        work[stage]["workers"] = len(names[stage])
-    return work
+    run = read_run(run_dir)
+    commits = [c for model_commits in run.commits.values() for c in model_commits]
+    return {"target": {"tokens": float(run.tokens_target), "busy_s": run.busy_target,
+                       "workers": len(run.worker_names["target"])},
+            "drafter": {"tokens": float(sum(c.get("tokens") or 0 for c in commits)),
+                        "busy_s": sum(c.get("busy_s") or 0.0 for c in commits),
+                        "workers": len(run.worker_names["drafter"])}}
 
 
 def rates_from_run(run_dir: str | os.PathLike) -> StageRates:

@@ -52,6 +52,7 @@ class _ReportPass:
         self.consumed_at: dict[int, np.ndarray] = {}  # epoch -> position of each job's last consumed event
         self.num_consumed = 0
         self.joined: dict[str, tuple[str, float]] = {}
+        self.worker_names: dict[str, set[str]] = defaultdict(set)  # role -> names that ever joined
         self.alive: Counter = Counter()
         self.busy_target = 0.0
         self.tokens_target = 0
@@ -88,6 +89,7 @@ class _ReportPass:
             self.given_back[e["reason"].split(":")[0]] += 1
         elif kind == "join":
             self.joined[e["w"]] = (e["role"], t)
+            self.worker_names[e["role"]].add(e.get("name") or e["w"])
         elif kind == "leave" and e["w"] in self.joined:
             role, since = self.joined.pop(e["w"])
             self.alive[role] += t - since
@@ -106,7 +108,8 @@ class _ReportPass:
         self.joined.clear()
 
 
-def build_report(run_dir: str | os.PathLike) -> dict[str, Any]:
+def read_run(run_dir: str | os.PathLike) -> _ReportPass:
+    """One pass over a run's journal (every segment)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory {run_dir} does not exist")
@@ -116,6 +119,12 @@ def build_report(run_dir: str | os.PathLike) -> dict[str, Any]:
     if run.first_t is None:
         raise FileNotFoundError(f"{run_dir} holds no journal: is it a run directory?")
     run.close()
+    return run
+
+
+def build_report(run_dir: str | os.PathLike) -> dict[str, Any]:
+    run_dir = Path(run_dir)
+    run = read_run(run_dir)
     epochs = sorted(run.epoch_jobs)
     schedules = {epoch: load_schedule(run_dir, epoch) for epoch in epochs}
     jobs_total = sum(s.num_jobs for s in schedules.values() if s is not None)

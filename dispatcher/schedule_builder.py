@@ -9,8 +9,10 @@ files when the epoch begins. ``inline=True`` builds in the caller (tests and too
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
+import signal
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +30,14 @@ class ScheduleSpec:
     tokens_per_batch: int
     run_seed: int
     order: str
+
+
+def _die_with_parent() -> None:
+    """Child-process initializer: a SIGKILLed dispatcher takes its builder with it (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 def build_and_save(run_dir: str, epoch: int, spec: ScheduleSpec) -> int:
@@ -64,7 +74,8 @@ class ScheduleBuilder:
                 future.set_exception(exc)
         else:
             if self._executor is None:
-                self._executor = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+                self._executor = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                                                     initializer=_die_with_parent)
             future = self._executor.submit(build_and_save, self.run_dir, epoch, self.spec)
         self._futures[epoch] = future
 

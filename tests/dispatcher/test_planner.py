@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from dispatcher.journal import encode_line
+
 import pytest
 
 from common.config import load_config
@@ -63,7 +65,7 @@ def test_cheap_and_heavy_drafters_get_different_splits():
 
 def _journal(run_dir, events):
     run_dir.mkdir()
-    (run_dir / "journal.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (run_dir / "journal.jsonl").write_bytes(b"".join(encode_line(e) for e in events))
 
 
 def test_rates_from_a_journal(tmp_path):
@@ -75,10 +77,10 @@ def test_rates_from_a_journal(tmp_path):
         {"ev": "join", "t": 0.1, "w": "c", "role": "drafter", "name": "drafter-0"},
         {"ev": "ready", "t": 1.0, "job": 1, "w": "a", "tokens": 8000, "busy_s": 1.0},
         {"ev": "ready", "t": 1.5, "job": 2, "w": "b", "tokens": 8000, "busy_s": 3.0},
-        {"ev": "commit", "t": 2.0, "step": 0, "jobs": [1], "buckets": [0], "tokens": 8000, "busy_s": 0.5},
-        {"ev": "commit", "t": 3.0, "step": 1, "jobs": [2], "buckets": [1], "tokens": 8000, "busy_s": 9.0},
-        {"ev": "revert", "t": 4.0, "steps": [1]},  # a redone step: its time is not throughput
-        {"ev": "commit", "t": 5.0, "step": 2, "jobs": [2], "buckets": [1], "tokens": 8000, "busy_s": 0.5},
+        {"ev": "commit", "t": 2.0, "model": "m", "step": 1, "jobs": [1], "buckets": [0], "tokens": 8000, "busy_s": 0.5},
+        {"ev": "commit", "t": 3.0, "model": "m", "step": 2, "jobs": [2], "buckets": [1], "tokens": 8000, "busy_s": 9.0},
+        {"ev": "rollback", "t": 4.0, "model": "m", "step": 1, "jobs": 1},  # a redone step: its time is not throughput
+        {"ev": "commit", "t": 5.0, "model": "m", "step": 2, "jobs": [2], "buckets": [1], "tokens": 8000, "busy_s": 0.5},
     ])
     rates = rates_from_run(run_dir)
     assert (rates.target, rates.drafter) == (4000.0, 16000.0)
