@@ -105,12 +105,15 @@ class Journal:
             self._syncer = threading.Thread(target=self._sync_loop, name="journal-sync", daemon=True)
             self._syncer.start()
 
-    def _fsync(self) -> None:
+    def _fsync(self, fd: int | None = None) -> None:
+        self._check_fault()
+        os.fsync(self._file.fileno() if fd is None else fd)
+
+    def _check_fault(self) -> None:
         if self._fsyncs_left is not None:
             if self._fsyncs_left <= 0:
                 raise OSError(errno.EIO, f"fsync failed (injected by {FAULT_FSYNC_ENV})")
             self._fsyncs_left -= 1
-        os.fsync(self._file.fileno())
 
     def record(self, event: str, *, durable: bool = False, **fields: Any) -> None:
         """Append one event. A ``durable`` one is on disk when this returns, or (background sync)
@@ -145,15 +148,24 @@ class Journal:
             self._wake.clear()
             if self._stopping:
                 return
-            with self._lock:
-                target = self.written_seq  # everything written up to here is flushed to the OS already
+            # The fsync runs outside the lock, on a duplicate of the descriptor: holding the lock
+            # through it would make every record() of the loop wait for the disk. The duplicate
+            # keeps the file open should rotate() close and rename it meanwhile.
+            try:
+                with self._lock:
+                    target = self.written_seq  # everything written up to here is flushed to the OS already
+                    self._check_fault()
+                    fd = os.dup(self._file.fileno())
                 try:
-                    self._fsync()
-                except OSError as exc:
-                    self.failed = exc
-                    os.write(self._notify_w, b"f")
-                    return
-            self.synced_seq = target
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                self.failed = exc
+                os.write(self._notify_w, b"f")
+                return
+            with self._lock:
+                self.synced_seq = max(self.synced_seq, target)  # rotate() may have synced further
             os.write(self._notify_w, b"s")
 
     def drain_notifications(self) -> None:
