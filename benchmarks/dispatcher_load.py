@@ -262,8 +262,8 @@ class DispatcherLoad:
         held_t = len(dead_t.extracting)
         self.storm_call("deregister", core.deregister, dead_t.id, now, "dead")
         dead_t.id, dead_t.extracting = self.register("target", "target-replacement"), []
-        dead_d = max(self.drafters, key=lambda d: len(d.window))
-        held_d = len(dead_d.window)
+        dead_d = max(self.drafters, key=lambda d: (len(d.window) > 0, d.model.step - d.model.saved[0]))
+        held_d, lost_steps = len(dead_d.window), dead_d.model.step - dead_d.model.saved[0]
         self.storm_call("deregister", core.deregister, dead_d.id, now, "dead")
         dead_d.model.crash()  # the process died: its model reloads the checkpoint, the ledger rolls back to it
         dead_d.window = []
@@ -275,7 +275,7 @@ class DispatcherLoad:
             hung_d.training = grant.job.job_id
         hung_t.hung_until = hung_d.hung_until = now + self.o.lease_s + 2 * SWEEP_INTERVAL_S
         self.hung_target = hung_t
-        return {"dead_target_jobs": held_t, "dead_drafter_jobs": held_d, "rolled_back_to_step": dead_d.model.step,
+        return {"dead_target_jobs": held_t, "dead_drafter_jobs": held_d, "rolled_back_steps": lost_steps,
                 "hung_target_jobs": len(hung_t.extracting), "hung_drafter_jobs": int(hung_d.training is not None)}
 
     def end_hang(self, t: SimTarget) -> None:
@@ -301,7 +301,7 @@ class DispatcherLoad:
             self.drafters.append(SimDrafter(self.register("drafter", f"drafter-{model.id}", model), model, []))
         self.hung_target: SimTarget | None = None
         jobs_per_epoch = core.epoch_jobs[0]
-        storm_at = jobs_per_epoch * o.epochs // 2
+        storm_at = jobs_per_epoch * o.epochs * 9 // 20  # about halfway, between two checkpoints
         storm: dict[str, Any] | None = None
         self.giveback = LatencyHistogram()  # registrations before the storm are not give-backs
         epoch, epoch_start = 0, time.monotonic()
@@ -309,14 +309,18 @@ class DispatcherLoad:
         last_progress, last_count = time.monotonic(), 0
         self.watch_builds()
         run_start = time.monotonic()
+        turn = 0
         while not core.done:
             now = time.monotonic()
-            for t in self.targets:
+            turn += 1  # who asks first changes every round, as requests arrive at the server in no fixed order
+            for i in range(len(self.targets)):
+                t = self.targets[(turn + i) % len(self.targets)]
                 if t.hung_until <= now and not t.finished:
                     if t is self.hung_target:
                         self.end_hang(t)
                     self.target_turn(t, now)
-            for d in self.drafters:
+            for i in range(len(self.drafters)):
+                d = self.drafters[(turn + i) % len(self.drafters)]
                 if d.hung_until <= now and not d.finished:
                     self.drafter_turn(d, now)
             if now >= next_sweep:
