@@ -131,6 +131,13 @@ def cmd_bench(args) -> int:
     return run_transport_bench(slot_mb=args.slot_mb, as_json=args.json, seconds=args.seconds)
 
 
+def cmd_bench_dispatcher(args) -> int:
+    from benchmarks.dispatcher_load import DispatcherLoadOptions, run_dispatcher_load
+    options = DispatcherLoadOptions(jobs=args.jobs, epochs=args.epochs, targets=args.targets, drafters=args.drafters,
+                                    slots=args.slots, dir=args.dir)
+    return run_dispatcher_load(options, as_json=args.json)
+
+
 def _require_model(config, command: str) -> None:
     if not config.target.model:
         raise ConfigError(f"hsd {command} needs target.model (a local Hugging Face model directory)")
@@ -323,6 +330,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--device", default="cpu")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_dflash)
+    b = bench.add_parser("dispatcher", help="the dispatcher core under simulated load: latency, restart, memory")
+    b.add_argument("--jobs", type=int, default=1_000_000, help="jobs per epoch")
+    b.add_argument("--epochs", type=int, default=3)
+    b.add_argument("--targets", type=int, default=4)
+    b.add_argument("--drafters", type=int, default=3)
+    b.add_argument("--slots", type=int, default=24)
+    b.add_argument("--dir", default="", help="where to create the temporary run directory")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_dispatcher)
     return parser
 
 

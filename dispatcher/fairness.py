@@ -39,6 +39,22 @@ class PrefixDeviation:
         for b, share in self.shares.items():
             self.value = max(self.value, abs(self.counts[b] - self.length * share))
 
+    def add_many(self, bucket: int, count: int) -> None:
+        """``count`` jobs of ``bucket`` in a row, in O(buckets): the same figure as ``count`` calls of
+        :meth:`add`. Over such a run each |count_b(t) - t * share_b| is linear in t, so its largest
+        value is at the run's first or last job."""
+        if count <= 0:
+            return
+        self.add(bucket)
+        if count == 1:
+            return
+        self.length += count - 1
+        self.counts[bucket] += count - 1
+        if bucket not in self.shares:
+            self.value = max(self.value, self.counts[bucket])
+        for b, share in self.shares.items():
+            self.value = max(self.value, abs(self.counts[b] - self.length * share))
+
     def remove(self, bucket: int) -> None:
         """Take back one job of ``bucket`` (a give-back). The figure keeps the worst prefix seen so far:
         recomputing it exactly would rescan the stream, and a give-back is the exception."""

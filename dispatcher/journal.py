@@ -33,6 +33,9 @@ log = logging.getLogger("hsd.journal")
 JOURNAL_NAME = "journal.jsonl"
 _SEGMENT = re.compile(r"^journal-(\d{6})\.jsonl$")
 FAULT_FSYNC_ENV = "HSD_FAULT_FSYNC_AFTER"  # fault injection for tests: fail every fsync after this many
+# Background mode: the thread is woken to write once this many lines are queued, even with no
+# durable one among them, so the queue stays small between the loop's flushes.
+QUEUE_WAKE_LINES = 1024
 
 
 class JournalFailed(RuntimeError):
@@ -79,21 +82,25 @@ def repair_tail(path: Path) -> int:
 
 
 class Journal:
-    """Append-only writer. With ``sync_in_background`` the fsync of durable events runs on a thread
-    of its own, so the dispatcher's loop never waits on the disk (a shared filesystem can take tens
-    of milliseconds): the loop holds back each reply that needs durability until ``synced_seq``
-    reaches it, and ``notify_fd`` becomes readable whenever a sync completes or fails."""
+    """Append-only writer. With ``sync_in_background`` a thread of its own writes the lines and
+    fsyncs the durable ones, so the dispatcher's loop never waits on the disk: an fsync can take
+    tens of milliseconds on a shared filesystem, and while it runs even a plain append to the file
+    blocks (the tail page is under writeback). The loop only queues encoded lines in memory; it
+    holds back each reply that needs durability until ``synced_seq`` reaches it, and ``notify_fd``
+    becomes readable whenever a sync completes or fails."""
 
     def __init__(self, run_dir: str | os.PathLike, *, sync_in_background: bool = False):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / JOURNAL_NAME
         repair_tail(self.path)
         self._file = open(self.path, "ab")
-        self._lock = threading.Lock()  # the file object, between the loop and the sync thread
-        self.written_seq = 0  # durable events written so far
+        self._io = threading.Lock()    # the file object: the sync thread, rotate() and close()
+        self._lock = threading.Lock()  # the queue of lines and the counters, between the loop and the thread
+        self._queue: list[bytes] = []  # lines recorded, not yet written (background mode)
+        self.written_seq = 0  # durable events recorded so far
         self.synced_seq = 0   # ... of which fsynced
         self.failed: BaseException | None = None
-        self.num_lines = 0    # lines in the current segment (written by this process)
+        self.num_lines = 0    # lines in the current segment (recorded by this process)
         fault = os.environ.get(FAULT_FSYNC_ENV)
         self._fsyncs_left = int(fault) if fault else None
         self._syncer: threading.Thread | None = None
@@ -119,42 +126,64 @@ class Journal:
         if self.failed is not None:
             raise JournalFailed(f"the journal failed earlier: {self.failed}")
         line = encode_line({"ev": event, "t": round(time.time(), 6), **fields})
-        with self._lock:
+        if self._syncer is not None:
+            with self._lock:
+                self._queue.append(line)
+                self.num_lines += 1
+                if durable:
+                    self.written_seq += 1
+                wake = durable or len(self._queue) >= QUEUE_WAKE_LINES
+            if wake:
+                self._wake.set()
+            return
+        with self._io:
             self._file.write(line)
             self.num_lines += 1
             if durable:
                 self._file.flush()
                 self.written_seq += 1
-                if self._syncer is None:
-                    try:
-                        self._fsync()
-                    except OSError as exc:
-                        self.failed = exc
-                        raise JournalFailed(f"fsync of {self.path} failed: {exc}") from exc
-                    self.synced_seq = self.written_seq
-        if durable and self._syncer is not None:
-            self._wake.set()
+                try:
+                    self._fsync()
+                except OSError as exc:
+                    self.failed = exc
+                    raise JournalFailed(f"fsync of {self.path} failed: {exc}") from exc
+                self.synced_seq = self.written_seq
 
     @property
     def unsynced(self) -> bool:
         return self.synced_seq < self.written_seq
 
+    def _write_queued(self) -> int:
+        """Write what is queued (caller holds ``_io``); returns the durable sequence it covers."""
+        with self._lock:
+            lines, self._queue = self._queue, []
+            target = self.written_seq
+        if lines:
+            self._file.write(b"".join(lines))
+            self._file.flush()
+        return target
+
     def _sync_loop(self) -> None:
         while True:
             self._wake.wait()
             self._wake.clear()
-            if self._stopping:
+            stopping = self._stopping
+            synced = False
+            try:
+                with self._io:  # held through the fsync: rotate() must not split a write from its segment
+                    target = self._write_queued()
+                    if target > self.synced_seq:
+                        self._fsync()
+                        self.synced_seq = target
+                        synced = True
+            except OSError as exc:
+                self.failed = exc
+                os.write(self._notify_w, b"f")
                 return
-            with self._lock:
-                target = self.written_seq  # everything written up to here is flushed to the OS already
-                try:
-                    self._fsync()
-                except OSError as exc:
-                    self.failed = exc
-                    os.write(self._notify_w, b"f")
-                    return
-            self.synced_seq = target
-            os.write(self._notify_w, b"s")
+            if synced:
+                os.write(self._notify_w, b"s")
+            if stopping:
+                return
 
     def drain_notifications(self) -> None:
         try:
@@ -164,13 +193,17 @@ class Journal:
             pass
 
     def flush(self) -> None:
-        with self._lock:
+        """Hand the lines recorded so far to the OS (background mode: ask the thread to, without waiting)."""
+        if self._syncer is not None:
+            self._wake.set()
+            return
+        with self._io:
             self._file.flush()
 
     def rotate(self, segment: int) -> Path:
         """Close the current segment as ``journal-<segment>.jsonl`` (durably) and start a new one."""
-        with self._lock:
-            self._file.flush()
+        with self._io:
+            target = self._write_queued()
             try:
                 self._fsync()
             except OSError as exc:
@@ -180,8 +213,9 @@ class Journal:
             archived = self.run_dir / f"journal-{segment:06d}.jsonl"
             os.replace(self.path, archived)
             self._file = open(self.path, "ab")
-            self.synced_seq = self.written_seq
-            self.num_lines = 0
+            self.synced_seq = target
+            with self._lock:
+                self.num_lines = len(self._queue)
         fd = os.open(self.run_dir, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -197,15 +231,16 @@ class Journal:
             self._syncer = None
             os.close(self.notify_fd)
             os.close(self._notify_w)
-        if not self._file.closed:
-            self._file.flush()
-            if self.failed is None:
-                try:
-                    self._fsync()
-                    self.synced_seq = self.written_seq
-                except OSError as exc:
-                    self.failed = exc
-            self._file.close()
+        with self._io:
+            if not self._file.closed:
+                target = self._write_queued()
+                if self.failed is None:
+                    try:
+                        self._fsync()
+                        self.synced_seq = target
+                    except OSError as exc:
+                        self.failed = exc
+                self._file.close()
 
 
 def segment_paths(run_dir: str | os.PathLike, *, after: int = -1) -> list[Path]:

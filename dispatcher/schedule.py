@@ -250,7 +250,9 @@ def load_schedule(run_dir: str | os.PathLike, epoch: int) -> EpochSchedule | Non
     if not (path / "meta.json").exists():
         return None
     meta = json.loads((path / "meta.json").read_text())
-    arrays = {name: np.load(path / f"{name}.npy", mmap_mode="r") for name in _ARRAYS}
+    # Plain ndarray views of the mappings: indexing an np.memmap builds a memmap object per slice or
+    # element, several times slower, and the dispatcher slices these on every grant.
+    arrays = {name: np.load(path / f"{name}.npy", mmap_mode="r").view(np.ndarray) for name in _ARRAYS}
     return EpochSchedule(epoch=meta["epoch"], seed=meta["seed"], order_kind=meta["order_kind"],
                          tokens_per_batch=meta["tokens_per_batch"], num_dropped=meta["num_dropped"],
                          buckets=tuple(Bucket(**b) for b in meta["buckets"]), saved_figures=meta.get("figures"),

@@ -90,3 +90,19 @@ def test_incremental_tracker_equals_the_full_pass():
     for t, bucket in enumerate(order, start=1):
         tracker.add(bucket)
         assert tracker.value == prefix_deviation(order[:t], totals)
+
+
+def test_add_many_matches_adding_one_at_a_time():
+    import random
+    from dispatcher.fairness import PrefixDeviation
+    rng = random.Random(5)
+    totals = {0: 40, 1: 25, 2: 7}
+    for _ in range(50):
+        runs = [(rng.choice([0, 1, 2, 3]), rng.randint(0, 9)) for _ in range(rng.randint(1, 6))]
+        one, many = PrefixDeviation(totals), PrefixDeviation(totals)
+        for bucket, count in runs:
+            for _ in range(count):
+                one.add(bucket)
+            many.add_many(bucket, count)
+        assert many.length == one.length and many.counts == one.counts
+        assert abs(many.value - one.value) < 1e-9
