@@ -8,8 +8,10 @@ Busy time per worker: a target's ``ready`` event carries the seconds it spent on
 the event); a drafter's ``commit`` carries the seconds its micro-batches took, spread over the
 step's jobs, each starting when the drafter reported it ``consumed`` (copied out). A stage's
 capacity is its tokens per busy second over the whole run times its number of workers, as in
-``hsd report``; efficiency is the tokens the drafters trained inside the window per second of
-window, divided by the slower stage's capacity.
+``hsd report``. Efficiency is the tokens/s that went through the slower stage inside the window,
+divided by that stage's capacity. Measured at the slower stage because every job it starts inside
+the window is trained by the window's end, while counting the drafters' output would credit the
+window with targets' work done before it opened (targets that registered first fill the pool).
 """
 
 from __future__ import annotations
@@ -100,7 +102,16 @@ def pipeline_figures(events: list[dict], report: dict[str, Any], *, num_targets:
         tokens_in_window[stage] = sum(i.tokens * _overlap(i, lo, hi) / (i.end - i.start)
                                       for i in stage_intervals if i.end > i.start)
     slower = min(STAGES, key=lambda s: capacity[s] or float("inf"))
-    achieved = tokens_in_window["drafter"] / window_s
+    achieved = tokens_in_window[slower] / window_s
+    # Where the targets' idle time went: the epoch tail (a target out of work while another still
+    # extracts), the drain (no extraction left, drafters train what the pool holds), and the rest
+    # (gaps between jobs: control-plane round trips, a full pool).
+    last_by_target: dict[str, float] = {}
+    for i in intervals["target"]:
+        last_by_target[i.worker] = max(last_by_target.get(i.worker, lo), i.end)
+    last_end = max(last_by_target.values(), default=lo)
+    tail_idle = sum(last_end - t for t in last_by_target.values()) / (num_targets * window_s)
+    drain_idle = (hi - last_end) / window_s
     stop = next((e for e in reversed(events) if e["ev"] == "stop"), {})
     last_ready = max((e["t"] for e in events if e["ev"] == "ready"), default=lo)
     first_consumed = min((e["t"] for e in events if e["ev"] == "consumed"), default=lo)
@@ -111,14 +122,19 @@ def pipeline_figures(events: list[dict], report: dict[str, Any], *, num_targets:
         "prefix_deviation": report["prefix_deviation"]["consumed"],
         "tail_skew": report["tail_skew"]["consumed"],
         "step_mix": report["step_mix"],
+        "buckets_per_step": report["mean_buckets_per_step"],
         "peak_pool_bytes": int(stop.get("peak_slots", 0) * stop.get("slot_bytes", 0)),
         # what explains the figures above
         "slower_stage": slower,
         "achieved_tokens_per_s": round(achieved, 1),
+        "trained_tokens_per_s": round(tokens_in_window["drafter"] / window_s, 1),
         "capacity_tokens_per_s": {s: round(capacity[s], 1) for s in STAGES},
         "window_s": round(window_s, 3),
         "fill_s": round(max(0.0, first_consumed - lo), 3),  # window open to the first job a drafter took
         "drain_s": round(max(0.0, hi - last_ready), 3),    # last extraction to the last commit
+        "target_idle_breakdown": {"epoch_tail": round(tail_idle, 4), "drain": round(drain_idle, 4),
+                                  "gaps": round(1 - busy_in_window["target"] / (num_targets * window_s)
+                                                - tail_idle - drain_idle, 4)},
         "schedule_tail_skew": report["tail_skew"]["schedule"],
         "schedule_prefix_deviation": report["prefix_deviation"]["schedule"],
         "wall_efficiency": report["pipeline_efficiency"],  # hsd report's figure: start-up included

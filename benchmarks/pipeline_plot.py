@@ -14,7 +14,7 @@ import numpy as np
 from benchmarks.pipeline_figures import busy_intervals, consumed_mix, measurement_window, utilization_timeline
 
 MIX_WINDOWS = 40      # windows of the consumed stream (each about 2.5 % of it)
-UTILIZATION_BIN_S = 1.0
+UTILIZATION_BIN_S = 2.0
 
 
 def require_matplotlib() -> Any:

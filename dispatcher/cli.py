@@ -278,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = bench.add_parser("pipeline", help="fair dispatcher vs per-target queues vs random pool, on sim workers")
     b.add_argument("--topology", default="5x3", help="TARGETSxDRAFTERS")
     b.add_argument("--epochs", type=int, default=1)
-    b.add_argument("--samples", type=int, default=3000, help="synthetic samples of the epoch")
+    b.add_argument("--samples", type=int, default=1500, help="synthetic samples of the epoch")
     b.add_argument("--seed", type=int, default=0, help="run seed: the samples and every schedule follow from it")
     b.add_argument("--json", action="store_true")
     b.add_argument("--plot", metavar="FILE.png", help="write the bucket mix and utilization plots (needs matplotlib)")

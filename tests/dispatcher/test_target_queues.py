@@ -43,7 +43,7 @@ def test_a_given_back_job_returns_to_the_head_of_its_own_queue():
 
 def test_cursor_walk_is_amortized_over_a_large_epoch():
     """Each queue's cursor only moves forward by T: handing out every job costs O(jobs) in total."""
-    num_jobs, num_queues = 200_000, 5
+    num_jobs, num_queues = 20_000, 5
     ledger = JobLedger(num_queues=num_queues)
     ledger.add_epoch(0, np.zeros(num_jobs, dtype=np.int16))
     for k in range(num_queues):
@@ -99,3 +99,19 @@ def test_a_queue_without_its_target_waits_and_a_new_target_takes_it_over(tmp_pat
     grant = core.get_job(again.id, 2.0)
     assert grant.job.state is JobState.EXTRACTING and split_job_id(grant.job.job_id)[1] % 2 == 1
     core.journal.close()
+
+
+def test_config_keys_of_the_assignment_and_the_sim_costs():
+    from common.config import ConfigError, load_config
+    config = load_config(None, ["schedule.assignment=per_target", "target.count=5"])
+    assert CoreOptions.from_config(config).num_target_queues == 5
+    assert CoreOptions.from_config(load_config(None, ["target.count=5"])).num_target_queues == 0
+    with pytest.raises(ConfigError, match="target.count"):
+        load_config(None, ["schedule.assignment=per_target", "target.count=0"])
+    with pytest.raises(ConfigError, match="schedule.assignment"):
+        load_config(None, ["schedule.assignment=round_robin"])
+    with pytest.raises(ConfigError, match="drafter.sim_cost_per_sequence"):
+        load_config(None, ["drafter.sim_cost_per_sequence=-1"])
+    defaults = load_config(None, [])
+    assert defaults.target.sim_cost_attention == 0.0 and defaults.drafter.sim_cost_per_sequence == 0.0
+
