@@ -52,6 +52,7 @@ class ScheduleSection:
     buckets: list[int] = opt([128, 256, 512, 1024, 2048, 4096], "Bucket max lengths, ascending.")
     tokens_per_batch: int = opt(8192, "Token budget of every batch: bucket L holds tokens_per_batch // L sequences.")
     order: str = opt("interleave", "Job order: interleave (largest deficit) or shuffle (plain random, for comparison).")
+    assignment: str = opt("shared", "Job queues: shared (any target takes the next job) or per_target (job i only to target i mod target.count; naive, for comparison).")
 
 
 @dataclass
@@ -84,14 +85,13 @@ class TargetSection:
     gpus: list[int] = opt([], "GPU ids for the targets (one per worker); empty = CPU.")
     sim: bool = opt(False, "Start simulated targets (modeled cost, real protocol and data plane).")
     sim_cost_per_token: float = opt(2e-6, "Seconds a sim target spends per token.")
-    model: str = opt("", "Local Hugging Face model directory of the target.")
+    sim_cost_attention: float = opt(0.0, "Seconds a sim target spends per sequence per squared bucket length (attention).")
     capture_layers: list[int] = opt([], "Captured decoder layers (i = output of decoder layer i); empty = DFlash default.")
     hidden_size: int = opt(64, "Hidden size of the captured states (sim; real models read it from the model).")
     num_capture_layers: int = opt(5, "Captured target layers K of the DFlash default (ignored when capture_layers is set).")
     attn_implementation: str = opt("sdpa", "Attention kernel of the target forward (Hugging Face attn_implementation).")
     dtype: str = opt("auto", "Dtype of the target forward and captured states; auto = float32 for a model on CPU, else bfloat16.")
     max_restarts: int = opt(3, "Restarts hsd launch grants a crashed target.")
-    model: str = opt("", "Local Hugging Face model directory of the target.")
 
 
 @dataclass
@@ -100,6 +100,7 @@ class DrafterSection:
     gpus: list[int] = opt([], "GPU ids for the drafters (one per worker); empty = CPU.")
     sim: bool = opt(False, "Start simulated drafters (modeled cost, real protocol and data plane).")
     sim_cost_per_token: float = opt(1e-6, "Seconds a sim drafter spends per token.")
+    sim_cost_per_sequence: float = opt(0.0, "Seconds a sim drafter spends per sequence (its anchors' blocks).")
     accum_steps: int = opt(4, "Micro-batches per optimizer step (gradient accumulation).")
     checkpoint_every: int = opt(50, "Optimizer steps between checkpoints (one is also saved when the run drains).")
     checkpoint_keep: int = opt(3, "Checkpoints kept per model; older step directories are removed.")
@@ -135,6 +136,7 @@ class Config:
 RESOLVED_CONFIG_NAME = "config.yaml"
 _CHOICES = {
     ("schedule", "order"): ("interleave", "shuffle"),
+    ("schedule", "assignment"): ("shared", "per_target"),
     ("pool", "pull"): ("deficit", "random"),
     ("pool", "transport"): ("auto", "shm", "cuda_ipc"),
     ("target", "dtype"): ("auto", "bfloat16", "float16", "float32"),
@@ -231,6 +233,12 @@ def validate(config: Config) -> None:
     for section, key in (("target", "count"), ("drafter", "count"), ("pool", "min_ready")):
         if getattr(getattr(config, section), key) < 0:
             raise ConfigError(f"{section}.{key} must not be negative")
+    for section, key in (("target", "sim_cost_per_token"), ("target", "sim_cost_attention"),
+                         ("drafter", "sim_cost_per_token"), ("drafter", "sim_cost_per_sequence")):
+        if getattr(getattr(config, section), key) < 0:
+            raise ConfigError(f"{section}.{key} must not be negative")
+    if config.schedule.assignment == "per_target" and config.target.count < 1:
+        raise ConfigError("schedule.assignment=per_target needs target.count >= 1 (one queue per target)")
     if config.pool.min_ready >= config.pool.slots:
         raise ConfigError(f"pool.min_ready ({config.pool.min_ready}) must be below pool.slots ({config.pool.slots})")
     if not 0 <= config.dispatcher.metrics_port < 65536:

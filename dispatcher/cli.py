@@ -138,6 +138,17 @@ def cmd_bench_dispatcher(args) -> int:
     return run_dispatcher_load(options, as_json=args.json)
 
 
+def cmd_bench_pipeline(args) -> int:
+    from benchmarks.pipeline import run_pipeline_bench
+    try:
+        return run_pipeline_bench(topology=args.topology, samples=args.samples, epochs=args.epochs, seed=args.seed,
+                                  as_json=args.json, plot=args.plot, overrides=args.overrides,
+                                  runs_dir=args.runs_dir)
+    except RuntimeError as exc:  # a policy's run failed: its log tail says why
+        print(f"hsd bench pipeline: error: {exc}", file=sys.stderr)
+        return 1
+
+
 def _require_model(config, command: str) -> None:
     if not config.target.model:
         raise ConfigError(f"hsd {command} needs target.model (a local Hugging Face model directory)")
@@ -339,6 +350,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dir", default="", help="where to create the temporary run directory")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_dispatcher)
+    b = bench.add_parser("pipeline", help="fair dispatcher vs per-target queues vs random pool, on sim workers")
+    b.add_argument("--topology", default="5x3", help="TARGETSxDRAFTERS")
+    b.add_argument("--epochs", type=int, default=1)
+    b.add_argument("--samples", type=int, default=1500, help="synthetic samples of the epoch")
+    b.add_argument("--seed", type=int, default=0, help="run seed: the samples and every schedule follow from it")
+    b.add_argument("--json", action="store_true")
+    b.add_argument("--plot", metavar="FILE.png", help="write the bucket mix and utilization plots (needs matplotlib)")
+    b.add_argument("--runs-dir", help="keep the three run directories here (default: a temporary one, removed)")
+    b.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides for every policy")
+    b.set_defaults(func=cmd_bench_pipeline)
     return parser
 
 

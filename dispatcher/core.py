@@ -71,6 +71,7 @@ class Worker:
     token: str = ""
     model: str | None = None  # drafter: the model it trains
     num_grants: int = 0  # jobs handed to this session so far: each grant carries its number
+    queue: int | None = None  # target under schedule.assignment=per_target: the queue it takes from
 
 
 @dataclass
@@ -110,6 +111,7 @@ class CoreOptions:
     build_ahead: bool = False  # build the next epoch's schedule in a child process (the daemon) or inline (tests)
     allow_changed_data: bool = False
     contract: dict[str, Any] | None = None  # the run's capture contract, when the config fixes it
+    num_target_queues: int = 0  # > 0: per-target queues (job i to queue i mod this), the naive assignment
 
     @classmethod
     def from_config(cls, config: Config) -> "CoreOptions":
@@ -117,7 +119,8 @@ class CoreOptions:
                    epochs=config.run.epochs, run_seed=config.run.seed, buckets=list(config.schedule.buckets),
                    tokens_per_batch=config.schedule.tokens_per_batch, order=config.schedule.order,
                    heartbeat_s=config.dispatcher.heartbeat_s, build_ahead=True,
-                   allow_changed_data=config.data.allow_changed, contract=run_contract(config))
+                   allow_changed_data=config.data.allow_changed, contract=run_contract(config),
+                   num_target_queues=config.target.count if config.schedule.assignment == "per_target" else 0)
 
 
 def run_contract(config: Config) -> dict[str, Any] | None:
@@ -144,7 +147,7 @@ class DispatcherCore:
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.journal = journal
         self.pool = pool
-        self.ledger = JobLedger()
+        self.ledger = JobLedger(num_queues=max(1, options.num_target_queues))
         self.workers: dict[str, Worker] = {}
         self.counters = Counters()
         self.started_at = now
@@ -343,10 +346,19 @@ class DispatcherCore:
         worker = Worker(worker_id, role, name, pid, host, gpu, registered_at=now, last_seen=now,
                         token=secrets.token_hex(16), model=model_id)
         self.workers[worker_id] = worker
-        self.journal.record("join", w=worker_id, role=role, name=name, pid=pid, host=host)
+        extra = {}
+        if role == "target" and self.options.num_target_queues:
+            worker.queue = self._free_queue()
+            extra["queue"] = worker.queue
+        self.journal.record("join", w=worker_id, role=role, name=name, pid=pid, host=host, **extra)
         if model_id is not None:
             self._rollback(model_id, model_step)
         return worker
+
+    def _free_queue(self) -> int | None:
+        """Per-target assignment: the lowest queue no live target takes from (None: every queue has one)."""
+        taken = {w.queue for w in self.workers.values() if w.queue is not None}
+        return next((k for k in range(self.options.num_target_queues) if k not in taken), None)
 
     def _check_contract(self, role: str, name: str, contract: dict[str, Any]) -> None:
         from common.capture_contract import check_same_contract
@@ -485,7 +497,8 @@ class DispatcherCore:
             self._end_wait(worker, now)
             return DONE
         self._maybe_start_next_epoch()
-        head = self.ledger.peek_pending()
+        queue = worker.queue if self.options.num_target_queues else 0
+        head = self.ledger.peek_pending(queue) if queue is not None else None
         if head is None:
             self._wait(worker, "starved", now)
             return None
@@ -494,7 +507,7 @@ class DispatcherCore:
             self._wait(worker, "blocked", now)
             return None
         generation = self.pool.begin_write(slot_id, worker_id, head)
-        job = self.ledger.start_extract(worker_id, slot_id, generation, now, self.options.lease_s)
+        job = self.ledger.start_extract(worker_id, slot_id, generation, now, self.options.lease_s, queue)
         self._end_wait(worker, now)
         return self._grant(job, slot_id)
 

@@ -15,6 +15,10 @@ entries of per-epoch arrays; only the few jobs in flight (bounded by the pool an
 windows) have an object. Jobs never handed out are found by a cursor that walks each epoch's list;
 jobs given back wait in a small heap, so the queue stays in schedule order.
 
+Queues: one shared queue (``num_queues=1``), or T fixed queues, queue k holding the jobs whose index
+is k mod T (the per-target assignment this project replaces, kept for comparison); each has its own
+cursors (stepping by T) and heap of given-back jobs, so finding its next job stays O(1) amortized.
+
 Pure code: no sockets, no clock of its own (callers pass ``now``), no I/O.
 """
 
@@ -83,7 +87,7 @@ class EpochProgress:
     state: np.ndarray                 # [num_jobs] uint8 state codes
     commit_step: np.ndarray           # [num_jobs] int64, NOT_COMMITTED unless committed
     commit_model: np.ndarray          # [num_jobs] int32 model index of the commit
-    cursor: int = 0                   # jobs from here on were never handed out (unless committed at restore)
+    cursors: list[int] = field(default_factory=lambda: [0])  # per queue: its jobs from here on were never handed out
     taken: Counter = field(default_factory=Counter)  # handed to drafters (training or later), per bucket
     committed: int = 0
     consumed_deviation: PrefixDeviation | None = None  # prefix deviation of the consumed stream, kept current
@@ -105,10 +109,13 @@ class EpochProgress:
 
 
 class JobLedger:
-    def __init__(self) -> None:
+    def __init__(self, num_queues: int = 1) -> None:
+        if num_queues < 1:
+            raise ValueError(f"num_queues must be at least 1, got {num_queues}")
+        self.num_queues = num_queues
         self.jobs: dict[int, Job] = {}  # jobs in flight only
         self.epochs: dict[int, EpochProgress] = {}
-        self._returned: list[int] = []  # min-heap of job ids given back to pending
+        self._returned: list[list[int]] = [[] for _ in range(num_queues)]  # per queue: min-heap of given-back job ids
         self._by_holder: dict[str, set[int]] = defaultdict(set)
         self._counts: Counter = Counter()  # (epoch, state) -> number of jobs
         self.model_index: dict[str, int] = {}  # model id -> index stored in commit_model
@@ -127,7 +134,8 @@ class JobLedger:
         progress = EpochProgress(num_jobs=num_jobs, bucket_totals={b: int(n) for b, n in enumerate(counts) if n},
                                  job_bucket=job_bucket, state=np.zeros(num_jobs, dtype=np.uint8),
                                  commit_step=np.full(num_jobs, NOT_COMMITTED, dtype=np.int64),
-                                 commit_model=np.full(num_jobs, -1, dtype=np.int32))
+                                 commit_model=np.full(num_jobs, -1, dtype=np.int32),
+                                 cursors=list(range(self.num_queues)))
         self.epochs[epoch] = progress
         self._counts[epoch, JobState.PENDING] = num_jobs
         return progress
@@ -191,9 +199,12 @@ class JobLedger:
         return int(self.epochs[epoch].job_bucket[index])
 
     # -- queries ----------------------------------------------------------------------------
-    def peek_pending(self) -> int | None:
-        """The job id at the head of the pending queue (schedule order across epochs), or None."""
-        returned = self._returned
+    def queue_of(self, job_id: int) -> int:
+        return split_job_id(job_id)[1] % self.num_queues
+
+    def peek_pending(self, queue: int = 0) -> int | None:
+        """The job id at the head of pending ``queue`` (schedule order across epochs), or None."""
+        returned = self._returned[queue]
         # An entry goes stale when its job left pending another way (a replayed commit after a
         # replayed rollback): drop those lazily.
         while returned and self.state_of(returned[0]) is not JobState.PENDING:
@@ -201,10 +212,12 @@ class JobLedger:
         head = returned[0] if returned else None
         for epoch in sorted(self.epochs):
             progress = self.epochs[epoch]
-            while progress.cursor < progress.num_jobs and progress.state[progress.cursor] != _PENDING:
-                progress.cursor += 1
-            if progress.cursor < progress.num_jobs:
-                fresh = make_job_id(epoch, progress.cursor)
+            cursor = progress.cursors[queue]
+            while cursor < progress.num_jobs and progress.state[cursor] != _PENDING:
+                cursor += self.num_queues
+            progress.cursors[queue] = cursor
+            if cursor < progress.num_jobs:
+                fresh = make_job_id(epoch, cursor)
                 return fresh if head is None or fresh < head else head
         return head
 
@@ -261,13 +274,15 @@ class JobLedger:
             job.granted_at = now
 
     # -- transitions ------------------------------------------------------------------------
-    def start_extract(self, target: str, slot: int, generation: int, now: float, lease_s: float) -> Job:
-        """Hand the head of the pending queue to ``target``, writing into ``slot``."""
-        job_id = self.peek_pending()
+    def start_extract(self, target: str, slot: int, generation: int, now: float, lease_s: float,
+                      queue: int = 0) -> Job:
+        """Hand the head of pending ``queue`` to ``target``, writing into ``slot``."""
+        job_id = self.peek_pending(queue)
         if job_id is None:
             raise LedgerError("no pending job")
-        if self._returned and self._returned[0] == job_id:
-            heapq.heappop(self._returned)
+        returned = self._returned[queue]
+        if returned and returned[0] == job_id:
+            heapq.heappop(returned)
         epoch, index = split_job_id(job_id)
         job = Job(job_id, epoch, int(self.epochs[epoch].job_bucket[index]))
         self.jobs[job_id] = job
@@ -342,7 +357,7 @@ class JobLedger:
             progress.commit_model[later] = -1
             progress.committed -= len(later)
         for job_id in reverted:
-            heapq.heappush(self._returned, job_id)
+            heapq.heappush(self._returned[self.queue_of(job_id)], job_id)
         self.model_step[model] = step
         if self.last_commit.get(model, (0,))[0] > step:
             del self.last_commit[model]
@@ -376,7 +391,7 @@ class JobLedger:
     def _push_pending(self, job: Job) -> None:
         self._set_state(job, JobState.PENDING)
         del self.jobs[job.job_id]
-        heapq.heappush(self._returned, job.job_id)
+        heapq.heappush(self._returned[self.queue_of(job.job_id)], job.job_id)
 
     def release_worker(self, worker_id: str) -> list[tuple[Job, JobState]]:
         """Give back every job the worker holds (it died or left)."""

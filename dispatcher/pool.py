@@ -97,6 +97,7 @@ class HSPool:
         self._credits: Counter = Counter()  # target -> slots it is writing
         self._ready: dict[int, dict[int, dict[int, ReadyJob]]] = defaultdict(lambda: defaultdict(dict))
         self._num_ready = 0
+        self.peak_in_use = 0  # most slots ever held by a job at once (writing, ready or reading)
 
     # -- slots ------------------------------------------------------------------------------
     def add_slots(self, slot_ids: Iterable[int], owner: str | None = None) -> None:
@@ -155,6 +156,7 @@ class HSPool:
         slot.state, slot.job_id, slot.writer = SlotState.WRITING, job_id, target
         slot.generation += 1
         self._credits[target] += 1
+        self.peak_in_use = max(self.peak_in_use, len(self.slots) - sum(len(free) for free in self._free.values()))
         return slot.generation
 
     def publish(self, slot_id: int, *, epoch: int, bucket: int) -> None:

@@ -47,7 +47,7 @@ def build_snapshot(core: DispatcherCore, now: float) -> dict[str, Any]:
             "epochs_total": core.options.epochs, "epochs": epochs,
             "jobs_by_state": core.ledger.counts_by_state(),
             "q_hsb": {str(b): n for b, n in core.pool.ready_per_bucket().items()},  # msgpack map keys are str
-            "pool": core.pool.counts(), "workers": workers, "steps": core.num_steps,
+            "pool": core.pool.counts(), "pool_peak_slots": core.pool.peak_in_use, "workers": workers, "steps": core.num_steps,
             "models": {m: {"step": s, "checkpoint": core.checkpoints.get(m, 0)} for m, s in core.ledger.model_step.items()},
             "given_back": dict(core.counters.given_back), "requests": dict(core.counters.requests),
             "errors": dict(core.counters.errors)}

@@ -37,6 +37,9 @@ class SimDrafter:
         self.step = 0
         self.trained = TrainedJobs()
         self.cost_per_token = config.drafter.sim_cost_per_token
+        # DFlash trains a fixed number of anchor blocks per sequence: its cost follows the sequence
+        # count far more than the length.
+        self.cost_per_sequence = config.drafter.sim_cost_per_sequence
         self.keep = config.drafter.checkpoint_keep
         self._window: list[int] = []
         self._duplicate, self._drop = _test_faults()
@@ -61,7 +64,7 @@ class SimDrafter:
         else:
             verify_pattern(batch.hs, batch.input_ids, batch.loss_mask, batch.seq_lens, job_id=job["job_id"],
                            expected_seq_lens=job["lengths"])
-        time.sleep(self.cost_per_token * job["num_tokens"])
+        time.sleep(self.cost_per_token * job["num_tokens"] + self.cost_per_sequence * len(job["samples"]))
         self._window.append(job["job_id"])
 
     def apply_step(self, job_ids: list[int]) -> dict:

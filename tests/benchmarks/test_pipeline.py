@@ -1,0 +1,93 @@
+"""benchmarks/pipeline.py: `hsd bench pipeline` runs three real launches through the CLI.
+
+A small bench (2 targets, 1 drafter, a few dozen samples, costs scaled down): the JSON has every
+figure per policy, the naive policy really serves per-target queues (read from its journal), the
+three policies train on the same samples, and nothing is left running or in /dev/shm. The speed
+figures themselves belong to the benchmark's output, not to this test.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import psutil
+
+from benchmarks.pipeline import JSON_KEYS, POLICIES
+from benchmarks.pipeline_figures import target_queues
+from common.client import run_id_for
+from common.shm_arena import list_segments
+from dispatcher.journal import read_journal
+from dispatcher.schedule import load_schedule
+
+SMALL_COSTS = ("target.sim_cost_per_token=1e-6", "target.sim_cost_attention=1e-9",
+               "drafter.sim_cost_per_token=1e-6", "drafter.sim_cost_per_sequence=2e-3")
+
+
+def session_pids(sid: int) -> set[int]:
+    pids = set()
+    for pid in psutil.pids():
+        try:
+            if os.getsid(pid) == sid:
+                pids.add(pid)
+        except (ProcessLookupError, PermissionError):
+            continue
+    return pids
+
+
+def test_bench_pipeline_small_topology(tmp_path):
+    runs, plot = tmp_path / "runs", tmp_path / "pipeline.png"
+    proc = subprocess.Popen([sys.executable, "-m", "dispatcher.cli", "bench", "pipeline", "--topology", "2x1",
+                             "--samples", "60", "--seed", "5", "--json", "--runs-dir", str(runs), "--plot", str(plot),
+                             *SMALL_COSTS], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    leftovers = session_pids(proc.pid)
+    assert not leftovers, f"processes left running: {leftovers}"
+    assert proc.returncode == 0, err[-3000:]
+    result = json.loads(out)
+
+    assert result["setup"]["num_targets"] == 2 and result["setup"]["num_drafters"] == 1
+    for name in POLICIES:
+        figures = result[name]
+        for key in JSON_KEYS:
+            assert key in figures, (name, key)
+        assert figures["exactly_once"], name
+        assert 0.0 < figures["efficiency"] <= 1.05, (name, figures)
+        assert 0.0 <= figures["drafter_wait"] <= 1.0 and 0.0 <= figures["target_idle"] <= 1.0
+        assert figures["peak_pool_bytes"] > 0
+        assert set(figures["step_mix"].__class__.__mro__) & {float, int}
+    assert result["fair"]["step_mix"] >= result["naive"]["step_mix"]
+
+    # naive: every job a target extracted has an index congruent to its queue mod 2, both queues served
+    naive = target_queues(list(read_journal(runs / "naive")))
+    assert sorted(naive["queue"].values()) == [0, 1]
+    for worker, indices in naive["extracted"].items():
+        assert indices and all(i % 2 == naive["queue"][worker] for i in indices), (worker, indices)
+    # the shared queue: targets take jobs of either residue
+    fair = target_queues(list(read_journal(runs / "fair")))
+    assert all(q is None for q in fair["queue"].values())
+    assert {i % 2 for indices in fair["extracted"].values() for i in indices} == {0, 1}
+
+    # the same samples for every policy, and the same shuffled schedule for the two shuffle policies
+    fingerprints = {(runs / name / "data_fingerprint").read_text() for name in POLICIES}
+    assert len(fingerprints) == 1
+    shuffled = [load_schedule(runs / name, 0) for name in ("naive", "random-pool")]
+    assert np.array_equal(shuffled[0].job_bucket, shuffled[1].job_bucket)
+    assert np.array_equal(shuffled[0].job_samples, shuffled[1].job_samples)
+
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for name in POLICIES:
+        assert not list_segments(run_id_for(runs / name))
+
+
+def test_bad_topology_is_a_clear_error():
+    proc = subprocess.run([sys.executable, "-m", "dispatcher.cli", "bench", "pipeline", "--topology", "5by3"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "TARGETSxDRAFTERS" in proc.stderr
