@@ -84,7 +84,6 @@ class TargetSection:
     gpus: list[int] = opt([], "GPU ids for the targets (one per worker); empty = CPU.")
     sim: bool = opt(False, "Start simulated targets (modeled cost, real protocol and data plane).")
     sim_cost_per_token: float = opt(2e-6, "Seconds a sim target spends per token.")
-    model: str = opt("", "Local Hugging Face model directory of the target.")
     capture_layers: list[int] = opt([], "Captured decoder layers (i = output of decoder layer i); empty = DFlash default.")
     hidden_size: int = opt(64, "Hidden size of the captured states (sim; real models read it from the model).")
     num_capture_layers: int = opt(5, "Captured target layers K of the DFlash default (ignored when capture_layers is set).")

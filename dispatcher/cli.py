@@ -167,6 +167,37 @@ def cmd_eval(args) -> int:
                     max_new_tokens=args.max_new_tokens, device=args.device, as_json=args.json)
 
 
+def cmd_prepare(args) -> int:
+    _setup_logging()
+    from target_worker.prepare import prepare_dataset
+    manifest = prepare_dataset(args.input, args.tokenizer, args.out, max_length=args.max_length)
+    rows = manifest["rows"]
+    print(f"{args.out}: {manifest['num_samples']} samples, {manifest['num_tokens']} tokens "
+          f"({manifest['num_loss_tokens']} in the loss); {rows['skipped']} of {rows['read']} rows skipped"
+          + (f" ({', '.join(f'{k} {v}' for k, v in rows['skipped_by_reason'].items())})" if rows["skipped"] else ""))
+    return 0
+
+
+def cmd_make_tiny(args) -> int:
+    _setup_logging()
+    from target_worker.tiny import TinySpec, make_tiny
+    spec = TinySpec() if args.steps is None else TinySpec(steps=args.steps)
+    report = make_tiny(args.out, seed=args.seed, spec=spec)
+    print(f"{args.out}: greedy answer token match on {report['heldout_turns']} held-out turns: "
+          f"trained {report['match_rate_trained']:.3f}, untrained {report['match_rate_untrained']:.3f} "
+          f"({report['seconds']['total']}s to build)")
+    return 0
+
+
+def cmd_regenerate(args) -> int:
+    _setup_logging()
+    from target_worker.regenerate import regenerate_file
+    counts = regenerate_file(_config(args), args.input, args.out, max_new_tokens=args.max_new_tokens,
+                             batch_size=args.batch_size, sample=args.sample, temperature=args.temperature)
+    print(f"{args.out}: {counts['written']} rows regenerated, {counts['skipped']} skipped")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hsd", description="hsdispatch: online drafter training with a dispatcher")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -240,6 +271,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("prepare", help="tokenize conversations (JSONL/Parquet) into a prepared dataset directory")
+    p.add_argument("--input", required=True, help="JSONL or Parquet file, or a folder of shards")
+    p.add_argument("--tokenizer", required=True, help="local tokenizer directory (the target's)")
+    p.add_argument("--out", required=True, help="dataset directory to write")
+    p.add_argument("--max-length", type=int, default=4096, help="longer samples are skipped (default 4096)")
+    p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser("make-tiny", help="build a tiny trained Qwen3 target, its tokenizer and a synthetic dataset")
+    p.add_argument("--out", required=True, help="directory of the tiny target (reused when finished)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, help="training steps (default: the full recipe)")
+    p.set_defaults(func=cmd_make_tiny)
+
+    p = sub.add_parser("regenerate", help="rewrite every assistant turn with the target's own answer")
+    _add_config_args(p, required=True)
+    p.add_argument("--input", required=True, help="ShareGPT / messages JSONL")
+    p.add_argument("--out", required=True, help="JSONL to write")
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=8, help="conversations generated together")
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (with --sample)")
+    p.set_defaults(func=cmd_regenerate)
 
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench", required=True)
