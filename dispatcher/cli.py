@@ -43,12 +43,17 @@ def cmd_worker(args) -> int:
     if role == "target":
         from common.target_loop import TargetLoop
         return TargetLoop(config, name, _sim_target(config) if sim else _hf_target(config)).run()
-    if not sim:
-        raise ConfigError("the real drafter worker is not available yet: use --sim or drafter.sim=true")
     from common.drafter_loop import DrafterLoop
-    from drafter_worker.sim import SimDrafter
-    # An independent sim drafter trains a model of its own, named after it: a restart resumes it.
-    return DrafterLoop(config, name, SimDrafter(config, model_id=name)).run()
+    # An independent drafter trains a model of its own, named after it: a restart resumes it.
+    if sim:
+        from drafter_worker.sim import SimDrafter
+        return DrafterLoop(config, name, SimDrafter(config, model_id=name)).run()
+    from drafter_worker.dflash_backend import DFlashBackend
+    backend = DFlashBackend(config, model_id=name)
+    try:
+        return DrafterLoop(config, name, backend).run()
+    finally:
+        backend.close()
 
 
 def _sim_target(config):
