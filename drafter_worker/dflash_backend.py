@@ -35,6 +35,9 @@ from drafter_worker.dflash_metrics import StepClock, TensorBoardLog, format_metr
 log = logging.getLogger("hsd.dflash")
 
 AllReduce = Callable[[torch.Tensor], None]  # sums a tensor in place across the ranks of a group
+# Test-only fault: the process dies right after applying this step, between a commit and the next
+# checkpoint, so a test can show that a resumed run trains exactly as an uninterrupted one.
+EXIT_AFTER_STEP_ENV = "HSD_TEST_DRAFTER_EXIT_AFTER_STEP"
 
 
 def jobs_per_epoch(config: Config) -> int:
@@ -102,6 +105,7 @@ class DFlashBackend:
         self.clock = StepClock()
         self.last_metrics: dict[str, float] = {}
         self.tensorboard = TensorBoardLog(config.run_dir, self.model_id)
+        self.exit_after_step = int(os.environ.get(EXIT_AFTER_STEP_ENV) or 0)
 
     def _new_trainer(self) -> DFlashTrainer:
         # The process RNG is seeded too: whatever draws from it (a kernel, a library) repeats on a rerun.
@@ -184,6 +188,9 @@ class DFlashBackend:
         if self.step % self.log_every == 0:
             log.info("%s", format_metrics(self.model_id, self.step, self.last_metrics))
         self.tensorboard.write(self.step, self.last_metrics)
+        if self.step == self.exit_after_step:
+            log.error("%s: exiting after step %d (%s)", self.model_id, self.step, EXIT_AFTER_STEP_ENV)
+            os._exit(3)
         return self.last_metrics
 
     def drop_step(self) -> None:
