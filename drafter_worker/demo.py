@@ -83,13 +83,18 @@ def run_demo(*, out: str | os.PathLike, config_path: str | os.PathLike | None, o
                          [*overrides, f"run.dir={run_dir}", f"target.model={target_dir}", "data.path="])
     from target_worker.regenerate import regenerate_file
     started = _stage(2, f"the target's own greedy answers to {samples} training prompts")
+    regenerated = out / "regenerated.jsonl"
+    previous = (out / "prompts.jsonl").read_bytes() if (out / "prompts.jsonl").is_file() else None
     subset = _first_rows(target_dir / "conversations.jsonl", out / "prompts.jsonl", samples)
-    regenerate_file(config, subset, out / "regenerated.jsonl", max_new_tokens=128, batch_size=32)
-    timings["regenerate"] = _done(started, f"{out / 'regenerated.jsonl'}")
+    if regenerated.is_file() and previous == subset.read_bytes():
+        timings["regenerate"] = _done(started, f"{regenerated} (reused: same target, same prompts)")
+    else:
+        regenerate_file(config, subset, regenerated, max_new_tokens=128, batch_size=32)
+        timings["regenerate"] = _done(started, f"{regenerated}")
 
     from target_worker.prepare import prepare_dataset
     started = _stage(3, "prepare: tokenize with the target's tokenizer")
-    manifest = prepare_dataset(out / "regenerated.jsonl", target_dir, data_dir, max_length=config.schedule.buckets[-1],
+    manifest = prepare_dataset(regenerated, target_dir, data_dir, max_length=config.schedule.buckets[-1],
                                progress=False)
     timings["prepare"] = _done(started, f"{manifest['num_samples']} samples, {manifest['num_tokens']} tokens")
 

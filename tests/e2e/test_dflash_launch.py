@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from safetensors.torch import load_file
 
 from common.client import run_id_for
@@ -31,6 +33,7 @@ def _final_weights(run_dir):
     return load_file(latest_checkpoint(run_dir, "drafter-0").path / "model.safetensors")
 
 
+@pytest.mark.timeout(900)  # three launches, each starting torch in three processes: slow on a loaded 2-core host
 def test_real_run_exactly_once_and_resumed_run_trains_identically(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
