@@ -48,6 +48,8 @@ def cmd_worker(args) -> int:
     if sim:
         from drafter_worker.sim import SimDrafter
         return DrafterLoop(config, name, SimDrafter(config, model_id=name)).run()
+    if not config.target.model:  # said before torch loads: the drafter reads the target's config and head
+        raise ConfigError("target.model: the DFlash drafter needs the target model directory (or use --sim)")
     from drafter_worker.dflash_backend import DFlashBackend
     backend = DFlashBackend(config, model_id=name)
     try:
@@ -221,9 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="tiny target -> its own answers -> online DFlash training -> tau before/after")
     _add_config_args(p)
     p.add_argument("--out", default="runs/demo", help="demo directory: target, data, run (default runs/demo)")
-    p.add_argument("--samples", type=int, default=400, help="training prompts whose answers the target regenerates")
-    p.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts of the tau evaluation")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per evaluation prompt")
+    p.add_argument("--samples", type=int, default=200, help="training prompts whose answers the target regenerates")
+    p.add_argument("--eval-prompts", type=int, default=12, help="held-out prompts of the tau evaluation")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per evaluation prompt")
     p.add_argument("--tiny-steps", type=int, help="training steps of the tiny target (default: its full recipe)")
     p.set_defaults(func=cmd_demo)
 
