@@ -79,6 +79,9 @@ def run_demo(*, out: str | os.PathLike, config_path: str | os.PathLike | None, o
     tiny = make_tiny(target_dir, seed=0, spec=TinySpec() if tiny_steps is None else TinySpec(steps=tiny_steps))
     timings["make_tiny"] = _done(started, f"greedy answer match on held-out turns {tiny['match_rate_trained']:.3f}")
 
+    if tiny.get("mask_token_id") is not None and not any(o.startswith("dflash.mask_token_id=") for o in overrides):
+        # The tiny tokenizer has a token of its own for the masked block positions.
+        overrides = [f"dflash.mask_token_id={tiny['mask_token_id']}", *overrides]
     config = load_config(config_path or DEFAULT_CONFIG,
                          [*overrides, f"run.dir={run_dir}", f"target.model={target_dir}", "data.path="])
     from target_worker.regenerate import regenerate_file
