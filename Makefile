@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: install demo test bench clean
+.PHONY: install demo demo-sim test bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,8 +17,11 @@ $(BIN)/.installed: pyproject.toml
 install: $(BIN)/.installed
 
 demo: install
-	rm -rf runs/demo
-	$(BIN)/hsd launch --config deploy/configs/demo.yaml
+	$(BIN)/hsd demo --out runs/demo
+
+demo-sim: install
+	rm -rf runs/demo-sim
+	$(BIN)/hsd launch --config deploy/configs/demo-sim.yaml run.dir=runs/demo-sim
 
 test: install
 	$(BIN)/pytest -q

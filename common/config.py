@@ -108,6 +108,27 @@ class DrafterSection:
 
 
 @dataclass
+class DFlashSection:
+    block_size: int = opt(16, "Tokens per draft block: the anchor plus block_size - 1 drafted positions.")
+    num_draft_layers: int = opt(5, "Draft decoder layers.")
+    num_anchors: int = opt(512, "Most anchors (blocks) sampled per training sequence, re-drawn every time.")
+    gamma: float = opt(0.0, "Loss decay: block position k weighs exp(-(k-1)/gamma); 0 = 7 for block 16, 5 for 10, 4 for 8.")
+    mask_token_id: int = opt(-1, "Token id of the masked block positions; -1 = the last row of the target embedding.")
+    lr: float = opt(6e-4, "Peak AdamW learning rate.")
+    betas: list[float] = opt([0.9, 0.95], "AdamW betas.")
+    weight_decay: float = opt(0.0, "AdamW decoupled weight decay.")
+    warmup_ratio: float = opt(0.04, "Share of the total steps spent warming the learning rate up linearly.")
+    min_lr_ratio: float = opt(0.0, "Floor of the cosine decay, as a fraction of lr.")
+    grad_clip: float = opt(1.0, "Clip the global gradient norm to this; 0 = no clipping.")
+    total_steps: int = opt(0, "Optimizer steps of the cosine schedule; 0 = jobs per epoch x epochs / (accum_steps x drafters).")
+    loss_chunk_size: int = opt(4096, "Block positions whose logits are computed at once (bounds the logits' memory).")
+    dtype: str = opt("auto", "Compute dtype: auto (bfloat16 autocast on GPU, float32 on CPU), bfloat16 or float32.")
+    attention: str = opt("auto", "Attention kernel: auto (flex attention on GPU, SDPA elsewhere), flex or sdpa.")
+    export_dtype: str = opt("auto", "Dtype of the exported drafter weights; auto = the compute dtype.")
+    log_every: int = opt(1, "Optimizer steps between two metric log lines.")
+
+
+@dataclass
 class Config:
     run: RunSection = field(default_factory=RunSection)
     data: DataSection = field(default_factory=DataSection)
@@ -116,6 +137,7 @@ class Config:
     dispatcher: DispatcherSection = field(default_factory=DispatcherSection)
     target: TargetSection = field(default_factory=TargetSection)
     drafter: DrafterSection = field(default_factory=DrafterSection)
+    dflash: DFlashSection = field(default_factory=DFlashSection)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -140,6 +162,9 @@ _CHOICES = {
     ("pool", "pull"): ("deficit", "random"),
     ("pool", "transport"): ("auto", "shm", "cuda_ipc"),
     ("target", "dtype"): ("auto", "bfloat16", "float16", "float32"),
+    ("dflash", "dtype"): ("auto", "bfloat16", "float32"),
+    ("dflash", "attention"): ("auto", "flex", "sdpa"),
+    ("dflash", "export_dtype"): ("auto", "bfloat16", "float16", "float32"),
     ("target", "attn_implementation"): ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"),
 }
 _PATH_KEYS = (("run", "dir"), ("data", "lengths"), ("data", "path"), ("target", "model"))
@@ -226,11 +251,12 @@ def validate(config: Config) -> None:
             f"of the longest bucket ({buckets[-1]})")
     positive = [("run", "epochs"), ("pool", "slots"), ("pool", "target_credits"), ("drafter", "accum_steps"),
                 ("drafter", "checkpoint_every"), ("drafter", "checkpoint_keep"), ("target", "hidden_size"),
-                ("target", "num_capture_layers"), ("dispatcher", "max_message_bytes")]
+                ("target", "num_capture_layers"), ("dispatcher", "max_message_bytes"), ("dflash", "block_size"),
+                ("dflash", "num_draft_layers"), ("dflash", "num_anchors"), ("dflash", "lr"), ("dflash", "log_every")]
     for section, key in positive:
         if getattr(getattr(config, section), key) <= 0:
             raise ConfigError(f"{section}.{key} must be positive")
-    for section, key in (("target", "count"), ("drafter", "count"), ("pool", "min_ready")):
+    for section, key in (("target", "count"), ("drafter", "count"), ("pool", "min_ready"), ("dflash", "total_steps")):
         if getattr(getattr(config, section), key) < 0:
             raise ConfigError(f"{section}.{key} must not be negative")
     for section, key in (("target", "sim_cost_per_token"), ("target", "sim_cost_attention"),

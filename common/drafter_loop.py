@@ -23,6 +23,7 @@ The handshake with the dispatcher (protocol v2), in the order the loop keeps:
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
@@ -154,6 +155,9 @@ class DrafterLoop(WorkerLoop):
                                   "job_ids": list(self.window), "busy_s": self.busy_s}
         if getattr(self.backend, "verifies_slots", False):
             fields["verified"] = len(self.window)
+        metrics = getattr(self.backend, "last_metrics", None)
+        if metrics:  # the previous step's figures (this one is applied only once acknowledged)
+            fields["metrics"] = {k: v for k, v in metrics.items() if math.isfinite(v)}
         self.commit = (fields, self.session.submit("commit_step", **fields))
         self.window, self.busy_s = [], 0.0
 

@@ -59,7 +59,8 @@ REQUESTS: dict[str, tuple[str, ...]] = {
     # {model, step, job_ids, busy_s, verified?} -> {step, done}; the model took optimizer step
     # ``step`` (its previous step + 1) on exactly these jobs. Journaled and fsynced before the reply.
     # Idempotent: the same (model, step, job_ids) again gets the first answer.
-    # (verified: how many of the step's slots a sim drafter checked byte for byte)
+    # (verified: how many of the step's slots a sim drafter checked byte for byte; metrics: a few
+    # named floats of the drafter's previous step, loss and the like, shown by hsd stats)
     "commit_step": ("worker_id", "token", "model", "step", "job_ids", "busy_s"),
     # {model, step} -> {}; the model's state at ``step`` (witness included) is durable on disk
     "checkpoint": ("worker_id", "token", "model", "step"),

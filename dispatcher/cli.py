@@ -43,12 +43,19 @@ def cmd_worker(args) -> int:
     if role == "target":
         from common.target_loop import TargetLoop
         return TargetLoop(config, name, _sim_target(config) if sim else _hf_target(config)).run()
-    if not sim:
-        raise ConfigError("the real drafter worker is not available yet: use --sim or drafter.sim=true")
     from common.drafter_loop import DrafterLoop
-    from drafter_worker.sim import SimDrafter
-    # An independent sim drafter trains a model of its own, named after it: a restart resumes it.
-    return DrafterLoop(config, name, SimDrafter(config, model_id=name)).run()
+    # An independent drafter trains a model of its own, named after it: a restart resumes it.
+    if sim:
+        from drafter_worker.sim import SimDrafter
+        return DrafterLoop(config, name, SimDrafter(config, model_id=name)).run()
+    if not config.target.model:  # said before torch loads: the drafter reads the target's config and head
+        raise ConfigError("target.model: the DFlash drafter needs the target model directory (or use --sim)")
+    from drafter_worker.dflash_backend import DFlashBackend
+    backend = DFlashBackend(config, model_id=name)
+    try:
+        return DrafterLoop(config, name, backend).run()
+    finally:
+        backend.close()
 
 
 def _sim_target(config):
@@ -220,6 +227,13 @@ def cmd_regenerate(args) -> int:
     return 0
 
 
+def cmd_demo(args) -> int:
+    _setup_logging("demo")
+    from drafter_worker.demo import run_demo
+    return run_demo(out=args.out, config_path=args.config, overrides=args.overrides, samples=args.samples,
+                    eval_prompts=args.eval_prompts, max_new_tokens=args.max_new_tokens, tiny_steps=args.tiny_steps)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hsd", description="hsdispatch: online drafter training with a dispatcher")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -227,6 +241,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("launch", help="start the dispatcher and all configured workers on this node")
     _add_config_args(p)
     p.set_defaults(func=cmd_launch)
+
+    p = sub.add_parser("demo", help="tiny target -> its own answers -> online DFlash training -> tau before/after")
+    _add_config_args(p)
+    p.add_argument("--out", default="runs/demo", help="demo directory: target, data, run (default runs/demo)")
+    p.add_argument("--samples", type=int, default=200, help="training prompts whose answers the target regenerates")
+    p.add_argument("--eval-prompts", type=int, default=12, help="held-out prompts of the tau evaluation")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per evaluation prompt")
+    p.add_argument("--tiny-steps", type=int, help="training steps of the tiny target (default: its full recipe)")
+    p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("dispatcher", help="run the dispatcher daemon")
     _add_config_args(p)

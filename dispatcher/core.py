@@ -72,6 +72,7 @@ class Worker:
     model: str | None = None  # drafter: the model it trains
     num_grants: int = 0  # jobs handed to this session so far: each grant carries its number
     queue: int | None = None  # target under schedule.assignment=per_target: the queue it takes from
+    metrics: dict[str, float] = field(default_factory=dict)  # drafter: its latest step's figures (loss, lr, ...)
 
 
 @dataclass
@@ -608,7 +609,7 @@ class DispatcherCore:
         self.journal.record("give_back", job=job_id, was="training", reason=f"read_failed: {reason}"[:200], w=worker_id)
 
     def commit_step(self, worker_id: str, job_ids: list[int], busy_s: float, now: float, *, model: str | None = None,
-                    step: int | None = None, verified: int = 0) -> int:
+                    step: int | None = None, verified: int = 0, metrics: dict[str, float] | None = None) -> int:
         """The drafter's model takes optimizer step ``step`` on ``job_ids``. Idempotent: the same
         (model, step, jobs) again gets the same answer. Refused (all or nothing) otherwise when a
         job is not consumed by this drafter or the step does not follow the model's last."""
@@ -634,6 +635,8 @@ class DispatcherCore:
                             buckets=sorted({j.bucket for j in jobs}), avail=worker.window_avail,
                             mixed=worker.window_mixed, tokens=num_tokens, busy_s=round(busy_s, 6), verified=verified)
         worker.window_avail, worker.window_mixed = None, True
+        if metrics:
+            worker.metrics = dict(metrics)
         worker.num_jobs += len(jobs)
         worker.num_tokens += num_tokens
         for epoch in sorted({j.epoch for j in jobs}):

@@ -43,6 +43,19 @@ MAX_WAIT_MS = 30_000
 HARD_MESSAGE_LIMIT = 64 << 20  # beyond this ZeroMQ drops the peer instead of buffering the message
 
 
+MAX_STEP_METRICS = 16  # commit_step's metrics: a few figures for hsd stats, never a payload
+
+
+def _step_metrics(value: Any) -> dict[str, float] | None:
+    if value is None:
+        return None
+    if (not isinstance(value, dict) or len(value) > MAX_STEP_METRICS
+            or not all(isinstance(k, str) and len(k) <= 32 and isinstance(v, (int, float)) and not isinstance(v, bool)
+                       for k, v in value.items())):
+        raise ProtocolError(ErrorCode.MALFORMED, f"metrics must map at most {MAX_STEP_METRICS} short names to numbers")
+    return {k: float(v) for k, v in value.items()}
+
+
 @dataclass
 class Waiter:
     identity: bytes
@@ -297,7 +310,7 @@ class DispatcherServer:
                 raise ProtocolError(ErrorCode.MALFORMED, "job_ids must be a list of integers")
             step = core.commit_step(worker_id, job_ids, float(field_of(f, "busy_s", (int, float))), now,
                                     model=field_of(f, "model", str), step=field_of(f, "step", int),
-                                    verified=int(f.get("verified") or 0))
+                                    verified=int(f.get("verified") or 0), metrics=_step_metrics(f.get("metrics")))
             return self._when_durable(identity, protocol.ok_reply(request.id, step=step, done=core.done)), True
         elif op == "checkpoint":
             core.checkpoint(worker_id, field_of(f, "step", int), now, model=field_of(f, "model", str))

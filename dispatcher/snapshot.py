@@ -42,7 +42,8 @@ def build_snapshot(core: DispatcherCore, now: float) -> dict[str, Any]:
                         "heartbeat_age_s": round(now - w.last_seen, 3),
                         # cumulative seconds: a viewer differences two snapshots for a recent idle ratio
                         "alive_s": round(alive_s, 3), "wait_s": round(waiting, 3),
-                        "held": [j.job_id for j in core.ledger.held_by(w.id)]})
+                        "held": [j.job_id for j in core.ledger.held_by(w.id)],
+                        **({"metrics": dict(w.metrics)} if w.metrics else {})})
     return {"time": time.time(), "uptime_s": round(now - core.started_at, 3), "done": core.done,
             "epochs_total": core.options.epochs, "epochs": epochs,
             "jobs_by_state": core.ledger.counts_by_state(),

@@ -221,7 +221,18 @@ def format_stats(s: dict[str, Any], *, previous: dict[str, Any] | None = None, r
                      f"{w['pid']}@{w['host']}")
     if not s["workers"]:
         lines.append("(no worker registered)")
+    lines += step_metric_lines(s["workers"])
     return "\n".join(lines)
+
+
+def step_metric_lines(workers: list[dict[str, Any]]) -> list[str]:
+    """The latest step figures each drafter sent with its commits (loss, accuracy, lr, ...)."""
+    lines = []
+    for w in sorted(workers, key=lambda w: w["name"]):
+        if w.get("metrics"):
+            figures = "  ".join(f"{k} {v:.4g}" for k, v in w["metrics"].items())
+            lines.append(f"{w['name']:<12} last step: {figures}")
+    return lines
 
 
 def run_stats(*, endpoint: str | None, run_dir: str | None, as_json: bool, watch_s: float | None) -> int:

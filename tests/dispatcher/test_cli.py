@@ -54,6 +54,7 @@ def test_bad_input_is_a_clear_error(tmp_path):
         (["launch", "run.epochs=many"], "run.epochs"),
         (["schedule", "--lengths", str(tmp_path / "nope.txt")], "nope.txt"),
         (["target", "run.dir=" + str(tmp_path / "r")], "target.model"),
+        (["drafter", "run.dir=" + str(tmp_path / "r")], "target.model"),
         (["dispatcher", "run.dir=" + str(tmp_path / "big"), "pool.slots=100000000"], "does not fit"),
     ]
     (tmp_path / "bad.txt").write_text("12\nabc\n")
@@ -67,7 +68,7 @@ def test_bad_input_is_a_clear_error(tmp_path):
 
 def test_launch_fails_when_no_drafter_can_run(tmp_path):
     run_dir = tmp_path / "run"
-    # drafter.sim=false asks for the real drafter, which this build refuses: every drafter exits 2.
+    # drafter.sim=false asks for the real DFlash drafter, which needs target.model: every drafter exits 2.
     proc = hsd("launch", f"run.dir={run_dir}", "target.sim=true", "drafter.sim=false", "drafter.max_restarts=1",
                "data.synthetic_samples=100", check=False, timeout=120)
     assert proc.returncode == 1

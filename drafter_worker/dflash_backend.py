@@ -1,0 +1,202 @@
+"""The DFlash drafter behind the worker loop: trains on the hidden states a real target captured.
+
+Each checkpoint is one step directory (:func:`common.witness.save_checkpoint`) that is at once
+an exported drafter — ``config.json`` + ``model.safetensors`` in the published DFlash layout, so
+``hsd eval --drafter`` and serving engines load it as is — and the training state beside it
+(``state.safetensors`` + ``state.json``: optimizer, scheduler, step, anchor RNG, the process RNG),
+plus the trained-jobs witness. Resuming from it continues the run exactly as if it had not stopped.
+
+Gradients of a step accumulate unnormalised over its micro-batches (see
+:mod:`drafter_worker.dflash.trainer`); :meth:`DFlashBackend.sync_gradients` is where a
+data-parallel group sums them and the weight total over its ranks before the step is applied.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from common.capture_contract import contract_from_config
+from common.config import Config, ConfigError
+from common.slots import SlotBatch
+from common.witness import TrainedJobs, check_model_id, latest_checkpoint, save_checkpoint
+from drafter_worker.dflash.config import DFlashTrainConfig
+from drafter_worker.dflash.export import save_drafter
+from drafter_worker.dflash.state_io import load_state, save_state
+from drafter_worker.dflash.trainer import DFlashTrainer
+from drafter_worker.dflash_metrics import StepClock, TensorBoardLog, format_metrics, step_metrics
+
+log = logging.getLogger("hsd.dflash")
+
+AllReduce = Callable[[torch.Tensor], None]  # sums a tensor in place across the ranks of a group
+# Test-only fault: the process dies right after applying this step, between a commit and the next
+# checkpoint, so a test can show that a resumed run trains exactly as an uninterrupted one.
+EXIT_AFTER_STEP_ENV = "HSD_TEST_DRAFTER_EXIT_AFTER_STEP"
+
+
+def jobs_per_epoch(config: Config) -> int:
+    """Batches one epoch of ``data`` makes under ``schedule`` (the same count for every epoch and seed)."""
+    from dispatcher.dataset import load_lengths
+    from dispatcher.schedule import assign_buckets
+    buckets = config.schedule.buckets
+    counts = [0] * len(buckets)
+    for b in assign_buckets(load_lengths(config), buckets):
+        if b >= 0:
+            counts[b] += 1
+    return sum(math.ceil(n / (config.schedule.tokens_per_batch // length)) for n, length in zip(counts, buckets))
+
+
+def derive_total_steps(config: Config) -> int:
+    """``dflash.total_steps``, or the run's optimizer steps: every job once per epoch, ``accum_steps``
+    jobs a step, the jobs shared among ``drafter.count`` drafters. A flush at an epoch's end makes a
+    short step now and then; the cosine then stays at its floor for those few extra steps."""
+    if config.dflash.total_steps:
+        return config.dflash.total_steps
+    num_jobs = jobs_per_epoch(config) * config.run.epochs
+    return max(1, math.ceil(num_jobs / (config.drafter.accum_steps * max(1, config.drafter.count))))
+
+
+def train_config(config: Config, *, total_steps: int) -> DFlashTrainConfig:
+    d = config.dflash
+    return DFlashTrainConfig(block_size=d.block_size, num_draft_layers=d.num_draft_layers, num_anchors=d.num_anchors,
+                             gamma=d.gamma, mask_token_id=d.mask_token_id, lr=d.lr, betas=list(d.betas),
+                             weight_decay=d.weight_decay, warmup_ratio=d.warmup_ratio, min_lr_ratio=d.min_lr_ratio,
+                             grad_clip=d.grad_clip, total_steps=total_steps, loss_chunk_size=d.loss_chunk_size,
+                             dtype=d.dtype, attention=d.attention)
+
+
+def default_device(config: Config) -> torch.device:
+    # hsd launch gives each worker one GPU (CUDA_VISIBLE_DEVICES): it is cuda:0 in the worker.
+    if config.drafter.gpus and torch.cuda.is_available():
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
+
+
+class DFlashBackend:
+    """A :class:`common.worker_backends.DrafterBackend` training a DFlash drafter with :class:`DFlashTrainer`."""
+
+    def __init__(self, config: Config, model_id: str, *, device: str | torch.device | None = None,
+                 total_steps: int | None = None):
+        if not config.target.model:
+            raise ConfigError("target.model: the DFlash drafter reads the target's config.json and shares its "
+                              "embedding and LM head; set the target model directory")
+        self.model_id = check_model_id(model_id)
+        contract = contract_from_config(config)  # what the target derives too: the dispatcher compares them
+        self.contract: dict[str, Any] = contract.to_dict()
+        self.layer_ids = list(contract.layer_ids)
+        self.target_dir = str(config.target.model)
+        self.device = torch.device(device) if device is not None else default_device(config)
+        self.seed = config.run.seed
+        self.train_config = train_config(config, total_steps=total_steps or derive_total_steps(config))
+        self.train_config.validate()
+        self.keep = config.drafter.checkpoint_keep
+        self.export_dtype = config.dflash.export_dtype
+        self.log_every = config.dflash.log_every
+        self.trainer = self._new_trainer()
+        self.step = 0
+        self.trained = TrainedJobs()
+        self.window: list[int] = []
+        self.clock = StepClock()
+        self.last_metrics: dict[str, float] = {}
+        self.tensorboard = TensorBoardLog(config.run_dir, self.model_id)
+        self.exit_after_step = int(os.environ.get(EXIT_AFTER_STEP_ENV) or 0)
+
+    def _new_trainer(self) -> DFlashTrainer:
+        # The process RNG is seeded too: whatever draws from it (a kernel, a library) repeats on a rerun.
+        torch.manual_seed(self.seed)
+        return DFlashTrainer(self.train_config, target_dir=self.target_dir, layer_ids=self.layer_ids,
+                             device=self.device, seed=self.seed)
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def load_latest(self, run_dir: str | os.PathLike) -> int:
+        checkpoint = latest_checkpoint(run_dir, self.model_id)
+        if checkpoint is None:
+            if self.step or self.window:  # the model moved on from its initial state: start it afresh
+                self.trainer = self._new_trainer()
+            self.step, self.trained = 0, TrainedJobs()
+        else:
+            state = load_state(checkpoint.path)
+            self.trainer.load_state_dict(state["trainer"])
+            torch.set_rng_state(state["torch_rng"])
+            self.step, self.trained = checkpoint.step, checkpoint.trained_jobs()
+            if self.trainer.step != self.step:
+                raise ValueError(f"checkpoint {checkpoint.path}: training state at step {self.trainer.step}, "
+                                 f"witness at step {self.step}")
+        self.window = []
+        self.clock = StepClock()
+        return self.step
+
+    def _export_dtype(self) -> str:
+        if self.export_dtype != "auto":
+            return self.export_dtype
+        return str(self.trainer.compute_dtype).removeprefix("torch.")
+
+    def write_checkpoint_files(self, directory: Path) -> None:
+        """Exported drafter + training state into ``directory`` (a step directory being written)."""
+        save_drafter(self.trainer.model, directory, dtype=self._export_dtype())
+        save_state({"trainer": self.trainer.state_dict(), "torch_rng": torch.get_rng_state()}, directory)
+
+    def save_checkpoint(self, run_dir: str | os.PathLike) -> None:
+        save_checkpoint(run_dir, self.model_id, self.step, self.trained, write_extra=self.write_checkpoint_files,
+                        keep_last=self.keep)
+
+    # -- a step -----------------------------------------------------------------------------
+    def micro_batch(self, job: dict[str, Any], batch: SlotBatch) -> None:
+        started = time.perf_counter()
+        self.trainer.micro_batch(batch.hs, batch.input_ids, batch.loss_mask, batch.seq_lens)
+        self.window.append(int(job["job_id"]))
+        self.clock.add_compute(time.perf_counter() - started, int(batch.seq_lens.sum()))
+
+    @property
+    def local_weight_total(self) -> float:
+        """Total position weight of this rank's micro-batches of the step (what the group sums)."""
+        return self.trainer.local_weight_total
+
+    def sync_gradients(self, all_reduce: AllReduce | None = None) -> float:
+        """Sum the step's gradients and weight total over a data-parallel group; return the total.
+
+        ``all_reduce`` sums a tensor in place across the ranks; None (one rank) changes nothing.
+        Every rank passes the returned total to :meth:`apply_step`.
+        """
+        total = self.trainer.local_weight_total
+        if all_reduce is None:
+            return total
+        for p in self.trainer.params:
+            if p.grad is None:  # a rank with nothing supervised still takes part in every sum
+                p.grad = torch.zeros_like(p)
+            all_reduce(p.grad)
+        total_t = torch.tensor([total], dtype=torch.float64, device=self.trainer.params[0].device)
+        all_reduce(total_t)
+        return float(total_t.item())
+
+    def apply_step(self, job_ids: list[int], *, total_weight: float | None = None) -> dict:
+        assert list(job_ids) == self.window, f"committed {job_ids}, trained on {self.window}"
+        started = time.perf_counter()
+        stats = self.trainer.apply_step(total_weight=total_weight)
+        self.trained.add(job_ids)
+        self.step += 1
+        self.window = []
+        self.clock.add_compute(time.perf_counter() - started)
+        wall_s, compute_s, num_tokens = self.clock.finish()
+        self.last_metrics = step_metrics(stats, wall_s=wall_s, compute_s=compute_s, num_tokens=num_tokens)
+        if self.step % self.log_every == 0:
+            log.info("%s", format_metrics(self.model_id, self.step, self.last_metrics))
+        self.tensorboard.write(self.step, self.last_metrics)
+        if self.step == self.exit_after_step:
+            log.error("%s: exiting after step %d (%s)", self.model_id, self.step, EXIT_AFTER_STEP_ENV)
+            os._exit(3)
+        return self.last_metrics
+
+    def drop_step(self) -> None:
+        self.trainer.drop_step()
+        self.window = []
+        self.clock.drop()
+
+    def close(self) -> None:
+        self.tensorboard.close()

@@ -1,0 +1,33 @@
+"""A drafter's step figures ride on commit_step: kept per worker, shown by the stats snapshot."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.protocol import ProtocolError
+from core_harness import make_core, register
+from dispatcher.server import MAX_STEP_METRICS, _step_metrics
+from dispatcher.snapshot import build_snapshot
+from dispatcher.stats_view import step_metric_lines
+
+
+def test_commit_metrics_show_in_the_snapshot(tmp_path):
+    core = make_core(tmp_path, epochs=1, min_ready=1)
+    (t,), (d,) = register(core, "target", 1), register(core, "drafter", 1)
+    grant = core.get_job(t, 1.0)
+    core.job_ready(t, grant.job.job_id, grant.job.generation, 0.0, 1.0)
+    hs, _ = core.get_hs(d, 1.0)
+    core.consumed(d, hs.job.job_id, 1.0)
+    assert "metrics" not in next(w for w in build_snapshot(core, 1.0)["workers"] if w["id"] == d)
+    core.commit_step(d, [hs.job.job_id], 0.0, 1.0, model="m", step=1, metrics={"loss": 2.5, "acc1": 0.25})
+    snapshot = build_snapshot(core, 2.0)
+    assert next(w for w in snapshot["workers"] if w["id"] == d)["metrics"] == {"loss": 2.5, "acc1": 0.25}
+    assert step_metric_lines(snapshot["workers"]) == ["drafter0     last step: loss 2.5  acc1 0.25"]
+
+
+def test_metrics_field_is_checked():
+    assert _step_metrics(None) is None
+    assert _step_metrics({"loss": 1, "lr": 1e-3}) == {"loss": 1.0, "lr": 1e-3}
+    for bad in ([1.0], {"loss": "low"}, {"ok": True}, {f"m{i}": 0.0 for i in range(MAX_STEP_METRICS + 1)}):
+        with pytest.raises(ProtocolError):
+            _step_metrics(bad)

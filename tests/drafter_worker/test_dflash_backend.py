@@ -1,0 +1,135 @@
+"""The DFlash drafter backend: checkpoint round trip, exported drafter, gradient sync, step count."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from common.capture_contract import contract_from_config
+from common.config import load_config
+from common.slots import SlotBatch, SlotHeader
+from common.witness import latest_checkpoint
+from dflash_run import tiny_run, write_dataset
+from dflash_testing import LAYER_IDS, random_batch
+from drafter_worker.dflash.export import load_drafter
+from drafter_worker.dflash_backend import DFlashBackend, derive_total_steps, jobs_per_epoch
+
+
+def _config(target_dir, run_dir, *extra):
+    return load_config(None, [f"run.dir={run_dir}", f"target.model={target_dir}",
+                              "target.capture_layers=[" + ",".join(map(str, LAYER_IDS)) + "]",
+                              "dflash.block_size=4", "dflash.gamma=2.0", "dflash.num_draft_layers=1",
+                              "dflash.num_anchors=8", "dflash.lr=0.003", "drafter.checkpoint_keep=2", *extra])
+
+
+def _jobs(target_model, count: int):
+    """``count`` (job, SlotBatch) pairs as a drafter reads them out of slots."""
+    out = []
+    for job_id in range(count):
+        hs, ids, mask, lens = random_batch(target_model, batch=2, seq_len=24, seed=100 + job_id)
+        header = SlotHeader(generation=1, job_id=job_id, bucket=0, batch_size=2, seq_len=24,
+                            num_tokens=int(lens.sum()))
+        batch = SlotBatch(hs, ids.to(torch.int32), mask.to(torch.uint8), lens.to(torch.int32), header)
+        out.append(({"job_id": job_id}, batch))
+    return out
+
+
+def _train(backend, jobs, steps: range, accum: int = 2) -> list[float]:
+    losses = []
+    for step in steps:
+        window = jobs[step * accum:(step + 1) * accum]
+        for job, batch in window:
+            backend.micro_batch(job, batch)
+        losses.append(backend.apply_step([job["job_id"] for job, _ in window])["loss"])
+    return losses
+
+
+def test_checkpoint_then_load_latest_continues_identically(tiny_target, tiny_target_model, tmp_path):
+    config = _config(tiny_target, tmp_path / "run")
+    jobs = _jobs(tiny_target_model, 12)
+    straight = DFlashBackend(config, "drafter-0", total_steps=6)
+    assert straight.contract == contract_from_config(config).to_dict()  # what the target sends too
+    reference = _train(straight, jobs, range(6))
+
+    first = DFlashBackend(config, "drafter-0", total_steps=6)
+    assert first.load_latest(config.run_dir) == 0
+    assert _train(first, jobs, range(3)) == reference[:3]
+    first.save_checkpoint(config.run_dir)
+    first.micro_batch(*jobs[6])  # a step in progress when the worker stops: it is not in the checkpoint
+    resumed = DFlashBackend(config, "drafter-0", total_steps=6)
+    assert resumed.load_latest(config.run_dir) == 3
+    assert list(resumed.trained) == list(range(6))
+    assert _train(resumed, jobs, range(3, 6)) == reference[3:]
+    assert list(resumed.trained) == list(range(12))
+    for name, tensor in straight.trainer.model.draft_state_dict().items():
+        assert torch.equal(tensor, resumed.trainer.model.draft_state_dict()[name]), name
+
+
+def test_load_latest_without_checkpoint_starts_afresh(tiny_target, tiny_target_model, tmp_path):
+    config = _config(tiny_target, tmp_path / "run")
+    jobs = _jobs(tiny_target_model, 4)
+    backend = DFlashBackend(config, "drafter-0", total_steps=4)
+    first = _train(backend, jobs, range(2))
+    assert backend.load_latest(config.run_dir) == 0  # e.g. the dispatcher refused a model ahead of it
+    assert backend.step == 0 and len(backend.trained) == 0
+    assert _train(backend, jobs, range(2)) == first
+
+
+def test_checkpoint_is_an_exported_drafter_with_the_same_logits(tiny_target, tiny_target_model, tmp_path):
+    config = _config(tiny_target, tmp_path / "run")
+    jobs = _jobs(tiny_target_model, 4)
+    backend = DFlashBackend(config, "drafter-0", total_steps=4)
+    _train(backend, jobs, range(2))
+    backend.save_checkpoint(config.run_dir)
+    path = latest_checkpoint(config.run_dir, "drafter-0").path
+    doc = json.loads((path / "config.json").read_text())
+    assert doc["architectures"] == ["DFlashDraftModel"] and doc["block_size"] == 4
+    assert doc["dflash_config"]["target_layer_ids"] == LAYER_IDS
+    assert not any(name.startswith(("embed", "lm_head")) for name in load_file(path / "model.safetensors"))
+    loaded = load_drafter(path, tiny_target)
+    _, batch = jobs[0]
+    anchors = torch.tensor([[5, 9, 14], [4, 10, -1]])
+    model = backend.trainer.model.eval()
+    with torch.no_grad():
+        expected = model(batch.hs, batch.input_ids.long(), anchors)
+        got = loaded(batch.hs, batch.input_ids.long(), anchors)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_sync_gradients_sums_over_ranks(tiny_target, tiny_target_model, tmp_path):
+    """Two identical ranks: the summed gradients over the summed weight equal one rank's step."""
+    config = _config(tiny_target, tmp_path / "run")
+    jobs = _jobs(tiny_target_model, 2)
+    single = DFlashBackend(config, "a", total_steps=4)
+    pair = DFlashBackend(config, "b", total_steps=4)
+    for backend in (single, pair):
+        for job, batch in jobs:
+            backend.micro_batch(job, batch)
+    assert single.sync_gradients() == single.local_weight_total > 0  # one rank: nothing changes
+    total = pair.sync_gradients(lambda t: t.mul_(2))  # the sum over two ranks holding the same
+    assert total == pytest.approx(2 * single.local_weight_total)
+    single.apply_step([0, 1])
+    pair.apply_step([0, 1], total_weight=total)
+    for name, tensor in single.trainer.model.draft_state_dict().items():
+        torch.testing.assert_close(pair.trainer.model.draft_state_dict()[name], tensor)
+
+
+def test_total_steps_from_the_data_and_schedule(tmp_path):
+    config = tiny_run(tmp_path, tmp_path / "run", num_samples=32, epochs=3,
+                      extra=("drafter.accum_steps=3",))
+    lengths = [int(n) for n in (tmp_path / "data" / "lengths.txt").read_text().split()]
+    short = sum(n <= 32 for n in lengths)
+    assert jobs_per_epoch(config) == -(-short // 4) + -(-(len(lengths) - short) // 2)  # 128 tokens a batch
+    assert derive_total_steps(config) == -(-jobs_per_epoch(config) * 3 // 3)
+    assert derive_total_steps(load_config(None, [*_overrides(config), "dflash.total_steps=17"])) == 17
+    write_dataset(tmp_path / "empty", [8])
+    assert jobs_per_epoch(load_config(None, [*_overrides(config), f"data.path={tmp_path / 'empty'}"])) == 1
+
+
+def _overrides(config):
+    return [f"run.dir={config.run.dir}", f"data.path={config.data.path}", f"target.model={config.target.model}",
+            f"run.epochs={config.run.epochs}", "drafter.accum_steps=3", "schedule.buckets=[32,64]",
+            "schedule.tokens_per_batch=128", "target.capture_layers=[1,2]"]

@@ -1,0 +1,66 @@
+"""`hsd launch` with a real target and a real DFlash drafter: exactly once, and an exact resume.
+
+One slot and one target make the job order the schedule's own, so two runs train on the same
+batches in the same steps; with fixed seeds their loss trajectories must then be equal, also when
+one of them stops after a checkpoint (its drafter dies one step past it) and is launched again.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from safetensors.torch import load_file
+
+from common.client import run_id_for
+from common.shm_arena import list_segments
+from common.witness import latest_checkpoint
+from dflash_run import tiny_run_args
+from drafter_worker.dflash_backend import EXIT_AFTER_STEP_ENV
+from hsd_testing import hsd, report
+
+STEP_LINE = re.compile(r"drafter-0 step\s+(\d+)\s+loss (\S+)")
+SEQUENTIAL = ("pool.slots=1", "pool.min_ready=0", "pool.target_credits=1", "run.epochs=2")
+
+
+def _losses(log_text: str) -> dict[int, str]:
+    """Step -> loss as logged; a step trained again after a resume keeps its last value."""
+    return {int(step): loss for step, loss in STEP_LINE.findall(log_text)}
+
+
+def _final_weights(run_dir):
+    return load_file(latest_checkpoint(run_dir, "drafter-0").path / "model.safetensors")
+
+
+@pytest.mark.timeout(900)  # three launches, each starting torch in three processes: slow on a loaded 2-core host
+def test_real_run_exactly_once_and_resumed_run_trains_identically(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
+    args = tiny_run_args(tmp_path, straight_dir, num_samples=24, extra=SEQUENTIAL)
+    proc = hsd("launch", *args, timeout=400)
+    assert "run complete: every epoch committed" in proc.stderr
+    r = report(straight_dir)
+    assert r["finished"] and (r["committed"], r["duplicates"], r["lost"]) == (r["jobs_total"], 0, 0)
+    assert (r["witness_duplicates"], r["witness_missing"]) == (0, 0)
+    reference = _losses((straight_dir / "logs" / "drafter-0.log").read_text())
+    assert sorted(reference) == list(range(1, len(reference) + 1)) and len(reference) >= 8
+
+    # The same run, stopped when its drafter dies after step 5 (checkpointed at 4), then launched again.
+    args = tiny_run_args(tmp_path, resumed_dir, num_samples=24, extra=(*SEQUENTIAL, "drafter.max_restarts=0"))
+    monkeypatch.setenv(EXIT_AFTER_STEP_ENV, "5")
+    first = hsd("launch", *args, timeout=400, check=False)
+    assert first.returncode != 0 and "no drafter is left" in first.stderr
+    assert latest_checkpoint(resumed_dir, "drafter-0").step == 4
+    monkeypatch.delenv(EXIT_AFTER_STEP_ENV)
+    proc = hsd("launch", *args, timeout=400)
+    assert "resumes from its checkpoint" in proc.stdout
+    r = report(resumed_dir)
+    assert r["finished"] and (r["committed"], r["duplicates"], r["lost"]) == (r["jobs_total"], 0, 0)
+    assert (r["witness_duplicates"], r["witness_missing"]) == (0, 0)
+    assert _losses((resumed_dir / "logs" / "drafter-0.log").read_text()) == reference
+    straight, resumed = _final_weights(straight_dir), _final_weights(resumed_dir)
+    assert straight.keys() == resumed.keys()
+    assert all(straight[name].equal(resumed[name]) for name in straight)
+    for path in (straight_dir, resumed_dir):
+        assert not list_segments(run_id_for(path)), "shared memory left behind"
