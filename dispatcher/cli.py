@@ -43,12 +43,20 @@ def cmd_worker(args) -> int:
     if role == "target":
         from common.target_loop import TargetLoop
         return TargetLoop(config, name, _sim_target(config) if sim else _hf_target(config)).run()
-    if not sim:
-        raise ConfigError("the real drafter worker is not available yet: use --sim or drafter.sim=true")
     from common.drafter_loop import DrafterLoop
-    from drafter_worker.sim import SimDrafter
-    # An independent sim drafter trains a model of its own, named after it: a restart resumes it.
-    return DrafterLoop(config, name, SimDrafter(config, model_id=name)).run()
+    if sim:
+        from drafter_worker.sim import SimDrafter
+        # An independent sim drafter trains a model of its own, named after it: a restart resumes it.
+        return DrafterLoop(config, name, SimDrafter(config, model_id=name)).run()
+    if config.drafter.backend != "linear":
+        raise ConfigError("the real drafter worker is not available yet: use --sim, drafter.sim=true or "
+                          "drafter.backend=linear")
+    from drafter_worker.linear_backend import LinearDrafter
+    if config.drafter.group_size > 1:
+        # Every rank trains the one model of the group; its checkpoints are written by rank 0.
+        from drafter_worker.group_loop import GroupDrafterLoop
+        return GroupDrafterLoop(config, name, LinearDrafter(config, model_id=config.drafter.model)).run()
+    return DrafterLoop(config, name, LinearDrafter(config, model_id=name)).run()
 
 
 def _sim_target(config):
