@@ -612,7 +612,8 @@ class DispatcherCore:
         self.journal.record("give_back", job=job_id, was="training", reason=f"read_failed: {reason}"[:200], w=worker_id)
 
     def commit_step(self, worker_id: str, job_ids: list[int], busy_s: float, now: float, *, model: str | None = None,
-                    step: int | None = None, verified: int = 0, sync_wait_s: float = 0.0) -> int:
+                    step: int | None = None, verified: int = 0, sync_wait_s: float = 0.0,
+                    step_s: float = 0.0) -> int:
         """The drafter's model takes optimizer step ``step`` on ``job_ids``. Idempotent: the same
         (model, step, jobs) again gets the same answer. Refused (all or nothing) otherwise when a
         job is not consumed by this drafter or the step does not follow the model's last."""
@@ -644,7 +645,8 @@ class DispatcherCore:
         self.journal.record("commit", durable=True, model=model, step=step, jobs=list(job_ids), w=worker_id,
                             buckets=sorted({j.bucket for j in jobs}), avail=stepper.window_avail,
                             mixed=stepper.window_mixed, tokens=num_tokens, busy_s=round(busy_s, 6), verified=verified,
-                            **({"membership": group.version, "sync_wait_s": round(sync_wait_s, 6)} if group else {}))
+                            **({"membership": group.version, "sync_wait_s": round(sync_wait_s, 6),
+                                "step_s": round(step_s, 6)} if group else {}))
         stepper.window_avail, stepper.window_mixed = None, True
         worker.num_jobs += len(jobs)
         worker.num_tokens += num_tokens

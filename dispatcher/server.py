@@ -301,7 +301,8 @@ class DispatcherServer:
             step = core.commit_step(worker_id, job_ids, float(field_of(f, "busy_s", (int, float))), now,
                                     model=field_of(f, "model", str), step=field_of(f, "step", int),
                                     verified=int(f.get("verified") or 0),
-                                    sync_wait_s=float(f.get("sync_wait_s") or 0.0))
+                                    sync_wait_s=float(f.get("sync_wait_s") or 0.0),
+                                    step_s=float(f.get("step_s") or 0.0))
             return self._when_durable(identity, protocol.ok_reply(request.id, step=step, done=core.done)), True
         elif op == "checkpoint":
             core.checkpoint(worker_id, field_of(f, "step", int), now, model=field_of(f, "model", str))

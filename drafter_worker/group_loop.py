@@ -141,7 +141,8 @@ class GroupDrafterLoop(DrafterLoop):
         """One step of the group (or none when no rank has work); True once the run is complete."""
         assert self.group is not None
         ready_at = time.perf_counter()
-        rounds = self.group.exchange(RankRound(self.rank, list(self.window), done, flush))
+        rounds = self.group.exchange(RankRound(self.rank, list(self.window), done, flush,
+                                               busy_us=int(self.busy_s * 1e6)))
         job_ids = [job_id for r in rounds for job_id in r.job_ids]
         if not job_ids:
             if all(r.flush or r.done for r in rounds) and self.backend.step > self.checkpointed_step:
@@ -149,7 +150,12 @@ class GroupDrafterLoop(DrafterLoop):
             return any(r.done for r in rounds)
         self.backend.sync_gradients(self.group.all_reduce)
         wait_s = time.perf_counter() - ready_at
-        outcome = self.group.broadcast(self._commit_as_rank0(job_ids, wait_s) if self.rank == 0 else ABORTED)
+        if self.rank == 0:
+            busy_s = sum(r.busy_us for r in rounds) / 1e6
+            step_s = time.perf_counter() - self._step_started
+            outcome = self.group.broadcast(self._commit_as_rank0(job_ids, busy_s=busy_s, wait_s=wait_s, step_s=step_s))
+        else:
+            outcome = self.group.broadcast(ABORTED)
         mine = list(self.window)
         self.window, self.busy_s = [], 0.0
         if outcome != COMMITTED:
@@ -172,10 +178,12 @@ class GroupDrafterLoop(DrafterLoop):
             self._group_checkpoint()
         return False
 
-    def _commit_as_rank0(self, job_ids: list[int], wait_s: float) -> int:
-        """Commit the step for the whole group; the outcome every rank then follows."""
+    def _commit_as_rank0(self, job_ids: list[int], *, busy_s: float, wait_s: float, step_s: float) -> int:
+        """Commit the step for the whole group; the outcome every rank then follows. ``busy_s`` is
+        every rank's compute time; ``wait_s`` and ``step_s`` are rank 0's all-reduce wait and step
+        wall time so far (``hsd report`` turns them into the group's wait share)."""
         fields = {"model": self.backend.model_id, "step": self.backend.step + 1, "job_ids": job_ids,
-                  "busy_s": self.busy_s, "sync_wait_s": wait_s}
+                  "busy_s": busy_s, "sync_wait_s": wait_s, "step_s": step_s}
         deadline = time.monotonic() + RECONNECT_S
         request_id = self.session.submit("commit_step", **fields)
         while True:

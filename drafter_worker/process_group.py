@@ -20,6 +20,7 @@ import torch.distributed as dist
 log = logging.getLogger("hsd.drafter")
 
 NO_JOB = -1  # padding of a rank's job id row
+HEAD = 4  # fields before the job ids in a row
 
 
 class CollectiveFailed(RuntimeError):
@@ -34,6 +35,7 @@ class RankRound:
     job_ids: list[int]
     done: bool
     flush: bool
+    busy_us: int = 0  # microseconds the rank computed on its micro-batches (the step's busy time)
 
 
 class StepGroup:
@@ -64,19 +66,19 @@ class StepGroup:
         self._run("all_reduce", dist.all_reduce, tensor)
 
     def exchange(self, mine: RankRound) -> list[RankRound]:
-        """Every rank's round, in rank order: ``[count, done, flush, ids..., padding]`` per rank."""
+        """Every rank's round, in rank order: ``[count, done, flush, busy_us, ids..., padding]`` per rank."""
         if len(mine.job_ids) > self.max_jobs:
             raise ValueError(f"a rank brings {len(mine.job_ids)} jobs to a step, more than {self.max_jobs}")
-        row = torch.full((3 + self.max_jobs,), NO_JOB, dtype=torch.int64, device=self.device)
-        row[:3] = torch.tensor([len(mine.job_ids), int(mine.done), int(mine.flush)])
+        row = torch.full((HEAD + self.max_jobs,), NO_JOB, dtype=torch.int64, device=self.device)
+        row[:HEAD] = torch.tensor([len(mine.job_ids), int(mine.done), int(mine.flush), mine.busy_us])
         if mine.job_ids:
-            row[3:3 + len(mine.job_ids)] = torch.tensor(mine.job_ids, dtype=torch.int64)
+            row[HEAD:HEAD + len(mine.job_ids)] = torch.tensor(mine.job_ids, dtype=torch.int64)
         rows = [torch.empty_like(row) for _ in range(self.world_size)]
         self._run("job exchange", dist.all_gather, rows, row)
         rounds = []
         for rank, r in enumerate(rows):
             values = r.tolist()
-            rounds.append(RankRound(rank, values[3:3 + values[0]], bool(values[1]), bool(values[2])))
+            rounds.append(RankRound(rank, values[HEAD:HEAD + values[0]], bool(values[1]), bool(values[2]), values[3]))
         return rounds
 
     def broadcast(self, value: int) -> int:
