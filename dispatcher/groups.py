@@ -102,6 +102,8 @@ class DrafterGroups:
 
     def _new_version(self, group: DrafterGroup) -> list[str]:
         stale = list(group.members)
+        if group.version:  # a dead rank never released the old store: nobody will use it again
+            self.store_path(group.model, group.version).unlink(missing_ok=True)
         group.version += 1
         group.members = {}
         group.window_avail, group.window_mixed = None, True
