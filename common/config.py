@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from common.capture_contract import contract_from_config, read_model_config
+from common.witness import check_model_id
 
 
 class ConfigError(ValueError):
@@ -105,6 +106,15 @@ class DrafterSection:
     checkpoint_every: int = opt(50, "Optimizer steps between checkpoints (one is also saved when the run drains).")
     checkpoint_keep: int = opt(3, "Checkpoints kept per model; older step directories are removed.")
     max_restarts: int = opt(3, "Restarts hsd launch grants a crashed drafter.")
+    backend: str = opt("dflash", "Model a real (non-sim) drafter trains: dflash, or linear (a one-layer model on the captured states, for tests).")
+    data_parallel: bool = opt(True, "With count > 1, real drafters train one model as a torch.distributed group (sim drafters always train a model each).")
+    model: str = opt("drafter", "Id of the model a data-parallel group trains (its checkpoints live in run.dir/models/<model>).")
+    collective_timeout_s: float = opt(60.0, "Longest a rank waits in a collective (gradient all-reduce, group rendezvous) before it gives the step up.")
+
+    @property
+    def group_size(self) -> int:
+        """Ranks of the data-parallel group each drafter joins (1: it trains a model of its own)."""
+        return self.count if self.data_parallel and not self.sim and self.count > 1 else 1
 
 
 @dataclass
@@ -165,6 +175,7 @@ _CHOICES = {
     ("dflash", "dtype"): ("auto", "bfloat16", "float32"),
     ("dflash", "attention"): ("auto", "flex", "sdpa"),
     ("dflash", "export_dtype"): ("auto", "bfloat16", "float16", "float32"),
+    ("drafter", "backend"): ("dflash", "linear"),
     ("target", "attn_implementation"): ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"),
 }
 _PATH_KEYS = (("run", "dir"), ("data", "lengths"), ("data", "path"), ("target", "model"))
@@ -272,6 +283,13 @@ def validate(config: Config) -> None:
     for key in ("heartbeat_s", "worker_timeout_s", "lease_s"):
         if getattr(config.dispatcher, key) <= 0:
             raise ConfigError(f"dispatcher.{key} must be positive")
+    if config.drafter.collective_timeout_s <= 0:
+        raise ConfigError("drafter.collective_timeout_s must be positive")
+    if config.drafter.model:
+        try:
+            check_model_id(config.drafter.model)
+        except ValueError as exc:
+            raise ConfigError(f"drafter.model: {exc}") from None
     if config.dispatcher.worker_timeout_s <= config.dispatcher.heartbeat_s:
         raise ConfigError("dispatcher.worker_timeout_s must exceed dispatcher.heartbeat_s")
     for role in ("target", "drafter"):

@@ -64,8 +64,7 @@ class DrafterLoop(WorkerLoop):
         backend = self.backend
         while True:
             try:
-                reply = self.session.register(contract=backend.contract,
-                                              model={"id": backend.model_id, "step": backend.step})
+                reply = self.session.register(contract=backend.contract, model=self._model_fields())
             except ProtocolError as exc:
                 if exc.code != ErrorCode.BAD_STATE:
                     raise
@@ -84,6 +83,9 @@ class DrafterLoop(WorkerLoop):
                 raise RuntimeError(f"the dispatcher holds step {ledger_step} for model {backend.model_id}, "
                                    f"which registered at step {backend.step}: the ledger did not roll back to it")
             return reply
+
+    def _model_fields(self) -> dict[str, Any]:
+        return {"id": self.backend.model_id, "step": self.backend.step}
 
     def _open_transport(self, info: dict[str, Any]) -> DrafterTransport:
         return open_drafter_transport(info, device=self._device(info))

@@ -32,6 +32,11 @@ REQUESTS: dict[str, tuple[str, ...]] = {
     #   back to pending. The reply's model_step is the step the ledger now holds for the model; a
     #   model *ahead* of the ledger (its last commit never became durable) must reload its latest
     #   checkpoint and register again with that step.
+    # model.world_size > 1 (data-parallel drafters): drafters of the same model id form one group.
+    #   The reply's group = {rank, world_size, membership, store}: the rank's place in this membership
+    #   version and the torch.distributed FileStore path of its rendezvous. When a member leaves or
+    #   dies the version ends: the other members' get_hs and commit_step answer group_changed, they
+    #   drop the step, reload the latest checkpoint and register again (a new version forms).
     "register": ("role", "name", "pid", "host"),
     # {ipc_block, num_slots} -> {}; a cuda_ipc target offers the slots it allocated on its GPU
     "register_slots": ("worker_id", "token", "ipc_block", "num_slots"),
@@ -61,6 +66,8 @@ REQUESTS: dict[str, tuple[str, ...]] = {
     # Idempotent: the same (model, step, job_ids) again gets the first answer.
     # (verified: how many of the step's slots a sim drafter checked byte for byte; metrics: a few
     # named floats of the drafter's previous step, loss and the like, shown by hsd stats)
+    # A data-parallel group commits once per step (its rank 0), naming every rank's jobs; any jobs
+    # consumed by a current member count. (sync_wait_s: rank 0's wait at the gradient all-reduce)
     "commit_step": ("worker_id", "token", "model", "step", "job_ids", "busy_s"),
     # {model, step} -> {}; the model's state at ``step`` (witness included) is durable on disk
     "checkpoint": ("worker_id", "token", "model", "step"),
@@ -82,6 +89,7 @@ class ErrorCode:
     UNKNOWN_WORKER = "unknown_worker"  # not registered, or declared dead: register again
     BAD_STATE = "bad_state"            # the job is not in the state the op expects (stale lease)
     INCOMPATIBLE = "incompatible"      # the worker cannot serve this run (transport, capture contract)
+    GROUP_CHANGED = "group_changed"    # the drafter's data-parallel membership ended: drop the step, register again
     READ_ONLY = "read_only"            # a control op sent to the stats socket
     INTERNAL = "internal"
 

@@ -44,18 +44,32 @@ def cmd_worker(args) -> int:
         from common.target_loop import TargetLoop
         return TargetLoop(config, name, _sim_target(config) if sim else _hf_target(config)).run()
     from common.drafter_loop import DrafterLoop
-    # An independent drafter trains a model of its own, named after it: a restart resumes it.
     if sim:
         from drafter_worker.sim import SimDrafter
+        # An independent sim drafter trains a model of its own, named after it: a restart resumes it.
         return DrafterLoop(config, name, SimDrafter(config, model_id=name)).run()
-    if not config.target.model:  # said before torch loads: the drafter reads the target's config and head
-        raise ConfigError("target.model: the DFlash drafter needs the target model directory (or use --sim)")
-    from drafter_worker.dflash_backend import DFlashBackend
-    backend = DFlashBackend(config, model_id=name)
+    grouped = config.drafter.group_size > 1
+    # Every rank of a data-parallel group trains the group's one model (rank 0 writes its checkpoints);
+    # an independent drafter trains a model of its own, named after it: a restart resumes it.
+    model_id = config.drafter.model if grouped else name
+    if config.drafter.backend == "linear":
+        from drafter_worker.linear_backend import LinearDrafter
+        backend = LinearDrafter(config, model_id=model_id)
+    else:
+        if not config.target.model:  # said before torch loads: the drafter reads the target's config and head
+            raise ConfigError("target.model: the DFlash drafter needs the target model directory (or use --sim)")
+        from drafter_worker.dflash_backend import DFlashBackend
+        backend = DFlashBackend(config, model_id=model_id)
+    if grouped:
+        from drafter_worker.group_loop import GroupDrafterLoop
+        loop = GroupDrafterLoop(config, name, backend)
+    else:
+        loop = DrafterLoop(config, name, backend)
     try:
-        return DrafterLoop(config, name, backend).run()
+        return loop.run()
     finally:
-        backend.close()
+        if hasattr(backend, "close"):
+            backend.close()
 
 
 def _sim_target(config):

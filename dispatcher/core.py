@@ -19,6 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from common.config import Config
+from dispatcher.groups import DrafterGroup, DrafterGroups, GroupChanged, Membership
 from dispatcher.journal import Journal
 from dispatcher.ledger import Job, JobLedger, JobState, LedgerError, make_job_id, split_job_id
 from dispatcher.pool import HSPool
@@ -70,6 +71,7 @@ class Worker:
     slot_base: int = 0
     token: str = ""
     model: str | None = None  # drafter: the model it trains
+    group: Membership | None = None  # drafter of a data-parallel group: its rank at registration
     num_grants: int = 0  # jobs handed to this session so far: each grant carries its number
     queue: int | None = None  # target under schedule.assignment=per_target: the queue it takes from
     metrics: dict[str, float] = field(default_factory=dict)  # drafter: its latest step's figures (loss, lr, ...)
@@ -164,6 +166,7 @@ class DispatcherCore:
         self._segment = -1
         pool.add_slots(range(shared_slots))
         self._check_data()
+        self.groups: DrafterGroups | None = None  # made once the incarnation is known (_recover)
         self.builder = ScheduleBuilder(self.run_dir, ScheduleSpec(tuple(options.buckets), options.tokens_per_batch,
                                                                   options.run_seed, options.order),
                                        inline=not options.build_ahead)
@@ -193,6 +196,7 @@ class DispatcherCore:
     def _recover(self) -> None:
         recovered = recover(self.run_dir)
         self.incarnation = recovered.num_starts
+        self.groups = DrafterGroups(self.run_dir, self.incarnation)
         snapshot = recovered.snapshot
         if snapshot is not None:
             self._segment = snapshot.segment
@@ -327,13 +331,15 @@ class DispatcherCore:
         rolls that model back to exactly that step (its later commits go back to pending)."""
         if contract is not None:
             self._check_contract(role, name, contract)
-        model_id, model_step = None, 0
+        model_id, model_step, world_size = None, 0, 1
         if model is not None:
             if role != "drafter":
                 raise LedgerError("only a drafter registers a model")
-            model_id, model_step = model.get("id"), model.get("step", 0)
+            model_id, model_step, world_size = model.get("id"), model.get("step", 0), model.get("world_size", 1)
             if not isinstance(model_id, str) or not model_id or not isinstance(model_step, int) or model_step < 0:
                 raise LedgerError("model must be {id: non-empty string, step: integer >= 0}")
+            if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+                raise LedgerError("model.world_size must be an integer >= 1")
             held = self.ledger.model_step.get(model_id, 0)
             if model_step > held:
                 raise LedgerError(f"model {model_id} holds step {model_step}, ahead of the ledger's {held}: its last "
@@ -346,11 +352,19 @@ class DispatcherCore:
             self.deregister(other.id, now, reason="replaced")  # the same worker registering again
         worker = Worker(worker_id, role, name, pid, host, gpu, registered_at=now, last_seen=now,
                         token=secrets.token_hex(16), model=model_id)
+        if world_size > 1:
+            try:
+                worker.group, stale = self.groups.join(model_id, world_size, worker_id, model_step)
+            except ValueError as exc:
+                raise LedgerError(str(exc)) from None
+            self._group_changed(model_id, stale)
         self.workers[worker_id] = worker
         extra = {}
         if role == "target" and self.options.num_target_queues:
             worker.queue = self._free_queue()
             extra["queue"] = worker.queue
+        if worker.group:
+            extra.update(rank=worker.group.rank, membership=worker.group.version)
         self.journal.record("join", w=worker_id, role=role, name=name, pid=pid, host=host, **extra)
         if model_id is not None:
             self._rollback(model_id, model_step)
@@ -360,6 +374,17 @@ class DispatcherCore:
         """Per-target assignment: the lowest queue no live target takes from (None: every queue has one)."""
         taken = {w.queue for w in self.workers.values() if w.queue is not None}
         return next((k for k in range(self.options.num_target_queues) if k not in taken), None)
+
+    def _group_changed(self, model: str, stale: list[str]) -> None:
+        """A membership version ended: its step is void. Every job its members hold goes back now,
+        so nothing waits for ranks that will drop the step anyway."""
+        for worker_id in stale:
+            for job in self.ledger.held_by(worker_id):
+                self._give_back(job, "group_changed")
+        if stale:
+            log.info("model %s: the group changed (membership %d); %s drop the step and join again", model,
+                     self.groups.groups[model].version, ", ".join(stale))
+            self.journal.record("membership", model=model, version=self.groups.groups[model].version, stale=stale)
 
     def _check_contract(self, role: str, name: str, contract: dict[str, Any]) -> None:
         from common.capture_contract import check_same_contract
@@ -449,6 +474,8 @@ class DispatcherCore:
                     self.counters.given_back["slot_lost"] += 1
         del self.workers[worker_id]
         self.journal.record("leave", w=worker_id, reason=reason)
+        if worker.group is not None:
+            self._group_changed(worker.model, self.groups.leave(worker_id))
 
     def sweep(self, now: float, is_alive: Callable[[Worker], bool]) -> list[str]:
         """Declare silent or vanished workers dead and give back expired leases; returns the dead."""
@@ -566,6 +593,7 @@ class DispatcherCore:
     def get_hs(self, worker_id: str, now: float) -> tuple[JobGrant | str | None, bool]:
         """(grant, flush): flush tells a waiting drafter to commit its partial step, nothing more is coming."""
         worker = self.worker(worker_id, now)
+        self.groups.check_current(worker_id)
         if self.done:
             self._end_wait(worker, now)
             return DONE, False
@@ -575,14 +603,17 @@ class DispatcherCore:
             return None, self.nothing_left_to_hand_out()
         epoch = serving[0]
         progress = self.ledger.epochs[epoch]
-        held = self.ledger.held_by(worker_id)
+        # A group's step spans every rank's micro-batches: its window is what all of them hold.
+        group = self.groups.group_of(worker_id)
+        stepper: Worker | DrafterGroup = group or worker
+        held = [job for member in (group.members if group else [worker_id]) for job in self.ledger.held_by(member)]
         eligible = self.pool.eligible(epoch, totals=progress.bucket_totals, taken=progress.taken)
         if not held:
-            worker.window_avail, worker.window_mixed = len(eligible), True
+            stepper.window_avail, stepper.window_mixed = len(eligible), True
         window = {job.bucket for job in held}
         ready = self.pool.pick(epoch, eligible=eligible, window=window)
         if ready.bucket in window and any(b not in window for b in eligible):
-            worker.window_mixed = False
+            stepper.window_mixed = False
         self.pool.begin_read(ready)
         job = self.ledger.start_training(ready.job_id, worker_id, now, self.options.lease_s)
         self._end_wait(worker, now)
@@ -609,12 +640,20 @@ class DispatcherCore:
         self.journal.record("give_back", job=job_id, was="training", reason=f"read_failed: {reason}"[:200], w=worker_id)
 
     def commit_step(self, worker_id: str, job_ids: list[int], busy_s: float, now: float, *, model: str | None = None,
-                    step: int | None = None, verified: int = 0, metrics: dict[str, float] | None = None) -> int:
+                    step: int | None = None, verified: int = 0, metrics: dict[str, float] | None = None,
+                    sync_wait_s: float = 0.0, step_s: float = 0.0) -> int:
         """The drafter's model takes optimizer step ``step`` on ``job_ids``. Idempotent: the same
         (model, step, jobs) again gets the same answer. Refused (all or nothing) otherwise when a
         job is not consumed by this drafter or the step does not follow the model's last."""
         worker = self.worker(worker_id, now)
+        self.groups.check_current(worker_id)
         model = model or worker.model or worker_id
+        group = self.groups.group_of(worker_id)
+        if group is not None and model != group.model:
+            raise LedgerError(f"{worker_id} trains model {group.model}, not {model}")
+        # A group commits the step, not the rank: any current member's consumed jobs belong to it.
+        holders = set(group.members) if group is not None else {worker_id}
+        stepper: Worker | DrafterGroup = group or worker
         if step is None:
             step = self.ledger.model_step.get(model, 0) + 1
         if not job_ids:
@@ -622,19 +661,21 @@ class DispatcherCore:
         if self.ledger.last_commit.get(model) == (step, tuple(job_ids)):
             return step  # a retry of a commit whose reply was lost
         try:
-            jobs = self.ledger.commit(job_ids, worker_id, model, step)
+            jobs = self.ledger.commit(job_ids, worker_id, model, step, holders=holders)
         except LedgerError:
             # All or nothing: the drafter drops the step (its gradients), so what it still holds of it is redone.
             for job_id in job_ids:
                 job = self.ledger.jobs.get(job_id)
-                if job is not None and job.state is JobState.CONSUMED and job.holder == worker_id:
+                if job is not None and job.state is JobState.CONSUMED and job.holder in holders:
                     self._give_back(job, "step_refused")
             raise
         num_tokens = sum(self._num_tokens(j) for j in jobs)
         self.journal.record("commit", durable=True, model=model, step=step, jobs=list(job_ids), w=worker_id,
-                            buckets=sorted({j.bucket for j in jobs}), avail=worker.window_avail,
-                            mixed=worker.window_mixed, tokens=num_tokens, busy_s=round(busy_s, 6), verified=verified)
-        worker.window_avail, worker.window_mixed = None, True
+                            buckets=sorted({j.bucket for j in jobs}), avail=stepper.window_avail,
+                            mixed=stepper.window_mixed, tokens=num_tokens, busy_s=round(busy_s, 6), verified=verified,
+                            **({"membership": group.version, "sync_wait_s": round(sync_wait_s, 6),
+                                "step_s": round(step_s, 6)} if group else {}))
+        stepper.window_avail, stepper.window_mixed = None, True
         if metrics:
             worker.metrics = dict(metrics)
         worker.num_jobs += len(jobs)

@@ -314,14 +314,20 @@ class JobLedger:
         job.slot = None
         return job
 
-    def commit(self, job_ids: Sequence[int], drafter: str, model: str, step: int) -> list[Job]:
-        """All or nothing: every job must be consumed by ``drafter``; ``step`` follows the model's last."""
+    def commit(self, job_ids: Sequence[int], drafter: str, model: str, step: int, *,
+               holders: set[str] | None = None) -> list[Job]:
+        """All or nothing: every job must be consumed by ``drafter`` (or, for a data-parallel group's
+        step, by one of ``holders``); ``step`` follows the model's last."""
         if len(set(job_ids)) != len(job_ids):
             raise LedgerError("a step lists the same job twice")
         expected = self.model_step.get(model, 0) + 1
         if step != expected:
             raise LedgerError(f"model {model}: step {step} does not follow the ledger's step {expected - 1}")
-        jobs = [self._expect(job_id, JobState.CONSUMED, drafter) for job_id in job_ids]
+        holders = holders or {drafter}
+        jobs = [self._expect(job_id, JobState.CONSUMED) for job_id in job_ids]
+        for job in jobs:
+            if job.holder not in holders:
+                raise LedgerError(f"job {job.job_id} is held by {job.holder}, not {' or '.join(sorted(holders))}")
         index_of_model = self._model(model)
         for job in jobs:
             self._set_state(job, JobState.COMMITTED)

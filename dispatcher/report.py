@@ -67,7 +67,8 @@ class _ReportPass:
         self.last_t = t
         if kind == "commit":
             self.commits[e.get("model", e.get("w", ""))].append(
-                {k: e.get(k) for k in ("step", "jobs", "buckets", "avail", "mixed", "tokens", "busy_s", "verified")})
+                {k: e.get(k) for k in ("step", "jobs", "buckets", "avail", "mixed", "tokens", "busy_s", "verified",
+                                    "membership", "sync_wait_s", "step_s")})
         elif kind == "rollback":
             self.commits[e["model"]] = [c for c in self.commits[e["model"]] if c["step"] <= e["step"]]
         elif kind == "consumed":
@@ -200,7 +201,20 @@ def build_report(run_dir: str | os.PathLike) -> dict[str, Any]:
         "stages": stages,
         "pipeline_efficiency": round(stages["drafter"]["tokens_per_s"] / slower, 4) if slower else 0.0,
         "restarts": run.num_starts - 1,
+        **_group_figures(commits),
     }
+
+
+def _group_figures(commits: list[dict[str, Any]]) -> dict[str, Any]:
+    """Data-parallel steps: how long rank 0 waited at the gradient all-reduce, as a share of its steps."""
+    group_steps = [c for c in commits if c.get("membership") is not None]
+    if not group_steps:
+        return {}
+    wait_s = sum(c.get("sync_wait_s") or 0.0 for c in group_steps)
+    step_s = sum(c.get("step_s") or 0.0 for c in group_steps)
+    return {"group_steps": len(group_steps), "allreduce_wait_s": round(wait_s, 3),
+            "allreduce_wait_share": round(wait_s / step_s, 4) if step_s else 0.0,
+            "memberships": len({c["membership"] for c in group_steps})}
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -222,4 +236,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"{stage:<9} utilization {s['utilization']:.1%}  {s['tokens_per_s']:,.0f} tok/s "
                      f"(capacity {s['capacity_tokens_per_s']:,.0f} tok/s)")
     lines.append(f"pipeline efficiency {report['pipeline_efficiency']:.1%}")
+    if report.get("group_steps"):
+        lines.append(f"group     {report['group_steps']} data-parallel steps over {report['memberships']} "
+                     f"membership(s); rank 0 waited {report['allreduce_wait_s']:.1f}s at the all-reduce "
+                     f"({report['allreduce_wait_share']:.1%} of its step time)")
     return "\n".join(lines)

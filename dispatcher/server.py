@@ -25,6 +25,7 @@ from common.client import run_id_for
 from common.config import Config, write_resolved
 from common.protocol import ErrorCode, ProtocolError, field_of
 from dispatcher.core import DONE, CoreOptions, DispatcherCore, Incompatible, Unauthorized, UnknownWorker, Worker
+from dispatcher.groups import GroupChanged
 from dispatcher.dataset import load_lengths
 from dispatcher.journal import Journal, JournalFailed
 from dispatcher.ledger import LedgerError
@@ -251,6 +252,8 @@ class DispatcherServer:
             return self._error(request_id, ErrorCode.UNAUTHORIZED, str(exc)), False
         except Incompatible as exc:
             return self._error(request_id, ErrorCode.INCOMPATIBLE, str(exc)), False
+        except GroupChanged as exc:
+            return self._error(request_id, ErrorCode.GROUP_CHANGED, str(exc)), False
         except JournalFailed:
             raise  # fail closed: the loop stops the dispatcher
         except LedgerError as exc:
@@ -310,7 +313,9 @@ class DispatcherServer:
                 raise ProtocolError(ErrorCode.MALFORMED, "job_ids must be a list of integers")
             step = core.commit_step(worker_id, job_ids, float(field_of(f, "busy_s", (int, float))), now,
                                     model=field_of(f, "model", str), step=field_of(f, "step", int),
-                                    verified=int(f.get("verified") or 0), metrics=_step_metrics(f.get("metrics")))
+                                    verified=int(f.get("verified") or 0), metrics=_step_metrics(f.get("metrics")),
+                                    sync_wait_s=float(f.get("sync_wait_s") or 0.0),
+                                    step_s=float(f.get("step_s") or 0.0))
             return self._when_durable(identity, protocol.ok_reply(request.id, step=step, done=core.done)), True
         elif op == "checkpoint":
             core.checkpoint(worker_id, field_of(f, "step", int), now, model=field_of(f, "model", str))
@@ -352,6 +357,8 @@ class DispatcherServer:
                  f", model {worker.model} at step {model.get('step', 0)}" if worker.model else "")
         c = self.config
         extra = {"model_step": self.core.ledger.model_step.get(worker.model, 0)} if worker.model else {}
+        if worker.group is not None:
+            extra["group"] = worker.group.to_wire()
         return {"worker_id": worker.id, "token": worker.token, "contract": self.core.contract, **extra,
                 "run_id": self.run_id, "transport": self.data_plane.info(role),
                 "heartbeat_s": c.dispatcher.heartbeat_s, "worker_timeout_s": c.dispatcher.worker_timeout_s,
@@ -384,6 +391,8 @@ class DispatcherServer:
                 reply = self._try_serve(waiter.op, waiter.request_id, waiter.worker_id, now)
             except UnknownWorker:
                 reply = self._error(waiter.request_id, ErrorCode.UNKNOWN_WORKER, f"worker {waiter.worker_id} is not registered")
+            except GroupChanged as exc:  # a parked get_hs of a rank whose group just changed: tell it now
+                reply = self._error(waiter.request_id, ErrorCode.GROUP_CHANGED, str(exc))
             if reply is None:
                 remaining.append(waiter)
             else:

@@ -43,12 +43,16 @@ def build_snapshot(core: DispatcherCore, now: float) -> dict[str, Any]:
                         # cumulative seconds: a viewer differences two snapshots for a recent idle ratio
                         "alive_s": round(alive_s, 3), "wait_s": round(waiting, 3),
                         "held": [j.job_id for j in core.ledger.held_by(w.id)],
-                        **({"metrics": dict(w.metrics)} if w.metrics else {})})
+                        **({"metrics": dict(w.metrics)} if w.metrics else {}),
+                        **({"rank": w.group.rank, "membership": w.group.version} if w.group else {})})
     return {"time": time.time(), "uptime_s": round(now - core.started_at, 3), "done": core.done,
             "epochs_total": core.options.epochs, "epochs": epochs,
             "jobs_by_state": core.ledger.counts_by_state(),
             "q_hsb": {str(b): n for b, n in core.pool.ready_per_bucket().items()},  # msgpack map keys are str
             "pool": core.pool.counts(), "pool_peak_slots": core.pool.peak_in_use, "workers": workers, "steps": core.num_steps,
             "models": {m: {"step": s, "checkpoint": core.checkpoints.get(m, 0)} for m, s in core.ledger.model_step.items()},
+            "groups": {m: {"version": g.version, "world_size": g.world_size, "formed": g.formed,
+                           "members": {str(r): w for w, r in g.members.items()}} for m, g in core.groups.groups.items()},
+            **({"membership_version": max(core.groups.versions().values())} if core.groups.groups else {}),
             "given_back": dict(core.counters.given_back), "requests": dict(core.counters.requests),
             "errors": dict(core.counters.errors)}

@@ -166,6 +166,7 @@ class DFlashBackend:
         """
         total = self.trainer.local_weight_total
         if all_reduce is None:
+            self._synced_total = None
             return total
         for p in self.trainer.params:
             if p.grad is None:  # a rank with nothing supervised still takes part in every sum
@@ -173,10 +174,15 @@ class DFlashBackend:
             all_reduce(p.grad)
         total_t = torch.tensor([total], dtype=torch.float64, device=self.trainer.params[0].device)
         all_reduce(total_t)
-        return float(total_t.item())
+        self._synced_total = float(total_t.item())
+        return self._synced_total
 
     def apply_step(self, job_ids: list[int], *, total_weight: float | None = None) -> dict:
-        assert list(job_ids) == self.window, f"committed {job_ids}, trained on {self.window}"
+        """``job_ids``: every job of the step (a data-parallel group's: every rank's); the weights saw them all."""
+        assert set(self.window) <= set(job_ids), f"committed {job_ids}, trained on {self.window}"
+        if total_weight is None:
+            total_weight = getattr(self, "_synced_total", None)
+        self._synced_total = None
         started = time.perf_counter()
         stats = self.trainer.apply_step(total_weight=total_weight)
         self.trained.add(job_ids)

@@ -1,0 +1,122 @@
+"""A one-layer drafter on the captured states: the smallest real torch model behind the drafter loop.
+
+It predicts, from the captured states at position ``t``, a number derived from the next token
+(``(input_ids[t+1] % 16) / 16``) with a squared error, at every supervised position (``t`` and
+``t+1`` both inside the sequence, ``t+1`` in the loss mask). It exists to exercise what a real
+drafter needs from the worker: unnormalised gradients summed over micro-batches, a step weighted by
+supervised positions across the whole step (every micro-batch of every rank of a data-parallel
+group: sum the gradients and the weight, divide once), checkpoints that carry weights and the
+trained-jobs witness, and a resume that loads them back. Plain SGD keeps the optimizer stateless,
+so a checkpoint is exactly the weights plus the witness.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from common.config import Config
+from common.slots import SlotBatch
+from common.witness import TrainedJobs, check_model_id, latest_checkpoint, save_checkpoint
+
+WEIGHTS_FILE = "linear.safetensors"
+LABEL_MODULUS = 16
+
+
+class LinearDrafter:
+    contract = None
+
+    def __init__(self, config: Config, model_id: str, *, lr: float = 0.05, seed: int | None = None):
+        self.model_id = check_model_id(model_id)
+        self.keep = config.drafter.checkpoint_keep
+        num_features = config.target.num_capture_layers * config.target.hidden_size
+        generator = torch.Generator().manual_seed(config.run.seed if seed is None else seed)
+        # Every rank draws the same initial weights from the run seed: the group starts in agreement.
+        self.weight = torch.nn.Parameter(torch.randn(num_features, generator=generator) / num_features ** 0.5)
+        self.bias = torch.nn.Parameter(torch.zeros(()))
+        self.optimizer = torch.optim.SGD([self.weight, self.bias], lr=lr)
+        self._initial = self.state_dict()  # what a model without a checkpoint goes back to
+        self.step = 0
+        self.trained = TrainedJobs()
+        self.local_weight_total = 0.0  # supervised positions of the micro-batches since the last step
+        self.local_loss_sum = 0.0
+        self._step_total: float | None = None  # the group's weight total, once gradients were all-reduced
+        self._step_loss: float | None = None
+
+    @property
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [self.weight, self.bias]
+
+    # -- training -----------------------------------------------------------------------------
+    def micro_batch(self, job: dict[str, Any], batch: SlotBatch) -> None:
+        hs_BSF = batch.hs.float()
+        batch_size, seq_len = hs_BSF.shape[:2]
+        positions = torch.arange(seq_len - 1)
+        inside = positions[None, :] + 1 < batch.seq_lens[:, None].long()
+        supervised = inside & batch.loss_mask[:, 1:].bool()
+        labels = (batch.input_ids[:, 1:].long() % LABEL_MODULUS).float() / LABEL_MODULUS
+        pred = hs_BSF[:, :-1] @ self.weight + self.bias
+        loss_sum = ((pred - labels) ** 2 * supervised).sum()
+        loss_sum.backward()  # unnormalised: the step divides once by the total weight
+        self.local_weight_total += float(supervised.sum())
+        self.local_loss_sum += float(loss_sum.detach())
+
+    def sync_gradients(self, all_reduce: Callable[[torch.Tensor], None]) -> float:
+        """Sum gradients, weight and loss over the group with one ``all_reduce`` (in place, sum);
+        returns the group's weight total, which :meth:`apply_step` divides by."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.parameters]
+        flat = torch.cat([g.reshape(-1) for g in grads]
+                         + [torch.tensor([self.local_weight_total, self.local_loss_sum], dtype=grads[0].dtype)])
+        all_reduce(flat)
+        offset = 0
+        for p in self.parameters:
+            p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        self._step_total, self._step_loss = float(flat[-2]), float(flat[-1])
+        return self._step_total
+
+    def apply_step(self, job_ids: list[int]) -> dict:
+        total = self._step_total if self._step_total is not None else self.local_weight_total
+        loss_sum = self._step_loss if self._step_loss is not None else self.local_loss_sum
+        if total > 0:
+            for p in self.parameters:
+                if p.grad is not None:
+                    p.grad.div_(total)
+            self.optimizer.step()
+        self.trained.add(job_ids)
+        self.step += 1
+        self._reset()
+        return {"loss": loss_sum / total if total > 0 else 0.0, "weight": total, "micro_batches": len(job_ids)}
+
+    def drop_step(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.local_weight_total = self.local_loss_sum = 0.0
+        self._step_total = self._step_loss = None
+
+    # -- state --------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.weight.detach().clone(), "bias": self.bias.detach().clone()}
+
+    def save_checkpoint(self, run_dir: str | os.PathLike) -> None:
+        def write_weights(directory: Path) -> None:
+            save_file(self.state_dict(), str(directory / WEIGHTS_FILE))
+        save_checkpoint(run_dir, self.model_id, self.step, self.trained, write_extra=write_weights,
+                        keep_last=self.keep)
+
+    def load_latest(self, run_dir: str | os.PathLike) -> int:
+        checkpoint = latest_checkpoint(run_dir, self.model_id)
+        self._reset()
+        tensors = load_file(str(checkpoint.path / WEIGHTS_FILE)) if checkpoint else self._initial
+        with torch.no_grad():
+            self.weight.copy_(tensors["weight"])
+            self.bias.copy_(tensors["bias"])
+        self.trained = checkpoint.trained_jobs() if checkpoint else TrainedJobs()
+        self.step = checkpoint.step if checkpoint else 0
+        return self.step

@@ -1,0 +1,95 @@
+"""One membership version's ``torch.distributed`` process group, and the few collectives a step needs.
+
+The dispatcher names a fresh ``FileStore`` path per membership version; every rank opens it and
+joins with the rank it was given. Every collective carries ``drafter.collective_timeout_s``, so a
+rank whose peer died never waits longer than that (on one node gloo usually notices a dead peer's
+closed socket at once). No pickle: job ids travel as fixed-size int64 tensors, never through
+``all_gather_object``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("hsd.drafter")
+
+NO_JOB = -1  # padding of a rank's job id row
+HEAD = 4  # fields before the job ids in a row
+
+
+class CollectiveFailed(RuntimeError):
+    """A collective of the group failed or timed out: a peer is gone."""
+
+
+@dataclass(frozen=True)
+class RankRound:
+    """What every rank brings to a step: its job ids and what the dispatcher last told it."""
+
+    rank: int
+    job_ids: list[int]
+    done: bool
+    flush: bool
+    busy_us: int = 0  # microseconds the rank computed on its micro-batches (the step's busy time)
+
+
+class StepGroup:
+    def __init__(self, *, store_path: str, rank: int, world_size: int, version: int, timeout_s: float,
+                 max_jobs: int, device: torch.device | str = "cpu"):
+        self.rank, self.world_size, self.version = rank, world_size, version
+        self.max_jobs = max_jobs  # job ids one rank contributes to a step, at most
+        self.device = torch.device(device)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=timeout_s)
+        started = time.monotonic()
+        try:
+            store = dist.FileStore(store_path, world_size)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        except (RuntimeError, ValueError) as exc:  # DistStoreError and friends: the others never came
+            raise CollectiveFailed(f"rendezvous of membership {version} failed: {exc}") from None
+        log.info("rank %d/%d of membership %d joined in %.2fs (%s)", rank, world_size, version,
+                 time.monotonic() - started, backend)
+
+    def _run(self, what: str, fn, *args) -> None:
+        try:
+            fn(*args)
+        except (RuntimeError, ValueError) as exc:  # gloo raises RuntimeError for timeouts and closed peers
+            raise CollectiveFailed(f"{what} of membership {self.version} failed: {exc}") from None
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum over the group, in place."""
+        self._run("all_reduce", dist.all_reduce, tensor)
+
+    def exchange(self, mine: RankRound) -> list[RankRound]:
+        """Every rank's round, in rank order: ``[count, done, flush, busy_us, ids..., padding]`` per rank."""
+        if len(mine.job_ids) > self.max_jobs:
+            raise ValueError(f"a rank brings {len(mine.job_ids)} jobs to a step, more than {self.max_jobs}")
+        row = torch.full((HEAD + self.max_jobs,), NO_JOB, dtype=torch.int64, device=self.device)
+        row[:HEAD] = torch.tensor([len(mine.job_ids), int(mine.done), int(mine.flush), mine.busy_us])
+        if mine.job_ids:
+            row[HEAD:HEAD + len(mine.job_ids)] = torch.tensor(mine.job_ids, dtype=torch.int64)
+        rows = [torch.empty_like(row) for _ in range(self.world_size)]
+        self._run("job exchange", dist.all_gather, rows, row)
+        rounds = []
+        for rank, r in enumerate(rows):
+            values = r.tolist()
+            rounds.append(RankRound(rank, values[HEAD:HEAD + values[0]], bool(values[1]), bool(values[2]), values[3]))
+        return rounds
+
+    def broadcast(self, value: int) -> int:
+        """Rank 0's ``value`` on every rank."""
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
+        self._run("broadcast", dist.broadcast, tensor, 0)
+        return int(tensor.item())
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except (RuntimeError, ValueError) as exc:  # a broken group may not tear down cleanly
+                log.warning("closing the process group of membership %d: %s", self.version, exc)
