@@ -331,6 +331,9 @@ class DispatcherLoad:
                     self.giveback.add(time.perf_counter() - sweep_start)
                 self.call("maybe_snapshot", core.maybe_snapshot)
                 core.journal.flush()
+                # As the server's poll does: an undrained notification pipe fills after ~64k syncs and
+                # then blocks the journal's thread (lines pile up in memory, close() never returns).
+                core.journal.drain_notifications()
                 next_sweep = now + SWEEP_INTERVAL_S
             while epoch < o.epochs and core.ledger.epoch_complete(epoch):
                 self.rss_mb.append(self.process.memory_info().rss / 2**20)
