@@ -2,19 +2,22 @@
 
 A million-job epoch takes seconds to order and write; done inside a request it would stall every
 worker past its timeout, and done on a thread it would still hold the GIL the event loop needs. So
-the dispatcher asks for epoch ``e + 1`` as soon as ``e`` starts, a child process builds it from the
-run's lengths (``run_dir/lengths.npy``) and writes it, and the dispatcher only maps the finished
-files when the epoch begins. ``inline=True`` builds in the caller (tests and tools).
+the dispatcher asks for epoch ``e + 1`` as soon as ``e`` starts, a child process
+(``python -m dispatcher.schedule_builder``) builds it from the run's lengths
+(``run_dir/lengths.npy``) and writes it, and the dispatcher only maps the finished files when the
+epoch begins. A plain child process, not a multiprocessing pool: nothing is left behind (no
+semaphores in /dev/shm) when a dispatcher is SIGKILLed, and the child dies with it.
+``inline=True`` builds in the caller (tests and tools).
 """
 
 from __future__ import annotations
 
 import ctypes
-import multiprocessing
-import os
+import json
 import signal
-from concurrent.futures import Future, ProcessPoolExecutor
-from dataclasses import dataclass
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +36,7 @@ class ScheduleSpec:
 
 
 def _die_with_parent() -> None:
-    """Child-process initializer: a SIGKILLed dispatcher takes its builder with it (Linux)."""
+    """In the child, before it runs: a SIGKILLed dispatcher takes its builder with it (Linux)."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
@@ -41,7 +44,7 @@ def _die_with_parent() -> None:
 
 
 def build_and_save(run_dir: str, epoch: int, spec: ScheduleSpec) -> int:
-    """Child-process entry: build epoch ``epoch`` from the run's lengths and write it; returns its job count."""
+    """Build epoch ``epoch`` from the run's lengths and write it; returns its job count."""
     existing = load_schedule(run_dir, epoch)
     if existing is not None:
         return existing.num_jobs
@@ -55,44 +58,71 @@ def build_and_save(run_dir: str, epoch: int, spec: ScheduleSpec) -> int:
 
 
 class ScheduleBuilder:
-    def __init__(self, run_dir: str | os.PathLike, spec: ScheduleSpec, *, inline: bool = False):
+    def __init__(self, run_dir, spec: ScheduleSpec, *, inline: bool = False):
         self.run_dir = str(run_dir)
         self.spec = spec
         self.inline = inline
-        self._executor: ProcessPoolExecutor | None = None
-        self._futures: dict[int, Future] = {}
+        self._children: dict[int, subprocess.Popen] = {}
+        self._built: set[int] = set()
 
     def request(self, epoch: int) -> None:
         """Start building ``epoch`` unless it is built or under way."""
-        if epoch in self._futures:
+        if epoch in self._built or epoch in self._children:
             return
         if self.inline:
-            future: Future = Future()
-            try:
-                future.set_result(build_and_save(self.run_dir, epoch, self.spec))
-            except BaseException as exc:
-                future.set_exception(exc)
-        else:
-            if self._executor is None:
-                self._executor = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                                                     initializer=_die_with_parent)
-            future = self._executor.submit(build_and_save, self.run_dir, epoch, self.spec)
-        self._futures[epoch] = future
+            build_and_save(self.run_dir, epoch, self.spec)
+            self._built.add(epoch)
+            return
+        self._children[epoch] = subprocess.Popen(
+            [sys.executable, "-m", "dispatcher.schedule_builder", self.run_dir, str(epoch), json.dumps(asdict(self.spec))],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
+
+    def requested(self, epoch: int) -> bool:
+        return epoch in self._built or epoch in self._children
 
     def ready(self, epoch: int) -> bool:
         """Whether ``epoch`` is written (raises what the build raised); requests it if nobody did."""
         self.request(epoch)
-        future = self._futures[epoch]
-        if not future.done():
+        if epoch in self._built:
+            return True
+        child = self._children[epoch]
+        if child.poll() is None:
             return False
-        future.result()
+        self._settle(epoch, child)
         return True
 
     def wait(self, epoch: int) -> None:
         self.request(epoch)
-        self._futures[epoch].result()
+        if epoch not in self._built:
+            child = self._children[epoch]
+            child.wait()
+            self._settle(epoch, child)
+
+    def _settle(self, epoch: int, child: subprocess.Popen) -> None:
+        error = child.stderr.read().decode(errors="replace").strip() if child.stderr else ""
+        if child.stderr:
+            child.stderr.close()
+        del self._children[epoch]
+        if child.returncode != 0:
+            last = error.splitlines()[-1] if error else f"exit code {child.returncode}"
+            raise ValueError(f"building the schedule of epoch {epoch} failed: {last}")
+        self._built.add(epoch)
 
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
-            self._executor = None
+        for child in self._children.values():
+            child.kill()
+            child.wait()
+            if child.stderr:
+                child.stderr.close()
+        self._children.clear()
+
+
+def main(argv: list[str]) -> int:
+    run_dir, epoch, spec = argv[0], int(argv[1]), json.loads(argv[2])
+    build_and_save(run_dir, epoch, ScheduleSpec(tuple(spec["buckets"]), spec["tokens_per_batch"], spec["run_seed"],
+                                                spec["order"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
