@@ -44,7 +44,7 @@ class TinySpec:
     num_kv_heads: int = opt(2, "Key/value heads (grouped-query attention).")
     head_dim: int = opt(32, "Width of one attention head.")
     intermediate_size: int = opt(384, "SwiGLU hidden width.")
-    steps: int = opt(450, "Optimizer steps.")
+    steps: int = opt(400, "Optimizer steps.")
     batch_size: int = opt(16, "Conversations per step.")
     lr: float = opt(6e-3, "Peak AdamW learning rate (linear warmup, cosine decay to a tenth).")
     warmup_steps: int = opt(30, "Warmup steps.")

@@ -17,7 +17,8 @@ NUM_TARGET_LAYERS = 4
 CAPTURE_LAYERS = [1, 2]
 
 
-def write_dataset(out_dir: Path, lengths: list[int], *, seed: int = 0, prompt_len: int = 4) -> Path:
+def write_dataset(out_dir: Path, lengths: list[int], *, seed: int = 0, prompt_len: int = 4,
+                  tokenizer_dir: Path | None = None) -> Path:
     """A prepared dataset (the layout ``hsd prepare`` writes) of random token sequences whose
     loss mask covers everything after a short prompt."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -28,9 +29,17 @@ def write_dataset(out_dir: Path, lengths: list[int], *, seed: int = 0, prompt_le
         writer.add(ids, [0] * prompt_len + [1] * (length - prompt_len))
     writer.finish()
     manifest = {"format": FORMAT, "num_samples": len(lengths), "num_tokens": int(sum(lengths)),
-                "tokenizer": {"fingerprint": "random-test-tokens"}}
+                "tokenizer": {"fingerprint": _fingerprint(tokenizer_dir)}}
     (out_dir / MANIFEST_FILE).write_text(json.dumps(manifest))
     return out_dir
+
+
+def _fingerprint(tokenizer_dir: Path | None) -> str:
+    """The target's tokenizer fingerprint, so the target accepts the dataset as its own."""
+    if tokenizer_dir is None:
+        return "random-test-tokens"
+    from common.prepared import load_tokenizer, tokenizer_fingerprint
+    return tokenizer_fingerprint(load_tokenizer(tokenizer_dir))
 
 
 def tiny_run_args(root: Path, run_dir: Path, *, num_samples: int = 32, epochs: int = 1, seed: int = 0,
@@ -40,7 +49,8 @@ def tiny_run_args(root: Path, run_dir: Path, *, num_samples: int = 32, epochs: i
     if not (target_dir / "config.json").is_file():
         make_target(target_dir, num_layers=NUM_TARGET_LAYERS)
     rng = np.random.default_rng(seed)
-    data_dir = write_dataset(root / "data", rng.integers(12, 60, size=num_samples).tolist(), seed=seed)
+    data_dir = write_dataset(root / "data", rng.integers(12, 60, size=num_samples).tolist(), seed=seed,
+                             tokenizer_dir=target_dir)
     return [
         f"run.dir={run_dir}", f"run.epochs={epochs}", f"run.seed={seed}", f"data.path={data_dir}",
         f"target.model={target_dir}", "target.capture_layers=" + ",".join(map(str, CAPTURE_LAYERS)).join("[]"), "target.count=1",

@@ -96,7 +96,7 @@ def test_hsd_eval_cli(tiny_target, tmp_path, capsys):
     trainer = make_trainer(target_dir)
     save_drafter(trainer.model, tmp_path / "drafter", dtype="float32")
     config = tmp_path / "eval.yaml"
-    config.write_text(f"target:\n  model: {target_dir}\n")
+    config.write_text(f"target:\n  model: {target_dir}\n  num_capture_layers: 1\n")
     # In-process: the command is a thin shell, and a second interpreter would only re-import torch.
     assert main(["eval", "--config", str(config), "--drafter", str(tmp_path / "drafter"), "--prompts", "3",
                  "--max-new-tokens", "6", "--json"]) == 0

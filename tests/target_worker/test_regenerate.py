@@ -54,7 +54,7 @@ def test_greedy_regeneration_matches_generate_turn_by_turn(tmp_path, model_dir):
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps(row) + "\n" for row in ROWS) + "{broken\n")
     config_path = tmp_path / "c.yaml"
-    config_path.write_text(yaml.safe_dump({"target": {"model": str(model_dir)}}))
+    config_path.write_text(yaml.safe_dump({"target": {"model": str(model_dir), "num_capture_layers": 1}}))
     out = tmp_path / "out.jsonl"
     counts = regenerate_file(load_config(config_path), source, out, max_new_tokens=MAX_NEW_TOKENS, batch_size=3)
     assert counts == {"rows": 4, "written": 3, "skipped": 1}
