@@ -23,7 +23,7 @@ from dispatcher.groups import DrafterGroup, DrafterGroups, GroupChanged, Members
 from dispatcher.journal import Journal
 from dispatcher.ledger import Job, JobLedger, JobState, LedgerError, make_job_id, split_job_id
 from dispatcher.pool import HSPool
-from dispatcher.recovery import ModelRecord, Recovered, Snapshot, SnapshotWriter, recover
+from dispatcher.recovery import ModelRecord, Recovered, Snapshot, SnapshotWriter, map_arrays, recover
 from dispatcher.schedule import EpochSchedule, load_schedule
 from dispatcher.schedule_builder import LENGTHS_FILE, ScheduleBuilder, ScheduleSpec
 
@@ -164,6 +164,7 @@ class DispatcherCore:
         self._snapshot_due = False
         self._snapshots = SnapshotWriter(self.run_dir)
         self._segment = -1
+        self._snapshot_dir: Path | None = None  # the latest snapshot written: sealed epochs' arrays live there
         pool.add_slots(range(shared_slots))
         self._check_data()
         self.groups: DrafterGroups | None = None  # made once the incarnation is known (_recover)
@@ -221,6 +222,10 @@ class DispatcherCore:
                 self.checkpoints[event["model"]] = max(self.checkpoints.get(event["model"], 0), event["step"])
         for epoch in list(self.schedules):
             self._forget_if_complete(epoch)
+        if snapshot is not None:
+            self._snapshot_dir = recovered.snapshot_path
+            for epoch in snapshot.commit_step:  # finished epochs the replay left as the snapshot holds them
+                self._seal_if_unchanged(epoch, 0)
         self.journal.record("start", durable=True, resumed=bool(recovered.epochs_started),
                             committed=sum(p.committed for p in self.ledger.epochs.values()))
         if not self.epoch_jobs:
@@ -263,10 +268,27 @@ class DispatcherCore:
         return schedule
 
     def _forget_if_complete(self, epoch: int) -> None:
+        """A finished epoch drops its schedule; the next snapshot takes its arrays, then it is sealed."""
         if self.ledger.epoch_complete(epoch) and epoch in self.schedules:
             del self.schedules[epoch]
-            self.ledger.forget_epoch_arrays(epoch)
             self._snapshot_due = True
+
+    def _seal_if_unchanged(self, epoch: int, version: int) -> None:
+        """Seal a finished epoch whose arrays the latest snapshot holds at ``version``: its memory goes."""
+        progress = self.ledger.epochs[epoch]
+        if progress.sealed or progress.version != version or not self.ledger.epoch_complete(epoch):
+            return
+        schedule = load_schedule(self.run_dir, epoch)
+        assert schedule is not None, "a started epoch's schedule exists"
+        self.ledger.seal_epoch(epoch, *map_arrays(self._snapshot_dir, epoch), schedule.job_bucket)
+
+    def _seal_written(self) -> None:
+        written = self._snapshots.take_written()
+        if written is None:
+            return
+        snapshot, self._snapshot_dir = written
+        for epoch, version in snapshot.versions.items():
+            self._seal_if_unchanged(epoch, version)
 
     @property
     def done(self) -> bool:
@@ -301,20 +323,30 @@ class DispatcherCore:
 
     # -- snapshots --------------------------------------------------------------------------
     def maybe_snapshot(self, *, force: bool = False) -> bool:
-        """Close the journal segment and snapshot the ledger when it is due; the write runs on a thread."""
+        """Close the journal segment and snapshot the ledger when it is due; the write runs on a thread.
+
+        Only epochs not yet sealed are copied (on the loop: the open ones, and a finished one once);
+        sealed epochs are hard-linked from the previous snapshot. When a write is done, the finished
+        epochs it holds are sealed.
+        """
         if self._snapshots.error is not None:
             raise RuntimeError(f"writing a ledger snapshot failed: {self._snapshots.error}")
-        due = force or self._snapshot_due or self.journal.num_lines >= SNAPSHOT_EVERY_LINES
-        if not due or self._snapshots.busy:
+        if self._snapshots.busy:
+            return False
+        self._seal_written()
+        if not (force or self._snapshot_due or self.journal.num_lines >= SNAPSHOT_EVERY_LINES):
             return False
         self._segment += 1
         ledger = self.ledger
+        copied = {e: p for e, p in ledger.epochs.items() if not p.sealed}
         snapshot = Snapshot(
             segment=self._segment, num_starts=self.incarnation + 1, epochs_started=sorted(self.epoch_jobs),
             models={m: ModelRecord(index=i, step=ledger.model_step.get(m, 0), checkpoint=self.checkpoints.get(m, 0),
                                    last_commit=ledger.last_commit.get(m)) for m, i in ledger.model_index.items()},
-            commit_step={e: p.commit_step.copy() for e, p in ledger.epochs.items()},
-            commit_model={e: p.commit_model.copy() for e, p in ledger.epochs.items()})
+            commit_step={e: p.commit_step.copy() for e, p in copied.items()},
+            commit_model={e: p.commit_model.copy() for e, p in copied.items()},
+            linked={e: self._snapshot_dir for e, p in ledger.epochs.items() if p.sealed},
+            versions={e: p.version for e, p in copied.items()})
         self.journal.rotate(self._segment)
         self._snapshots.submit(snapshot)
         self._snapshot_due = False

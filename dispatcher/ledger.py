@@ -13,7 +13,10 @@ Rollback (a model registers with an older step than the ledger holds for it):
 Sized for a million jobs an epoch: a job's state, and the model and step that committed it, are
 entries of per-epoch arrays; only the few jobs in flight (bounded by the pool and the drafters'
 windows) have an object. Jobs never handed out are found by a cursor that walks each epoch's list;
-jobs given back wait in a small heap, so the queue stays in schedule order.
+jobs given back wait in a small heap, so the queue stays in schedule order. A finished epoch, once a
+snapshot holds it, is *sealed*: its arrays become read-only mappings of the snapshot's files, so the
+memory of the ledger stays that of the open epochs however many have finished. A rollback that
+reaches into a sealed epoch unseals it (copies it back into memory) first.
 
 Queues: one shared queue (``num_queues=1``), or T fixed queues, queue k holding the jobs whose index
 is k mod T (the per-target assignment this project replaces, kept for comparison); each has its own
@@ -91,6 +94,9 @@ class EpochProgress:
     taken: Counter = field(default_factory=Counter)  # handed to drafters (training or later), per bucket
     committed: int = 0
     consumed_deviation: PrefixDeviation | None = None  # prefix deviation of the consumed stream, kept current
+    version: int = 0     # bumped by every change of the commit arrays: a snapshot knows what it copied
+    sealed: bool = False  # finished and snapshotted: the arrays are read-only mappings of files
+    latest_step: dict[int, int] = field(default_factory=dict)  # sealed: model index -> its latest step here
 
     def __post_init__(self) -> None:
         self.consumed_deviation = PrefixDeviation(self.bucket_totals)
@@ -165,6 +171,7 @@ class JobLedger:
             progress.commit_step[index] = step
             progress.commit_model[index] = index_of_model
             progress.committed += 1
+            progress.version += 1
             progress.take(int(progress.job_bucket[index]))
         self.model_step[model] = step
         self.last_commit[model] = (step, tuple(job_ids))
@@ -175,10 +182,36 @@ class JobLedger:
         if last_commit is not None:
             self.last_commit[model] = last_commit
 
-    def forget_epoch_arrays(self, epoch: int) -> None:
-        """A finished epoch keeps only what a rollback needs (who committed what, when)."""
+    def seal_epoch(self, epoch: int, commit_step: np.ndarray, commit_model: np.ndarray,
+                   job_bucket: np.ndarray) -> None:
+        """A finished epoch whose arrays a snapshot holds: keep read-only mappings of those files instead.
+
+        ``commit_step``/``commit_model`` must equal the epoch's arrays (the caller mapped the snapshot
+        that copied them at the current version). Each model's latest step in the epoch is kept, so a
+        rollback that cannot reach the epoch never touches its pages.
+        """
         progress = self.epochs[epoch]
-        progress.job_bucket = np.asarray(progress.job_bucket).copy()  # drop the mapping of the schedule file
+        if progress.committed != progress.num_jobs:
+            raise LedgerError(f"epoch {epoch} is not finished: it cannot be sealed")
+        if progress.sealed:
+            return
+        latest: dict[int, int] = {}
+        if progress.num_jobs:
+            order = np.argsort(progress.commit_model, kind="stable")
+            models, starts = np.unique(progress.commit_model[order], return_index=True)
+            latest = {int(m): int(v) for m, v in zip(models, np.maximum.reduceat(progress.commit_step[order], starts))}
+        progress.latest_step = latest
+        progress.commit_step, progress.commit_model = commit_step, commit_model
+        progress.job_bucket = job_bucket
+        progress.state = np.broadcast_to(np.uint8(_COMMITTED), (progress.num_jobs,))
+        progress.sealed = True
+
+    def _unseal(self, progress: EpochProgress) -> None:
+        progress.commit_step = np.array(progress.commit_step)
+        progress.commit_model = np.array(progress.commit_model)
+        progress.state = np.full(progress.num_jobs, _COMMITTED, dtype=np.uint8)
+        progress.sealed = False
+        progress.latest_step = {}
 
     def epoch_complete(self, epoch: int) -> bool:
         progress = self.epochs.get(epoch)
@@ -337,6 +370,7 @@ class JobLedger:
             progress.commit_step[index] = step
             progress.commit_model[index] = index_of_model
             progress.committed += 1
+            progress.version += 1
             del self.jobs[job.job_id]
         self.model_step[model] = step
         self.last_commit[model] = (step, tuple(job_ids))
@@ -354,6 +388,10 @@ class JobLedger:
         reverted = []
         for epoch in sorted(self.epochs):
             progress = self.epochs[epoch]
+            if progress.sealed:
+                if progress.latest_step.get(index_of_model, NOT_COMMITTED) <= step:
+                    continue
+                self._unseal(progress)
             later = np.flatnonzero((progress.commit_model == index_of_model) & (progress.commit_step > step))
             for index in later.tolist():
                 self._set_code(epoch, progress, index, _PENDING)
@@ -362,6 +400,7 @@ class JobLedger:
             progress.commit_step[later] = NOT_COMMITTED
             progress.commit_model[later] = -1
             progress.committed -= len(later)
+            progress.version += bool(len(later))
         for job_id in reverted:
             heapq.heappush(self._returned[self.queue_of(job_id)], job_id)
         self.model_step[model] = step

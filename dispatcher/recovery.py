@@ -1,12 +1,14 @@
 """What a restarting dispatcher reads back: the latest ledger snapshot, then the journal after it.
 
 A snapshot (``run_dir/snapshots/snap-NNNNNN/``) holds, for every started epoch, which model
-committed each job at which step (two arrays per epoch), plus each model's step, last commit and
+committed each job at which step (two arrays per epoch, ``.npy``), plus each model's step, last commit and
 latest checkpoint, and the number of dispatcher starts. It is taken at a journal segment boundary:
 snapshot ``N`` covers every segment up to ``journal-N.jsonl``, so a restart replays only the
 segments after it. That keeps restart time proportional to the live state, not to the history.
 The snapshot is written to a temporary directory and renamed, so a crash mid-write leaves the
-previous one in force.
+previous one in force. An epoch unchanged since the previous snapshot (a finished, sealed one) is not
+written again: its files are hard-linked from that snapshot, so a snapshot costs what the open
+epochs cost, and each snapshot directory still holds everything a restart needs.
 """
 
 from __future__ import annotations
@@ -53,13 +55,16 @@ class Snapshot:
     num_starts: int
     epochs_started: list[int]
     models: dict[str, ModelRecord]
-    commit_step: dict[int, np.ndarray]   # epoch -> [num_jobs] int64
+    commit_step: dict[int, np.ndarray]   # epoch -> [num_jobs] int64 (epochs copied for this snapshot)
     commit_model: dict[int, np.ndarray]  # epoch -> [num_jobs] int32
+    linked: dict[int, Path] = field(default_factory=dict)  # epoch -> the earlier snapshot whose files hold it
+    versions: dict[int, int] = field(default_factory=dict)  # epoch -> the ledger's version of the copied arrays
 
 
 @dataclass
 class Recovered:
     snapshot: Snapshot | None = None
+    snapshot_path: Path | None = None
     num_starts: int = 0
     epochs_started: list[int] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)  # commit / rollback / checkpoint after the snapshot
@@ -85,8 +90,11 @@ def write_snapshot(run_dir: str | os.PathLike, snapshot: Snapshot) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     for epoch in snapshot.commit_step:
-        np.save(tmp / f"commit_step-{epoch:04d}.npy", snapshot.commit_step[epoch])
-        np.save(tmp / f"commit_model-{epoch:04d}.npy", snapshot.commit_model[epoch])
+        np.save(tmp / array_file("commit_step", epoch), snapshot.commit_step[epoch])
+        np.save(tmp / array_file("commit_model", epoch), snapshot.commit_model[epoch])
+    for epoch, source in snapshot.linked.items():
+        for name in ("commit_step", "commit_model"):
+            os.link(source / array_file(name, epoch), tmp / array_file(name, epoch))
     (tmp / "state.json").write_text(json.dumps({
         "segment": snapshot.segment, "num_starts": snapshot.num_starts, "epochs_started": snapshot.epochs_started,
         "models": {model: record.to_json() for model, record in snapshot.models.items()}}))
@@ -106,22 +114,38 @@ def write_snapshot(run_dir: str | os.PathLike, snapshot: Snapshot) -> Path:
     return final
 
 
+def array_file(name: str, epoch: int) -> str:
+    return f"{name}-{epoch:04d}.npy"
+
+
+def map_arrays(path: Path, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    """An epoch's commit arrays in snapshot ``path``, memory-mapped read-only (plain ndarray views)."""
+    return tuple(np.load(path / array_file(name, epoch), mmap_mode="r").view(np.ndarray)
+                 for name in ("commit_step", "commit_model"))
+
+
 def read_snapshot(path: Path) -> Snapshot:
     state = json.loads((path / "state.json").read_text())
     epochs = state["epochs_started"]
+    arrays = {e: map_arrays(path, e) for e in epochs}
     return Snapshot(segment=state["segment"], num_starts=state["num_starts"], epochs_started=list(epochs),
                     models={m: ModelRecord.from_json(r) for m, r in state["models"].items()},
-                    commit_step={e: np.load(path / f"commit_step-{e:04d}.npy") for e in epochs},
-                    commit_model={e: np.load(path / f"commit_model-{e:04d}.npy") for e in epochs})
+                    commit_step={e: a[0] for e, a in arrays.items()},
+                    commit_model={e: a[1] for e, a in arrays.items()})
 
 
 class SnapshotWriter:
-    """Writes snapshots on a thread of its own: the arrays are copied on the loop, written off it."""
+    """Writes snapshots on a thread of its own: the arrays are copied on the loop, written off it.
+
+    ``written`` holds the last snapshot written and its directory until the loop takes it
+    (:meth:`take_written`), so the loop can seal the finished epochs that snapshot holds.
+    """
 
     def __init__(self, run_dir: str | os.PathLike):
         self.run_dir = Path(run_dir)
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        self.written: tuple[Snapshot, Path] | None = None
 
     @property
     def busy(self) -> bool:
@@ -130,7 +154,7 @@ class SnapshotWriter:
     def submit(self, snapshot: Snapshot) -> None:
         def write() -> None:
             try:
-                write_snapshot(self.run_dir, snapshot)
+                self.written = (snapshot, write_snapshot(self.run_dir, snapshot))
             except BaseException as exc:  # surfaced by the dispatcher's next check
                 self.error = exc
         self._thread = threading.Thread(target=write, name="snapshot-writer", daemon=True)
@@ -140,13 +164,19 @@ class SnapshotWriter:
         if self._thread is not None:
             self._thread.join()
 
+    def take_written(self) -> tuple[Snapshot, Path] | None:
+        if self.busy:
+            return None
+        written, self.written = self.written, None
+        return written
+
 
 def recover(run_dir: str | os.PathLike) -> Recovered:
     out = Recovered()
     path = latest_snapshot_dir(run_dir)
     after = -1
     if path is not None:
-        out.snapshot = read_snapshot(path)
+        out.snapshot, out.snapshot_path = read_snapshot(path), path
         after = out.snapshot.segment
         out.num_starts = out.snapshot.num_starts
         out.epochs_started = list(out.snapshot.epochs_started)
