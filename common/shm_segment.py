@@ -165,12 +165,15 @@ def _creator_alive(segment: ShmSegment) -> bool:
         return True
 
 
+def dead_segments(run_id: str | None = None) -> list[ShmSegment]:
+    """Segments whose creator is gone (a killed dispatcher), optionally only those of one run."""
+    return [segment for segment in list_segments(run_id) if not _creator_alive(segment)]
+
+
 def sweep_dead_segments(run_id: str | None = None) -> list[str]:
     """Remove the segments whose creator is gone (killed dispatchers); returns the removed names."""
     removed = []
-    for segment in list_segments(run_id):
-        if _creator_alive(segment):
-            continue
+    for segment in dead_segments(run_id):
         try:
             os.unlink(segment.path)
         except FileNotFoundError:

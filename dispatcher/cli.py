@@ -130,10 +130,15 @@ def cmd_plan(args) -> int:
 def cmd_cleanup(args) -> int:
     from common.client import run_id_for
     from common.shm_segment import sweep_dead_segments
-    run_dir = Path(args.run_dir)
-    if not run_dir.is_dir():
-        raise ConfigError(f"run directory {run_dir} does not exist")
-    removed = sweep_dead_segments(run_id_for(run_dir))
+    if args.all_dead == bool(args.run_dir):
+        raise ConfigError("give either --run-dir DIR (that run's segments) or --all-dead (every dead run's)")
+    run_id = None
+    if args.run_dir:
+        run_dir = Path(args.run_dir)
+        if not run_dir.is_dir():
+            raise ConfigError(f"run directory {run_dir} does not exist")
+        run_id = run_id_for(run_dir)
+    removed = sweep_dead_segments(run_id)
     print(f"removed {len(removed)} segment(s)" + (": " + ", ".join(removed) if removed else ""))
     return 0
 
@@ -307,7 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("cleanup", help="remove shared-memory segments left by a dead run")
-    p.add_argument("--run-dir", required=True)
+    p.add_argument("--run-dir", help="the run whose dead dispatchers' segments to remove")
+    p.add_argument("--all-dead", action="store_true",
+                   help="remove every hsdispatch segment whose creating dispatcher is gone, whatever its run")
     p.set_defaults(func=cmd_cleanup)
 
     p = sub.add_parser("config", help="show every config key with its default, or the resolved config")

@@ -13,8 +13,8 @@ from typing import Any
 
 from common.config import Config
 from common.protocol import ErrorCode, ProtocolError
-from common.shm_segment import PoolSegment, check_fits, sweep_dead_segments
-from common.slot_layout import SlotLayout
+from common.shm_segment import PoolSegment, check_fits, dead_segments, sweep_dead_segments
+from common.slot_layout import SlotLayout, format_bytes
 from common.transport_info import cuda_ipc_transport_info, resolve_transport, shm_transport_info
 
 log = logging.getLogger("hsd.dispatcher")
@@ -31,9 +31,15 @@ class DataPlane:
     def create(cls, config: Config, run_id: str) -> "DataPlane":
         layout = SlotLayout.from_config(config)
         kind = resolve_transport(config.pool.transport, same_node=True)
-        swept = sweep_dead_segments()
+        swept = sweep_dead_segments(run_id)  # this run's, left by a killed dispatcher of it
         if swept:
-            log.info("removed %d shared-memory segment(s) of dead runs: %s", len(swept), ", ".join(swept))
+            log.info("removed %d shared-memory segment(s) a dead dispatcher of this run left: %s", len(swept),
+                     ", ".join(swept))
+        others = dead_segments()  # another run's belong to it: named, not removed
+        if others:
+            log.warning("%d shared-memory segment(s) of other runs outlived their dispatchers (%s in %s): "
+                        "`hsd cleanup --all-dead` removes them", len(others),
+                        format_bytes(sum(s.nbytes for s in others)), ", ".join(s.name for s in others))
         if kind == "shm":
             check_fits(config.pool.slots, layout.slot_bytes)
             arena = PoolSegment(run_id, layout, config.pool.slots)

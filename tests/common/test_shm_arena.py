@@ -16,6 +16,7 @@ import torch
 from hsd_testing import child_message
 
 from common.shm_arena import SHM_DIR, SlotArena, check_fits, list_segments, sweep_dead_segments
+from common.shm_segment import dead_segments
 from common.slot_pattern import fill_pattern, verify_pattern
 from common.slots import SlotHeader, SlotLayout, SlotView, StaleSlotError, copy_out
 from common.transport import open_drafter_transport, open_target_transport, resolve_transport, shm_transport_info
@@ -153,6 +154,26 @@ def test_sweep_removes_only_dead_creators(run_id: str, spawn_ctx) -> None:
         sleeper.wait()
         if child.is_alive():
             child.kill()
+
+
+def test_a_run_sweeps_only_its_own_dead_segments_and_cleanup_all_dead_takes_the_rest(run_id: str) -> None:
+    other = uuid.uuid4().hex[:12]
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    others = Path(SHM_DIR, f"hsd_{other}_{gone.pid}")  # its dispatcher exited without unlinking it
+    others.write_bytes(b"")
+    try:
+        assert sweep_dead_segments(run_id) == []
+        assert others.exists() and others.name in {s.name for s in dead_segments()}
+        done = subprocess.run([sys.executable, "-m", "dispatcher.cli", "cleanup", "--all-dead"], cwd=REPO,
+                              capture_output=True, text=True, timeout=TIMEOUT_S)
+        assert done.returncode == 0, done.stderr
+        assert not others.exists() and others.name in done.stdout
+        both = subprocess.run([sys.executable, "-m", "dispatcher.cli", "cleanup"], cwd=REPO,
+                              capture_output=True, text=True, timeout=TIMEOUT_S)
+        assert both.returncode != 0 and "--all-dead" in both.stderr
+    finally:
+        others.unlink(missing_ok=True)
 
 
 def test_check_fits_and_create_errors(run_id: str) -> None:
