@@ -190,7 +190,7 @@ class DispatcherLoad:
     def watch_builds(self) -> None:
         """Time each build from its request (the epoch before it started) to its end, in the child."""
         following = max(self.core.epoch_jobs) + 1
-        builder = self.core.builder
+        builder = self.core.store.builder
         if following >= self.o.epochs or not builder.requested(following):
             return
         if following not in self.build_started:
@@ -215,7 +215,7 @@ class DispatcherLoad:
             if grant is None:
                 following = max(core.epoch_jobs) + 1
                 if (core.ledger.num_pending == 0 and following < self.o.epochs
-                        and not core.builder.ready(following)):
+                        and not core.store.builder.ready(following)):
                     self.build_waits += 1
                 return
             t.extracting.append((grant.job.job_id, grant.job.generation))

@@ -8,7 +8,6 @@ state change. Everything a restart must know goes through the journal before the
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import secrets
 from collections import Counter
@@ -19,20 +18,17 @@ from typing import Any, Callable
 import numpy as np
 
 from common.config import Config
-from dispatcher.groups import DrafterGroup, DrafterGroups, GroupChanged, Membership
+from dispatcher.groups import DrafterGroup, DrafterGroups, Membership
 from dispatcher.journal import Journal
 from dispatcher.ledger import Job, JobLedger, JobState, LedgerError, make_job_id, split_job_id
 from dispatcher.pool import HSPool
-from dispatcher.recovery import ModelRecord, Recovered, Snapshot, SnapshotWriter, map_arrays, recover
-from dispatcher.schedule import EpochSchedule, load_schedule
-from dispatcher.schedule_builder import LENGTHS_FILE, ScheduleBuilder, ScheduleSpec
+from dispatcher.epochs import EpochStore, check_data
+from dispatcher.recovery import ModelRecord, recover
+from dispatcher.schedule import EpochSchedule
+from dispatcher.schedule_builder import ScheduleSpec
 
 log = logging.getLogger("hsd.dispatcher")
 
-# A snapshot of the ledger closes the journal segment once it holds this many lines (and whenever an
-# epoch completes), so a restart never replays more than about this many.
-SNAPSHOT_EVERY_LINES = 200_000
-DATA_FINGERPRINT_FILE = "data_fingerprint"
 
 
 class UnknownWorker(KeyError):
@@ -154,64 +150,30 @@ class DispatcherCore:
         self.workers: dict[str, Worker] = {}
         self.counters = Counters()
         self.started_at = now
-        self.schedules: dict[int, EpochSchedule] = {}  # open epochs (memory-mapped); finished ones are dropped
-        self.epoch_jobs: dict[int, int] = {}           # every started epoch -> its job count
-        self.schedule_deviation: dict[int, float] = {}  # computed when built: a schedule never changes
         self.checkpoints: dict[str, int] = {}  # model -> step of its latest durable checkpoint
         self.contract = options.contract
         self._next_worker = Counter()
         self._next_slot_id = shared_slots
-        self._snapshot_due = False
-        self._snapshots = SnapshotWriter(self.run_dir)
-        self._segment = -1
-        self._snapshot_dir: Path | None = None  # the latest snapshot written: sealed epochs' arrays live there
         pool.add_slots(range(shared_slots))
-        self._check_data()
+        check_data(self.run_dir, self.lengths, allow_changed=options.allow_changed_data)
+        self.store = EpochStore(self.run_dir, ScheduleSpec(tuple(options.buckets), options.tokens_per_batch,
+                                                           options.run_seed, options.order),
+                                options.epochs, self.ledger, journal, build_ahead=options.build_ahead)
         self.groups: DrafterGroups | None = None  # made once the incarnation is known (_recover)
-        self.builder = ScheduleBuilder(self.run_dir, ScheduleSpec(tuple(options.buckets), options.tokens_per_batch,
-                                                                  options.run_seed, options.order),
-                                       inline=not options.build_ahead)
         self._recover()
 
-    # -- data and epochs --------------------------------------------------------------------
-    def _check_data(self) -> None:
-        """A resume must train on the data its schedules were drawn from: refused unless allowed."""
-        fingerprint = hashlib.sha256(self.lengths.astype("<i8").tobytes()).hexdigest()
-        path = self.run_dir / DATA_FINGERPRINT_FILE
-        if path.exists():
-            previous = path.read_text().strip()
-            if previous != fingerprint:
-                if not self.options.allow_changed_data:
-                    raise ValueError(f"{self.run_dir} was started on other data (fingerprint {previous[:12]}, now "
-                                     f"{fingerprint[:12]}): its schedules index the old samples. Use a new run.dir, "
-                                     f"or set data.allow_changed=true to resume anyway")
-                log.warning("resuming on changed data (data.allow_changed=true): fingerprint %s -> %s",
-                            previous[:12], fingerprint[:12])
-        lengths_path = self.run_dir / LENGTHS_FILE
-        if not path.exists() or path.read_text().strip() != fingerprint or not lengths_path.exists():
-            tmp = lengths_path.with_suffix(".tmp.npy")
-            np.save(tmp, self.lengths)
-            tmp.replace(lengths_path)
-            path.write_text(fingerprint + "\n")
-
     def _recover(self) -> None:
+        """The ledger as the latest snapshot and the journal after it left it."""
         recovered = recover(self.run_dir)
         self.incarnation = recovered.num_starts
         self.groups = DrafterGroups(self.run_dir, self.incarnation)
         snapshot = recovered.snapshot
         if snapshot is not None:
-            self._segment = snapshot.segment
             for model, record in sorted(snapshot.models.items(), key=lambda item: item[1].index):
                 self.ledger.model_index[model] = record.index
                 self.ledger.restore_model(model, record.step, record.last_commit)
                 self.checkpoints[model] = record.checkpoint
-        for epoch in sorted(recovered.epochs_started):
-            schedule = load_schedule(self.run_dir, epoch)
-            if schedule is None:
-                raise RuntimeError(f"journal names epoch {epoch} but its schedule is missing in {self.run_dir}")
-            self._add_schedule(schedule)
-            if snapshot is not None and epoch in snapshot.commit_step:
-                self.ledger.restore_arrays(epoch, snapshot.commit_step[epoch], snapshot.commit_model[epoch])
+        self.store.restore(recovered)
         for event in recovered.events:
             kind = event["ev"]
             if kind == "commit":
@@ -220,81 +182,22 @@ class DispatcherCore:
                 self.ledger.rollback(event["model"], event["step"])
             elif kind == "checkpoint":
                 self.checkpoints[event["model"]] = max(self.checkpoints.get(event["model"], 0), event["step"])
-        for epoch in list(self.schedules):
-            self._forget_if_complete(epoch)
-        if snapshot is not None:
-            self._snapshot_dir = recovered.snapshot_path
-            for epoch in snapshot.commit_step:  # finished epochs the replay left as the snapshot holds them
-                self._seal_if_unchanged(epoch, 0)
         self.journal.record("start", durable=True, resumed=bool(recovered.epochs_started),
                             committed=sum(p.committed for p in self.ledger.epochs.values()))
-        if not self.epoch_jobs:
-            self.builder.wait(0)
-            self._start_epoch(0)
-        else:
-            self._request_next_build()
+        self.store.settle(recovered)
 
-    def _add_schedule(self, schedule: EpochSchedule) -> None:
-        self.ledger.add_epoch(schedule.epoch, schedule.job_bucket)
-        self.schedules[schedule.epoch] = schedule
-        self.epoch_jobs[schedule.epoch] = schedule.num_jobs
-        self.schedule_deviation[schedule.epoch] = schedule.prefix_deviation
-
-    def _start_epoch(self, epoch: int) -> None:
-        schedule = load_schedule(self.run_dir, epoch)
-        assert schedule is not None, "the builder wrote it"
-        self._add_schedule(schedule)
-        self.journal.record("epoch", durable=True, epoch=epoch, jobs=schedule.num_jobs,
-                            buckets=[b.num_batches for b in schedule.buckets])
-        self._request_next_build()
-
-    def _request_next_build(self) -> None:
-        following = max(self.epoch_jobs) + 1
-        if following < self.options.epochs:
-            self.builder.request(following)
-
-    def _maybe_start_next_epoch(self) -> None:
-        following = max(self.epoch_jobs) + 1
-        if self.ledger.num_pending == 0 and following < self.options.epochs and self.builder.ready(following):
-            self._start_epoch(following)
+    @property
+    def epoch_jobs(self) -> dict[int, int]:
+        """Every started epoch -> its job count."""
+        return self.store.epoch_jobs
 
     def schedule(self, epoch: int) -> EpochSchedule:
-        """An epoch's schedule, mapped again if the epoch had finished (a rollback reopened it)."""
-        schedule = self.schedules.get(epoch)
-        if schedule is None:
-            schedule = load_schedule(self.run_dir, epoch)
-            assert schedule is not None
-            self.schedules[epoch] = schedule
-        return schedule
-
-    def _forget_if_complete(self, epoch: int) -> None:
-        """A finished epoch drops its schedule; the next snapshot takes its arrays, then it is sealed."""
-        if self.ledger.epoch_complete(epoch) and epoch in self.schedules:
-            del self.schedules[epoch]
-            self._snapshot_due = True
-
-    def _seal_if_unchanged(self, epoch: int, version: int) -> None:
-        """Seal a finished epoch whose arrays the latest snapshot holds at ``version``: its memory goes."""
-        progress = self.ledger.epochs[epoch]
-        if progress.sealed or progress.version != version or not self.ledger.epoch_complete(epoch):
-            return
-        schedule = load_schedule(self.run_dir, epoch)
-        assert schedule is not None, "a started epoch's schedule exists"
-        self.ledger.seal_epoch(epoch, *map_arrays(self._snapshot_dir, epoch), schedule.job_bucket)
-
-    def _seal_written(self) -> None:
-        written = self._snapshots.take_written()
-        if written is None:
-            return
-        snapshot, self._snapshot_dir = written
-        for epoch, version in snapshot.versions.items():
-            self._seal_if_unchanged(epoch, version)
+        return self.store.schedule(epoch)
 
     @property
     def done(self) -> bool:
         """Every epoch committed, and every model's last commit covered by a checkpoint of it."""
-        return (len(self.epoch_jobs) == self.options.epochs
-                and all(self.ledger.epoch_complete(e) for e in self.epoch_jobs)
+        return (self.store.all_committed
                 and all(self.checkpoints.get(m, 0) >= step for m, step in self.ledger.model_step.items()))
 
     @property
@@ -304,10 +207,7 @@ class DispatcherCore:
 
     @property
     def all_committed(self) -> bool:
-        return len(self.epoch_jobs) == self.options.epochs and all(self.ledger.epoch_complete(e) for e in self.epoch_jobs)
-
-    def _open_epochs(self) -> list[int]:
-        return [e for e in sorted(self.epoch_jobs) if not self.ledger.epoch_complete(e)]
+        return self.store.all_committed
 
     def _grant(self, job: Job, slot_id: int) -> JobGrant:
         schedule = self.schedule(job.epoch)
@@ -323,38 +223,14 @@ class DispatcherCore:
 
     # -- snapshots --------------------------------------------------------------------------
     def maybe_snapshot(self, *, force: bool = False) -> bool:
-        """Close the journal segment and snapshot the ledger when it is due; the write runs on a thread.
-
-        Only epochs not yet sealed are copied (on the loop: the open ones, and a finished one once);
-        sealed epochs are hard-linked from the previous snapshot. When a write is done, the finished
-        epochs it holds are sealed.
-        """
-        if self._snapshots.error is not None:
-            raise RuntimeError(f"writing a ledger snapshot failed: {self._snapshots.error}")
-        if self._snapshots.busy:
-            return False
-        self._seal_written()
-        if not (force or self._snapshot_due or self.journal.num_lines >= SNAPSHOT_EVERY_LINES):
-            return False
-        self._segment += 1
+        """Snapshot the ledger when it is due (see ``EpochStore.maybe_snapshot``)."""
         ledger = self.ledger
-        copied = {e: p for e, p in ledger.epochs.items() if not p.sealed}
-        snapshot = Snapshot(
-            segment=self._segment, num_starts=self.incarnation + 1, epochs_started=sorted(self.epoch_jobs),
-            models={m: ModelRecord(index=i, step=ledger.model_step.get(m, 0), checkpoint=self.checkpoints.get(m, 0),
-                                   last_commit=ledger.last_commit.get(m)) for m, i in ledger.model_index.items()},
-            commit_step={e: p.commit_step.copy() for e, p in copied.items()},
-            commit_model={e: p.commit_model.copy() for e, p in copied.items()},
-            linked={e: self._snapshot_dir for e, p in ledger.epochs.items() if p.sealed},
-            versions={e: p.version for e, p in copied.items()})
-        self.journal.rotate(self._segment)
-        self._snapshots.submit(snapshot)
-        self._snapshot_due = False
-        return True
+        models = {m: ModelRecord(index=i, step=ledger.model_step.get(m, 0), checkpoint=self.checkpoints.get(m, 0),
+                                 last_commit=ledger.last_commit.get(m)) for m, i in ledger.model_index.items()}
+        return self.store.maybe_snapshot(models, self.incarnation + 1, force=force)
 
     def close(self) -> None:
-        self._snapshots.wait()
-        self.builder.close()
+        self.store.close()
 
     # -- membership -------------------------------------------------------------------------
     def register(self, *, role: str, name: str, pid: int, host: str, gpu: int | None, now: float,
@@ -556,7 +432,7 @@ class DispatcherCore:
         if self.done:
             self._end_wait(worker, now)
             return DONE
-        self._maybe_start_next_epoch()
+        self.store.maybe_start_next()
         queue = worker.queue if self.options.num_target_queues else 0
         head = self.ledger.peek_pending(queue) if queue is not None else None
         if head is None:
@@ -607,7 +483,7 @@ class DispatcherCore:
         ready jobs of e+1 fill every slot, e+1 is served so that slots free up for e.
         """
         no_free_slot = not self.pool.has_free_slot()
-        for epoch in self._open_epochs():
+        for epoch in self.store.open_epochs():
             if self.pool.has_ready(epoch):
                 return epoch, self.ledger.count(epoch, JobState.PENDING) == 0
             if self.ledger.count(epoch, JobState.EXTRACTING, JobState.READY):
@@ -715,7 +591,7 @@ class DispatcherCore:
         for epoch in sorted({j.epoch for j in jobs}):
             if self.ledger.epoch_complete(epoch):
                 self.journal.record("epoch_committed", durable=True, epoch=epoch)
-                self._forget_if_complete(epoch)
+                self.store.finish_if_complete(epoch)
         return step
 
     def checkpoint(self, worker_id: str, step: int, now: float, *, model: str | None = None) -> None:

@@ -29,7 +29,7 @@ def build_snapshot(core: DispatcherCore, now: float) -> dict[str, Any]:
         progress = core.ledger.epochs[epoch]
         epochs.append({"epoch": epoch, "jobs": progress.num_jobs, "committed": progress.committed,
                        "taken": sum(progress.taken.values()),
-                       "schedule_prefix_deviation": round(core.schedule_deviation[epoch], 3),
+                       "schedule_prefix_deviation": round(core.store.deviation[epoch], 3),
                        "consumed_prefix_deviation": round(progress.consumed_deviation.value, 3)})
     workers = []
     for w in core.workers.values():

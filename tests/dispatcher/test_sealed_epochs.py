@@ -73,8 +73,7 @@ def test_an_open_epoch_cannot_be_sealed():
 def _snapshot_and_seal(core):
     """What the server's sweep does every 0.25 s, made synchronous: snapshot, wait, seal."""
     core.maybe_snapshot()
-    core._snapshots.wait()
-    core.maybe_snapshot()
+    core.store.wait_for_snapshot()
 
 
 def test_finished_epochs_are_sealed_linked_and_reopened_by_an_older_checkpoint(tmp_path):
@@ -97,7 +96,7 @@ def test_finished_epochs_are_sealed_linked_and_reopened_by_an_older_checkpoint(t
     inode = os.stat(sealed_file).st_ino
     assert np.array_equal(np.load(sealed_file), progress.commit_step)
     core.maybe_snapshot(force=True)
-    core._snapshots.wait()
+    core.store.wait_for_snapshot()
     relinked = latest_snapshot_dir(tmp_path) / array_file("commit_step", 0)
     assert relinked != sealed_file and os.stat(relinked).st_ino == inode  # linked, not written again
 
