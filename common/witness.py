@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
+from common.durable import fsync_dir
+
 WITNESS_FILE = "trained_jobs.bin"
 STEP_FILE = "step.json"
 LATEST_FILE = "latest"
@@ -95,14 +97,6 @@ class Checkpoint:
         return TrainedJobs.load(self.path)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
@@ -127,7 +121,7 @@ def save_checkpoint(run_dir: str | os.PathLike, model_id: str, step: int, traine
     for name in os.listdir(tmp):
         with open(tmp / name, "rb") as f:
             os.fsync(f.fileno())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     if final.exists():  # a checkpoint of this step written before a crash: the new one replaces it
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -136,7 +130,7 @@ def save_checkpoint(run_dir: str | os.PathLike, model_id: str, step: int, traine
     with open(latest_tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(latest_tmp, root / LATEST_FILE)
-    _fsync_dir(root)
+    fsync_dir(root)
     steps = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-"))
     for old in steps[:-keep_last] if keep_last > 0 else []:
         if old != final:

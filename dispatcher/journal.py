@@ -28,6 +28,8 @@ import zlib
 from pathlib import Path
 from typing import Any, Iterator
 
+from common.durable import fsync_dir
+
 log = logging.getLogger("hsd.journal")
 
 JOURNAL_NAME = "journal.jsonl"
@@ -216,11 +218,7 @@ class Journal:
             self.synced_seq = target
             with self._lock:
                 self.num_lines = len(self._queue)
-        fd = os.open(self.run_dir, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_dir(self.run_dir)
         return archived
 
     def close(self) -> None:

@@ -24,6 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
+from common.durable import fsync_dir
 from dispatcher.fairness import prefix_deviation_array, tail_skew
 
 ORDERS = ("interleave", "shuffle")
@@ -212,14 +213,6 @@ def schedule_path(run_dir: str | os.PathLike, epoch: int) -> Path:
 _ARRAYS = ("job_bucket", "job_offsets", "job_samples")
 
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_schedule(schedule: EpochSchedule, run_dir: str | os.PathLike) -> Path:
     """Write atomically and durably: the schedule must exist before its first job is served."""
     path = schedule_path(run_dir, schedule.epoch)
@@ -236,11 +229,11 @@ def save_schedule(schedule: EpochSchedule, run_dir: str | os.PathLike) -> Path:
         json.dump(schedule.meta(), f)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_path(tmp)
+    fsync_dir(tmp)
     if path.exists():
         shutil.rmtree(path)
     os.replace(tmp, path)
-    _fsync_path(path.parent)
+    fsync_dir(path.parent)
     return path
 
 

@@ -62,15 +62,6 @@ def derive_total_steps(config: Config) -> int:
     return max(1, math.ceil(num_jobs / (config.drafter.accum_steps * max(1, config.drafter.count))))
 
 
-def train_config(config: Config, *, total_steps: int) -> DFlashTrainConfig:
-    d = config.dflash
-    return DFlashTrainConfig(block_size=d.block_size, num_draft_layers=d.num_draft_layers, num_anchors=d.num_anchors,
-                             gamma=d.gamma, mask_token_id=d.mask_token_id, lr=d.lr, betas=list(d.betas),
-                             weight_decay=d.weight_decay, warmup_ratio=d.warmup_ratio, min_lr_ratio=d.min_lr_ratio,
-                             grad_clip=d.grad_clip, total_steps=total_steps, loss_chunk_size=d.loss_chunk_size,
-                             dtype=d.dtype, attention=d.attention)
-
-
 def default_device(config: Config) -> torch.device:
     # hsd launch gives each worker one GPU (CUDA_VISIBLE_DEVICES): it is cuda:0 in the worker.
     if config.drafter.gpus and torch.cuda.is_available():
@@ -93,7 +84,8 @@ class DFlashBackend:
         self.target_dir = str(config.target.model)
         self.device = torch.device(device) if device is not None else default_device(config)
         self.seed = config.run.seed
-        self.train_config = train_config(config, total_steps=total_steps or derive_total_steps(config))
+        self.train_config = DFlashTrainConfig.from_section(
+            config.dflash, total_steps=total_steps or derive_total_steps(config))
         self.train_config.validate()
         self.keep = config.drafter.checkpoint_keep
         self.export_dtype = config.dflash.export_dtype

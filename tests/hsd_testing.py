@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
 
-
-def hsd(*args: str, timeout: float = 240, check: bool = True) -> subprocess.CompletedProcess:
+def hsd(*args: str, timeout: float = 240, check: bool = True,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, "-m", "dispatcher.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(f"hsd {' '.join(args)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc
@@ -27,8 +31,25 @@ def start_hsd(*args: str, log_path: Path) -> subprocess.Popen:
                             start_new_session=True)
 
 
+@contextlib.contextmanager
+def running_hsd(*args: str, log_path: Path) -> Iterator[subprocess.Popen]:
+    """:func:`start_hsd` for the block; its whole process tree is killed when the block ends, however it ends."""
+    proc = start_hsd(*args, log_path=log_path)
+    try:
+        yield proc
+    finally:
+        kill_tree(proc)
+
+
 def report(run_dir: Path) -> dict:
     return json.loads(hsd("report", "--run-dir", str(run_dir), "--json").stdout)
+
+
+def assert_exactly_once(r: dict) -> None:
+    """A finished run's report: the ledger committed every job once and lost none, and the models'
+    own witness (the jobs their checkpoints say they trained) agrees."""
+    assert (r["committed"], r["duplicates"], r["lost"]) == (r["jobs_total"], 0, 0)
+    assert (r["witness_duplicates"], r["witness_missing"]) == (0, 0)   # judged by the models themselves
 
 
 def stats(run_dir: Path) -> dict | None:
@@ -51,6 +72,12 @@ def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "cond
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def wait_for_stats(run_dir: Path, predicate, timeout: float, interval: float = 0.2, what: str = "condition"):
+    """The first true ``predicate(snapshot)`` of the dispatcher's stats; a moment when no dispatcher
+    answers (not started yet, restarting) counts as false."""
+    return wait_for(lambda: (lambda s: s is not None and predicate(s))(stats(run_dir)), timeout, interval, what)
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
@@ -88,3 +115,65 @@ def child_message(queue, child, timeout: float = 120.0):
         except Empty:
             assert child.is_alive(), f"child exited with {child.exitcode} before answering"
     raise AssertionError("child did not answer in time")
+
+
+# -- a command in a session of its own --------------------------------------------------------------
+# Every process such a command starts (dispatcher, workers, multiprocessing helpers) carries its
+# session id, whatever its process group, so anything still holding the id afterwards is an orphan.
+
+def session_pids(sid: int) -> set[int]:
+    pids = set()
+    for pid in psutil.pids():
+        try:
+            if os.getsid(pid) == sid:
+                pids.add(pid)
+        except (ProcessLookupError, PermissionError):
+            continue
+    return pids
+
+
+def kill_session(sid: int) -> None:
+    for pid in session_pids(sid):
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+
+
+@dataclass
+class SessionRun:
+    sid: int
+    returncode: int
+    stdout: str
+    stderr: str
+    seen: set[int]  # every pid seen in the session while the command ran
+
+
+def run_hsd_in_session(*args: str, timeout: float) -> SessionRun:
+    """Run an `hsd` command to its end in a session of its own (output captured), noting the
+    processes of the session as it goes; past ``timeout`` the whole session is killed."""
+    proc = subprocess.Popen([sys.executable, "-m", "dispatcher.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    seen: set[int] = set()
+    deadline = time.monotonic() + timeout
+    while True:
+        seen |= session_pids(proc.pid)
+        try:
+            out, err = proc.communicate(timeout=0.1)
+            return SessionRun(proc.pid, proc.returncode, out, err, seen)
+        except subprocess.TimeoutExpired:
+            if time.monotonic() > deadline:
+                kill_session(proc.pid)  # the whole command, not just its parent
+                proc.wait()
+                raise
+
+
+def assert_session_ended(sid: int, *, grace_s: float = 0.0) -> None:
+    """No process of the session is left (after up to ``grace_s`` for stragglers to exit); any left is killed."""
+    leftovers = session_pids(sid)
+    wait_until = time.monotonic() + grace_s
+    while leftovers and time.monotonic() < wait_until:
+        time.sleep(0.1)
+        leftovers = session_pids(sid)
+    kill_session(sid)
+    assert not leftovers, f"processes left running: {leftovers}"

@@ -7,11 +7,13 @@ worker under test runs its real loop in a thread of the test process.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import secrets
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +45,20 @@ def make_job(job_id: int, slot: int, generation: int, *, lengths=(16, 12)) -> di
 def worker_config(run_dir, endpoint: str, *overrides: str) -> Config:
     return load_config(None, [f"run.dir={run_dir}", f"dispatcher.endpoint={endpoint}", "target.sim_cost_per_token=0",
                               "drafter.sim_cost_per_token=0", *overrides])
+
+
+@contextlib.contextmanager
+def running(loop) -> Iterator[threading.Thread]:
+    """Run a worker loop in a thread for the block; then stop it, which must end it cleanly (exit 0)."""
+    loop.poll_ms = 100
+    thread = threading.Thread(target=lambda: setattr(loop, "exit_code", loop.run()), daemon=True)
+    thread.start()
+    try:
+        yield thread
+    finally:
+        loop.request_stop()
+        thread.join(10)
+        assert not thread.is_alive() and loop.exit_code == 0
 
 
 class FakeDispatcher:

@@ -1,5 +1,5 @@
 """Configs of the DFlash drafter: the model's shape (:class:`DFlashConfig`) and how it trains
-(:class:`DFlashTrainConfig`).
+(:class:`DFlashTrainConfig`, the run's ``dflash`` config section with its total steps resolved).
 
 The draft layers are Qwen3-style decoder layers whose dimensions default to the target's own
 (read from the target directory's ``config.json``): the fused context lives in the target's hidden
@@ -9,12 +9,13 @@ space and the drafter reuses the target's embedding and LM head, so ``hidden_siz
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.config import ConfigError, opt
+from common.config import ConfigError, DFlashSection, opt
 
 # Loss decay gamma per block size, as published with the method; other block sizes need an explicit gamma.
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -109,22 +110,17 @@ class DFlashConfig:
 
 
 @dataclass
-class DFlashTrainConfig:
-    block_size: int = opt(16, "Tokens per draft block.")
-    num_draft_layers: int = opt(5, "Number of draft decoder layers.")
-    num_anchors: int = opt(512, "Most anchors (blocks) sampled per training sequence.")
-    gamma: float = opt(0.0, "Loss decay gamma; 0 = the default for block_size (7 for 16, 5 for 10, 4 for 8).")
-    mask_token_id: int = opt(-1, "Token id of the masked positions; -1 = the last row of the target embedding.")
-    lr: float = opt(6e-4, "Peak learning rate of AdamW.")
-    betas: list[float] = opt([0.9, 0.95], "AdamW betas.")
-    weight_decay: float = opt(0.0, "AdamW decoupled weight decay.")
-    warmup_ratio: float = opt(0.04, "Share of the total steps spent warming the learning rate up linearly.")
-    min_lr_ratio: float = opt(0.0, "Floor of the cosine decay, as a fraction of lr.")
-    grad_clip: float = opt(1.0, "Clip the global gradient norm to this; 0 = no clipping.")
-    total_steps: int = opt(0, "Optimizer steps of the whole run (sets the cosine schedule); required.")
-    loss_chunk_size: int = opt(4096, "Block positions whose logits are computed at once (bounds the logits' memory).")
-    dtype: str = opt("auto", "Compute dtype: auto (bfloat16 autocast on GPU, float32 on CPU), bfloat16 or float32.")
-    attention: str = opt("auto", "Attention kernel: auto (flex attention on GPU, SDPA elsewhere), flex or sdpa.")
+class DFlashTrainConfig(DFlashSection):
+    """The ``dflash`` config section as the trainer takes it. Its keys, defaults and help lines are
+    the section's own (declared once, in :class:`common.config.DFlashSection`); what this adds is what a
+    training run needs beyond a loadable config: ``total_steps`` resolved to a positive count (the
+    section's 0 means "derive it from the run", which :mod:`drafter_worker.dflash_backend` does) and
+    the optimizer values checked before a model is built."""
+
+    @classmethod
+    def from_section(cls, section: DFlashSection, *, total_steps: int) -> "DFlashTrainConfig":
+        """The run's ``dflash`` section with its total steps resolved."""
+        return cls(**{**dataclasses.asdict(section), "total_steps": total_steps})
 
     def validate(self) -> None:
         if self.total_steps <= 0:

@@ -7,12 +7,10 @@ figures themselves belong to the benchmark's output, not to this test.
 """
 
 import json
-import os
 import subprocess
 import sys
 
 import numpy as np
-import psutil
 
 from benchmarks.pipeline import JSON_KEYS, POLICIES
 from benchmarks.pipeline_figures import target_queues
@@ -20,38 +18,19 @@ from common.client import run_id_for
 from common.shm_arena import list_segments
 from dispatcher.journal import read_journal
 from dispatcher.schedule import load_schedule
+from hsd_testing import assert_session_ended, run_hsd_in_session
 
 SMALL_COSTS = ("target.sim_cost_per_token=1e-6", "target.sim_cost_attention=1e-9",
                "drafter.sim_cost_per_token=1e-6", "drafter.sim_cost_per_sequence=2e-3")
 
 
-def session_pids(sid: int) -> set[int]:
-    pids = set()
-    for pid in psutil.pids():
-        try:
-            if os.getsid(pid) == sid:
-                pids.add(pid)
-        except (ProcessLookupError, PermissionError):
-            continue
-    return pids
-
-
 def test_bench_pipeline_small_topology(tmp_path):
     runs, plot = tmp_path / "runs", tmp_path / "pipeline.png"
-    proc = subprocess.Popen([sys.executable, "-m", "dispatcher.cli", "bench", "pipeline", "--topology", "2x1",
-                             "--samples", "60", "--seed", "5", "--json", "--runs-dir", str(runs), "--plot", str(plot),
-                             *SMALL_COSTS], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-    leftovers = session_pids(proc.pid)
-    assert not leftovers, f"processes left running: {leftovers}"
-    assert proc.returncode == 0, err[-3000:]
-    result = json.loads(out)
+    run = run_hsd_in_session("bench", "pipeline", "--topology", "2x1", "--samples", "60", "--seed", "5", "--json",
+                             "--runs-dir", str(runs), "--plot", str(plot), *SMALL_COSTS, timeout=300)
+    assert_session_ended(run.sid)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout)
 
     assert result["setup"]["num_targets"] == 2 and result["setup"]["num_drafters"] == 1
     for name in POLICIES:

@@ -6,75 +6,33 @@ about bandwidth.
 
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
-import time
-
-import psutil
 
 from common.shm_arena import list_segments
 from benchmarks.transport import bench_layout
 from benchmarks.transport_workers import BenchSpec, Meter, percentile
+from hsd_testing import assert_session_ended, run_hsd_in_session
 
 REQUIRED_KEYS = ("slot_bytes", "memcpy_gbps", "shm_gbps", "torch_mp_queue_gbps", "zmq_ipc_gbps",
                  "rtt_p50_ms", "rtt_p99_ms")
 
 
-def session_pids(sid: int) -> set[int]:
-    pids = set()
-    for pid in psutil.pids():
-        try:
-            if os.getsid(pid) == sid:
-                pids.add(pid)
-        except (ProcessLookupError, PermissionError):
-            continue
-    return pids
-
-
 def test_bench_transport_json_and_clean_exit():
-    # Its own session: every process the benchmark starts (dispatcher, workers, multiprocessing
-    # helpers) carries the session id, so anything still holding it afterwards is an orphan.
-    proc = subprocess.Popen([sys.executable, "-m", "dispatcher.cli", "bench", "transport", "--slot-mb", "4",
-                             "--seconds", "0.5", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    seen = set()
-    deadline = time.monotonic() + 240  # a shared 2-core host can slow the benchmark a lot
-    while True:
-        seen |= session_pids(proc.pid)
-        try:
-            out, err = proc.communicate(timeout=0.1)
-            break
-        except subprocess.TimeoutExpired:
-            if time.monotonic() > deadline:
-                for pid in session_pids(proc.pid):  # the whole benchmark, not just its parent
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                raise
-    assert proc.returncode == 0, err[-4000:]
-    assert len(seen) >= 4, f"expected the benchmark to start its own processes, saw {seen}"
-    assert "[bench] warning" not in err, err[-4000:]
+    run = run_hsd_in_session("bench", "transport", "--slot-mb", "4", "--seconds", "0.5", "--json",
+                             timeout=240)  # a shared 2-core host can slow the benchmark a lot
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert len(run.seen) >= 4, f"expected the benchmark to start its own processes, saw {run.seen}"
+    assert "[bench] warning" not in run.stderr, run.stderr[-4000:]
 
-    figures = json.loads(out)  # exactly one JSON object on stdout
+    figures = json.loads(run.stdout)  # exactly one JSON object on stdout
     for key in REQUIRED_KEYS:
         value = figures[key]
         assert isinstance(value, (int, float)) and math.isfinite(value) and value > 0, (key, value)
     assert figures["slot_bytes"] == bench_layout(4).slot_bytes
     assert "cuda_ipc_gbps" not in figures or figures["cuda_ipc_gbps"] > 0
 
-    leftovers = session_pids(proc.pid)
-    wait_until = time.monotonic() + 10  # multiprocessing's resource tracker exits when it sees EOF
-    while leftovers and time.monotonic() < wait_until:
-        time.sleep(0.1)
-        leftovers = session_pids(proc.pid)
-    for pid in leftovers:
-        psutil.Process(pid).kill()
-    assert not leftovers, f"processes left running: {leftovers}"
+    assert_session_ended(run.sid, grace_s=10)  # multiprocessing's resource tracker exits when it sees EOF
     # Other runs on this host may own segments; none may come from a process of the benchmark.
-    segments = [s.name for s in list_segments() if s.pid in seen]
+    segments = [s.name for s in list_segments() if s.pid in run.seen]
     assert not segments, f"shared-memory segments left: {segments}"
 
 

@@ -18,7 +18,7 @@ from common.drafter_loop import DrafterLoop
 from common.target_loop import TargetLoop
 from common.witness import latest_checkpoint
 from drafter_worker.sim import SimDrafter
-from loop_harness import FakeDispatcher, make_job, worker_config
+from loop_harness import FakeDispatcher, make_job, running, worker_config
 from target_worker.sim import SimTarget
 
 torch.set_num_threads(1)
@@ -31,19 +31,6 @@ def fake(tmp_path):
     dispatcher.close()
 
 
-def start(loop) -> threading.Thread:
-    loop.poll_ms = 100
-    thread = threading.Thread(target=lambda: setattr(loop, "exit_code", loop.run()), daemon=True)
-    thread.start()
-    return thread
-
-
-def stop(loop, thread: threading.Thread) -> None:
-    loop.request_stop()
-    thread.join(10)
-    assert not thread.is_alive() and loop.exit_code == 0
-
-
 def drafter(tmp_path, fake, *overrides: str, name: str = "drafter-0") -> DrafterLoop:
     config = worker_config(tmp_path / "run", fake.endpoint, *overrides)
     return DrafterLoop(config, name, SimDrafter(config, model_id=name))
@@ -53,8 +40,7 @@ def test_drafter_asks_for_its_next_job_while_computing_and_holds_both(tmp_path, 
     fake.add_ready_job(1, slot=0)
     fake.add_ready_job(2, slot=1)
     loop = drafter(tmp_path, fake, "drafter.sim_cost_per_token=0.02")  # 28 tokens: ~0.56 s per micro-batch
-    thread = start(loop)
-    try:
+    with running(loop):
         fake.wait_for(lambda f: len(f.ops("commit_step")) == 2, what="two committed steps")
         polls, commits = fake.ops("get_hs"), fake.ops("commit_step")
         consumed = fake.ops("consumed")
@@ -65,8 +51,6 @@ def test_drafter_asks_for_its_next_job_while_computing_and_holds_both(tmp_path, 
         assert [1, 2] in during
         # Once committed, nothing is held.
         fake.wait_for(lambda f: f.holding_after(f.ops("commit_step")[1].at) == [], what="an empty holding list")
-    finally:
-        stop(loop, thread)
     assert [c.fields["step"] for c in commits] == [1, 2]
     assert [c.fields["job_ids"] for c in commits] == [[1], [2]]
     assert loop.backend.step == 2 and list(loop.backend.trained) == [1, 2]
@@ -77,14 +61,11 @@ def test_target_prefetches_its_second_job_and_lists_it_while_extracting(tmp_path
     fake.add_job(make_job(2, slot=1, generation=1))
     config = worker_config(tmp_path / "run", fake.endpoint, "target.sim_cost_per_token=0.02")
     loop = TargetLoop(config, "target-0", SimTarget(config))
-    thread = start(loop)
-    try:
+    with running(loop):
         fake.wait_for(lambda f: len(f.ops("job_ready")) == 2, what="two ready jobs")
         polls, ready = fake.ops("get_job"), fake.ops("job_ready")
         assert polls[1].at < ready[0].at  # job 2 was asked for while job 1 was extracted
         assert [1, 2] in [e.fields["holding"] for e in fake.ops("heartbeat") if e.at < ready[0].at]
-    finally:
-        stop(loop, thread)
     assert [r.fields["job_id"] for r in ready] == [1, 2]
     view = fake.arena.slot(1)
     assert view.read_header().job_id == 2  # the backend wrote the slot
@@ -94,14 +75,11 @@ def test_refused_commit_drops_the_step_and_forgets_its_jobs(tmp_path, fake):
     fake.commit_faults.extend(["refuse"])
     fake.add_ready_job(1, slot=0)
     loop = drafter(tmp_path, fake)
-    thread = start(loop)
-    try:
+    with running(loop):
         fake.wait_for(lambda f: len(f.ops("commit_step")) == 1, what="the refused commit")
         fake.wait_for(lambda f: f.holding_after(f.ops("commit_step")[0].at) == [], what="job 1 to leave the held set")
         fake.add_ready_job(2, slot=1)
         fake.wait_for(lambda f: len(f.ops("commit_step")) == 2, what="the next commit")
-    finally:
-        stop(loop, thread)
     second = fake.ops("commit_step")[1].fields
     assert (second["step"], second["job_ids"]) == (1, [2])  # the refused step was never applied
     assert list(loop.backend.trained) == [2]
@@ -112,12 +90,9 @@ def test_unanswered_commit_is_sent_again_unchanged(tmp_path, fake, monkeypatch):
     fake.commit_faults.extend(["silent"])
     fake.add_ready_job(1, slot=0)
     loop = drafter(tmp_path, fake)
-    thread = start(loop)
-    try:
+    with running(loop):
         fake.wait_for(lambda f: len(f.ops("commit_step")) == 2, what="the commit sent again")
         fake.wait_for(lambda f: f.holding_after(f.ops("commit_step")[-1].at) == [], what="job 1 committed")
-    finally:
-        stop(loop, thread)
     first, again = (c.fields for c in fake.ops("commit_step"))
     assert (first["model"], first["step"], first["job_ids"]) == (again["model"], again["step"], again["job_ids"])
     assert loop.backend.step == 1 and list(loop.backend.trained) == [1]
@@ -126,16 +101,13 @@ def test_unanswered_commit_is_sent_again_unchanged(tmp_path, fake, monkeypatch):
 def test_a_forgetting_dispatcher_gets_a_new_registration_at_the_applied_step(tmp_path, fake):
     fake.add_ready_job(1, slot=0)
     loop = drafter(tmp_path, fake)
-    thread = start(loop)
-    try:
+    with running(loop):
         fake.wait_for(lambda f: len(f.ops("commit_step")) == 1, what="step 1")
         fake.commit_faults.extend(["forget"])
         fake.add_ready_job(2, slot=1)
         fake.wait_for(lambda f: len(f.ops("register")) == 2, what="a second registration")
         fake.add_ready_job(3, slot=2)
         fake.wait_for(lambda f: len(f.ops("commit_step")) == 3, what="a commit after registering again")
-    finally:
-        stop(loop, thread)
     assert fake.ops("register")[1].fields["model"] == {"id": "drafter-0", "step": 1}  # step 2 was dropped
     assert fake.ops("commit_step")[2].fields["step"] == 2
     assert list(loop.backend.trained) == [1, 3]
@@ -146,15 +118,12 @@ def test_flush_checkpoints_the_witness_and_a_restart_resumes_from_it(tmp_path, f
         fake.add_ready_job(job_id, slot=job_id - 1)
     fake.accum_steps = 2
     loop = drafter(tmp_path, fake)
-    thread = start(loop)
-    try:
+    with running(loop) as thread:
         fake.wait_for(lambda f: len(f.ops("commit_step")) == 1, what="a full step")
         fake.flush = True  # nothing more is coming: the partial step is committed, then checkpointed
         fake.wait_for(lambda f: f.ops("checkpoint"), what="a checkpoint")
         fake.done = True
         thread.join(10)
-    finally:
-        stop(loop, thread)
     assert [c.fields["job_ids"] for c in fake.ops("commit_step")] == [[1, 2], [3]]
     saved = fake.ops("checkpoint")[-1].fields
     assert (saved["model"], saved["step"]) == ("drafter-0", 2)
@@ -163,11 +132,8 @@ def test_flush_checkpoints_the_witness_and_a_restart_resumes_from_it(tmp_path, f
 
     fake.done, fake.flush = False, False
     again = drafter(tmp_path, fake)
-    thread = start(again)
-    try:
+    with running(again):
         fake.wait_for(lambda f: len(f.ops("register")) == 2, what="the restarted drafter")
-    finally:
-        stop(again, thread)
     assert fake.ops("register")[1].fields["model"] == {"id": "drafter-0", "step": 2}
     assert list(again.backend.trained) == [1, 2, 3]
 
@@ -178,11 +144,8 @@ def test_stale_slot_is_reported_and_the_drafter_carries_on(tmp_path, fake):
     fake.add_job(job)
     fake.add_ready_job(3, slot=1)
     loop = drafter(tmp_path, fake)
-    thread = start(loop)
-    try:
+    with running(loop):
         fake.wait_for(lambda f: len(f.ops("commit_step")) == 2, what="two commits")
-    finally:
-        stop(loop, thread)
     failed = fake.ops("read_failed")
     assert [e.fields["job_id"] for e in failed] == [2] and "stale slot" in failed[0].fields["reason"]
     assert list(loop.backend.trained) == [1, 3]
@@ -193,11 +156,8 @@ def test_unanswered_poll_is_asked_again_on_a_fresh_socket(tmp_path, fake, monkey
     fake.silent_polls = 1
     fake.add_ready_job(1, slot=0)
     loop = drafter(tmp_path, fake)
-    thread = start(loop)
-    try:
+    with running(loop):
         fake.wait_for(lambda f: len(f.ops("commit_step")) == 1, what="step 1")
-    finally:
-        stop(loop, thread)
     polls = fake.ops("get_hs")
     assert polls[1].at - polls[0].at >= 0.3  # the first poll's wait, then its timeout
     assert list(loop.backend.trained) == [1]

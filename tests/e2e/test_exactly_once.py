@@ -13,7 +13,7 @@ from common.client import DispatcherClient, DispatcherUnavailable
 from common.protocol import ErrorCode, ProtocolError
 from common.witness import TrainedJobs, latest_checkpoint, list_models, save_checkpoint
 from dispatcher.journal import FAULT_FSYNC_ENV, read_journal
-from hsd_testing import hsd, kill_tree, report, sim_args, start_hsd, stats, wait_for
+from hsd_testing import hsd, report, running_hsd, sim_args, stats, wait_for, wait_for_stats
 
 
 def exact(r: dict) -> bool:
@@ -40,22 +40,17 @@ def test_witness_catches_a_job_trained_twice_and_one_never_trained(run_dir):
 def test_drafter_restarts_from_an_older_checkpoint_while_the_dispatcher_runs(run_dir, tmp_path):
     args = sim_args(run_dir, "run.epochs=1", "target.count=2", "drafter.count=2", "drafter.checkpoint_every=4",
                     "target.sim_cost_per_token=3e-5")
-    launch = start_hsd("launch", *args, log_path=tmp_path / "launch.log")
-    try:
-        def a_drafter_between_checkpoints():
-            s = stats(run_dir)
-            if not s:
-                return None
+    with running_hsd("launch", *args, log_path=tmp_path / "launch.log") as launch:
+        def a_drafter_between_checkpoints(s):
             for model, state in (s.get("models") or {}).items():
                 if state["step"] >= 5 and state["step"] > state["checkpoint"]:
                     return model
             return None
-        model = wait_for(a_drafter_between_checkpoints, 120, interval=0.05, what="a model past its checkpoint")
+        model = wait_for_stats(run_dir, a_drafter_between_checkpoints, 120, interval=0.05,
+                               what="a model past its checkpoint")
         victim = next(w for w in stats(run_dir)["workers"] if w["name"] == model)
         os.kill(victim["pid"], signal.SIGKILL)   # it comes back (hsd launch restarts it) from its checkpoint
         assert launch.wait(timeout=240) == 0, (tmp_path / "launch.log").read_text()[-3000:]
-    finally:
-        kill_tree(launch)
     rollbacks = [e for e in read_journal(run_dir) if e["ev"] == "rollback" and e["model"] == model and e["jobs"]]
     assert rollbacks, "the restarted drafter's commits after its checkpoint went back to pending"
     assert exact(report(run_dir))
@@ -65,7 +60,7 @@ def test_fsync_failure_stops_the_dispatcher_and_a_relaunch_finishes_exactly_once
     args = sim_args(run_dir, "run.epochs=1", "target.count=2", "drafter.count=2")
     env = dict(os.environ, **{FAULT_FSYNC_ENV: "12"})
     started = time.monotonic()
-    proc = hsd_with_env(env, "launch", *args, timeout=180)
+    proc = hsd("launch", *args, timeout=180, check=False, env=env)
     assert proc.returncode != 0
     assert time.monotonic() - started < 150, "a held reply or a worker hung"
     assert "fail closed" in proc.stdout + proc.stderr
@@ -76,16 +71,8 @@ def test_fsync_failure_stops_the_dispatcher_and_a_relaunch_finishes_exactly_once
     assert exact(report(run_dir))
 
 
-def hsd_with_env(env, *args, timeout):
-    import subprocess
-    import sys
-    return subprocess.run([sys.executable, "-m", "dispatcher.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
-
-
 def test_requests_under_other_workers_ids_without_their_tokens_are_refused(run_dir, tmp_path):
     args = sim_args(run_dir, "run.epochs=1", "target.count=2", "drafter.count=2")
-    launch = start_hsd("launch", *args, log_path=tmp_path / "launch.log")
     refusals, others = [], []
     stop = threading.Event()
 
@@ -111,14 +98,14 @@ def test_requests_under_other_workers_ids_without_their_tokens_are_refused(run_d
             client.close()
 
     flooder = threading.Thread(target=flood, daemon=True)
-    try:
-        wait_for(lambda: stats(run_dir), 60, what="the dispatcher")
-        flooder.start()
-        assert launch.wait(timeout=240) == 0, (tmp_path / "launch.log").read_text()[-3000:]
-    finally:
-        stop.set()
-        flooder.join(timeout=10)
-        kill_tree(launch)
+    with running_hsd("launch", *args, log_path=tmp_path / "launch.log") as launch:
+        try:
+            wait_for(lambda: stats(run_dir), 60, what="the dispatcher")
+            flooder.start()
+            assert launch.wait(timeout=240) == 0, (tmp_path / "launch.log").read_text()[-3000:]
+        finally:
+            stop.set()
+            flooder.join(timeout=10)
     assert len(refusals) > 100 and not others
     r = report(run_dir)
     assert exact(r) and not r["given_back"]   # nobody's work was taken away

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-
-from dispatcher.journal import read_journal
 import os
 import signal
 
-
-from hsd_testing import hsd, kill_tree, report, sim_args, start_hsd, stats, wait_for
 from common.client import run_id_for
 from common.shm_arena import list_segments
+from dispatcher.journal import read_journal
+from hsd_testing import assert_exactly_once, hsd, report, running_hsd, sim_args, wait_for_stats
 
 
 def test_launch_5_targets_3_drafters_two_epochs_exactly_once(run_dir):
@@ -22,8 +20,7 @@ def test_launch_5_targets_3_drafters_two_epochs_exactly_once(run_dir):
     r = report(run_dir)
     assert r["finished"] and r["epochs"] == 2
     assert r["jobs_total"] > 100
-    assert (r["committed"], r["duplicates"], r["lost"]) == (r["jobs_total"], 0, 0)
-    assert (r["witness_duplicates"], r["witness_missing"]) == (0, 0)   # judged by the models themselves
+    assert_exactly_once(r)
     assert r["step_mix"] >= 0.99
     assert r["prefix_deviation"]["consumed"] <= 3
     assert r["prefix_deviation"]["schedule"] <= 2
@@ -36,22 +33,15 @@ def test_launch_5_targets_3_drafters_two_epochs_exactly_once(run_dir):
 def test_sigkilled_target_job_is_extracted_again(run_dir, tmp_path):
     args = sim_args(run_dir, "run.epochs=1", "target.count=2", "drafter.count=2", "target.sim_cost_per_token=4e-5",
                     "target.max_restarts=2")
-    launch = start_hsd("launch", *args, log_path=tmp_path / "launch.log")
-    try:
-        def busy_target():
-            s = stats(run_dir)
-            if not s:
-                return None
+    with running_hsd("launch", *args, log_path=tmp_path / "launch.log") as launch:
+        def busy_target(s):
             busy = [w for w in s["workers"] if w["role"] == "target" and w["held"]]
             return busy[0] if busy else None
-        victim = wait_for(busy_target, 120, what="a target holding a job")
+        victim = wait_for_stats(run_dir, busy_target, 120, what="a target holding a job")
         os.kill(victim["pid"], signal.SIGKILL)
         assert launch.wait(timeout=240) == 0, (tmp_path / "launch.log").read_text()[-3000:]
-    finally:
-        kill_tree(launch)
     r = report(run_dir)
-    assert (r["committed"], r["duplicates"], r["lost"]) == (r["jobs_total"], 0, 0)
-    assert (r["witness_duplicates"], r["witness_missing"]) == (0, 0)   # judged by the models themselves
+    assert_exactly_once(r)
     assert r["given_back"].get("dead", 0) >= 1
     events = list(read_journal(run_dir))
     given_back = {e["job"] for e in events if e["ev"] == "give_back" and e["was"] == "extracting"}
@@ -64,10 +54,9 @@ def test_sigkilled_target_job_is_extracted_again(run_dir, tmp_path):
 
 def test_stats_against_running_launch(run_dir, tmp_path):
     args = sim_args(run_dir, "run.epochs=1", "target.count=2", "drafter.count=1", "target.sim_cost_per_token=1e-4")
-    launch = start_hsd("launch", *args, log_path=tmp_path / "launch.log")
-    try:
-        s = wait_for(lambda: (lambda s: s if s and len(s["workers"]) == 3 else None)(stats(run_dir)), 120,
-                     what="3 registered workers")
+    with running_hsd("launch", *args, log_path=tmp_path / "launch.log") as launch:
+        s = wait_for_stats(run_dir, lambda s: s if len(s["workers"]) == 3 else None, 120,
+                           what="3 registered workers")
         for key in ("epochs", "jobs_by_state", "q_hsb", "workers", "pool", "transport", "epochs_total"):
             assert key in s
         assert set(s["jobs_by_state"]) == {"pending", "extracting", "ready", "training", "consumed", "committed"}
@@ -80,28 +69,20 @@ def test_stats_against_running_launch(run_dir, tmp_path):
         text = hsd("stats", "--run-dir", str(run_dir)).stdout
         assert "q_hsb" in text and "target-0" in text and "epoch 1/1" in text
         assert launch.wait(timeout=240) == 0
-    finally:
-        kill_tree(launch)
     assert hsd("stats", "--run-dir", str(run_dir), check=False).returncode == 1  # nobody answers any more
 
 
 def test_sigkill_everything_then_relaunch_resumes_and_sweeps_shm(run_dir, tmp_path):
     args = sim_args(run_dir, "run.epochs=1", "target.count=2", "drafter.count=2", "target.sim_cost_per_token=5e-5")
-    launch = start_hsd("launch", *args, log_path=tmp_path / "launch1.log")
-    try:
-        wait_for(lambda: (lambda s: s and s["steps"] >= 5)(stats(run_dir)), 120, what="5 committed steps")
-    finally:
-        kill_tree(launch)
+    with running_hsd("launch", *args, log_path=tmp_path / "launch1.log"):
+        wait_for_stats(run_dir, lambda s: s["steps"] >= 5, 120, what="5 committed steps")
     run_id = run_id_for(run_dir)
     assert list_segments(run_id), "the killed run should have left its arena behind"
     assert hsd("cleanup", "--run-dir", str(run_dir)).returncode == 0
     assert not list_segments(run_id)
     # Kill once more and let the relaunch do the sweeping itself, then finish the epoch exactly once.
-    launch = start_hsd("launch", *args, log_path=tmp_path / "launch2.log")
-    try:
-        wait_for(lambda: (lambda s: s and s["steps"] >= 10)(stats(run_dir)), 120, what="10 committed steps")
-    finally:
-        kill_tree(launch)
+    with running_hsd("launch", *args, log_path=tmp_path / "launch2.log"):
+        wait_for_stats(run_dir, lambda s: s["steps"] >= 10, 120, what="10 committed steps")
     stale = list_segments(run_id)
     assert stale
     with open(run_dir / "journal.jsonl", "ab") as journal:   # a power cut in the middle of a record
@@ -113,16 +94,14 @@ def test_sigkill_everything_then_relaunch_resumes_and_sweeps_shm(run_dir, tmp_pa
     assert r["restarts"] == 2
     joined = [e["w"] for e in read_journal(run_dir) if e["ev"] == "join"]
     assert len(joined) == len(set(joined)), "a worker id was handed out twice"
-    assert (r["committed"], r["duplicates"], r["lost"]) == (r["jobs_total"], 0, 0)
-    assert (r["witness_duplicates"], r["witness_missing"]) == (0, 0)   # judged by the models themselves
+    assert_exactly_once(r)
 
 
 def test_launch_2_targets_2_drafters_verifies_every_slot(run_dir):
     proc = hsd("launch", *sim_args(run_dir, "run.epochs=2", "target.count=2", "drafter.count=2"), timeout=300)
     assert "run complete: every epoch committed" in proc.stderr
     r = report(run_dir)
-    assert (r["committed"], r["duplicates"], r["lost"]) == (r["jobs_total"], 0, 0)
-    assert (r["witness_duplicates"], r["witness_missing"]) == (0, 0)   # judged by the models themselves
+    assert_exactly_once(r)
     # each sim drafter checked every slot it read against the pattern its target wrote
     assert r["slots_verified"] == r["jobs_total"]
     assert "SlotIntegrityError" not in proc.stdout and "StaleSlotError" not in proc.stdout
@@ -130,13 +109,10 @@ def test_launch_2_targets_2_drafters_verifies_every_slot(run_dir):
 
 def test_ctrl_c_stops_the_run_cleanly_and_a_relaunch_finishes_it(run_dir, tmp_path):
     args = sim_args(run_dir, "run.epochs=1", "target.count=2", "drafter.count=1", "target.sim_cost_per_token=5e-5")
-    launch = start_hsd("launch", *args, log_path=tmp_path / "launch.log")
-    try:
-        wait_for(lambda: (lambda s: s and s["steps"] >= 3)(stats(run_dir)), 120, what="3 committed steps")
+    with running_hsd("launch", *args, log_path=tmp_path / "launch.log") as launch:
+        wait_for_stats(run_dir, lambda s: s["steps"] >= 3, 120, what="3 committed steps")
         os.kill(launch.pid, signal.SIGINT)
         assert launch.wait(timeout=60) == 130
-    finally:
-        kill_tree(launch)
     assert not list_segments(run_id_for(run_dir)), "a clean stop unlinks the arena"
     r = report(run_dir)
     assert not r["finished"] and r["lost"] == 0 and r["uncommitted"] > 0 and r["duplicates"] == 0
@@ -147,13 +123,10 @@ def test_ctrl_c_stops_the_run_cleanly_and_a_relaunch_finishes_it(run_dir, tmp_pa
 
 def test_launch_fails_when_the_dispatcher_is_stopped_before_the_end(run_dir, tmp_path):
     args = sim_args(run_dir, "run.epochs=1", "target.count=1", "drafter.count=1", "target.sim_cost_per_token=5e-5")
-    launch = start_hsd("launch", *args, log_path=tmp_path / "launch.log")
-    try:
-        s = wait_for(lambda: (lambda s: s if s and s["steps"] >= 2 else None)(stats(run_dir)), 120, what="2 steps")
+    with running_hsd("launch", *args, log_path=tmp_path / "launch.log") as launch:
+        s = wait_for_stats(run_dir, lambda s: s if s["steps"] >= 2 else None, 120, what="2 steps")
         os.kill(s["pid"], signal.SIGTERM)  # the dispatcher itself, from outside the launcher
         assert launch.wait(timeout=60) == 1
-    finally:
-        kill_tree(launch)
     assert "stopped before the run was complete" in (tmp_path / "launch.log").read_text()
 
 
@@ -168,6 +141,4 @@ def test_launch_over_loopback_tcp(run_dir):
                                    f"dispatcher.endpoint=tcp://127.0.0.1:{ports[0]}",
                                    f"dispatcher.stats_endpoint=tcp://127.0.0.1:{ports[1]}"), timeout=240)
     assert "run complete: every epoch committed" in proc.stderr
-    r = report(run_dir)
-    assert (r["committed"], r["duplicates"], r["lost"]) == (r["jobs_total"], 0, 0)
-    assert (r["witness_duplicates"], r["witness_missing"]) == (0, 0)   # judged by the models themselves
+    assert_exactly_once(report(run_dir))
