@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from common.durable import fsync_dir
 from dispatcher.journal import read_journal
 
 SNAPSHOT_DIR = "snapshots"
@@ -101,12 +102,9 @@ def write_snapshot(run_dir: str | os.PathLike, snapshot: Snapshot) -> Path:
     for name in os.listdir(tmp):
         with open(tmp / name, "rb") as f:
             os.fsync(f.fileno())
+    fsync_dir(tmp)  # its entries, linked ones included
     os.replace(tmp, final)
-    fd = os.open(root, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(root)
     for old in root.iterdir():
         match = _SNAP.match(old.name)
         if match and int(match.group(1)) < snapshot.segment:
