@@ -1,9 +1,10 @@
 """Data-parallel drafters end to end: two ranks of one model over gloo under `hsd launch`.
 
 Real processes, ipc:// sockets, shared memory and a FileStore rendezvous; the drafters train the
-one-layer linear model on the sim targets' slots. SIGKILL one rank mid-run: the other does not
-hang, the step in flight commits nothing, the group forms again under a new membership version
-from the latest checkpoint, and the models' own witness shows every job trained exactly once.
+one-layer linear model on the sim targets' slots. SIGKILL rank 0 mid-run, the rank that commits the
+group's steps and saves its checkpoints: the other does not hang, the step in flight commits
+nothing, the group forms again under a new membership version from the latest checkpoint, and the
+models' own witness shows every job trained exactly once.
 """
 
 from __future__ import annotations
@@ -23,24 +24,40 @@ def _args(run_dir, *overrides: str) -> list[str]:
             "dispatcher.worker_timeout_s=5", *overrides]
 
 
+VICTIM_RANK = 0  # the rank that commits the group's steps: the harder one to lose
+
+
 def _group(s):
     return (s or {}).get("groups", {}).get("drafter")
 
 
-def test_sigkilled_rank_aborts_the_step_and_the_group_resumes_from_its_checkpoint(run_dir, tmp_path):
+def test_sigkilled_committing_rank_aborts_the_step_and_the_group_resumes_from_its_checkpoint(run_dir, tmp_path):
     launch = start_hsd("launch", *_args(run_dir, "target.sim_cost_per_token=2e-5"), log_path=tmp_path / "launch.log")
     try:
-        def rank1_mid_step():
+        def victim_mid_step():
             s = stats(run_dir)
             group = _group(s)
             model = s["models"].get("drafter", {}) if s else {}
             # mid-way between checkpoints: the regroup must roll committed steps back
             if not group or not group["formed"] or model.get("checkpoint", 0) < 4 or model["step"] % 4 not in (1, 2):
                 return None
-            rank1 = [w for w in s["workers"] if w.get("rank") == 1 and w["held"]]
-            return (rank1[0], group["version"], s["models"]["drafter"]) if rank1 else None
-        victim, version, model = wait_for(rank1_mid_step, 240, interval=0.05,
-                                          what="rank 1 holding jobs after a checkpoint")
+            holding = [w for w in s["workers"] if w.get("rank") == VICTIM_RANK and w["held"]]
+            return (holding[0], group["version"], s["models"]["drafter"]) if holding else None
+
+        def frozen_victim():
+            """Stop the victim, then take the snapshot again: what it holds can no longer change
+            between the snapshot and the kill (a commit landing in between would name them)."""
+            found = victim_mid_step()
+            if not found:
+                return None
+            os.kill(found[0]["pid"], signal.SIGSTOP)
+            again = victim_mid_step()
+            if again and again[0]["pid"] == found[0]["pid"]:
+                return again
+            os.kill(found[0]["pid"], signal.SIGCONT)
+            return None
+        victim, version, model = wait_for(frozen_victim, 240, interval=0.05,
+                                          what=f"rank {VICTIM_RANK} holding jobs after a checkpoint")
         os.kill(victim["pid"], signal.SIGKILL)
         regrouped = wait_for(lambda: (lambda g: g if g and g["formed"] and g["version"] > version else None)(
             _group(stats(run_dir))), 120, what="the group to form again")
