@@ -110,6 +110,7 @@ class DrafterSection:
     data_parallel: bool = opt(True, "With count > 1, real drafters train one model as a torch.distributed group (sim drafters always train a model each).")
     model: str = opt("drafter", "Id of the model a data-parallel group trains (its checkpoints live in run.dir/models/<model>).")
     collective_timeout_s: float = opt(60.0, "Longest a rank waits in a collective (gradient all-reduce, group rendezvous) before it gives the step up.")
+    group_wait_s: float = opt(600.0, "Longest a rank of a data-parallel group waits for the group to form again (every rank at the rendezvous); past it the rank exits with an error instead of waiting for a peer lost for good.")
 
     @property
     def group_size(self) -> int:
@@ -283,8 +284,9 @@ def validate(config: Config) -> None:
     for key in ("heartbeat_s", "worker_timeout_s", "lease_s"):
         if getattr(config.dispatcher, key) <= 0:
             raise ConfigError(f"dispatcher.{key} must be positive")
-    if config.drafter.collective_timeout_s <= 0:
-        raise ConfigError("drafter.collective_timeout_s must be positive")
+    for key in ("collective_timeout_s", "group_wait_s"):
+        if getattr(config.drafter, key) <= 0:
+            raise ConfigError(f"drafter.{key} must be positive")
     if config.drafter.model:
         try:
             check_model_id(config.drafter.model)

@@ -8,7 +8,8 @@ plus the trained-jobs witness. Resuming from it continues the run exactly as if 
 
 Gradients of a step accumulate unnormalised over its micro-batches (see
 :mod:`drafter_worker.dflash.trainer`); :meth:`DFlashBackend.sync_gradients` is where a
-data-parallel group sums them and the weight total over its ranks before the step is applied.
+data-parallel group sums them, the weight total and the loss and accuracy sums over its ranks
+before the step is applied.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ class DFlashBackend:
         self.last_metrics: dict[str, float] = {}
         self.tensorboard = TensorBoardLog(config.run_dir, self.model_id)
         self.exit_after_step = int(os.environ.get(EXIT_AFTER_STEP_ENV) or 0)
+        self._synced_total: float | None = None  # the group's weight total, once sync_gradients ran
 
     def _new_trainer(self) -> DFlashTrainer:
         # The process RNG is seeded too: whatever draws from it (a kernel, a library) repeats on a rerun.
@@ -151,29 +153,29 @@ class DFlashBackend:
         return self.trainer.local_weight_total
 
     def sync_gradients(self, all_reduce: AllReduce | None = None) -> float:
-        """Sum the step's gradients and weight total over a data-parallel group; return the total.
+        """Sum the step's gradients, weight total, loss sum and accuracy counts over a data-parallel
+        group; return the group's weight total.
 
         ``all_reduce`` sums a tensor in place across the ranks; None (one rank) changes nothing.
-        Every rank passes the returned total to :meth:`apply_step`.
+        :meth:`apply_step` then divides by the group's total and reports the group's loss.
         """
-        total = self.trainer.local_weight_total
         if all_reduce is None:
             self._synced_total = None
-            return total
+            return self.trainer.local_weight_total
         for p in self.trainer.params:
             if p.grad is None:  # a rank with nothing supervised still takes part in every sum
                 p.grad = torch.zeros_like(p)
             all_reduce(p.grad)
-        total_t = torch.tensor([total], dtype=torch.float64, device=self.trainer.params[0].device)
-        all_reduce(total_t)
-        self._synced_total = float(total_t.item())
+        sums = self.trainer.step_sums()
+        all_reduce(sums)
+        self._synced_total = self.trainer.adopt_group_sums(sums)
         return self._synced_total
 
     def apply_step(self, job_ids: list[int], *, total_weight: float | None = None) -> dict:
         """``job_ids``: every job of the step (a data-parallel group's: every rank's); the weights saw them all."""
         assert set(self.window) <= set(job_ids), f"committed {job_ids}, trained on {self.window}"
         if total_weight is None:
-            total_weight = getattr(self, "_synced_total", None)
+            total_weight = self._synced_total
         self._synced_total = None
         started = time.perf_counter()
         stats = self.trainer.apply_step(total_weight=total_weight)
@@ -192,6 +194,7 @@ class DFlashBackend:
         return self.last_metrics
 
     def drop_step(self) -> None:
+        self._synced_total = None
         self.trainer.drop_step()
         self.window = []
         self.clock.drop()

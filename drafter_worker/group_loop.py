@@ -22,7 +22,10 @@ Failure: a dead rank makes the others' collectives fail (gloo sees the closed so
 ``drafter.collective_timeout_s`` bound expires), and the dispatcher, seeing a member gone, answers
 the others ``group_changed``. Either way every surviving rank drops the step, closes the group,
 reloads the latest checkpoint and registers again with its step: the dispatcher rolls the ledger
-back to it and forms the group anew under a new membership version.
+back to it and forms the group anew under a new membership version. A peer lost for good (its
+restarts spent, its host gone) would keep the others at the rendezvous forever: a rank whose group
+does not form within ``drafter.group_wait_s`` leaves the dispatcher and exits with an error
+(:class:`GroupNeverFormed`), naming the model, the membership version and how many ranks came.
 
 The time from a rank's local gradients being ready to the all-reduce completing (the wait for the
 slowest rank plus the exchange itself) is logged per step with its share of the step's wall time.
@@ -39,15 +42,21 @@ from common.drafter_loop import DrafterLoop
 from common.protocol import ErrorCode, ProtocolError
 from common.transport import DrafterTransport
 from common.worker_runtime import CALL_TIMEOUT_S, RECONNECT_S, NoReply, WorkerLost
-from drafter_worker.process_group import CollectiveFailed, RankRound, StepGroup
+from drafter_worker.process_group import CollectiveFailed, RankRound, RendezvousIncomplete, StepGroup
 
 log = logging.getLogger("hsd.drafter")
 
 COMMITTED, REFUSED, ABORTED = 1, 0, -1  # rank 0's commit outcome, broadcast to every rank
+GROUP_NEVER_FORMED_EXIT = 4  # exit code of a rank whose group did not form within drafter.group_wait_s
 
 
 class GroupChanged(WorkerLost):
     """The membership version ended (a rank died or left, or a collective failed): start over."""
+
+
+class GroupNeverFormed(RuntimeError):
+    """The group did not form within ``drafter.group_wait_s``: a peer is lost for good. The rank
+    leaves (the dispatcher gives back whatever it held) and its process exits with an error."""
 
 
 class GroupDrafterLoop(DrafterLoop):
@@ -57,12 +66,22 @@ class GroupDrafterLoop(DrafterLoop):
         if self.world_size < 2:
             raise ValueError("a data-parallel drafter needs drafter.count > 1 and drafter.data_parallel=true")
         self.timeout_s = config.drafter.collective_timeout_s
+        self.group_wait_s = config.drafter.group_wait_s
+        self._waiting_since: float | None = None  # when this rank began waiting for a group to form
         self.group: StepGroup | None = None
         self.rank = -1
         self.num_regroups = 0
         self.sync_wait_s = 0.0  # summed over applied steps
         self.step_wall_s = 0.0
         self._step_started = time.perf_counter()
+
+    def run(self) -> int:
+        """The worker loop; a group that never formed is an error exit (the session has left by then)."""
+        try:
+            return super().run()
+        except GroupNeverFormed as exc:
+            log.error("%s: %s", self.name, exc)
+            return GROUP_NEVER_FORMED_EXIT
 
     # -- membership -----------------------------------------------------------------------------
     def _model_fields(self) -> dict[str, Any]:
@@ -95,9 +114,7 @@ class GroupDrafterLoop(DrafterLoop):
         info = registration["group"]
         self.rank = info["rank"]
         try:
-            self.group = StepGroup(store_path=info["store"], rank=self.rank, world_size=info["world_size"],
-                                   version=info["membership"], timeout_s=self.timeout_s,
-                                   max_jobs=registration["accum_steps"], device=getattr(self.backend, "device", "cpu"))
+            self.group = self._join(info, registration["accum_steps"])
             self._train(registration["accum_steps"], transport)
         except CollectiveFailed as exc:
             raise GroupChanged(str(exc)) from None
@@ -107,6 +124,33 @@ class GroupDrafterLoop(DrafterLoop):
             raise
         finally:
             self._close_group()
+
+    def _join(self, info: dict[str, Any], accum_steps: int) -> StepGroup:
+        """The rendezvous of this membership version, within what is left of ``drafter.group_wait_s``.
+
+        The wait runs from the moment this rank started waiting for a group to form (its start, or
+        the end of the last formed group) across every re-registration in between, and ends when a
+        group forms. A rendezvous that fails once the wait is spent raises GroupNeverFormed."""
+        now = time.monotonic()
+        if self._waiting_since is None:
+            self._waiting_since = now
+        left_s = self.group_wait_s - (now - self._waiting_since)
+        try:
+            group = StepGroup(store_path=info["store"], rank=self.rank, world_size=info["world_size"],
+                              version=info["membership"], timeout_s=self.timeout_s, max_jobs=accum_steps,
+                              device=getattr(self.backend, "device", "cpu"),
+                              rendezvous_timeout_s=min(self.timeout_s, max(left_s, 1.0)))
+        except RendezvousIncomplete as exc:
+            waited_s = time.monotonic() - self._waiting_since
+            if waited_s < self.group_wait_s:
+                raise
+            raise GroupNeverFormed(
+                f"model {self.backend.model_id}: the data-parallel group did not form within drafter.group_wait_s="
+                f"{self.group_wait_s:g}s: {exc.arrived} of {info['world_size']} ranks came to the rendezvous of "
+                f"membership {info['membership']} (waited {waited_s:.0f}s); rank {self.rank} gives up, holding "
+                f"no jobs") from None
+        self._waiting_since = None
+        return group
 
     def _train(self, accum_steps: int, transport: DrafterTransport) -> None:
         self.window, self.busy_s, self.commit = [], 0.0, None

@@ -1,7 +1,8 @@
 """One membership version's ``torch.distributed`` process group, and the few collectives a step needs.
 
 The dispatcher names a fresh ``FileStore`` path per membership version; every rank opens it and
-joins with the rank it was given. Every collective carries ``drafter.collective_timeout_s``, so a
+joins with the rank it was given, first marking its arrival in the store (so a rendezvous that
+fails can say how many ranks came). Every collective carries ``drafter.collective_timeout_s``, so a
 rank whose peer died never waits longer than that (on one node gloo usually notices a dead peer's
 closed socket at once). No pickle: job ids travel as fixed-size int64 tensors, never through
 ``all_gather_object``.
@@ -21,10 +22,19 @@ log = logging.getLogger("hsd.drafter")
 
 NO_JOB = -1  # padding of a rank's job id row
 HEAD = 4  # fields before the job ids in a row
+ARRIVED_KEY = "hsd/arrived"  # + "/<rank>": set in the store by each rank that came to the rendezvous
 
 
 class CollectiveFailed(RuntimeError):
     """A collective of the group failed or timed out: a peer is gone."""
+
+
+class RendezvousIncomplete(CollectiveFailed):
+    """Not every rank came to the rendezvous in time; ``arrived`` of them did (this one included)."""
+
+    def __init__(self, message: str, *, arrived: int):
+        super().__init__(message)
+        self.arrived = arrived
 
 
 @dataclass(frozen=True)
@@ -40,20 +50,37 @@ class RankRound:
 
 class StepGroup:
     def __init__(self, *, store_path: str, rank: int, world_size: int, version: int, timeout_s: float,
-                 max_jobs: int, device: torch.device | str = "cpu"):
+                 max_jobs: int, device: torch.device | str = "cpu", rendezvous_timeout_s: float | None = None):
+        """Join membership ``version`` on its FileStore. Every rank first marks its arrival in the
+        store and waits up to ``rendezvous_timeout_s`` (default ``timeout_s``) for all of them, so a
+        rendezvous that fails says how many came; only then is the process group opened, its
+        collectives bounded by ``timeout_s``."""
         self.rank, self.world_size, self.version = rank, world_size, version
         self.max_jobs = max_jobs  # job ids one rank contributes to a step, at most
         self.device = torch.device(device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        timeout = datetime.timedelta(seconds=timeout_s)
         started = time.monotonic()
         try:
             store = dist.FileStore(store_path, world_size)
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+            self._await_ranks(store, rendezvous_timeout_s if rendezvous_timeout_s is not None else timeout_s)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        except RendezvousIncomplete:
+            raise
         except (RuntimeError, ValueError) as exc:  # DistStoreError and friends: the others never came
             raise CollectiveFailed(f"rendezvous of membership {version} failed: {exc}") from None
         log.info("rank %d/%d of membership %d joined in %.2fs (%s)", rank, world_size, version,
                  time.monotonic() - started, backend)
+
+    def _await_ranks(self, store: dist.FileStore, timeout_s: float) -> None:
+        keys = [f"{ARRIVED_KEY}/{r}" for r in range(self.world_size)]
+        store.set(keys[self.rank], "1")
+        try:
+            store.wait(keys, datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as exc:  # DistStoreError: "Wait timeout"
+            arrived = sum(store.check([key]) for key in keys)
+            raise RendezvousIncomplete(f"rendezvous of membership {self.version}: {arrived} of {self.world_size} "
+                                       f"ranks came within {timeout_s:g}s ({exc})", arrived=arrived) from None
 
     def _run(self, what: str, fn, *args) -> None:
         try:

@@ -48,6 +48,16 @@ def random_batch(target, *, batch: int, seq_len: int, seed: int, prompt_len: int
     return target_states(target, ids), ids, loss_mask, seq_lens
 
 
+def backend_config(target_dir, run_dir, *extra: str):
+    """The config of a :class:`drafter_worker.dflash_backend.DFlashBackend` on the tiny target: its
+    capture layers, a one-layer drafter with 4-token blocks and few anchors."""
+    from common.config import load_config
+    return load_config(None, [f"run.dir={run_dir}", f"target.model={target_dir}",
+                              "target.capture_layers=[" + ",".join(map(str, LAYER_IDS)) + "]",
+                              "dflash.block_size=4", "dflash.gamma=2.0", "dflash.num_draft_layers=1",
+                              "dflash.num_anchors=8", "dflash.lr=0.003", "drafter.checkpoint_keep=2", *extra])
+
+
 def make_trainer(target_dir, *, seed: int = 0, **overrides) -> DFlashTrainer:
     fields = dict(block_size=4, num_draft_layers=1, gamma=2.0, num_anchors=16, total_steps=100)
     fields.update(overrides)

@@ -5,9 +5,10 @@ Gradient weighting: the loss of a step is the position-weighted CE summed over e
 position of all its micro-batches (of every data-parallel rank), divided by the total weight of
 those positions. The total is known only at the end of the step, so ``micro_batch`` backpropagates
 the *unnormalised* weighted sum and ``apply_step`` divides the gradients by the total before
-clipping. A data-parallel group sums the gradients and ``local_weight_total`` over its ranks and
-passes the summed total to :meth:`DFlashTrainer.apply_step`; then a long micro-batch and a short one
-weigh by their supervised positions, not one each.
+clipping. A data-parallel group sums the gradients and :meth:`DFlashTrainer.step_sums` (weight total,
+loss sum, accuracy counts) over its ranks and hands the sums back (:meth:`DFlashTrainer.adopt_group_sums`)
+before :meth:`DFlashTrainer.apply_step`; then a long micro-batch and a short one weigh by their
+supervised positions, not one each, and the step's loss and accuracy are the whole group's.
 """
 
 from __future__ import annotations
@@ -110,6 +111,27 @@ class DFlashTrainer:
     @property
     def local_weight_total(self) -> float:
         """Total position weight of this rank's micro-batches since the last step (to all-reduce)."""
+        return self._weight_total
+
+    def step_sums(self) -> torch.Tensor:
+        """What a data-parallel group sums besides the gradients, float64 on the trainer's device:
+        ``[weight total, weighted CE sum, top-1 hits per block position..., counts per block position...]``
+        of this rank's micro-batches since the last step."""
+        local = torch.cat([torch.tensor([self._weight_total, self._weighted_sum], dtype=torch.float64),
+                           self._correct.double(), self._count.double()])
+        return local.to(self.device)
+
+    def adopt_group_sums(self, sums: torch.Tensor) -> float:
+        """Take :meth:`step_sums` summed over the group as this step's own: the gradients are divided
+        by the group's weight, and the step's loss and accuracy are the group's, not this rank's
+        share of them. Returns the group's weight total."""
+        sums = sums.detach().to("cpu", torch.float64)
+        block = self.model_config.block_size
+        if sums.numel() != 2 + 2 * block:
+            raise ValueError(f"group sums of {sums.numel()} values, expected {2 + 2 * block}")
+        self._weight_total, self._weighted_sum = float(sums[0]), float(sums[1])
+        self._correct = sums[2:2 + block].round().long()
+        self._count = sums[2 + block:].round().long()
         return self._weight_total
 
     def _autocast(self):

@@ -129,6 +129,9 @@ def test_parse_override_rejects(text):
     (["pool.target_credits=0"], "pool.target_credits"),
     (["run.epochs=0"], "run.epochs"),
     (["drafter.accum_steps=0"], "drafter.accum_steps"),
+    (["drafter.collective_timeout_s=0"], "drafter.collective_timeout_s"),
+    (["drafter.group_wait_s=0"], "drafter.group_wait_s"),
+    (["drafter.group_wait_s=-5"], "drafter.group_wait_s"),
     (["dispatcher.heartbeat_s=0"], "dispatcher.heartbeat_s"),
     (["dispatcher.worker_timeout_s=0.1", "dispatcher.heartbeat_s=0.5"], "dispatcher.worker_timeout_s"),
     (["target.count=2", "target.gpus=[0]"], "target.gpus"),
@@ -275,6 +278,7 @@ def test_float_without_dot_is_a_number(tmp_path):
     ("dispatcher.lease_s=nan", "dispatcher.lease_s"),
     ("dispatcher.heartbeat_s=.nan", "dispatcher.heartbeat_s"),
     ("dispatcher.worker_timeout_s=nan", "dispatcher.worker_timeout_s"),
+    ("drafter.group_wait_s=.nan", "drafter.group_wait_s"),
 ])
 def test_nan_durations_are_rejected(override, key):
     """A NaN lease never expires and a NaN heartbeat cannot be slept: not a positive number."""

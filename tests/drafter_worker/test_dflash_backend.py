@@ -13,16 +13,9 @@ from common.config import load_config
 from common.slots import SlotBatch, SlotHeader
 from common.witness import latest_checkpoint
 from dflash_run import tiny_run, write_dataset
-from dflash_testing import LAYER_IDS, random_batch
+from dflash_testing import LAYER_IDS, backend_config, random_batch
 from drafter_worker.dflash.export import load_drafter
 from drafter_worker.dflash_backend import DFlashBackend, derive_total_steps, jobs_per_epoch
-
-
-def _config(target_dir, run_dir, *extra):
-    return load_config(None, [f"run.dir={run_dir}", f"target.model={target_dir}",
-                              "target.capture_layers=[" + ",".join(map(str, LAYER_IDS)) + "]",
-                              "dflash.block_size=4", "dflash.gamma=2.0", "dflash.num_draft_layers=1",
-                              "dflash.num_anchors=8", "dflash.lr=0.003", "drafter.checkpoint_keep=2", *extra])
 
 
 def _jobs(target_model, count: int):
@@ -48,7 +41,7 @@ def _train(backend, jobs, steps: range, accum: int = 2) -> list[float]:
 
 
 def test_checkpoint_then_load_latest_continues_identically(tiny_target, tiny_target_model, tmp_path):
-    config = _config(tiny_target, tmp_path / "run")
+    config = backend_config(tiny_target, tmp_path / "run")
     jobs = _jobs(tiny_target_model, 12)
     straight = DFlashBackend(config, "drafter-0", total_steps=6)
     assert straight.contract == contract_from_config(config).to_dict()  # what the target sends too
@@ -69,7 +62,7 @@ def test_checkpoint_then_load_latest_continues_identically(tiny_target, tiny_tar
 
 
 def test_load_latest_without_checkpoint_starts_afresh(tiny_target, tiny_target_model, tmp_path):
-    config = _config(tiny_target, tmp_path / "run")
+    config = backend_config(tiny_target, tmp_path / "run")
     jobs = _jobs(tiny_target_model, 4)
     backend = DFlashBackend(config, "drafter-0", total_steps=4)
     first = _train(backend, jobs, range(2))
@@ -79,7 +72,7 @@ def test_load_latest_without_checkpoint_starts_afresh(tiny_target, tiny_target_m
 
 
 def test_checkpoint_is_an_exported_drafter_with_the_same_logits(tiny_target, tiny_target_model, tmp_path):
-    config = _config(tiny_target, tmp_path / "run")
+    config = backend_config(tiny_target, tmp_path / "run")
     jobs = _jobs(tiny_target_model, 4)
     backend = DFlashBackend(config, "drafter-0", total_steps=4)
     _train(backend, jobs, range(2))
@@ -101,7 +94,7 @@ def test_checkpoint_is_an_exported_drafter_with_the_same_logits(tiny_target, tin
 
 def test_sync_gradients_sums_over_ranks(tiny_target, tiny_target_model, tmp_path):
     """Two identical ranks: the summed gradients over the summed weight equal one rank's step."""
-    config = _config(tiny_target, tmp_path / "run")
+    config = backend_config(tiny_target, tmp_path / "run")
     jobs = _jobs(tiny_target_model, 2)
     single = DFlashBackend(config, "a", total_steps=4)
     pair = DFlashBackend(config, "b", total_steps=4)
@@ -111,8 +104,8 @@ def test_sync_gradients_sums_over_ranks(tiny_target, tiny_target_model, tmp_path
     assert single.sync_gradients() == single.local_weight_total > 0  # one rank: nothing changes
     total = pair.sync_gradients(lambda t: t.mul_(2))  # the sum over two ranks holding the same
     assert total == pytest.approx(2 * single.local_weight_total)
-    single.apply_step([0, 1])
-    pair.apply_step([0, 1], total_weight=total)
+    single_loss = single.apply_step([0, 1])["loss"]
+    assert pair.apply_step([0, 1], total_weight=total)["loss"] == pytest.approx(single_loss)  # the group's loss
     for name, tensor in single.trainer.model.draft_state_dict().items():
         torch.testing.assert_close(pair.trainer.model.draft_state_dict()[name], tensor)
 
