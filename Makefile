@@ -24,7 +24,7 @@ demo-sim: install
 	$(BIN)/hsd launch --config deploy/configs/demo-sim.yaml run.dir=runs/demo-sim
 
 test: install
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=15
 
 bench: install
 	$(BIN)/hsd bench transport
