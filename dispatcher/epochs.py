@@ -176,8 +176,9 @@ class EpochStore:
             commit_model={e: p.commit_model.copy() for e, p in copied.items()},
             linked={e: self._snapshot_dir for e, p in epochs.items() if p.sealed},
             versions={e: p.version for e, p in copied.items()})
-        self.journal.rotate(self._segment)
-        self.snapshots.submit(snapshot)
+        segment = self._segment
+        self.journal.rotate(segment)  # the cut is here; the journal's thread puts the segment on disk
+        self.snapshots.submit(snapshot, before_publish=lambda: self.journal.wait_rotated(segment))
         self.snapshot_due = False
         return True
 

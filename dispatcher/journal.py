@@ -99,6 +99,10 @@ class Journal:
         self._io = threading.Lock()    # the file object: the sync thread, rotate() and close()
         self._lock = threading.Lock()  # the queue of lines and the counters, between the loop and the thread
         self._queue: list[bytes] = []  # lines recorded, not yet written (background mode)
+        # background mode: segments closed by rotate(), not yet written, fsynced and renamed by the thread
+        self._closing: list[tuple[int, list[bytes], int]] = []  # (segment, its last lines, durable seq)
+        self._rotated = threading.Condition()
+        self.rotated_segment = -1  # the last segment on disk under its archived name
         self.written_seq = 0  # durable events recorded so far
         self.synced_seq = 0   # ... of which fsynced
         self.failed: BaseException | None = None
@@ -173,13 +177,24 @@ class Journal:
             synced = False
             try:
                 with self._io:  # held through the fsync: rotate() must not split a write from its segment
-                    target = self._write_queued()
+                    with self._lock:  # one cut: closed segments' lines, then the lines recorded after them
+                        closing, self._closing = self._closing, []
+                        lines, self._queue = self._queue, []
+                        target = self.written_seq
+                    for segment, segment_lines, segment_target in closing:
+                        self._close_segment(segment, segment_lines, segment_target)
+                        synced = True
+                    if lines:
+                        self._file.write(b"".join(lines))
+                        self._file.flush()
                     if target > self.synced_seq:
                         self._fsync()
                         self.synced_seq = target
                         synced = True
             except OSError as exc:
                 self.failed = exc
+                with self._rotated:
+                    self._rotated.notify_all()
                 os.write(self._notify_w, b"f")
                 return
             if synced:
@@ -202,24 +217,50 @@ class Journal:
         with self._io:
             self._file.flush()
 
-    def rotate(self, segment: int) -> Path:
-        """Close the current segment as ``journal-<segment>.jsonl`` (durably) and start a new one."""
+    def rotate(self, segment: int) -> None:
+        """Close the current segment as ``journal-<segment>.jsonl`` (durably) and start a new one.
+
+        Background mode: the cut is made here (every line recorded so far is the closing segment's),
+        and the thread writes, fsyncs and renames it, so the loop never waits on the disk;
+        :meth:`wait_rotated` blocks until the segment is on disk under its name."""
+        if self._syncer is not None:
+            with self._lock:
+                self._closing.append((segment, self._queue, self.written_seq))
+                self._queue = []
+                self.num_lines = 0
+            self._wake.set()
+            return
         with self._io:
-            target = self._write_queued()
             try:
-                self._fsync()
+                self._close_segment(segment, [], self.written_seq)
             except OSError as exc:
                 self.failed = exc
                 raise JournalFailed(f"fsync of {self.path} failed: {exc}") from exc
-            self._file.close()
-            archived = self.run_dir / f"journal-{segment:06d}.jsonl"
-            os.replace(self.path, archived)
-            self._file = open(self.path, "ab")
-            self.synced_seq = target
-            with self._lock:
-                self.num_lines = len(self._queue)
+            self.num_lines = 0
+
+    def _close_segment(self, segment: int, lines: list[bytes], target: int) -> None:
+        """Write ``lines``, fsync, archive the file as segment ``segment`` and open the next (caller holds ``_io``)."""
+        if lines:
+            self._file.write(b"".join(lines))
+        self._file.flush()
+        self._fsync()
+        self._file.close()
+        os.replace(self.path, self.run_dir / f"journal-{segment:06d}.jsonl")
+        self._file = open(self.path, "ab")
         fsync_dir(self.run_dir)
-        return archived
+        self.synced_seq = max(self.synced_seq, target)
+        with self._rotated:
+            self.rotated_segment = segment
+            self._rotated.notify_all()
+
+    def wait_rotated(self, segment: int) -> None:
+        """Block until segment ``segment`` is durable under its archived name (a snapshot that covers
+        it may be published only then); raises JournalFailed if the journal failed first."""
+        with self._rotated:
+            while self.rotated_segment < segment:
+                if self.failed is not None:
+                    raise JournalFailed(f"the journal failed before segment {segment} was closed: {self.failed}")
+                self._rotated.wait(timeout=1.0)
 
     def close(self) -> None:
         if self._syncer is not None:

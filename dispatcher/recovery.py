@@ -20,7 +20,7 @@ import shutil
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -83,7 +83,10 @@ def latest_snapshot_dir(run_dir: str | os.PathLike) -> Path | None:
     return found[-1][1] if found else None
 
 
-def write_snapshot(run_dir: str | os.PathLike, snapshot: Snapshot) -> Path:
+def write_snapshot(run_dir: str | os.PathLike, snapshot: Snapshot,
+                   before_publish: Callable[[], None] | None = None) -> Path:
+    """Write ``snapshot`` and publish it (rename into place). ``before_publish`` runs just before the
+    rename: the journal segment the snapshot covers must be on disk by then."""
     root = snapshot_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"snap-{snapshot.segment:06d}"
@@ -103,6 +106,8 @@ def write_snapshot(run_dir: str | os.PathLike, snapshot: Snapshot) -> Path:
         with open(tmp / name, "rb") as f:
             os.fsync(f.fileno())
     fsync_dir(tmp)  # its entries, linked ones included
+    if before_publish is not None:
+        before_publish()
     os.replace(tmp, final)
     fsync_dir(root)
     for old in root.iterdir():
@@ -149,10 +154,10 @@ class SnapshotWriter:
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, snapshot: Snapshot) -> None:
+    def submit(self, snapshot: Snapshot, before_publish: Callable[[], None] | None = None) -> None:
         def write() -> None:
             try:
-                self.written = (snapshot, write_snapshot(self.run_dir, snapshot))
+                self.written = (snapshot, write_snapshot(self.run_dir, snapshot, before_publish))
             except BaseException as exc:  # surfaced by the dispatcher's next check
                 self.error = exc
         self._thread = threading.Thread(target=write, name="snapshot-writer", daemon=True)

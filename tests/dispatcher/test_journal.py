@@ -72,16 +72,21 @@ def test_background_sync_catches_up_and_notifies(tmp_path):
     journal.close()
 
 
-def test_rotation_makes_segments_read_in_order(tmp_path):
-    journal = Journal(tmp_path)
+@pytest.mark.parametrize("background", [False, True], ids=["inline", "background"])
+def test_rotation_makes_segments_read_in_order(tmp_path, background):
+    journal = Journal(tmp_path, sync_in_background=background)
     journal.record("epoch", durable=True, epoch=0)
+    journal.record("ready", job=0)
     journal.rotate(0)
     journal.record("commit", durable=True, model="m", step=1, jobs=[0])
     journal.rotate(1)
     journal.record("checkpoint", durable=True, model="m", step=1)
+    journal.wait_rotated(1)  # background: the thread wrote, fsynced and renamed both segments
+    assert journal.rotated_segment == 1 and (tmp_path / "journal-000001.jsonl").exists()
     journal.close()
+    assert journal.synced_seq == 3
     assert [p.name for p in segment_paths(tmp_path)] == ["journal-000000.jsonl", "journal-000001.jsonl", JOURNAL_NAME]
-    assert [e["ev"] for e in read_journal(tmp_path)] == ["epoch", "commit", "checkpoint"]
+    assert [e["ev"] for e in read_journal(tmp_path)] == ["epoch", "ready", "commit", "checkpoint"]
     assert [e["ev"] for e in read_journal(tmp_path, after=0)] == ["commit", "checkpoint"]
     assert [e["ev"] for e in read_journal(tmp_path, only=("checkpoint",))] == ["checkpoint"]
 
@@ -97,3 +102,14 @@ def test_recover_without_snapshot_reads_every_segment(tmp_path):
     recovered = recover(tmp_path)
     assert recovered.num_starts == 1 and recovered.epochs_started == [0] and recovered.snapshot is None
     assert [e["ev"] for e in recovered.events] == ["commit", "rollback"]
+
+
+def test_a_failed_fsync_while_closing_a_segment_fails_the_waiting_snapshot(tmp_path, monkeypatch):
+    monkeypatch.setenv("HSD_FAULT_FSYNC_AFTER", "0")
+    journal = Journal(tmp_path, sync_in_background=True)
+    journal.record("epoch", durable=True, epoch=0)
+    journal.rotate(0)
+    with pytest.raises(JournalFailed, match="before segment 0 was closed"):
+        journal.wait_rotated(0)
+    assert journal.failed is not None and not (tmp_path / "journal-000000.jsonl").exists()
+    journal.close()
