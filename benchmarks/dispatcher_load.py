@@ -33,6 +33,7 @@ import psutil
 
 from benchmarks.latency import LatencyHistogram
 from common.config import opt
+from common.mix import MASK64, splitmix64
 from dispatcher.core import DONE, CoreOptions, DispatcherCore
 from dispatcher.dataset import SYNTHETIC_SHARES, synthetic_lengths
 from dispatcher.journal import Journal
@@ -44,7 +45,6 @@ TOKENS_PER_BATCH = 16384
 SWEEP_INTERVAL_S = 0.25      # the server's sweep period
 FULL_WITNESS_UP_TO = 200_000  # jobs in the run below which models keep every trained id (exact check)
 STALL_LIMIT_S = 60.0          # no job committed for this long: the run is stuck, stop with the state
-MASK64 = (1 << 64) - 1
 
 
 @dataclass
@@ -81,11 +81,8 @@ def samples_for_jobs(num_jobs: int) -> int:
 
 
 def mix64(x: int) -> int:
-    """splitmix64: the digest of a job id (a multiset is digested as the sum of its members')."""
-    z = (x + 0x9E3779B97F4A7C15) & MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
-    return z ^ (z >> 31)
+    """The digest of a job id (a multiset is digested as the sum of its members')."""
+    return splitmix64(x)
 
 
 def mix64_array(x: np.ndarray) -> np.ndarray:

@@ -25,6 +25,7 @@ import torch
 
 from common.capture_contract import contract_from_config
 from common.config import Config, ConfigError
+from common.mix import splitmix64
 from common.slots import SlotBatch
 from common.witness import TrainedJobs, check_model_id, latest_checkpoint, save_checkpoint
 from drafter_worker.dflash.config import DFlashTrainConfig
@@ -68,6 +69,11 @@ def default_device(config: Config) -> torch.device:
     if config.drafter.gpus and torch.cuda.is_available():
         return torch.device("cuda", 0)
     return torch.device("cpu")
+
+
+def anchor_seed(run_seed: int, job_id: int) -> int:
+    """The seed of a job's anchor draw, a hash of the run seed and the job id."""
+    return splitmix64(splitmix64(run_seed) ^ job_id) >> 1  # a generator seed must fit in int64
 
 
 class DFlashBackend:
@@ -143,6 +149,9 @@ class DFlashBackend:
     # -- a step -----------------------------------------------------------------------------
     def micro_batch(self, job: dict[str, Any], batch: SlotBatch) -> None:
         started = time.perf_counter()
+        # A job's anchors depend on the run seed and the job id alone: every rank of a group draws
+        # its own, a job trained again after a rollback sees the same blocks, and a resume needs no RNG.
+        self.trainer.anchor_generator.manual_seed(anchor_seed(self.seed, int(job["job_id"])))
         self.trainer.micro_batch(batch.hs, batch.input_ids, batch.loss_mask, batch.seq_lens)
         self.window.append(int(job["job_id"]))
         self.clock.add_compute(time.perf_counter() - started, int(batch.seq_lens.sum()))
