@@ -87,7 +87,7 @@ class WorkerLoop:
                     self._work(registration, transport)
                     return 0
                 except WorkerLost as exc:
-                    log.warning("%s: the dispatcher lost track of us (%s); registering again", self.name, exc)
+                    log.warning("%s: %s (%s); registering again", self.name, exc.what, exc)
                     self._lost()
                 finally:
                     transport.close()

@@ -34,6 +34,8 @@ _RELEASES = ("job_ready", "job_failed", "read_failed")
 class WorkerLost(Exception):
     """The dispatcher no longer knows this worker (it restarted, or declared the worker dead)."""
 
+    what = "the dispatcher lost track of us"  # how the worker's log line tells why it registers again
+
 
 class NoReply(WorkerLost):
     """A request got no reply: the dispatcher is down, restarting, or the reply was lost. A caller that

@@ -53,6 +53,8 @@ GROUP_NEVER_FORMED_EXIT = 4  # exit code of a rank whose group did not form with
 class GroupChanged(WorkerLost):
     """The membership version ended (a rank died or left, or a collective failed): start over."""
 
+    what = "the data-parallel group must form again"
+
 
 class GroupNeverFormed(RuntimeError):
     """The group did not form within ``drafter.group_wait_s``: a peer is lost for good. The rank
