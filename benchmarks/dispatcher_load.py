@@ -34,6 +34,7 @@ import psutil
 from benchmarks.latency import LatencyHistogram
 from common.config import opt
 from common.mix import MASK64, splitmix64
+from dispatcher.allocator import pin_mmap_threshold
 from dispatcher.core import DONE, CoreOptions, DispatcherCore
 from dispatcher.dataset import SYNTHETIC_SHARES, synthetic_lengths
 from dispatcher.journal import Journal
@@ -447,6 +448,7 @@ def run_dispatcher_load(options: DispatcherLoadOptions, *, as_json: bool) -> int
     if parent is not None and not os.path.isdir(parent):
         raise ValueError(f"--dir {parent} is not a directory")
     run_dir = tempfile.mkdtemp(prefix="hsd-bench-dispatcher-", dir=parent)
+    pin_mmap_threshold()  # as the dispatcher process does
     load = DispatcherLoad(options, run_dir, log=lambda text: print(text, file=sys.stderr, flush=True))
     try:
         result = load.run()

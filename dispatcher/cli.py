@@ -29,7 +29,9 @@ def _config(args):
 
 def cmd_dispatcher(args) -> int:
     _setup_logging()
+    from dispatcher.allocator import pin_mmap_threshold
     from dispatcher.server import DispatcherServer
+    pin_mmap_threshold()
     return DispatcherServer(_config(args)).serve_forever()
 
 
