@@ -201,6 +201,13 @@ def cmd_capture(args) -> int:
     return 0
 
 
+def cmd_bench_gradsync(args) -> int:
+    from benchmarks.gradient_sync import run_gradient_sync_bench
+    if args.layers < 1 or args.reps < 1 or min(args.hidden) < 1:
+        raise ConfigError("--hidden, --layers and --reps must be positive")
+    return run_gradient_sync_bench(hidden=args.hidden, layers=args.layers, reps=args.reps, as_json=args.json)
+
+
 def cmd_bench_dflash(args) -> int:
     from drafter_worker.dflash.bench import run_dflash_bench
     return run_dflash_bench(hidden=args.hidden, intermediate=args.intermediate, heads=args.heads,
@@ -387,6 +394,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--device", default="cpu")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_dflash)
+    b = bench.add_parser("gradsync", help="a data-parallel step's gradient sum: one collective per tensor vs buckets")
+    b.add_argument("--hidden", type=int, nargs="+", default=[128, 512, 1024])
+    b.add_argument("--layers", type=int, default=5)
+    b.add_argument("--reps", type=int, default=10)
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_gradsync)
     b = bench.add_parser("dispatcher", help="the dispatcher core under simulated load: latency, restart, memory")
     b.add_argument("--jobs", type=int, default=1_000_000, help="jobs per epoch")
     b.add_argument("--epochs", type=int, default=3)

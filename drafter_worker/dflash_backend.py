@@ -19,7 +19,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -32,11 +32,11 @@ from drafter_worker.dflash.config import DFlashTrainConfig
 from drafter_worker.dflash.export import save_drafter
 from drafter_worker.dflash.state_io import load_state, save_state
 from drafter_worker.dflash.trainer import DFlashTrainer
+from drafter_worker.process_group import AllReduce, all_reduce_flat
 from drafter_worker.dflash_metrics import StepClock, TensorBoardLog, format_metrics, step_metrics
 
 log = logging.getLogger("hsd.dflash")
 
-AllReduce = Callable[[torch.Tensor], None]  # sums a tensor in place across the ranks of a group
 # Test-only fault: the process dies right after applying this step, between a commit and the next
 # checkpoint, so a test can show that a resumed run trains exactly as an uninterrupted one.
 EXIT_AFTER_STEP_ENV = "HSD_TEST_DRAFTER_EXIT_AFTER_STEP"
@@ -174,9 +174,8 @@ class DFlashBackend:
         for p in self.trainer.params:
             if p.grad is None:  # a rank with nothing supervised still takes part in every sum
                 p.grad = torch.zeros_like(p)
-            all_reduce(p.grad)
         sums = self.trainer.step_sums()
-        all_reduce(sums)
+        all_reduce_flat([p.grad for p in self.trainer.params] + [sums], all_reduce)
         self._synced_total = self.trainer.adopt_group_sums(sums)
         return self._synced_total
 

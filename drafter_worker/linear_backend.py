@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from common.config import Config
 from common.slots import SlotBatch
 from common.witness import TrainedJobs, check_model_id, latest_checkpoint, save_checkpoint
+from drafter_worker.process_group import all_reduce_flat
 
 WEIGHTS_FILE = "linear.safetensors"
 LABEL_MODULUS = 16
@@ -68,15 +69,12 @@ class LinearDrafter:
     def sync_gradients(self, all_reduce: Callable[[torch.Tensor], None]) -> float:
         """Sum gradients, weight and loss over the group with one ``all_reduce`` (in place, sum);
         returns the group's weight total, which :meth:`apply_step` divides by."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.parameters]
-        flat = torch.cat([g.reshape(-1) for g in grads]
-                         + [torch.tensor([self.local_weight_total, self.local_loss_sum], dtype=grads[0].dtype)])
-        all_reduce(flat)
-        offset = 0
         for p in self.parameters:
-            p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
-        self._step_total, self._step_loss = float(flat[-2]), float(flat[-1])
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        sums = torch.tensor([self.local_weight_total, self.local_loss_sum], dtype=self.parameters[0].dtype)
+        all_reduce_flat([p.grad for p in self.parameters] + [sums], all_reduce)
+        self._step_total, self._step_loss = float(sums[0]), float(sums[1])
         return self._step_total
 
     def apply_step(self, job_ids: list[int]) -> dict:

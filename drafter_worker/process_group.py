@@ -14,6 +14,7 @@ import datetime
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,44 @@ log = logging.getLogger("hsd.drafter")
 NO_JOB = -1  # padding of a rank's job id row
 HEAD = 4  # fields before the job ids in a row
 ARRIVED_KEY = "hsd/arrived"  # + "/<rank>": set in the store by each rank that came to the rendezvous
+
+
+AllReduce = Callable[[torch.Tensor], None]  # sums a tensor in place across the ranks of a group
+
+
+BUCKET_BYTES = 4 << 20  # small tensors are summed together in buckets of up to this size
+
+
+def all_reduce_flat(tensors: list[torch.Tensor], all_reduce: AllReduce, *, bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Sum ``tensors`` in place across the group. A tensor of ``bucket_bytes`` or more is summed as
+    it is; smaller ones are packed into buckets of up to that size (one collective per bucket, not
+    per tensor: a drafter's step has dozens of small gradient tensors, each collective a round trip,
+    while copying a large tensor into a bucket costs more than its collective saves)."""
+    buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+
+    def flush(members: list[torch.Tensor]) -> None:
+        if len(members) == 1:
+            all_reduce(members[0])
+        elif members:
+            flat = torch.cat([t.reshape(-1) for t in members])
+            all_reduce(flat)
+            offset = 0
+            for t in members:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    for tensor in tensors:
+        size = tensor.numel() * tensor.element_size()
+        if size >= bucket_bytes:
+            all_reduce(tensor)
+            continue
+        members = buckets.setdefault((tensor.dtype, tensor.device), [])
+        if sum(t.numel() * t.element_size() for t in members) + size > bucket_bytes:
+            flush(members)
+            members.clear()
+        members.append(tensor)
+    for members in buckets.values():
+        flush(members)
 
 
 class CollectiveFailed(RuntimeError):
