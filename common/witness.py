@@ -135,7 +135,24 @@ def save_checkpoint(run_dir: str | os.PathLike, model_id: str, step: int, traine
     for old in steps[:-keep_last] if keep_last > 0 else []:
         if old != final:
             shutil.rmtree(old, ignore_errors=True)
+    for partial in root.iterdir():  # what a writer killed mid-checkpoint left behind
+        match = _PARTIAL.match(partial.name)
+        if match and not _alive(int(match.group(1))):
+            shutil.rmtree(partial, ignore_errors=True)
     return Checkpoint(model_id, step, final)
+
+
+_PARTIAL = re.compile(r"^\.tmp-step-\d{8}-(\d+)$")  # save_checkpoint's temporary directory: its writer's pid
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def latest_checkpoint(run_dir: str | os.PathLike, model_id: str) -> Checkpoint | None:

@@ -1,0 +1,34 @@
+"""Model checkpoints with the trained-jobs witness: atomic, keep-last-k, and what a killed writer left."""
+
+import subprocess
+
+from common.witness import TrainedJobs, latest_checkpoint, model_dir, save_checkpoint
+
+
+def test_checkpoints_keep_the_last_k_and_the_latest_reloads_its_witness(tmp_path):
+    for step in range(1, 5):
+        save_checkpoint(tmp_path, "m", step, TrainedJobs(range(step * 2)), keep_last=2)
+    latest = latest_checkpoint(tmp_path, "m")
+    assert latest.step == 4 and list(latest.trained_jobs()) == list(range(8))
+    assert sorted(p.name for p in model_dir(tmp_path, "m").iterdir() if p.name.startswith("step-")) == \
+        ["step-00000003", "step-00000004"]
+
+
+def test_a_checkpoint_removes_what_a_killed_writer_left_and_spares_a_live_one(tmp_path):
+    root = model_dir(tmp_path, "m")
+    root.mkdir(parents=True)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    live = subprocess.Popen(["sleep", "60"])
+    try:
+        dead_partial = root / f".tmp-step-00000007-{gone.pid}"
+        live_partial = root / f".tmp-step-00000007-{live.pid}"
+        for partial in (dead_partial, live_partial):
+            partial.mkdir()
+            (partial / "model.safetensors").write_bytes(b"half")
+        save_checkpoint(tmp_path, "m", 1, TrainedJobs([1, 2]))
+        assert not dead_partial.exists() and live_partial.exists()
+        assert latest_checkpoint(tmp_path, "m").step == 1
+    finally:
+        live.kill()
+        live.wait()
