@@ -44,6 +44,9 @@ class ControlChannel:
         self._dropped: set[int] = set()  # ids given up by reset(): their waiters get no reply
         self._heartbeat: tuple[float, HeartbeatFields] | None = None
         self.heartbeat_refused = threading.Event()  # the dispatcher no longer knows the heartbeat's worker
+        # Bumped by every set_heartbeat(): a refusal counts only for the beats of the current setting,
+        # so a late refusal of the previous session's beat cannot fail the next registration.
+        self._beat_generation = 0
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._closed = False
@@ -115,9 +118,11 @@ class ControlChannel:
 
     def set_heartbeat(self, interval_s: float | None, fields: HeartbeatFields | None = None) -> None:
         """Send ``heartbeat`` every ``interval_s`` with ``fields()`` (None skips a beat); None stops."""
-        self.heartbeat_refused.clear()
         with self._cond:
-            self._outbox.append(("heartbeat", None if interval_s is None else (interval_s, fields)))
+            self._beat_generation += 1
+            self.heartbeat_refused.clear()
+            self._outbox.append(("heartbeat", (self._beat_generation,
+                                               None if interval_s is None else (interval_s, fields))))
         self._wake()
 
     def close(self) -> None:
@@ -148,6 +153,7 @@ class ControlChannel:
         context = zmq.Context.instance()
         sock = self._connect(context)
         heartbeat_ids: set[int] = set()
+        beat_generation = 0  # the set_heartbeat() the beats in flight were sent under
         next_beat = float("inf")
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
@@ -177,12 +183,12 @@ class ControlChannel:
                         heartbeat_ids.clear()
                     elif command == "heartbeat":
                         heartbeat_ids.clear()  # replies to a previous registration's beats mean nothing now
-                        self._heartbeat = argument
-                        next_beat = float("inf") if argument is None else time.monotonic() + argument[0]
+                        beat_generation, self._heartbeat = argument
+                        next_beat = float("inf") if self._heartbeat is None else time.monotonic() + self._heartbeat[0]
                     else:
                         return
                 while sock.poll(0):
-                    self._receive(sock.recv(), heartbeat_ids)
+                    self._receive(sock.recv(), heartbeat_ids, beat_generation)
                 if self._heartbeat is None:
                     next_beat = float("inf")
                 elif time.monotonic() >= next_beat:
@@ -206,7 +212,7 @@ class ControlChannel:
                 self._pending.clear()
                 self._cond.notify_all()
 
-    def _receive(self, frame: bytes, heartbeat_ids: set[int]) -> None:
+    def _receive(self, frame: bytes, heartbeat_ids: set[int], beat_generation: int) -> None:
         try:
             reply = protocol.unpack(frame)
         except ProtocolError:
@@ -217,11 +223,13 @@ class ControlChannel:
             heartbeat_ids.discard(request_id)
             if not reply.get("ok") and (reply.get("error") or {}).get("code") == ErrorCode.UNKNOWN_WORKER:
                 # Beating on would only draw more refusals; a worker waiting on a long-poll learns it
-                # now rather than when its poll times out (a restarted dispatcher lost it).
-                self._heartbeat = None
+                # now rather than when its poll times out (a restarted dispatcher lost it). A refusal
+                # of beats the main thread has already replaced (it is registering again) is ignored.
                 with self._cond:
-                    self.heartbeat_refused.set()
-                    self._cond.notify_all()
+                    if beat_generation == self._beat_generation:
+                        self._heartbeat = None
+                        self.heartbeat_refused.set()
+                        self._cond.notify_all()
             return
         with self._cond:
             request = self._pending.pop(request_id, None)
