@@ -35,7 +35,8 @@ from benchmarks.latency import LatencyHistogram
 from common.config import opt
 from common.mix import MASK64, splitmix64
 from dispatcher.allocator import pin_mmap_threshold
-from dispatcher.core import DONE, CoreOptions, DispatcherCore
+from dispatcher.core import DispatcherCore
+from dispatcher.core_types import DONE, CoreOptions
 from dispatcher.dataset import SYNTHETIC_SHARES, synthetic_lengths
 from dispatcher.journal import Journal
 from dispatcher.ledger import LedgerError, make_job_id

@@ -11,131 +11,24 @@ from __future__ import annotations
 import logging
 import secrets
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
-from common.config import Config
-from dispatcher.groups import DrafterGroup, DrafterGroups, Membership
+from dispatcher.core_types import (DONE, CoreOptions, Counters, Incompatible, JobGrant, Unauthorized,
+                                   UnknownWorker, Worker)
+from dispatcher.groups import DrafterGroup, DrafterGroups
 from dispatcher.journal import Journal
-from dispatcher.ledger import Job, JobLedger, JobState, LedgerError, make_job_id, split_job_id
-from dispatcher.pool import HSPool
+from dispatcher.ledger import Job, JobLedger, JobState, LedgerError, split_job_id
 from dispatcher.epochs import EpochStore, check_data
+from dispatcher.pool import HSPool
 from dispatcher.recovery import ModelRecord, recover
 from dispatcher.schedule import EpochSchedule
 from dispatcher.schedule_builder import ScheduleSpec
 
 log = logging.getLogger("hsd.dispatcher")
 
-
-
-class UnknownWorker(KeyError):
-    pass
-
-
-class Unauthorized(PermissionError):
-    """A request under a registered worker id without that worker's session token."""
-
-
-class Incompatible(ValueError):
-    """A worker that cannot serve this run (its capture contract differs from the run's)."""
-
-
-DONE = "done"  # get_job / get_hs result once every epoch is committed
-
-
-@dataclass
-class Worker:
-    id: str
-    role: str
-    name: str
-    pid: int
-    host: str
-    gpu: int | None
-    registered_at: float
-    last_seen: float
-    waiting_since: float | None = None
-    wait_reason: str = ""
-    total_wait_s: float = 0.0
-    num_tokens: int = 0
-    num_jobs: int = 0
-    window_avail: int | None = None  # drafter: buckets eligible when its accumulation window opened
-    window_mixed: bool = True  # drafter: every pull of the window took a new bucket when one was eligible
-    ipc_block: dict[str, Any] | None = None  # target on cuda_ipc: how drafters open its slots
-    slot_base: int = 0
-    token: str = ""
-    model: str | None = None  # drafter: the model it trains
-    group: Membership | None = None  # drafter of a data-parallel group: its rank at registration
-    num_grants: int = 0  # jobs handed to this session so far: each grant carries its number
-    queue: int | None = None  # target under schedule.assignment=per_target: the queue it takes from
-    metrics: dict[str, float] = field(default_factory=dict)  # drafter: its latest step's figures (loss, lr, ...)
-
-
-@dataclass
-class JobGrant:
-    job: Job
-    slot: int  # index inside the slot owner's memory
-    owner: str | None
-    seq_len: int
-    samples: list[int]
-    lengths: list[int]
-    grant_seq: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.lengths)
-
-    def to_wire(self, *, ipc_block: dict | None = None) -> dict[str, Any]:
-        job = self.job
-        wire = {"job_id": job.job_id, "epoch": job.epoch, "bucket": job.bucket, "seq_len": self.seq_len,
-                "samples": self.samples, "lengths": self.lengths, "num_tokens": self.num_tokens, "slot": self.slot,
-                "generation": job.generation, "owner": self.owner, "grant": self.grant_seq}
-        if ipc_block is not None:
-            wire["ipc"] = ipc_block
-        return wire
-
-
-@dataclass
-class CoreOptions:
-    lease_s: float
-    worker_timeout_s: float
-    epochs: int
-    run_seed: int
-    buckets: list[int]
-    tokens_per_batch: int
-    order: str
-    heartbeat_s: float = 0.5
-    build_ahead: bool = False  # build the next epoch's schedule in a child process (the daemon) or inline (tests)
-    allow_changed_data: bool = False
-    contract: dict[str, Any] | None = None  # the run's capture contract, when the config fixes it
-    num_target_queues: int = 0  # > 0: per-target queues (job i to queue i mod this), the naive assignment
-
-    @classmethod
-    def from_config(cls, config: Config) -> "CoreOptions":
-        return cls(lease_s=config.dispatcher.lease_s, worker_timeout_s=config.dispatcher.worker_timeout_s,
-                   epochs=config.run.epochs, run_seed=config.run.seed, buckets=list(config.schedule.buckets),
-                   tokens_per_batch=config.schedule.tokens_per_batch, order=config.schedule.order,
-                   heartbeat_s=config.dispatcher.heartbeat_s, build_ahead=True,
-                   allow_changed_data=config.data.allow_changed, contract=run_contract(config),
-                   num_target_queues=config.target.count if config.schedule.assignment == "per_target" else 0)
-
-
-def run_contract(config: Config) -> dict[str, Any] | None:
-    """The capture contract the run's slots are laid out for: from the target model's config.json when
-    the run has a real target; None for a sim run (then the first worker that declares one sets it)."""
-    if config.target.sim or not config.target.model:
-        return None
-    from common.capture_contract import contract_from_config
-    return contract_from_config(config).to_dict()
-
-
-@dataclass
-class Counters:
-    requests: Counter = field(default_factory=Counter)
-    errors: Counter = field(default_factory=Counter)
-    given_back: Counter = field(default_factory=Counter)
 
 
 class DispatcherCore:

@@ -24,7 +24,8 @@ from common import protocol
 from common.client import run_id_for
 from common.config import Config, write_resolved
 from common.protocol import ErrorCode, ProtocolError, field_of
-from dispatcher.core import DONE, CoreOptions, DispatcherCore, Incompatible, Unauthorized, UnknownWorker, Worker
+from dispatcher.core import DispatcherCore
+from dispatcher.core_types import DONE, CoreOptions, Incompatible, Unauthorized, UnknownWorker, Worker
 from dispatcher.groups import GroupChanged
 from dispatcher.dataset import load_lengths
 from dispatcher.journal import Journal, JournalFailed

@@ -9,7 +9,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from dispatcher.core import DispatcherCore, Worker
+from dispatcher.core import DispatcherCore
+from dispatcher.core_types import Worker
 
 
 def worker_state(core: DispatcherCore, worker: Worker) -> str:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from dispatcher.core import DONE, CoreOptions, DispatcherCore
+from dispatcher.core import DispatcherCore
+from dispatcher.core_types import DONE, CoreOptions
 from dispatcher.journal import Journal
 from dispatcher.ledger import JobState, make_job_id
 from dispatcher.pool import HSPool

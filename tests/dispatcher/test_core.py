@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 
 from core_harness import Sim, all_job_ids, make_core, register
-from dispatcher.core import DONE, Incompatible, UnknownWorker
+from dispatcher.core_types import DONE, Incompatible, UnknownWorker
 from dispatcher.journal import read_journal
 from dispatcher.ledger import JobState, LedgerError, make_job_id
 from dispatcher.schedule import load_schedule

@@ -11,7 +11,7 @@ import pytest
 
 from core_harness import (Model, ModelSim, all_job_ids, make_core, register, register_models, small_lengths,
                           witness_counts)
-from dispatcher.core import DONE, UnknownWorker
+from dispatcher.core_types import DONE, UnknownWorker
 from dispatcher.journal import read_journal
 from dispatcher.ledger import JobState, LedgerError, make_job_id
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from core_harness import BUCKETS, TOKENS, Sim, all_job_ids, register, small_lengths
-from dispatcher.core import CoreOptions, DispatcherCore
+from dispatcher.core import DispatcherCore
+from dispatcher.core_types import CoreOptions
 from dispatcher.journal import Journal, read_journal
 from dispatcher.ledger import JobLedger, JobState, LedgerError, make_job_id, split_job_id
 from dispatcher.pool import HSPool
