@@ -15,9 +15,9 @@ import torch
 from benchmarks.transport_workers import (POLL_MS, BenchSpec, Meter, _errors_to, _init_process, _scratch_slot,
                                           percentile)
 from common.config import Config
-from common.drafter_loop import DrafterLoop
+from drafter_worker.loop import DrafterLoop
 from common.slots import SlotBatch, SlotHeader, SlotView
-from common.target_loop import TargetLoop
+from target_worker.loop import TargetLoop
 from common.witness import TrainedJobs, save_checkpoint
 from common.worker_runtime import WorkerSession
 

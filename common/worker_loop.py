@@ -1,7 +1,7 @@
 """The one loop every worker runs: register, open the data plane, work, and start over when lost.
 
-A worker is a :class:`TargetLoop` (:mod:`common.target_loop`) or a :class:`DrafterLoop`
-(:mod:`common.drafter_loop`) around a backend (:mod:`common.worker_backends`) that only computes.
+A worker is a :class:`TargetLoop` (:mod:`target_worker.loop`) or a :class:`DrafterLoop`
+(:mod:`drafter_worker.loop`) around a backend (:mod:`common.worker_backends`) that only computes.
 The loop here owns what they share:
 
 - registration, retried while the dispatcher starts; the session token; heartbeats that list the

@@ -43,9 +43,9 @@ def cmd_worker(args) -> int:
     sim = args.sim or getattr(config, role).sim
     name = args.name or f"{role}-{os.getpid()}"
     if role == "target":
-        from common.target_loop import TargetLoop
+        from target_worker.loop import TargetLoop
         return TargetLoop(config, name, _sim_target(config) if sim else _hf_target(config)).run()
-    from common.drafter_loop import DrafterLoop
+    from drafter_worker.loop import DrafterLoop
     if sim:
         from drafter_worker.sim import SimDrafter
         # An independent sim drafter trains a model of its own, named after it: a restart resumes it.

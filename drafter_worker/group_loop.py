@@ -38,7 +38,7 @@ import time
 from typing import Any
 
 from common.config import Config
-from common.drafter_loop import DrafterLoop
+from drafter_worker.loop import DrafterLoop
 from common.protocol import ErrorCode, ProtocolError
 from common.transport import DrafterTransport
 from common.worker_runtime import CALL_TIMEOUT_S, RECONNECT_S, NoReply, WorkerLost

@@ -12,10 +12,11 @@ import threading
 import pytest
 import torch
 
-from common import drafter_loop, worker_loop
+from common import worker_loop
+from drafter_worker import loop as drafter_loop
 from common.client import run_id_for
-from common.drafter_loop import DrafterLoop
-from common.target_loop import TargetLoop
+from drafter_worker.loop import DrafterLoop
+from target_worker.loop import TargetLoop
 from common.witness import latest_checkpoint
 from drafter_worker.sim import SimDrafter
 from loop_harness import FakeDispatcher, make_job, running, worker_config
