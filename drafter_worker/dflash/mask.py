@@ -10,9 +10,9 @@ Block j, anchored at position ``a_j``, may see:
 * nothing of any other block.
 
 :func:`block_mask_predicate` is that rule as a ``mask_mod`` (flex attention evaluates it lazily on
-GPU) and :func:`dense_block_mask` evaluates the same predicate on index grids for SDPA. Every query
-row sees at least its own block, so no row is fully masked (no NaN), and padded anchors (a block
-that is not real) only waste compute.
+GPU) and :func:`dense_block_mask` evaluates the same predicate on index grids (the dense reference
+of :mod:`drafter_worker.dflash.attention`). Every query row sees at least its own block, so no row is
+fully masked (no NaN), and padded anchors (a block that is not real) only waste compute.
 """
 
 from __future__ import annotations
@@ -58,10 +58,14 @@ def block_positions(anchors_BN: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 def flex_block_mask(anchors_BN: torch.Tensor, *, ctx_len: int, block_size: int):
-    """The same pattern as a flex-attention ``BlockMask`` (built on the anchors' device)."""
+    """The same pattern as a flex-attention ``BlockMask`` (built on the anchors' device).
+
+    The anchors differ in every micro-batch, so the mask is built for each; on GPU its building is
+    compiled (once per shape), so that it neither materialises the dense mask nor runs eagerly."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     batch, num_blocks = anchors_BN.shape
     num_q = num_blocks * block_size
     mask_mod = block_mask_predicate(anchors_BN, ctx_len=ctx_len, block_size=block_size)
-    return create_block_mask(mask_mod, batch, None, num_q, ctx_len + num_q, device=anchors_BN.device)
+    return create_block_mask(mask_mod, batch, None, num_q, ctx_len + num_q, device=anchors_BN.device,
+                             _compile=anchors_BN.device.type == "cuda")

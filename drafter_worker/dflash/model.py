@@ -10,7 +10,8 @@ Data flow for one sequence with anchors ``a_1..a_N`` (block size ``B``):
 * each layer takes its queries from the blocks only; its keys and values are
   ``[k_proj(ctx), k_proj(block)]`` and ``[v_proj(ctx), v_proj(block)]`` ("KV injection": the
   context never runs through the MLP or the query/output projections), under the block-sparse
-  mask of :mod:`drafter_worker.dflash.mask`;
+  mask of :mod:`drafter_worker.dflash.mask`, computed by :mod:`drafter_worker.dflash.attention`
+  without the keys it forbids;
 * the final norm and the target's (frozen) LM head give the logits of block positions 1..B-1.
 
 Parameter names follow the published DFlash checkpoint layout (``fc``, ``hidden_norm``,
@@ -25,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafter_worker.dflash.config import DFlashConfig
-from drafter_worker.dflash.mask import block_positions, dense_block_mask, flex_block_mask
+from drafter_worker.dflash.attention import DraftAttention, attention_kind
+from drafter_worker.dflash.mask import block_positions
 
 SHARED_PREFIXES = ("embed_tokens.", "lm_head.")  # the target's tensors: never trained, never exported
 
@@ -59,20 +61,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
-_compiled_flex = None
-
-
-def _flex_attention(q, k, v, block_mask):
-    """Flex attention, compiled once per process on GPU (the eager version materialises the scores)."""
-    global _compiled_flex
-    from torch.nn.attention.flex_attention import flex_attention
-    if q.device.type != "cuda":
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=True)
-    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True)
-
-
 class DFlashAttention(nn.Module):
     def __init__(self, config: DFlashConfig):
         super().__init__()
@@ -88,21 +76,16 @@ class DFlashAttention(nn.Module):
     def _heads(self, x: torch.Tensor, num_heads: int) -> torch.Tensor:
         return x.view(*x.shape[:2], num_heads, self.head_dim).transpose(1, 2)  # [B, heads, T, D]
 
-    def forward(self, x_BQH, ctx_BSH, rope_q, rope_kv, mask) -> torch.Tensor:
+    def forward(self, x_BQH, ctx_BSH, rope_q, rope_ctx, attend: DraftAttention) -> torch.Tensor:
         q = apply_rope(self.q_norm(self._heads(self.q_proj(x_BQH), self.num_heads)), *rope_q)
-        k = torch.cat([self.k_proj(ctx_BSH), self.k_proj(x_BQH)], dim=1)
-        v = torch.cat([self.v_proj(ctx_BSH), self.v_proj(x_BQH)], dim=1)
-        k = apply_rope(self.k_norm(self._heads(k, self.num_kv_heads)), *rope_kv)
-        v = self._heads(v, self.num_kv_heads)
+        k_ctx = apply_rope(self.k_norm(self._heads(self.k_proj(ctx_BSH), self.num_kv_heads)), *rope_ctx)
+        k_blk = apply_rope(self.k_norm(self._heads(self.k_proj(x_BQH), self.num_kv_heads)), *rope_q)
+        v_ctx = self._heads(self.v_proj(ctx_BSH), self.num_kv_heads)
+        v_blk = self._heads(self.v_proj(x_BQH), self.num_kv_heads)
         # Under autocast the norms (float32 weights) leave q and k in float32 while v comes out of a
         # matmul in bfloat16; flex attention, unlike SDPA, does not reconcile them.
-        q, k = q.to(v.dtype), k.to(v.dtype)
-        if isinstance(mask, torch.Tensor):
-            groups = self.num_heads // self.num_kv_heads
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        else:
-            out = _flex_attention(q, k, v, mask)
+        q, k_ctx, k_blk = q.to(v_blk.dtype), k_ctx.to(v_blk.dtype), k_blk.to(v_blk.dtype)
+        out = attend(q, k_ctx, v_ctx, k_blk, v_blk)
         return self.o_proj(out.transpose(1, 2).flatten(2))
 
 
@@ -125,8 +108,8 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DFlashMLP(config)
 
-    def forward(self, x_BQH, ctx_BSH, rope_q, rope_kv, mask) -> torch.Tensor:
-        x_BQH = x_BQH + self.self_attn(self.input_layernorm(x_BQH), ctx_BSH, rope_q, rope_kv, mask)
+    def forward(self, x_BQH, ctx_BSH, rope_q, rope_ctx, attend: DraftAttention) -> torch.Tensor:
+        x_BQH = x_BQH + self.self_attn(self.input_layernorm(x_BQH), ctx_BSH, rope_q, rope_ctx, attend)
         return x_BQH + self.mlp(self.post_attention_layernorm(x_BQH))
 
 
@@ -149,7 +132,9 @@ class DFlashDraftModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         else:
             self.lm_head.weight = nn.Parameter(lm_head_weight, requires_grad=False)
-        self.attention = "sdpa"  # or "flex": set by whoever places the model on a device
+        # "sdpa" (block-sparse SDPA kernels on the CPU), "flex" (GPU) or "dense" (the reference):
+        # set by whoever places the model on a device.
+        self.attention = "sdpa"
 
     def init_weights(self, seed: int) -> None:
         """Deterministic initialisation of the trainable tensors (normal 0.02, norms at 1)."""
@@ -196,11 +181,11 @@ class DFlashDraftModel(nn.Module):
         pos_q = block_positions(starts, block)
         pos_ctx = torch.arange(ctx_len, device=hs_BSD.device).expand(batch, ctx_len)
         rope_q = rope_cos_sin(pos_q, config.head_dim, config.rope_theta)
-        rope_kv = rope_cos_sin(torch.cat([pos_ctx, pos_q], dim=1), config.head_dim, config.rope_theta)
-        builder = flex_block_mask if self.attention == "flex" else dense_block_mask
-        mask = builder(anchors_BN, ctx_len=ctx_len, block_size=block)
+        rope_ctx = rope_cos_sin(pos_ctx, config.head_dim, config.rope_theta)
+        attend = DraftAttention(anchors_BN, ctx_len=ctx_len, block_size=block,
+                                kind=attention_kind(self.attention, hs_BSD.device))
         for layer in self.layers:
-            x = layer(x, ctx, rope_q, rope_kv, mask)
+            x = layer(x, ctx, rope_q, rope_ctx, attend)
         return self.norm(x).view(batch, num_blocks, block, -1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

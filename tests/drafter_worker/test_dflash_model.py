@@ -147,3 +147,31 @@ def test_a_zero_mask_embedding_is_refused(tmp_path):
         build_drafter(config, tmp_path)
     build_drafter(DFlashConfig.from_target(tmp_path, layer_ids=LAYER_IDS, block_size=4, num_draft_layers=1,
                                            gamma=2.0, mask_token_id=7), tmp_path)
+
+
+def test_block_sparse_attention_equals_dense_masked_sdpa_with_gradients():
+    """The CPU path (context and own block apart, combined by log-sum-exp) against one SDPA call over
+    every key under the dense mask: outputs and the gradients of queries, keys and values. Anchor 0
+    (no context at all) and a padded anchor are among the blocks."""
+    from drafter_worker.dflash.attention import DraftAttention
+    from drafter_worker.dflash.mask import dense_block_mask
+    g = torch.Generator().manual_seed(0)
+    batch, heads, kv_heads, dim, ctx_len, block = 2, 4, 2, 8, 12, 3
+    anchors = torch.tensor([[0, 4, 9, 10], [2, 3, 7, -1]])
+    num_q = anchors.shape[1] * block
+    q = torch.randn(batch, heads, num_q, dim, generator=g, requires_grad=True)
+    k_ctx, v_ctx = (torch.randn(batch, kv_heads, ctx_len, dim, generator=g, requires_grad=True) for _ in range(2))
+    k_blk, v_blk = (torch.randn(batch, kv_heads, num_q, dim, generator=g, requires_grad=True) for _ in range(2))
+    inputs = (q, k_ctx, v_ctx, k_blk, v_blk)
+    grad_out = torch.randn(batch, heads, num_q, dim, generator=g)
+
+    got = DraftAttention(anchors, ctx_len=ctx_len, block_size=block, kind="split")(*inputs)
+    got_grads = torch.autograd.grad(got, inputs, grad_out)
+    k = torch.cat([k_ctx, k_blk], dim=2).repeat_interleave(heads // kv_heads, dim=1)
+    v = torch.cat([v_ctx, v_blk], dim=2).repeat_interleave(heads // kv_heads, dim=1)
+    mask = dense_block_mask(anchors, ctx_len=ctx_len, block_size=block)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    expected_grads = torch.autograd.grad(expected, inputs, grad_out)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+    for name, a, b in zip(("q", "k_ctx", "v_ctx", "k_blk", "v_blk"), got_grads, expected_grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=lambda m, name=name: f"d{name}: {m}")
