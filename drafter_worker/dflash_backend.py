@@ -105,7 +105,7 @@ class DFlashBackend:
         self.last_metrics: dict[str, float] = {}
         self.tensorboard = TensorBoardLog(config.run_dir, self.model_id)
         self.exit_after_step = int(os.environ.get(EXIT_AFTER_STEP_ENV) or 0)
-        self._synced_total: float | None = None  # the group's weight total, once sync_gradients ran
+        self._synced_total: torch.Tensor | None = None  # the group's weight total, once sync_gradients ran
 
     def _new_trainer(self) -> DFlashTrainer:
         # The process RNG is seeded too: whatever draws from it (a kernel, a library) repeats on a rerun.
@@ -154,23 +154,24 @@ class DFlashBackend:
         self.trainer.anchor_generator.manual_seed(anchor_seed(self.seed, int(job["job_id"])))
         self.trainer.micro_batch(batch.hs, batch.input_ids, batch.loss_mask, batch.seq_lens)
         self.window.append(int(job["job_id"]))
-        self.clock.add_compute(time.perf_counter() - started, int(batch.seq_lens.sum()))
+        # The token count from the slot's header, not from the lengths tensor: that may be on the device.
+        self.clock.add_compute(time.perf_counter() - started, batch.header.num_tokens)
 
     @property
     def local_weight_total(self) -> float:
         """Total position weight of this rank's micro-batches of the step (what the group sums)."""
         return self.trainer.local_weight_total
 
-    def sync_gradients(self, all_reduce: AllReduce | None = None) -> float:
+    def sync_gradients(self, all_reduce: AllReduce | None = None) -> torch.Tensor:
         """Sum the step's gradients, weight total, loss sum and accuracy counts over a data-parallel
-        group; return the group's weight total.
+        group; return the group's weight total, a tensor on the device (reading it waits for the sums).
 
         ``all_reduce`` sums a tensor in place across the ranks; None (one rank) changes nothing.
         :meth:`apply_step` then divides by the group's total and reports the group's loss.
         """
         if all_reduce is None:
             self._synced_total = None
-            return self.trainer.local_weight_total
+            return self.trainer.step_sums()[0]
         for p in self.trainer.params:
             if p.grad is None:  # a rank with nothing supervised still takes part in every sum
                 p.grad = torch.zeros_like(p)
@@ -179,7 +180,7 @@ class DFlashBackend:
         self._synced_total = self.trainer.adopt_group_sums(sums)
         return self._synced_total
 
-    def apply_step(self, job_ids: list[int], *, total_weight: float | None = None) -> dict:
+    def apply_step(self, job_ids: list[int], *, total_weight: float | torch.Tensor | None = None) -> dict:
         """``job_ids``: every job of the step (a data-parallel group's: every rank's); the weights saw them all."""
         assert set(self.window) <= set(job_ids), f"committed {job_ids}, trained on {self.window}"
         if total_weight is None:

@@ -86,20 +86,27 @@ def jobs(step: int, rank: int) -> list[int]:
 def rank_main(kind: str, rank: int, store: str, out: str, target_dir: str | None = None) -> None:
     torch.set_num_threads(1)
     from drafter_worker.process_group import RankRound, StepGroup
+    from host_reads import HostReads
     group = StepGroup(store_path=store, rank=rank, world_size=WORLD, version=1, timeout_s=120, max_jobs=PER_RANK)
     try:
         drafter = make_backend(kind, target_dir, os.path.join(out, f"run{rank}"))
         for step in range(NUM_STEPS):
             mine = jobs(step, rank)
+            host_reads = []  # by the backend's calls: the job exchange is the group's, and reads by design
             for job_id in mine:
-                train_on(drafter, job_id, kind)
+                batch = micro_batch(job_id, kind)
+                with HostReads() as reads:
+                    drafter.micro_batch({"job_id": job_id}, batch)
+                host_reads += reads.names
             rounds = group.exchange(RankRound(rank, mine, done=False, flush=False))
             step_jobs = [j for r in rounds for j in r.job_ids]
-            drafter.sync_gradients(group.all_reduce)
-            metrics = drafter.apply_step(step_jobs)
+            with HostReads() as reads:
+                drafter.sync_gradients(group.all_reduce)
+                metrics = drafter.apply_step(step_jobs)
+            host_reads += reads.names
             save_file(weights(drafter), os.path.join(out, f"rank{rank}-step{step}.safetensors"))
             with open(os.path.join(out, f"rank{rank}-step{step}.json"), "w") as f:
-                json.dump({"loss": metrics["loss"]}, f)
+                json.dump({"loss": metrics["loss"], "host_reads": host_reads}, f)
         assert sorted(drafter.trained) == list(range(NUM_STEPS * WORLD * PER_RANK))
     finally:
         group.close()

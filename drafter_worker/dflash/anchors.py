@@ -6,6 +6,10 @@ token and has at least one supervised label. Anchors are drawn fresh on every ca
 replacement, from a generator the trainer owns and checkpoints), so over an epoch every position
 serves as an anchor in some step. The block at ``a`` predicts tokens ``a+1 .. a+B-1``; labels past
 the sequence or outside the loss mask are ``IGNORE``.
+
+The draw runs on the loss mask's device with tensor operations only: it never reads a count back to
+the host, and its result has a width fixed by the shapes (``min(num_anchors, S - 1)``), so a bucket's
+micro-batches all have the same shapes. Sequences with fewer eligible positions are padded.
 """
 
 from __future__ import annotations
@@ -24,34 +28,42 @@ def eligible_anchors(loss_mask_S: torch.Tensor, seq_len: int) -> torch.Tensor:
     return torch.nonzero(mask[:-1] & mask[1:]).flatten()
 
 
+def anchor_width(seq_len_max: int, num_anchors: int) -> int:
+    """Columns of the drawn ``[batch, N]`` anchors: no sequence of ``seq_len_max`` tokens has more
+    than ``seq_len_max - 1`` eligible positions (at least one column, so that shapes stay valid)."""
+    return max(1, min(num_anchors, seq_len_max - 1))
+
+
 def sample_anchors(loss_mask_BS: torch.Tensor, seq_lens_B: torch.Tensor, *, num_anchors: int,
                    generator: torch.Generator) -> torch.Tensor:
-    """Up to ``num_anchors`` anchors per sequence, ascending, padded with ``PAD_ANCHOR`` to ``[B, N]``.
+    """Up to ``num_anchors`` anchors per sequence, ascending, padded with ``PAD_ANCHOR`` to
+    ``[batch, anchor_width(S, num_anchors)]``, drawn uniformly without replacement.
 
-    The draw happens on the CPU (``generator`` is a CPU generator) so that it is the same on every
-    device; the result is moved to the loss mask's device.
+    Each position gets a uniform key from ``generator`` (which must live on the loss mask's device;
+    the keys depend on it and the shapes only, not on the data); the eligible positions with the
+    smallest keys are the anchors. The same generator state gives the same anchors on a device.
     """
-    mask_cpu = loss_mask_BS.detach().to("cpu")
-    chosen = []
-    for row, seq_len in zip(mask_cpu, seq_lens_B.tolist()):
-        candidates = eligible_anchors(row, int(seq_len))
-        if len(candidates) > num_anchors:
-            pick = torch.randperm(len(candidates), generator=generator)[:num_anchors]
-            candidates = candidates[pick].sort().values
-        chosen.append(candidates)
-    return pad_anchors(chosen).to(loss_mask_BS.device)
-
-
-def pad_anchors(per_sequence: list[torch.Tensor]) -> torch.Tensor:
-    width = max([len(a) for a in per_sequence] + [1])
-    out = torch.full((len(per_sequence), width), PAD_ANCHOR, dtype=torch.long)
-    for i, anchors in enumerate(per_sequence):
-        out[i, :len(anchors)] = torch.as_tensor(anchors, dtype=torch.long)
-    return out
+    batch, seq_len_max = loss_mask_BS.shape
+    device = loss_mask_BS.device
+    width = anchor_width(seq_len_max, num_anchors)
+    if seq_len_max < 2:
+        return torch.full((batch, width), PAD_ANCHOR, dtype=torch.long, device=device)
+    mask = loss_mask_BS.bool()
+    positions = torch.arange(seq_len_max - 1, device=device)
+    eligible = mask[:, :-1] & mask[:, 1:] & (positions + 1 < seq_lens_B.view(-1, 1).to(device))
+    keys = torch.rand(batch, seq_len_max - 1, generator=generator, device=device)
+    keys = keys.masked_fill(~eligible, 2.0)  # above every uniform key: drawn only once the eligible run out
+    smallest, chosen = keys.topk(width, dim=1, largest=False)
+    # Unused columns sort to the end (past every position), then become PAD_ANCHOR.
+    chosen = torch.where(smallest < 2.0, chosen, seq_len_max).sort(dim=1).values
+    return torch.where(chosen < seq_len_max, chosen, PAD_ANCHOR)
 
 
 def check_anchors(anchors_BN: torch.Tensor, loss_mask_BS: torch.Tensor, seq_lens_B: torch.Tensor) -> None:
-    """Pinned anchors must be eligible: a user passing wrong ones gets a clear error, not a silent loss."""
+    """Pinned anchors must be eligible: a user passing wrong ones gets a clear error, not a silent loss.
+
+    It reads the anchors and the loss mask on the host: pinning anchors is for tests and checks,
+    not for the training loop, whose anchors :func:`sample_anchors` draws."""
     for i, (row, seq_len) in enumerate(zip(anchors_BN.tolist(), seq_lens_B.tolist())):
         allowed = set(eligible_anchors(loss_mask_BS[i].detach().cpu(), int(seq_len)).tolist())
         bad = [a for a in row if a != PAD_ANCHOR and a not in allowed]

@@ -5,12 +5,14 @@ No target model is needed: the drafter reads only the target's ``config.json`` a
 LM head, so the benchmark writes such a directory with random tensors of the requested dimensions
 (``--hidden 4096 --vocab 151936 ...`` for a Qwen3-8B-sized drafter on a GPU). The figure to look at:
 at a fixed anchor count, the time barely grows with the sequence length (the blocks, not the
-context, carry the compute).
+context, carry the compute). Each row is the median of ``--reps`` timed micro-batches on the same
+inputs, anchors drawn by the trainer as in training.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -78,16 +80,20 @@ def run_dflash_bench(*, hidden: int = 64, intermediate: int = 128, heads: int = 
                 trainer.drop_step()
                 if device_t.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device_t)
-                _sync(device_t)
-                started = time.perf_counter()
+                times = []
                 for _ in range(reps):
+                    _sync(device_t)
+                    started = time.perf_counter()
                     stats = trainer.micro_batch(*args)
+                    _sync(device_t)
+                    times.append(time.perf_counter() - started)
                     trainer.drop_step()
-                _sync(device_t)
-                seconds = (time.perf_counter() - started) / reps
-                row = {"seq_len": seq_len, "batch": batch, "anchors": num_anchors, "blocks": stats.num_blocks,
+                # The median: on a shared machine a few slow repetitions say more about the neighbours.
+                seconds = statistics.median(times)
+                num_blocks = int(stats.num_blocks)
+                row = {"seq_len": seq_len, "batch": batch, "anchors": num_anchors, "blocks": num_blocks,
                        "ms": round(seconds * 1e3, 2), "tok_s": round(batch * seq_len / seconds),
-                       "blocks_s": round(stats.num_blocks / seconds)}
+                       "blocks_s": round(num_blocks / seconds)}
                 if device_t.type == "cuda":
                     row["peak_gib"] = round(torch.cuda.max_memory_allocated(device_t) / 2**30, 2)
                 rows.append(row)

@@ -6,6 +6,11 @@ CE over its supervised positions divided by the sum of their weights. :func:`wei
 the two parts separately so that a training step can add them up over micro-batches (and ranks)
 before dividing: every supervised position of the step then counts the same, whatever micro-batch
 it came in.
+
+Every figure stays a tensor on the device (the weight total, the top-1 hits and counts too): a
+training step reads them back once, at its end. Unsupervised positions (``IGNORE``) may be passed:
+they weigh 0, which keeps the shapes fixed where selecting the supervised ones would have to read
+their number.
 """
 
 from __future__ import annotations
@@ -15,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from drafter_worker.dflash.anchors import IGNORE
 
@@ -31,37 +35,84 @@ def position_weights(block_size: int, gamma: float) -> torch.Tensor:
 @dataclass
 class BlockLoss:
     weighted_sum: torch.Tensor  # scalar, differentiable: sum of w_k * CE over supervised positions
-    weight_total: float         # sum of w_k over the same positions
+    weight_total: torch.Tensor  # float64 scalar: sum of w_k over the same positions
     correct_K: torch.Tensor     # [block_size] top-1 hits per block position (position 0 unused)
     count_K: torch.Tensor       # [block_size] supervised positions per block position
 
     @property
     def loss(self) -> float:
-        return float(self.weighted_sum.detach()) / self.weight_total if self.weight_total else math.nan
+        """The weighted mean CE (a host read: for tests and reports, not the training loop)."""
+        weight = float(self.weight_total)
+        return float(self.weighted_sum.detach()) / weight if weight else math.nan
+
+
+def _supervised_weights(labels_P: torch.Tensor, block_pos_P: torch.Tensor, weights_K: torch.Tensor) -> torch.Tensor:
+    weights_P = weights_K.to(labels_P.device)[block_pos_P]
+    return torch.where(labels_P != IGNORE, weights_P, 0.0)
+
+
+def _counts(hits_P: torch.Tensor, labels_P: torch.Tensor, block_pos_P: torch.Tensor, weights_P: torch.Tensor,
+            block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Weight total, top-1 hits and supervised counts per block position (fixed-size sums, no read)."""
+    zeros = torch.zeros(block_size, dtype=torch.long, device=labels_P.device)
+    supervised_P = (labels_P != IGNORE).long()
+    correct_K = zeros.index_add(0, block_pos_P, hits_P.long() * supervised_P)
+    count_K = zeros.index_add(0, block_pos_P, supervised_P)
+    return weights_P.double().sum(), correct_K, count_K
 
 
 def weighted_ce(logits_PV: torch.Tensor, labels_P: torch.Tensor, block_pos_P: torch.Tensor,
                 weights_K: torch.Tensor) -> BlockLoss:
-    """Weighted CE of ``P`` supervised positions (``labels_P`` has no ``IGNORE``).
+    """Weighted CE of ``P`` positions from their logits (``IGNORE`` labels weigh nothing).
 
     ``block_pos_P`` is each position's index k inside its block, ``weights_K`` from :func:`position_weights`.
     """
-    assert not bool((labels_P == IGNORE).any()), "pass only supervised positions"
-    block_size = weights_K.numel()
-    weights_P = weights_K.to(logits_PV.device)[block_pos_P]
-    ce_P = F.cross_entropy(logits_PV.float(), labels_P, reduction="none")
-    hits_P = (logits_PV.detach().argmax(-1) == labels_P).long()
-    correct_K = torch.zeros(block_size, dtype=torch.long, device=logits_PV.device).index_add_(0, block_pos_P, hits_P)
-    count_K = torch.bincount(block_pos_P, minlength=block_size)
-    return BlockLoss(weighted_sum=(ce_P * weights_P).sum(), weight_total=float(weights_P.double().sum()),
-                     correct_K=correct_K.cpu(), count_K=count_K.cpu())
+    weights_P = _supervised_weights(labels_P, block_pos_P, weights_K)
+    ce_P = F.cross_entropy(logits_PV.float(), labels_P, reduction="none", ignore_index=IGNORE)
+    hits_P = logits_PV.detach().argmax(-1) == labels_P
+    weight_total, correct_K, count_K = _counts(hits_P, labels_P, block_pos_P, weights_P, weights_K.numel())
+    return BlockLoss(weighted_sum=(ce_P * weights_P).sum(), weight_total=weight_total, correct_K=correct_K,
+                     count_K=count_K)
 
 
-def _chunk_ce(hidden_CH: torch.Tensor, head_VH: torch.Tensor, labels_C: torch.Tensor,
-              weights_C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = F.linear(hidden_CH.to(head_VH.dtype), head_VH).float()
-    hits = (logits.detach().argmax(-1) == labels_C).long()
-    return (F.cross_entropy(logits, labels_C, reduction="none") * weights_C).sum(), hits
+def _chunk_logits(hidden_CH: torch.Tensor, head_VH: torch.Tensor) -> torch.Tensor:
+    return F.linear(hidden_CH.to(head_VH.dtype), head_VH).float()
+
+
+class _ChunkedHeadCE(torch.autograd.Function):
+    """Sum of ``w * CE(head(hidden), label)`` over positions, ``chunk_size`` at a time, and the top-1
+    hits. The backward recomputes each chunk's logits (they are not kept) and forms their gradient
+    ``w * (softmax - onehot)`` directly; the hits are computed once, in the forward. The head is the
+    target's frozen LM head: it gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden_PH, head_VH, labels_P, weights_P, chunk_size: int):
+        total = torch.zeros((), dtype=torch.float32, device=hidden_PH.device)
+        hits_P = torch.empty(labels_P.shape, dtype=torch.bool, device=hidden_PH.device)
+        for start in range(0, labels_P.numel(), chunk_size):
+            part = slice(start, start + chunk_size)
+            logits = _chunk_logits(hidden_PH[part], head_VH)
+            ce = F.cross_entropy(logits, labels_P[part], reduction="none", ignore_index=IGNORE)
+            total = total + (ce * weights_P[part]).sum()
+            hits_P[part] = logits.argmax(-1) == labels_P[part]
+        ctx.save_for_backward(hidden_PH, head_VH, labels_P, weights_P)
+        ctx.chunk_size = chunk_size
+        ctx.mark_non_differentiable(hits_P)
+        return total, hits_P
+
+    @staticmethod
+    def backward(ctx, grad_total, _grad_hits):
+        hidden_PH, head_VH, labels_P, weights_P = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden_PH)
+        safe_labels = labels_P.clamp(min=0)  # IGNORE rows weigh 0: whatever column they subtract from
+        for start in range(0, labels_P.numel(), ctx.chunk_size):
+            part = slice(start, start + ctx.chunk_size)
+            grad_logits = _chunk_logits(hidden_PH[part], head_VH).softmax(-1)
+            label_C1 = safe_labels[part].unsqueeze(-1)
+            grad_logits.scatter_add_(1, label_C1, torch.full(label_C1.shape, -1.0, device=grad_logits.device))
+            grad_logits *= (weights_P[part] * grad_total).unsqueeze(-1)
+            grad_hidden[part] = (grad_logits.to(head_VH.dtype) @ head_VH).to(hidden_PH.dtype)
+        return grad_hidden, None, None, None, None
 
 
 def weighted_ce_chunked(hidden_PH: torch.Tensor, head_VH: torch.Tensor, labels_P: torch.Tensor,
@@ -72,19 +123,7 @@ def weighted_ce_chunked(hidden_PH: torch.Tensor, head_VH: torch.Tensor, labels_P
     GB per sequence); each chunk's logits are recomputed in the backward pass instead of kept, so
     memory holds one chunk's logits at a time for one extra LM-head matmul.
     """
-    block_size = weights_K.numel()
-    weights_P = weights_K.to(hidden_PH.device)[block_pos_P]
-    total = hidden_PH.new_zeros((), dtype=torch.float32)
-    hits_P = torch.empty_like(labels_P)
-    for start in range(0, labels_P.numel(), chunk_size):
-        part = slice(start, start + chunk_size)
-        args = (hidden_PH[part], head_VH, labels_P[part], weights_P[part])
-        if torch.is_grad_enabled() and hidden_PH.requires_grad:
-            part_sum, hits_P[part] = checkpoint(_chunk_ce, *args, use_reentrant=False)
-        else:
-            part_sum, hits_P[part] = _chunk_ce(*args)
-        total = total + part_sum
-    correct_K = torch.zeros(block_size, dtype=torch.long, device=hidden_PH.device).index_add_(0, block_pos_P, hits_P)
-    count_K = torch.bincount(block_pos_P, minlength=block_size)
-    return BlockLoss(weighted_sum=total, weight_total=float(weights_P.double().sum()),
-                     correct_K=correct_K.cpu(), count_K=count_K.cpu())
+    weights_P = _supervised_weights(labels_P, block_pos_P, weights_K)
+    total, hits_P = _ChunkedHeadCE.apply(hidden_PH, head_VH, labels_P, weights_P, chunk_size)
+    weight_total, correct_K, count_K = _counts(hits_P, labels_P, block_pos_P, weights_P, weights_K.numel())
+    return BlockLoss(weighted_sum=total, weight_total=weight_total, correct_K=correct_K, count_K=count_K)

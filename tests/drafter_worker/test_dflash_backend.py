@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from common.slots import SlotBatch, SlotHeader
 from common.witness import latest_checkpoint
 from dflash_run import tiny_run, write_dataset
 from dflash_testing import LAYER_IDS, backend_config, random_batch
+from host_reads import HostReads
 from drafter_worker.dflash.export import load_drafter
 from drafter_worker.dflash_backend import DFlashBackend, derive_total_steps, jobs_per_epoch
 
@@ -101,9 +103,9 @@ def test_sync_gradients_sums_over_ranks(tiny_target, tiny_target_model, tmp_path
     for backend in (single, pair):
         for job, batch in jobs:
             backend.micro_batch(job, batch)
-    assert single.sync_gradients() == single.local_weight_total > 0  # one rank: nothing changes
+    assert float(single.sync_gradients()) == single.local_weight_total > 0  # one rank: nothing changes
     total = pair.sync_gradients(lambda t: t.mul_(2))  # the sum over two ranks holding the same
-    assert total == pytest.approx(2 * single.local_weight_total)
+    assert float(total) == pytest.approx(2 * single.local_weight_total)
     single_loss = single.apply_step([0, 1])["loss"]
     assert pair.apply_step([0, 1], total_weight=total)["loss"] == pytest.approx(single_loss)  # the group's loss
     for name, tensor in single.trainer.model.draft_state_dict().items():
@@ -126,3 +128,23 @@ def _overrides(config):
     return [f"run.dir={config.run.dir}", f"data.path={config.data.path}", f"target.model={config.target.model}",
             f"run.epochs={config.run.epochs}", "drafter.accum_steps=3", "schedule.buckets=[32,64]",
             "schedule.tokens_per_batch=128", "target.capture_layers=[1,2]"]
+
+
+def test_an_optimizer_step_reads_the_host_once(tiny_target, tiny_target_model, tmp_path):
+    """Two micro-batches and the step, as the drafter loop calls them: the only read is the step's
+    figures at its end (for the log line and the commit). On a GPU every read waits for the queued
+    work, so more would keep the next slot's copy from overlapping compute."""
+    config = backend_config(tiny_target, tmp_path / "run", "dflash.log_every=1")
+    backend = DFlashBackend(config, "drafter-0", total_steps=4)
+    jobs = _jobs(tiny_target_model, 2)
+    with HostReads() as reads:  # the first step: the optimizer's state is created in it too
+        for job, batch in jobs:
+            backend.micro_batch(job, batch)
+        metrics = backend.apply_step([0, 1])
+    assert reads.names == ["tolist"], reads.names
+    assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+
+    with HostReads() as control:  # what the count is made of is seen: a read, a selection by a mask
+        loss = torch.tensor([1.0, -2.0])
+        float(loss[loss > 0].sum())
+    assert control.names == ["__getitem__[mask]", "__float__"], control.names

@@ -72,6 +72,20 @@ def test_sampling_without_replacement_redraws_and_respects_the_limit():
     assert torch.equal(first, again)  # and reproducible from the generator's state
 
 
+def test_drawn_anchors_are_eligible_distinct_and_as_many_as_allowed():
+    g = torch.Generator().manual_seed(1)
+    loss_mask = torch.rand(4, 30, generator=g) < 0.6
+    seq_lens = torch.tensor([30, 25, 9, 1])
+    anchors = sample_anchors(loss_mask, seq_lens, num_anchors=6, generator=g)
+    assert anchors.shape == (4, 6)  # the width is fixed by the shapes, whatever the data
+    check_anchors(anchors, loss_mask, seq_lens)
+    for row, mask, n in zip(anchors.tolist(), loss_mask, seq_lens.tolist()):
+        drawn = [a for a in row if a != PAD_ANCHOR]
+        assert drawn == sorted(set(drawn)) and row[len(drawn):] == [PAD_ANCHOR] * (6 - len(drawn))
+        assert len(drawn) == min(6, len(eligible_anchors(mask, n)))
+    assert sample_anchors(loss_mask[:, :1], seq_lens.clamp(max=1), num_anchors=6, generator=g).tolist() == [[-1]] * 4
+
+
 def test_pinned_anchors_must_be_eligible():
     loss_mask = torch.tensor([[0, 1, 1, 1]], dtype=torch.bool)
     check_anchors(torch.tensor([[1, 2, PAD_ANCHOR]]), loss_mask, torch.tensor([4]))

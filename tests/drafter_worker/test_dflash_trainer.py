@@ -7,7 +7,8 @@ import math
 import torch
 
 from dflash_testing import make_trainer, random_batch
-from drafter_worker.dflash.anchors import PAD_ANCHOR
+from drafter_worker.dflash.anchors import IGNORE, PAD_ANCHOR, block_labels
+from drafter_worker.dflash.loss import weighted_ce
 from drafter_worker.dflash.state_io import load_state, save_state
 from drafter_worker.dflash.trainer import warmup_cosine
 
@@ -130,3 +131,30 @@ def test_slot_dtypes_and_an_empty_padding_row(tiny_target, tiny_target_model):
     stats = trainer.micro_batch(hs.to(torch.bfloat16), ids.to(torch.int32), loss_mask.to(torch.uint8),
                                 seq_lens.to(torch.int32))
     assert stats.num_tokens == 16 + 13 and stats.num_blocks > 0 and math.isfinite(stats.loss)
+
+
+def test_micro_batch_equals_the_dense_reference(tiny_target, tiny_target_model):
+    """Loss, weight, accuracy counts and gradients of a micro-batch equal those of the straightforward
+    computation: one dense masked SDPA over every key, and the plain CE over the supervised positions
+    picked by a mask (what the trainer did before it kept its shapes fixed and its figures on the device)."""
+    hs, ids, loss_mask, seq_lens = random_batch(tiny_target_model, batch=3, seq_len=24, seed=14)
+    anchors = torch.tensor([[4, 10, 17, 21], [6, 7, 19, PAD_ANCHOR], [5, 9, 14, PAD_ANCHOR]])  # 19, 21: near the end
+    trainer = make_trainer(tiny_target, loss_chunk_size=5, num_draft_layers=2)
+    stats = trainer.micro_batch(hs, ids, loss_mask, seq_lens, anchors=anchors)
+    grads = {n: p.grad.clone() for n, p in trainer.model.draft_named_parameters()}
+    trainer.drop_step()
+
+    model = trainer.model
+    model.attention = "dense"
+    labels = block_labels(ids, loss_mask, seq_lens, anchors, 4)
+    supervised = labels != IGNORE
+    block_pos = torch.arange(4).expand_as(labels)[supervised]
+    hidden = model(hs, ids, anchors)
+    expected = weighted_ce(model.logits(hidden[supervised]), labels[supervised], block_pos, trainer.weights_K)
+    expected.weighted_sum.backward()
+    assert 0 < int(stats.num_positions) < labels[:, :, 1:].numel()  # some positions are not supervised
+    assert math.isclose(stats.loss, expected.loss, rel_tol=1e-6)
+    assert math.isclose(float(stats.weight), float(expected.weight_total), rel_tol=1e-12)
+    assert torch.equal(stats.correct_K, expected.correct_K) and torch.equal(stats.count_K, expected.count_K)
+    for name, p in model.draft_named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=1e-6, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
