@@ -21,7 +21,8 @@ def _lengths(config: Config, lengths_file: str | None, data_dir: str | None) -> 
 def _build(config: Config, lengths: list[int], epoch: int, order: str) -> EpochSchedule:
     return build_epoch_schedule(lengths, bucket_max_lens=config.schedule.buckets,
                                 tokens_per_batch=config.schedule.tokens_per_batch,
-                                run_seed=config.run.seed, epoch=epoch, order=order)
+                                run_seed=config.run.seed, epoch=epoch, order=order,
+                                batching=config.schedule.batching)
 
 
 def print_schedule(config: Config, *, lengths_file: str | None, data_dir: str | None, epoch: int,
