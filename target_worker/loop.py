@@ -50,7 +50,8 @@ class TargetLoop(WorkerLoop):
         while True:
             if pending is not None and not session.done(poll):
                 # Nothing to overlap with yet: report what we hold rather than sit on it while we wait.
-                pending = self._complete(pending, transport)
+                self._complete(pending, transport)
+                pending = None
             reply = self._await_poll(poll, "get_job")
             if reply["done"] or self.stopping:
                 if pending is not None:
@@ -65,34 +66,38 @@ class TargetLoop(WorkerLoop):
             if job is None:
                 continue
             started = time.perf_counter()
+            failure: Exception | None = None
             try:
                 written = self.backend.extract(job, transport.slot(job["slot"]))
             except Exception as exc:
-                self._failed(job, exc)
-                continue
-            if pending is not None:
+                written, failure = None, exc
+            if pending is not None:  # its copy drained while this job's forward was queued
                 self._complete(pending, transport)
+                pending = None
+            if failure is not None:
+                self._failed(job, failure)
+                continue
             pending = PendingJob(job, written, time.perf_counter() - started)
             if written is None:  # the slot is complete: report it now
-                pending = self._complete(pending, transport)
+                self._complete(pending, transport)
+                pending = None
 
     def _complete(self, pending: "PendingJob", transport: TargetTransport) -> None:
-        """Wait for the job's slot to be complete, publish it, report it ready (or failed); returns None."""
+        """Wait for the job's slot to be complete, publish it, report it ready (or failed)."""
         job = pending.job
         started = time.perf_counter()
         try:
             if pending.written is not None:
                 pending.written.wait()
-            transport.finish_write(job["slot"], stream=getattr(pending.written, "stream", None))
+            transport.finish_write(job["slot"], stream=pending.written.stream if pending.written is not None else None)
         except Exception as exc:
             self._failed(job, exc)
-            return None
+            return
         self._failures_in_a_row = 0
         busy_s = pending.busy_s + time.perf_counter() - started
         self._reports.append(self.session.submit("job_ready", job_id=job["job_id"], generation=job["generation"],
                                                  busy_s=busy_s))
         self.num_jobs += 1
-        return None
 
     def _failed(self, job: dict[str, Any], exc: Exception) -> None:
         self._failures_in_a_row += 1
