@@ -110,6 +110,16 @@ class EpochSchedule:
         counts = np.bincount(self.job_bucket, minlength=len(self.buckets)) if self.num_jobs else []
         return {b: int(n) for b, n in enumerate(counts) if n}
 
+    def fill(self, lengths: np.ndarray) -> tuple[float, dict[int, float]]:
+        """Real tokens ÷ slot tokens (``tokens_per_batch`` a job): overall, and per bucket that has jobs."""
+        if not self.num_jobs:
+            return 0.0, {}
+        tokens = np.add.reduceat(np.asarray(lengths)[self.job_samples], self.job_offsets[:-1])
+        per_bucket = np.bincount(self.job_bucket, weights=tokens, minlength=len(self.buckets))
+        buckets = {b.id: float(per_bucket[b.id] / (b.num_batches * self.tokens_per_batch))
+                   for b in self.buckets if b.num_batches}
+        return float(per_bucket.sum() / (self.num_jobs * self.tokens_per_batch)), buckets
+
     def figures(self) -> dict[str, float]:
         return {"prefix_deviation": prefix_deviation_array(self.job_bucket, self.bucket_totals),
                 "tail_skew": tail_skew(self.job_bucket.tolist())}

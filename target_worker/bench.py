@@ -60,13 +60,11 @@ def _job(schedule: EpochSchedule, index: int, lengths: np.ndarray) -> dict[str, 
 
 
 def schedule_fill(schedule: EpochSchedule, lengths: np.ndarray) -> dict[str, Any]:
-    """Real tokens ÷ slot tokens, overall and per bucket (keyed by the bucket's max length)."""
-    tokens = np.add.reduceat(lengths[schedule.job_samples], schedule.job_offsets[:-1]) if schedule.num_jobs else []
-    per_bucket = np.bincount(schedule.job_bucket, weights=tokens, minlength=len(schedule.buckets))
-    buckets = {str(b.max_len): {"jobs": b.num_batches, "fill": float(per_bucket[b.id] / (b.num_batches * schedule.tokens_per_batch))}
-               for b in schedule.buckets if b.num_batches}
-    return {"num_jobs": schedule.num_jobs, "real_tokens": int(per_bucket.sum()),
-            "fill": float(per_bucket.sum() / max(1, schedule.num_jobs * schedule.tokens_per_batch)),
+    """Fill overall and per bucket (keyed by the bucket's max length), with the schedule's fairness figures."""
+    fill, per_bucket = schedule.fill(lengths)
+    buckets = {str(schedule.buckets[b].max_len): {"jobs": schedule.buckets[b].num_batches, "fill": f}
+               for b, f in per_bucket.items()}
+    return {"num_jobs": schedule.num_jobs, "real_tokens": int(lengths[schedule.job_samples].sum()), "fill": fill,
             **schedule.figures(), "buckets": buckets}
 
 
