@@ -158,25 +158,30 @@ class HFTargetBackend:
         # depends only on its samples.
         padding = batch.attention_mask.to(self.device, non_blocking=True) == 0
         hs.masked_fill_(padding.unsqueeze(-1), 0)
+        rows_hs = hs.reshape(rows, -1)
         if self.device.type != "cuda":
-            self._write(slot, batch, hs)
+            self._write_tokens(slot, batch)
+            slot.hs[:rows].copy_(rows_hs)
             slot.write_header(header)
             return None
-        stream = self._copy_streams[buffer_index]
-        stream.wait_stream(torch.cuda.current_stream(self.device))  # the copy reads what the forward wrote
+        compute, stream = torch.cuda.current_stream(self.device), self._copy_streams[buffer_index]
         with torch.cuda.stream(stream):
-            self._write(slot, batch, hs)
+            # The token regions do not depend on the forward: queued first, so even a blocking host-to-GPU
+            # copy into a cuda_ipc slot waits only for this stream, never for the forward.
+            self._write_tokens(slot, batch)
+            stream.wait_stream(compute)  # the hidden states are what the forward queued on the compute stream
+            slot.hs[:rows].copy_(rows_hs, non_blocking=True)  # device to pinned host, or device to device
             self._copied[buffer_index].record(stream)
         return SideStreamWrite(slot=slot, header=header, stream=stream, copied=self._copied[buffer_index])
 
     @staticmethod
-    def _write(slot: SlotView, batch: PaddedBatch, hs: torch.Tensor) -> None:
+    def _write_tokens(slot: SlotView, batch: PaddedBatch) -> None:
+        """Mark the slot being written, then its ids, loss mask and lengths (the hidden states follow)."""
         rows = batch.num_seqs * batch.seq_len
         slot.begin_write()
-        slot.hs[:rows].copy_(hs.reshape(rows, -1), non_blocking=True)
-        slot.input_ids[:rows].copy_(batch.input_ids.reshape(-1), non_blocking=True)
-        slot.loss_mask[:rows].copy_(batch.loss_mask.reshape(-1), non_blocking=True)
-        slot.seq_lens[:batch.num_seqs].copy_(batch.seq_lens, non_blocking=True)
+        slot.input_ids[:rows].copy_(batch.input_ids.reshape(-1))
+        slot.loss_mask[:rows].copy_(batch.loss_mask.reshape(-1))
+        slot.seq_lens[:batch.num_seqs].copy_(batch.seq_lens)
 
     def close(self) -> None:
         self.capture.close()
