@@ -128,6 +128,11 @@ class DrafterTransport:
         """:meth:`start_read`, waited for: the slot can be released as soon as this returns."""
         return self.start_read(slot_id, generation, ipc=ipc, owner=owner).wait()
 
+    @property
+    def pinned(self) -> bool:
+        """Whether this process registered the shm pool's pages for async copies (False for cuda_ipc)."""
+        return self._arena is not None and self._arena.pinned
+
     def forget(self, owner: str) -> None:
         """Drop a departed target's CUDA IPC block (no-op for shm)."""
         if self._opener is not None:
