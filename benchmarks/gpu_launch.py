@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.gpu_sections import CheckContext, save_random_qwen3
+from dispatcher.stats_view import run_stats_or_none
 
 RUN_OVERRIDES = ("run.epochs=1", "run.seed=0", "target.capture_layers=[1,2]", "target.count=1",
                  "drafter.accum_steps=2", "drafter.checkpoint_every=2", "schedule.buckets=[32,64]",
@@ -99,7 +100,7 @@ def _run_figures(r: dict[str, Any], *, returncode: int, wall_s: float) -> dict[s
     return figures
 
 
-def _launch(ctx: CheckContext, run_dir: Path, overrides: list[str], *, timeout_s: float) -> dict[str, Any]:
+def _launch(run_dir: Path, overrides: list[str], *, timeout_s: float) -> dict[str, Any]:
     log_path = run_dir.parent / f"{run_dir.name}.log"
     started = time.monotonic()
     with open(log_path, "wb") as log:
@@ -130,26 +131,15 @@ def launch(ctx: CheckContext) -> dict[str, Any]:
         overrides = [f"run.dir={run_dir}", f"data.path={data_dir}", f"target.model={target_dir}", "drafter.count=1",
                      f"pool.transport={transport}", *RUN_OVERRIDES, *gpus]
         ctx.progress(f"launch with pool.transport={transport}")
-        figures[transport] = _launch(ctx, run_dir, overrides, timeout_s=max(30.0, min(240.0, ctx.left_s())))
+        figures[transport] = _launch(run_dir, overrides, timeout_s=max(30.0, min(240.0, ctx.left_s())))
     figures["witness_ok"] = all(f["exactly_once"] for f in figures.values() if isinstance(f, dict))
     return figures
 
 
 # -- two NCCL ranks, one killed mid-step --------------------------------------------------------
-def _stats(run_dir: Path) -> dict[str, Any] | None:
-    from common.client import DispatcherUnavailable
-    from dispatcher.stats_view import fetch_stats, resolve_stats_endpoint
-    if not (run_dir / "config.yaml").exists():
-        return None
-    try:
-        return fetch_stats(*resolve_stats_endpoint(None, str(run_dir)), timeout_s=1.0)
-    except DispatcherUnavailable:
-        return None
-
-
 def _committing_rank_mid_step(run_dir: Path) -> tuple[dict[str, Any], int] | None:
     """Rank 0 holding jobs of a step after the group's first checkpoint, and the membership version."""
-    s = _stats(run_dir)
+    s = run_stats_or_none(run_dir)
     group = (s or {}).get("groups", {}).get("drafter")
     model = (s or {}).get("models", {}).get("drafter", {})
     if not group or not group["formed"] or model.get("checkpoint", 0) < 2:
@@ -187,7 +177,7 @@ def nccl_group(ctx: CheckContext) -> dict[str, Any]:
             killed_at = time.monotonic()
             regrouped_s = None
             while time.monotonic() < deadline and proc.poll() is None:
-                group = ((_stats(run_dir) or {}).get("groups", {}) or {}).get("drafter")
+                group = ((run_stats_or_none(run_dir) or {}).get("groups", {}) or {}).get("drafter")
                 if group and group["formed"] and group["version"] > version:
                     regrouped_s = round(time.monotonic() - killed_at, 2)
                     break
