@@ -186,17 +186,13 @@ class SlotCopy:
         self.view = view
         self.device = device
         self.generation = generation
-        self.batch = batch
+        self._batch = batch
         self.stream = stream
         self.event = event
 
-    def done(self) -> bool:
-        """Whether the bytes have landed (without waiting)."""
-        return self.event is None or self.event.query()
-
     def wait(self) -> SlotBatch:
         if self.event is None:
-            return self.batch
+            return self._batch
         self.event.synchronize()  # this copy only: compute queued on other streams runs on
         with torch.cuda.stream(self.stream):  # a header on a GPU (cuda_ipc) is read on the copy stream too
             self.view.expect_generation(self.generation, when="after")
@@ -204,8 +200,8 @@ class SlotCopy:
         if self.stream != consumer:
             consumer.wait_event(self.event)
             # Allocated on the copy stream: not to be reused until the consumer's work on it is done.
-            self.batch.record_stream(consumer)
-        return self.batch
+            self._batch.record_stream(consumer)
+        return self._batch
 
 
 def start_copy(view: SlotView, generation: int, device: torch.device, *,

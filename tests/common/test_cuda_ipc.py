@@ -131,8 +131,14 @@ def test_shm_transport_with_cuda_workers() -> None:
             batch = drafter.read(1, 2)
             assert batch.hs.is_cuda
             _verify(batch, job_id=12)
-            # The copy runs on the transport's own stream and completes by its event; a writer that
-            # starts before the copy is waited for makes the wait fail.
+            # The copy runs on the transport's own stream and completes by its event: waiting for it
+            # does not wait for the compute queued before it (about a second of GPU sleep here).
+            torch.cuda._sleep(2_000_000_000)
+            overlapped = drafter.start_read(1, 2).wait()
+            assert not torch.cuda.current_stream().query(), "the read waited for the compute stream"
+            torch.cuda.synchronize()
+            _verify(overlapped, job_id=12)
+            # A writer that starts before the copy is waited for makes the wait fail.
             copy = drafter.start_read(1, 2)
             assert copy.event is not None and copy.stream != torch.cuda.current_stream()
             target.slot(1).begin_write()
