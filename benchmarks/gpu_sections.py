@@ -255,13 +255,14 @@ def dflash_step(ctx: CheckContext) -> dict[str, Any]:
     reps = 3
     step_s = timed(step, device, reps)
     tokens = s.dflash_accum * batch * s.dflash_seq_len
-    flops = dflash_step_flops(trainer, context_tokens=tokens,
-                              query_tokens=sum(m.num_blocks for m in micro) * config.block_size,
-                              supervised=sum(m.num_positions for m in micro))
+    # A micro-batch's figures are tensors on the device; read once the timing is over.
+    blocks, supervised = sum(int(m.num_blocks) for m in micro), sum(int(m.num_positions) for m in micro)
+    flops = dflash_step_flops(trainer, context_tokens=tokens, query_tokens=blocks * config.block_size,
+                              supervised=supervised)
     figures: dict[str, Any] = {
         "attention": trainer.model.attention, "dtype": str(trainer.compute_dtype).removeprefix("torch."),
         "trainable_params_m": round(sum(p.numel() for p in trainer.params) / 1e6, 1),
-        "micro_batch": [batch, s.dflash_seq_len], "accum": s.dflash_accum, "blocks": sum(m.num_blocks for m in micro),
+        "micro_batch": [batch, s.dflash_seq_len], "accum": s.dflash_accum, "blocks": blocks,
         "warmup_s": round(warmup_s, 2), "step_ms": round(step_s * 1e3, 1), "tok_s": round(tokens / step_s),
         "tflops_per_step": round(flops / 1e12, 2)}
     if ctx.cuda:
