@@ -6,7 +6,8 @@ LM head, so the benchmark writes such a directory with random tensors of the req
 (``--hidden 4096 --vocab 151936 ...`` for a Qwen3-8B-sized drafter on a GPU). The figure to look at:
 at a fixed anchor count, the time barely grows with the sequence length (the blocks, not the
 context, carry the compute). Each row is the median of ``--reps`` timed micro-batches on the same
-inputs, anchors drawn by the trainer as in training.
+inputs, anchors drawn by the trainer as in training; on the CPU also the process's CPU time (``cpu_ms``),
+the figure that holds when other processes share the cores.
 """
 
 from __future__ import annotations
@@ -80,13 +81,14 @@ def run_dflash_bench(*, hidden: int = 64, intermediate: int = 128, heads: int = 
                 trainer.drop_step()
                 if device_t.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device_t)
-                times = []
+                times, cpu_times = [], []
                 for _ in range(reps):
                     _sync(device_t)
-                    started = time.perf_counter()
+                    started, cpu_started = time.perf_counter(), time.process_time()
                     stats = trainer.micro_batch(*args)
                     _sync(device_t)
                     times.append(time.perf_counter() - started)
+                    cpu_times.append(time.process_time() - cpu_started)
                     trainer.drop_step()
                 # The median: on a shared machine a few slow repetitions say more about the neighbours.
                 seconds = statistics.median(times)
@@ -94,6 +96,10 @@ def run_dflash_bench(*, hidden: int = 64, intermediate: int = 128, heads: int = 
                 row = {"seq_len": seq_len, "batch": batch, "anchors": num_anchors, "blocks": num_blocks,
                        "ms": round(seconds * 1e3, 2), "tok_s": round(batch * seq_len / seconds),
                        "blocks_s": round(num_blocks / seconds)}
+                if device_t.type == "cpu":
+                    # The process's CPU time: what the micro-batch cost even while other processes
+                    # share the cores (with one thread, the wall time of a quiet machine).
+                    row["cpu_ms"] = round(statistics.median(cpu_times) * 1e3, 2)
                 if device_t.type == "cuda":
                     row["peak_gib"] = round(torch.cuda.max_memory_allocated(device_t) / 2**30, 2)
                 rows.append(row)
@@ -102,8 +108,10 @@ def run_dflash_bench(*, hidden: int = 64, intermediate: int = 128, heads: int = 
         return 0
     print(f"DFlash micro-batch (forward + backward) on {device_t}, hidden {hidden}, vocab {vocab}, "
           f"{num_draft_layers} draft layer(s), block {block_size}, capture layers {layer_ids}")
-    print(f"{'seq_len':>8} {'batch':>6} {'anchors':>8} {'blocks':>7} {'ms':>9} {'tok/s':>10} {'blocks/s':>9}")
+    cpu = device_t.type == "cpu"
+    print(f"{'seq_len':>8} {'batch':>6} {'anchors':>8} {'blocks':>7} {'ms':>9} {'tok/s':>10} {'blocks/s':>9}"
+          + (f" {'cpu ms':>9}" if cpu else ""))
     for r in rows:
         print(f"{r['seq_len']:>8} {r['batch']:>6} {r['anchors']:>8} {r['blocks']:>7} {r['ms']:>9.2f} "
-              f"{r['tok_s']:>10,} {r['blocks_s']:>9,}")
+              f"{r['tok_s']:>10,} {r['blocks_s']:>9,}" + (f" {r['cpu_ms']:>9.2f}" if cpu else ""))
     return 0
