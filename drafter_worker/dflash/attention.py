@@ -93,6 +93,7 @@ class _SplitAttention(torch.autograd.Function):
 
 
 _compiled_flex = None
+MAX_COMPILED_SHAPES = 64  # shapes flex attention is compiled for before dynamo would give up on new ones
 
 
 def _flex_attention(q, k, v, block_mask):
@@ -103,6 +104,9 @@ def _flex_attention(q, k, v, block_mask):
         return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
     if _compiled_flex is None:
         # Static shapes: one kernel per bucket shape, specialised to it, instead of one dynamic one.
+        # A run has as many shapes as buckets (times anchor widths); past dynamo's recompile limit
+        # (8 by default) a new shape would run eagerly, materialising every score.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MAX_COMPILED_SHAPES)
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True)
 

@@ -112,7 +112,8 @@ class DFlashTrainer:
         # Anchors are drawn on the device from a generator of the trainer's own: checkpointed, and
         # independent of whatever else uses the global RNG in the process.
         self.anchor_generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.weights_K = position_weights(self.model_config.block_size, self.model_config.gamma)
+        # On the device once: a blocking copy of it into every micro-batch would wait for the queued work.
+        self.weights_K = position_weights(self.model_config.block_size, self.model_config.gamma).to(self.device)
         self.step = 0
         self._reset_accumulators()
 
