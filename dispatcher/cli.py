@@ -59,9 +59,12 @@ def cmd_worker(args) -> int:
         backend = LinearDrafter(config, model_id=model_id)
     else:
         if not config.target.model:  # said before torch loads: the drafter reads the target's config and head
-            raise ConfigError("target.model: the DFlash drafter needs the target model directory (or use --sim)")
-        from drafter_worker.dflash_backend import DFlashBackend
-        backend = DFlashBackend(config, model_id=model_id)
+            raise ConfigError("target.model: the drafter needs the target model directory (or use --sim)")
+        if config.drafter.objective == "eagle3":
+            from drafter_worker.eagle3_backend import Eagle3Backend as Backend
+        else:
+            from drafter_worker.dflash_backend import DFlashBackend as Backend
+        backend = Backend(config, model_id=model_id)
     if grouped:
         from drafter_worker.group_loop import GroupDrafterLoop
         loop = GroupDrafterLoop(config, name, backend)

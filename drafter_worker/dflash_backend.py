@@ -54,12 +54,12 @@ def jobs_per_epoch(config: Config) -> int:
     return sum(math.ceil(n / (config.schedule.tokens_per_batch // length)) for n, length in zip(counts, buckets))
 
 
-def derive_total_steps(config: Config) -> int:
-    """``dflash.total_steps``, or the run's optimizer steps: every job once per epoch, ``accum_steps``
+def derive_total_steps(config: Config, section: str = "dflash") -> int:
+    """``<section>.total_steps``, or the run's optimizer steps: every job once per epoch, ``accum_steps``
     jobs a step, the jobs shared among ``drafter.count`` drafters. A flush at an epoch's end makes a
     short step now and then; the cosine then stays at its floor for those few extra steps."""
-    if config.dflash.total_steps:
-        return config.dflash.total_steps
+    if getattr(config, section).total_steps:
+        return getattr(config, section).total_steps
     num_jobs = jobs_per_epoch(config) * config.run.epochs
     return max(1, math.ceil(num_jobs / (config.drafter.accum_steps * max(1, config.drafter.count))))
 
@@ -77,7 +77,13 @@ def anchor_seed(run_seed: int, job_id: int) -> int:
 
 
 class DFlashBackend:
-    """A :class:`common.worker_backends.DrafterBackend` training a DFlash drafter with :class:`DFlashTrainer`."""
+    """A :class:`common.worker_backends.DrafterBackend` training a DFlash drafter with :class:`DFlashTrainer`.
+
+    What is not DFlash's own (checkpoints, the group's sums, metrics) serves every drafter trainer of
+    the same interface: :class:`drafter_worker.eagle3_backend.Eagle3Backend` overrides the rest.
+    """
+
+    section = "dflash"  # the config section of the drafter's keys
 
     def __init__(self, config: Config, model_id: str, *, device: str | torch.device | None = None,
                  total_steps: int | None = None):
@@ -91,12 +97,12 @@ class DFlashBackend:
         self.target_dir = str(config.target.model)
         self.device = torch.device(device) if device is not None else default_device(config)
         self.seed = config.run.seed
-        self.train_config = DFlashTrainConfig.from_section(
-            config.dflash, total_steps=total_steps or derive_total_steps(config))
+        section = getattr(config, self.section)
+        self.train_config = self._train_config(section, total_steps or derive_total_steps(config, self.section))
         self.train_config.validate()
         self.keep = config.drafter.checkpoint_keep
-        self.export_dtype = config.dflash.export_dtype
-        self.log_every = config.dflash.log_every
+        self.export_dtype = section.export_dtype
+        self.log_every = section.log_every
         self.trainer = self._new_trainer()
         self.step = 0
         self.trained = TrainedJobs()
@@ -106,6 +112,9 @@ class DFlashBackend:
         self.tensorboard = TensorBoardLog(config.run_dir, self.model_id)
         self.exit_after_step = int(os.environ.get(EXIT_AFTER_STEP_ENV) or 0)
         self._synced_total: float | None = None  # the group's weight total, once sync_gradients ran
+
+    def _train_config(self, section, total_steps: int) -> DFlashTrainConfig:
+        return DFlashTrainConfig.from_section(section, total_steps=total_steps)
 
     def _new_trainer(self) -> DFlashTrainer:
         # The process RNG is seeded too: whatever draws from it (a kernel, a library) repeats on a rerun.

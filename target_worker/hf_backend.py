@@ -101,12 +101,14 @@ class HFTargetBackend:
                                        attn_implementation=config.target.attn_implementation, device=device)
         architecture, num_layers, hidden_size = contract_shape_of(self.model)
         loaded = CaptureContract(architecture=architecture, num_layers=num_layers, hidden_size=hidden_size,
-                                 layer_ids=declared.layer_ids, dtype=str(self.model.dtype).removeprefix("torch."))
+                                 layer_ids=declared.layer_ids, dtype=str(self.model.dtype).removeprefix("torch."),
+                                 final_norm=declared.final_norm)
         check_same_contract(declared, loaded, ours_name="config.json", theirs_name="loaded model")
         self.contract: dict[str, Any] = declared.to_dict()
-        self.capture = LayerCapture(self.model, declared.layer_ids, max_tokens=self.tokens_per_batch)
+        self.capture = LayerCapture(self.model, declared.layer_ids, max_tokens=self.tokens_per_batch,
+                                    final_norm=declared.final_norm)
         if not keep_full_model:
-            drop_unused_modules(self.model, last_layer=declared.layer_ids[-1])
+            drop_unused_modules(self.model, last_layer=self.capture.last_layer)
 
     def forward(self, batch: PaddedBatch) -> torch.Tensor:
         """``[rows, seq_len, K × hidden]`` for the whole fixed-shape batch (a view reused by the next call)."""

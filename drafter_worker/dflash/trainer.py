@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +23,8 @@ from drafter_worker.dflash.anchors import IGNORE, check_anchors, block_labels, s
 from drafter_worker.dflash.config import DFlashTrainConfig
 from drafter_worker.dflash.loss import position_weights, weighted_ce_chunked
 from drafter_worker.dflash.model import DFlashDraftModel, build_drafter
+from drafter_worker.recipe import StepStats, build_optimizer, clip_and_step, resolve_dtype, scale_gradients
+from drafter_worker.recipe import warmup_cosine  # noqa: F401  (re-exported: tests import it from here)
 
 
 @dataclass
@@ -34,36 +36,6 @@ class MicroStats:
     num_tokens: int        # real tokens of its sequences
     correct: list[int]     # top-1 hits per block position k (index 0 unused)
     count: list[int]       # supervised positions per block position k
-
-
-@dataclass
-class StepStats:
-    step: int              # steps applied, this one included
-    loss: float            # the step's weighted CE (sum over its micro-batches / total weight)
-    grad_norm: float       # global gradient norm before clipping
-    lr: float              # learning rate this step was applied with
-    weight: float          # total weight the gradients were divided by
-    num_micro_batches: int
-    accuracy: list[float] = field(default_factory=list)  # top-1 accuracy per block position 1..B-1
-
-
-def warmup_cosine(total_steps: int, warmup_ratio: float, min_lr_ratio: float):
-    """LR factor of step s (0-based): linear warmup over ``ceil(ratio * total)`` steps, then cosine."""
-    warmup = math.ceil(warmup_ratio * total_steps)
-
-    def factor(s: int) -> float:
-        if s < warmup:
-            return (s + 1) / warmup
-        progress = min(1.0, (s - warmup) / max(1, total_steps - warmup))
-        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
-
-
-def _resolve_dtype(config: DFlashTrainConfig, device: torch.device) -> torch.dtype:
-    if config.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, config.dtype)
 
 
 def _resolve_attention(config: DFlashTrainConfig, device: torch.device) -> str:
@@ -81,7 +53,7 @@ class DFlashTrainer:
         config.validate()
         self.config = config
         self.device = torch.device(device)
-        self.compute_dtype = _resolve_dtype(config, self.device)
+        self.compute_dtype = resolve_dtype(config, self.device)
         self.model_config = config.model_config(target_dir, layer_ids)
         # Trainable tensors stay float32 (master weights); the frozen shared ones take the compute dtype.
         self.model: DFlashDraftModel = build_drafter(self.model_config, target_dir, dtype=self.compute_dtype)
@@ -89,10 +61,7 @@ class DFlashTrainer:
         self.model.to(self.device)
         self.model.attention = _resolve_attention(config, self.device)
         self.params = [p for _, p in self.model.draft_named_parameters()]
-        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=tuple(config.betas),
-                                           weight_decay=config.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, warmup_cosine(config.total_steps, config.warmup_ratio, config.min_lr_ratio))
+        self.optimizer, self.scheduler = build_optimizer(self.params, config)
         # Anchors are drawn on the CPU from a generator of the trainer's own: checkpointed, and
         # independent of whatever else uses the global RNG in the process.
         self.anchor_generator = torch.Generator().manual_seed(seed)
@@ -182,11 +151,7 @@ class DFlashTrainer:
 
     def scale_gradients(self, total_weight: float) -> None:
         """Divide the accumulated gradients by the step's total position weight (all ranks summed)."""
-        if total_weight <= 0:
-            return  # nothing was supervised: the gradients are zero already
-        for p in self.params:
-            if p.grad is not None:
-                p.grad.div_(total_weight)
+        scale_gradients(self.params, total_weight)
 
     def apply_step(self, *, total_weight: float | None = None) -> StepStats:
         """Scale, clip, optimizer and scheduler step, zero the gradients; ``step += 1``.
@@ -196,12 +161,7 @@ class DFlashTrainer:
         """
         total = self._weight_total if total_weight is None else float(total_weight)
         self.scale_gradients(total)
-        clip = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm, lr = clip_and_step(self.params, self.optimizer, self.scheduler, self.config.grad_clip)
         self.step += 1
         count = self._count[1:].clamp(min=1)
         stats = StepStats(step=self.step, loss=self._weighted_sum / total if total > 0 else math.nan,
