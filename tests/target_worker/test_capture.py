@@ -48,6 +48,25 @@ def test_capture_equals_output_hidden_states(model_dir, layer_ids):
     assert [len(layer._forward_hooks) for layer in model.model.layers] == hooks_before
 
 
+@pytest.mark.parametrize("layer_ids", [[1, 3, 4], [0, 6, 7]])  # EAGLE-3's 1, N/2-1, N-4 of 8 layers; the last too
+def test_final_norm_capture_adds_the_last_hidden_state_after_the_norm(model_dir, layer_ids):
+    """The EAGLE-3 contract: the layers, then hidden_states[-1] (the final norm's output) as one more block."""
+    model = load_target_model(model_dir, dtype=torch.float32, attn_implementation="sdpa", device=CPU)
+    torch.manual_seed(3)
+    ids = torch.randint(1, 97, (2, 16))
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    with torch.inference_mode():
+        out = model(ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
+    expected = torch.cat([out.hidden_states[i + 1] for i in layer_ids] + [out.hidden_states[-1]], dim=-1)
+    capture = LayerCapture(model, layer_ids, max_tokens=32, final_norm=True)
+    assert capture.row_width == 4 * model.config.hidden_size and capture.last_layer == 7
+    captured = capture(ids, mask).clone()
+    for row, length in enumerate((16, 9)):
+        torch.testing.assert_close(captured[row, :length], expected[row, :length], atol=1e-5, rtol=0)
+    capture.close()
+
+
 @pytest.mark.parametrize("kind", ["mistral", "gemma3"])
 def test_capture_finds_other_decoder_only_architectures(kind, tmp_path):
     model_dir = save_tiny_model(kind, tmp_path / kind)
