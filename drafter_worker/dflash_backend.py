@@ -84,6 +84,7 @@ class DFlashBackend:
     """
 
     section = "dflash"  # the config section of the drafter's keys
+    log = log  # its step lines' logger
 
     def __init__(self, config: Config, model_id: str, *, device: str | torch.device | None = None,
                  total_steps: int | None = None):
@@ -203,10 +204,10 @@ class DFlashBackend:
         wall_s, compute_s, num_tokens = self.clock.finish()
         self.last_metrics = step_metrics(stats, wall_s=wall_s, compute_s=compute_s, num_tokens=num_tokens)
         if self.step % self.log_every == 0:
-            log.info("%s", format_metrics(self.model_id, self.step, self.last_metrics))
+            self.log.info("%s", format_metrics(self.model_id, self.step, self.last_metrics))
         self.tensorboard.write(self.step, self.last_metrics)
         if self.step == self.exit_after_step:
-            log.error("%s: exiting after step %d (%s)", self.model_id, self.step, EXIT_AFTER_STEP_ENV)
+            self.log.error("%s: exiting after step %d (%s)", self.model_id, self.step, EXIT_AFTER_STEP_ENV)
             os._exit(3)
         return self.last_metrics
 

@@ -50,6 +50,7 @@ class Eagle3Backend(DFlashBackend):
     """A :class:`common.worker_backends.DrafterBackend` training an EAGLE-3 drafter with :class:`Eagle3Trainer`."""
 
     section = "eagle3"
+    log = log
 
     def __init__(self, config: Config, model_id: str, **kwargs: Any):
         if not config.target.model:

@@ -76,8 +76,8 @@ def test_checkpoint_resumes_exactly_and_exports_the_eagle3_layout(tiny_target, t
     assert (d2t.dtype, d2t.shape, t2d.dtype, t2d.shape) == (torch.int64, (DRAFT_VOCAB,), torch.bool, (300,))
     assert torch.equal(d2t, straight.trainer.model.d2t)
 
-    model = load_drafter(exported, tiny_target)
-    for name, tensor in resumed.trainer.model.draft_state_dict().items():
+    model = load_drafter(exported, tiny_target)  # the checkpoint of step 2: first's weights
+    for name, tensor in first.trainer.model.draft_state_dict().items():
         torch.testing.assert_close(model.draft_state_dict()[name], tensor.to(model.draft_state_dict()[name].dtype))
     prompts = [jobs[0][1].input_ids[0, :6].long().tolist(), jobs[1][1].input_ids[1, :5].long().tolist()]
     result = evaluate(tiny_target, str(exported), prompts, 10, target=tiny_target_model)  # raises unless == greedy
