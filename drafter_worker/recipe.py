@@ -8,6 +8,7 @@ declare the same recipe keys (:class:`common.config.TrainingRecipe`), checked he
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -93,3 +94,81 @@ def scale_gradients(params: list[torch.nn.Parameter], total_weight: float) -> No
     for p in params:
         if p.grad is not None:
             p.grad.div_(total_weight)
+
+
+class AccumulatingTrainer:
+    """The step bookkeeping every drafter trainer shares: unnormalised sums over the micro-batches of
+    a step (weight total, weighted loss, top-1 hits and counts per drafted position), the sums a
+    data-parallel group adds up, and the step that divides by the total before clipping.
+
+    A subclass sets ``params``, ``optimizer``, ``scheduler``, ``config`` (a :class:`TrainingRecipe`),
+    ``device``, ``compute_dtype`` and ``step``, and names ``num_positions`` (the length of the
+    per-position counts) and ``first_reported`` (the first position the accuracy reports).
+    """
+
+    num_positions: int
+    first_reported = 0
+
+    def _reset_accumulators(self) -> None:
+        self._weighted_sum = 0.0
+        self._weight_total = 0.0
+        self._num_micro_batches = 0
+        self._correct = torch.zeros(self.num_positions, dtype=torch.long)
+        self._count = torch.zeros(self.num_positions, dtype=torch.long)
+
+    @property
+    def local_weight_total(self) -> float:
+        """Total weight of this rank's micro-batches since the last step (to all-reduce)."""
+        return self._weight_total
+
+    def step_sums(self) -> torch.Tensor:
+        """What a data-parallel group sums besides the gradients, float64 on the trainer's device:
+        ``[weight total, weighted loss sum, top-1 hits per position..., counts per position...]``
+        of this rank's micro-batches since the last step."""
+        local = torch.cat([torch.tensor([self._weight_total, self._weighted_sum], dtype=torch.float64),
+                           self._correct.double(), self._count.double()])
+        return local.to(self.device)
+
+    def adopt_group_sums(self, sums: torch.Tensor) -> float:
+        """Take :meth:`step_sums` summed over the group as this step's own: the gradients are divided
+        by the group's weight, and the step's loss and accuracy are the group's, not this rank's
+        share of them. Returns the group's weight total."""
+        sums = sums.detach().to("cpu", torch.float64)
+        n = self.num_positions
+        if sums.numel() != 2 + 2 * n:
+            raise ValueError(f"group sums of {sums.numel()} values, expected {2 + 2 * n}")
+        self._weight_total, self._weighted_sum = float(sums[0]), float(sums[1])
+        self._correct = sums[2:2 + n].round().long()
+        self._count = sums[2 + n:].round().long()
+        return self._weight_total
+
+    def _autocast(self):
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def scale_gradients(self, total_weight: float) -> None:
+        """Divide the accumulated gradients by the step's total weight (all ranks summed)."""
+        scale_gradients(self.params, total_weight)
+
+    def apply_step(self, *, total_weight: float | None = None) -> StepStats:
+        """Scale, clip, optimizer and scheduler step, zero the gradients; ``step += 1``.
+
+        ``total_weight`` defaults to this trainer's own total; a data-parallel group passes the sum
+        over its ranks.
+        """
+        total = self._weight_total if total_weight is None else float(total_weight)
+        self.scale_gradients(total)
+        grad_norm, lr = clip_and_step(self.params, self.optimizer, self.scheduler, self.config.grad_clip)
+        self.step += 1
+        first = self.first_reported
+        stats = StepStats(step=self.step, loss=self._weighted_sum / total if total > 0 else math.nan,
+                          grad_norm=grad_norm, lr=lr, weight=total, num_micro_batches=self._num_micro_batches,
+                          accuracy=(self._correct[first:] / self._count[first:].clamp(min=1)).tolist())
+        self._reset_accumulators()
+        return stats
+
+    def drop_step(self) -> None:
+        """Forget the accumulated micro-batches (the dispatcher refused the step)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._reset_accumulators()

@@ -14,7 +14,6 @@ one process accumulating micro-batches and a group splitting them train the same
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
@@ -24,7 +23,7 @@ from drafter_worker.eagle3.config import NUM_FUSED_LAYERS, Eagle3TrainConfig
 from drafter_worker.eagle3.loss import soft_ce_chunked, step_weights, target_rows
 from drafter_worker.eagle3.model import Eagle3DraftModel, build_drafter
 from drafter_worker.eagle3.ttt import shift_left, step_targets, ttt_mask
-from drafter_worker.recipe import StepStats, build_optimizer, clip_and_step, resolve_dtype, scale_gradients
+from drafter_worker.recipe import AccumulatingTrainer, build_optimizer, resolve_dtype
 
 
 @dataclass
@@ -36,7 +35,7 @@ class MicroStats:
     count: list[int]       # supervised positions per TTT step
 
 
-class Eagle3Trainer:
+class Eagle3Trainer(AccumulatingTrainer):
     def __init__(self, config: Eagle3TrainConfig, *, target_dir: str, layer_ids: list[int], device, seed: int,
                  d2t: torch.Tensor, t2d: torch.Tensor):
         config.validate()
@@ -55,39 +54,9 @@ class Eagle3Trainer:
         self.step = 0
         self._reset_accumulators()
 
-    def _reset_accumulators(self) -> None:
-        self._weighted_sum = 0.0
-        self._weight_total = 0.0
-        self._num_micro_batches = 0
-        self._correct = torch.zeros(self.model_config.ttt_steps, dtype=torch.long)
-        self._count = torch.zeros(self.model_config.ttt_steps, dtype=torch.long)
-
     @property
-    def local_weight_total(self) -> float:
-        return self._weight_total
-
-    def step_sums(self) -> torch.Tensor:
-        """``[weight total, weighted loss sum, hits per TTT step..., counts per TTT step...]`` of this
-        rank's micro-batches since the last step, float64 on the trainer's device (what a group sums)."""
-        local = torch.cat([torch.tensor([self._weight_total, self._weighted_sum], dtype=torch.float64),
-                           self._correct.double(), self._count.double()])
-        return local.to(self.device)
-
-    def adopt_group_sums(self, sums: torch.Tensor) -> float:
-        """Take :meth:`step_sums` summed over the group as this step's own; returns the group's weight."""
-        sums = sums.detach().to("cpu", torch.float64)
-        steps = self.model_config.ttt_steps
-        if sums.numel() != 2 + 2 * steps:
-            raise ValueError(f"group sums of {sums.numel()} values, expected {2 + 2 * steps}")
-        self._weight_total, self._weighted_sum = float(sums[0]), float(sums[1])
-        self._correct = sums[2:2 + steps].round().long()
-        self._count = sums[2 + steps:].round().long()
-        return self._weight_total
-
-    def _autocast(self):
-        if self.compute_dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+    def num_positions(self) -> int:
+        return self.model_config.ttt_steps
 
     def micro_batch(self, hs, input_ids, loss_mask, seq_lens) -> MicroStats:
         """Forward + backward of one micro-batch; gradients accumulate.
@@ -139,25 +108,6 @@ class Eagle3Trainer:
         return MicroStats(loss=float(total.detach()) / weight_total if weight_total else math.nan,
                           weight=weight_total, num_tokens=int(seq_lens.sum()), correct=correct.tolist(),
                           count=count.tolist())
-
-    def scale_gradients(self, total_weight: float) -> None:
-        scale_gradients(self.params, total_weight)
-
-    def apply_step(self, *, total_weight: float | None = None) -> StepStats:
-        """Scale, clip, optimizer and scheduler step, zero the gradients; ``step += 1``."""
-        total = self._weight_total if total_weight is None else float(total_weight)
-        self.scale_gradients(total)
-        grad_norm, lr = clip_and_step(self.params, self.optimizer, self.scheduler, self.config.grad_clip)
-        self.step += 1
-        stats = StepStats(step=self.step, loss=self._weighted_sum / total if total > 0 else math.nan,
-                          grad_norm=grad_norm, lr=lr, weight=total, num_micro_batches=self._num_micro_batches,
-                          accuracy=(self._correct / self._count.clamp(min=1)).tolist())
-        self._reset_accumulators()
-        return stats
-
-    def drop_step(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        self._reset_accumulators()
 
     def state_dict(self) -> dict:
         """Model (draft tensors and vocabulary) + optimizer + scheduler + step."""
