@@ -60,7 +60,8 @@ class Eagle3Backend(DFlashBackend):
             raise ConfigError(f"drafter.objective is {config.drafter.objective!r}: an EAGLE-3 drafter needs eagle3 "
                               f"(the capture contract then carries the target's final-norm state)")
         from common.capture_contract import read_model_config
-        vocab_size = int(read_model_config(config.target.model).get("vocab_size") or 0)
+        doc = read_model_config(config.target.model)
+        vocab_size = int(doc.get("text_config", doc).get("vocab_size") or 0)  # multimodal: the language model's
         self.d2t, self.t2d = draft_vocab_of_dataset(config.data.path, vocab_size, config.eagle3.draft_vocab)
         super().__init__(config, model_id, **kwargs)
 
