@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafter_worker.dflash.model import DFlashMLP, RMSNorm, apply_rope, rope_cos_sin
+from drafter_worker.draft_tensors import DraftTensors
 from drafter_worker.eagle3.config import NUM_FUSED_LAYERS, Eagle3Config
 from drafter_worker.eagle3.vocab import check_vocab
 
@@ -68,7 +69,9 @@ class Eagle3DecoderLayer(nn.Module):
         return stream + self.mlp(self.post_attention_layernorm(stream))
 
 
-class Eagle3DraftModel(nn.Module):
+class Eagle3DraftModel(DraftTensors):
+    SHARED_PREFIXES = SHARED_PREFIXES
+
     def __init__(self, config: Eagle3Config, *, embed_weight: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor):
         super().__init__()
         self.config = config
@@ -88,31 +91,9 @@ class Eagle3DraftModel(nn.Module):
         self.register_buffer("d2t", d2t.clone())
         self.register_buffer("t2d", t2d.clone())
 
-    def init_weights(self, seed: int) -> None:
-        """Deterministic initialisation of the trainable tensors (normal 0.02, norms at 1)."""
-        generator = torch.Generator().manual_seed(seed)
-        for name, param in self.draft_named_parameters():
-            with torch.no_grad():
-                if name.endswith("norm.weight"):
-                    param.fill_(1.0)
-                else:
-                    param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
-
-    def draft_named_parameters(self):
-        return [(n, p) for n, p in self.named_parameters() if not n.startswith(SHARED_PREFIXES)]
-
-    def draft_state_dict(self) -> dict[str, torch.Tensor]:
-        """The trained tensors and the vocabulary mapping, named as in the exported checkpoint."""
-        return {n: t for n, t in self.state_dict().items() if not n.startswith(SHARED_PREFIXES)}
-
     def load_draft_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        expected = set(self.draft_state_dict())
-        missing, unexpected = expected - set(state), set(state) - expected
-        if missing or unexpected:
-            raise ValueError(f"drafter tensors do not match the model: missing {sorted(missing)[:5]}, "
-                             f"unexpected {sorted(unexpected)[:5]}")
         check_vocab(state["d2t"].long(), state["t2d"].bool())
-        self.load_state_dict(state, strict=False)
+        super().load_draft_state_dict(state)
 
     def fuse(self, aux_BT3H: torch.Tensor) -> torch.Tensor:
         """The step-0 hidden state from the three captured target layers."""
