@@ -19,6 +19,7 @@ memory segments of its run id left in /dev/shm, and processes of its sessions st
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -30,16 +31,12 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import psutil
 
-from benchmarks.chaos_plan import ATTACH, DETACH, KILL, ROLES, ChaosEvent, build_plan, rollbacks_from_journal
-from common.client import run_id_for
-from common.config import ConfigError, load_config, write_resolved
-from common.shm_segment import list_segments
-from dispatcher.journal import read_journal
-from dispatcher.report import build_report
+from benchmarks.chaos_figures import clean_up, figures, format_figures
+from benchmarks.chaos_plan import ATTACH, DETACH, KILL, ChaosEvent, build_plan
+from common.config import ConfigError, DrafterSection, load_config, write_resolved
 from dispatcher.rundir import STATE_FILE
 
 JSON_KEYS = ("kills", "attaches", "detaches", "jobs_total", "committed", "witness_duplicates", "witness_missing",
@@ -81,14 +78,17 @@ def sim_setup(run_dir: Path, minutes: float, seed: int) -> ChaosSetup:
 
 
 def real_setup(run_dir: Path, minutes: float, seed: int, inputs: list[str], config_file: Path) -> ChaosSetup:
-    # The demo's recipe, in a group of 2 DFlash ranks; epochs enough to outlast the window.
-    epochs = max(4, int(minutes * 12))
+    # The demo's recipe in a group of 2 DFlash ranks: about 3.4 jobs/s here without chaos, so
+    # 6 epochs (258 jobs) a minute of window outlast it. A group whose size is elastic
+    # (drafter.min_ranks) takes attaches beyond its size; a fixed one only where a rank left.
+    elastic = "min_ranks" in {f.name for f in dataclasses.fields(DrafterSection)}
     return ChaosSetup(
-        overrides=(*inputs, f"run.dir={run_dir}", f"run.seed={seed}", f"run.epochs={epochs}", "target.count=1",
-                   "drafter.count=2", "drafter.checkpoint_every=10", "drafter.collective_timeout_s=20",
-                   "dispatcher.heartbeat_s=0.5", "dispatcher.worker_timeout_s=10"),
-        num_targets=1, num_drafters=2, min_drafters=1, max_drafters=2, mean_gap_s=max(4.0, minutes * 60 / EVENTS_PER_WINDOW),
-        paired_attach=True, settle_timeout_s=300 + minutes * 60, config_file=config_file)
+        overrides=(*inputs, f"run.dir={run_dir}", f"run.seed={seed}", f"run.epochs={max(4, int(minutes * 6))}",
+                   "target.count=1", "drafter.count=2", "drafter.checkpoint_every=10",
+                   "drafter.collective_timeout_s=20", "dispatcher.heartbeat_s=0.5", "dispatcher.worker_timeout_s=10"),
+        num_targets=1, num_drafters=2, min_drafters=2 if elastic else 1, max_drafters=4 if elastic else 2,
+        mean_gap_s=max(4.0, minutes * 60 / EVENTS_PER_WINDOW), paired_attach=not elastic,
+        settle_timeout_s=300 + minutes * 60, config_file=config_file)
 
 
 @dataclass
@@ -352,59 +352,6 @@ def drive(setup: ChaosSetup, plan: list[ChaosEvent], run_dir: Path, *, window_s:
         supervisor.stop_all()
         for event in pending:
             log.event("not run", event.role, event.action, None, f"(planned at {event.at_s:.1f}s)")
-
-
-def figures(supervisor: ChaosSupervisor, run_dir: Path, finished: bool) -> dict[str, Any]:
-    report = build_report(run_dir)
-    rolled = rollbacks_from_journal(read_journal(run_dir))
-    segments = list_segments(run_id_for(run_dir))
-    orphans = supervisor.orphans()
-    counts = supervisor.counts
-    return {
-        "kills": {role: counts[(KILL, role)] for role in ROLES},
-        "attaches": counts[(ATTACH, "drafter")],
-        "detaches": counts[(DETACH, "drafter")],
-        "jobs_total": report["jobs_total"],
-        "committed": report["committed"],
-        "witness_duplicates": report["witness_duplicates"],
-        "witness_missing": report["witness_missing"],
-        "steps_rolled_back": sum(rolled.values()),
-        "steps_rolled_back_by_cause": rolled,
-        "shm_leftover": len(segments),
-        "orphans": len(orphans),
-        "finished": finished and report["finished"],
-        "crashes": dict(supervisor.crashes),
-        "events_skipped": supervisor.skipped,
-        "reattached": supervisor.reattached,
-        "dispatcher_restarts": report["restarts"],
-        "steps": report["steps"],
-        "wall_s": report["wall_s"],
-        "run_dir": str(run_dir),
-    }, segments, orphans
-
-
-def clean_up(segments, orphans: list[int]) -> None:
-    """What the figures counted as left behind is removed, so the bench itself leaves nothing."""
-    for pid in orphans:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-    for segment in segments:
-        Path(segment.path).unlink(missing_ok=True)
-
-
-def format_figures(f: dict[str, Any], *, seed: int, mode: str) -> str:
-    kills = ", ".join(f"{role} {n}" for role, n in f["kills"].items())
-    causes = ", ".join(f"{c} {n}" for c, n in f["steps_rolled_back_by_cause"].items()) or "none"
-    return "\n".join([
-        f"chaos ({mode}, seed {seed}): {'finished' if f['finished'] else 'NOT finished'} in {f['wall_s']:.0f}s, "
-        f"{f['steps']} steps, {f['dispatcher_restarts']} dispatcher restart(s)",
-        f"events    kills {sum(f['kills'].values())} ({kills}); attaches {f['attaches']}; detaches {f['detaches']}; "
-        f"unplanned crashes {sum(f['crashes'].values())}",
-        f"jobs      total {f['jobs_total']}  committed {f['committed']}",
-        f"witness   duplicates {f['witness_duplicates']}  missing {f['witness_missing']} (the models' own records)",
-        f"rollback  {f['steps_rolled_back']} committed step(s) rolled back ({causes})",
-        f"leftover  shm segments {f['shm_leftover']}  processes {f['orphans']}",
-    ])
 
 
 def _real_inputs(inputs_dir: Path) -> tuple[list[str], Path]:

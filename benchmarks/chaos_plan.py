@@ -78,30 +78,3 @@ def _pair_attaches(kinds: list[tuple[str, str]]) -> list[tuple[str, str]]:
 
 def count_events(events: Iterable[ChaosEvent]) -> Counter:
     return Counter((e.action, e.role) for e in events)
-
-
-def rollbacks_from_journal(events: Iterable[dict]) -> dict[str, int]:
-    """Committed steps the ledger rolled back, per cause, from a journal's ``commit`` and ``rollback``
-    records. A rollback takes a model from its latest committed step back to the record's step.
-
-    The cause is the record's own ``cause`` when it names one; otherwise ``membership`` when a
-    membership record of the model came after its last commit (its group changed and the ranks went
-    back to a checkpoint), else ``restart`` (a drafter started again from its checkpoint)."""
-    latest: dict[str, int] = {}
-    regrouped: set[str] = set()
-    rolled: Counter = Counter()
-    for e in events:
-        kind = e["ev"]
-        if kind == "commit":
-            model = e.get("model", e.get("w", ""))
-            latest[model] = max(latest.get(model, 0), e["step"])
-            regrouped.discard(model)
-        elif kind == "membership":
-            regrouped.add(e["model"])
-        elif kind == "rollback":
-            model, step = e["model"], e["step"]
-            lost = latest.get(model, 0) - step
-            if lost > 0:
-                rolled[e.get("cause") or ("membership" if model in regrouped else "restart")] += lost
-            latest[model] = min(latest.get(model, 0), step)
-    return dict(rolled)

@@ -11,8 +11,8 @@ import json
 import psutil
 
 from benchmarks.chaos import JSON_KEYS
-from benchmarks.chaos_plan import (ATTACH, DETACH, KILL, SHARES, build_plan, count_events,
-                                   rollbacks_from_journal)
+from benchmarks.chaos_figures import rollbacks_from_journal
+from benchmarks.chaos_plan import ATTACH, DETACH, KILL, SHARES, build_plan, count_events
 from common.client import run_id_for
 from common.shm_arena import list_segments
 from hsd_testing import assert_session_ended, run_hsd_in_session
