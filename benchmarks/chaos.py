@@ -12,8 +12,8 @@ memory segments of its run id left in /dev/shm, and processes of its sessions st
 - sim (default): sim targets and sim drafters, each drafter training a model of its own; attach
   starts a new drafter (a new model), detach stops one (its model keeps what it committed).
 - ``--real``: the demo's tiny target (built once by ``hsd make-tiny``) and DFlash drafters in a
-  data-parallel group of 2 (gloo). Today's groups have a fixed size: a rank can only be attached
-  where one detached, so the plan pairs them.
+  data-parallel group of 2 (gloo). A group of fixed size takes a rank only where one left, so the
+  plan pairs each detach with an attach; an elastic one (``drafter.min_ranks``) takes up to 4.
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ JSON_KEYS = ("kills", "attaches", "detaches", "jobs_total", "committed", "witnes
 STOP_GRACE_S = 20.0         # a detached or stopping worker gets this long to leave before SIGKILL
 READY_TIMEOUT_S = 120.0
 SETTLED_AFTER_S = 1.0       # a process started this long ago may be hit again
-SKIP_AFTER_S = 5.0          # an event not applicable this long (and a whole gap) is skipped: the plan goes on
-EVENTS_PER_WINDOW = 20
-WINDOW_WALL_FACTOR = 6      # a window whose run barely serves ends after this many times its length      # about 13 kills: a window of any length hits every role more than once
+SKIP_AFTER_S = 5.0          # an event not possible this long (and a whole gap) is skipped: the plan goes on
+EVENTS_PER_WINDOW = 20      # about 13 kills: a window of any length hits every role more than once
+WINDOW_WALL_FACTOR = 6      # a window whose run barely serves ends after this many times its length
 
 
 @dataclass(frozen=True)
@@ -65,16 +65,16 @@ class ChaosSetup:
 
 def sim_setup(run_dir: Path, minutes: float, seed: int) -> ChaosSetup:
     # Sized to last about the window at the pace measured on the 2-core CI machine under chaos
-    # (about 4.5 jobs/s with 2 sim targets and an event every 1.5 s): the events land on a run that
-    # is still training.
-    samples = max(60, int(minutes * 60 * 5))   # ~3 samples a job, 3 epochs, ~4.5 jobs/s under chaos
+    # (about 4.5 jobs/s with 2 sim targets; ~3 samples a job, 3 epochs): the events land on a run
+    # that is still training.
+    samples = max(60, int(minutes * 60 * 5))
     return ChaosSetup(
         overrides=(f"run.dir={run_dir}", f"run.seed={seed}", "run.epochs=3", f"data.synthetic_samples={samples}",
                    "target.sim=true", "drafter.sim=true", "target.count=2", "drafter.count=2",
                    "target.sim_cost_per_token=2e-5", "drafter.accum_steps=2", "drafter.checkpoint_every=4",
                    "dispatcher.heartbeat_s=0.2", "dispatcher.worker_timeout_s=3"),
-        num_targets=2, num_drafters=2, min_drafters=1, max_drafters=4, mean_gap_s=max(1.0, minutes * 60 / EVENTS_PER_WINDOW),
-        paired_attach=False, settle_timeout_s=120 + minutes * 60)
+        num_targets=2, num_drafters=2, min_drafters=1, max_drafters=4,
+        mean_gap_s=max(1.0, minutes * 60 / EVENTS_PER_WINDOW), paired_attach=False, settle_timeout_s=120 + minutes * 60)
 
 
 def real_setup(run_dir: Path, minutes: float, seed: int, inputs: list[str], config_file: Path) -> ChaosSetup:
@@ -97,7 +97,7 @@ class Proc:
     role: str
     popen: subprocess.Popen
     detached: bool = False      # sent SIGTERM by a detach: its exit is expected
-    killed: bool = False        # SIGKILLed by the plan: started again by a scheduled restart
+    killed: bool = False        # SIGKILLed by the plan (or crashed): started again by a scheduled restart
     stop_deadline: float | None = None
     started: float = field(default_factory=time.monotonic)
 
@@ -129,12 +129,14 @@ class ChaosSupervisor:
         self.procs: dict[str, Proc] = {}
         self.restarts: list[tuple[float, str, str]] = []   # (due, name, role)
         self.sessions: set[int] = set()                      # every session this run started
+        self.started: list[subprocess.Popen] = []            # every process, reaped at the end
         self.counts: Counter = Counter()                     # (action, role) fired
         self.crashes: Counter = Counter()                    # unplanned non-zero exits, by role
         self.next_drafter = setup.num_drafters
         self.skipped = 0                                     # plan events dropped as not applicable
         self.reattached = 0
         self._serving, self._serving_checked = False, 0.0
+        self.window: tuple[float | None, float | None] = (None, None)  # wall clock (journal time) of the window
         self.dispatcher_done = False
 
     # -- processes ------------------------------------------------------------------------------
@@ -146,6 +148,7 @@ class ChaosSupervisor:
             popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
         self.sessions.add(popen.pid)
+        self.started.append(popen)
         proc = self.procs[name] = Proc(name, role, popen)
         return proc
 
@@ -245,8 +248,10 @@ class ChaosSupervisor:
                 self.restarts.append((now + 1.0, proc.name, proc.role))
 
     def reattach_unsaved_models(self, models: dict[str, dict]) -> None:
-        """A detached sim drafter whose last step the dispatcher never saw checkpointed (its
-        dispatcher was down as it left) holds the run open: start it again to finish its model."""
+        """A detached sim drafter whose model holds commits after its last checkpoint the dispatcher
+        knows of (killed and restarted, then detached before its next checkpoint; or its dispatcher
+        was down as it left) holds the run open: the run is done only once every model's last step
+        is checkpointed. Start it again: it rolls its model back to its checkpoint and finishes it."""
         for name, state in models.items():
             proc = self.procs.get(name)
             if proc is not None and proc.detached and proc.popen.poll() is not None and state["step"] > state["checkpoint"]:
@@ -265,6 +270,8 @@ class ChaosSupervisor:
                 except subprocess.TimeoutExpired:
                     _signal(proc.popen, signal.SIGKILL)
                     proc.popen.wait()
+        for popen in self.started:  # every earlier incarnation is reaped: no zombie counts as an orphan
+            popen.wait()
 
     def orphans(self) -> list[int]:
         """Processes of this run's sessions, or naming its run directory, still alive."""
@@ -315,6 +322,7 @@ def drive(setup: ChaosSetup, plan: list[ChaosEvent], run_dir: Path, *, window_s:
         supervisor.start_run()
         wait_until_training(supervisor, run_dir)
         log.started = time.monotonic()  # the plan's clock starts on a run that trains
+        supervisor.window = (time.time(), None)
         log.event("start", "run", "-", supervisor.procs["dispatcher"].popen.pid,
                   f"{setup.num_targets} target(s), {setup.num_drafters} drafter(s), {len(plan)} events planned")
         # The plan's clock runs only while the run serves (the dispatcher up, workers registered
@@ -330,6 +338,7 @@ def drive(setup: ChaosSetup, plan: list[ChaosEvent], run_dir: Path, *, window_s:
             last = now
             if settle_end is None and (clock >= window_s or now > wall_limit):
                 settle_end = now + setup.settle_timeout_s
+                supervisor.window = (supervisor.window[0], time.time())
                 log.event("settle", "run", "-", None, f"chaos window over ({clock:.1f}s of serving time)")
             if settle_end is not None and now > settle_end:
                 return supervisor, False

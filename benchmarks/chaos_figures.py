@@ -48,11 +48,19 @@ def rollbacks_from_journal(events: Iterable[dict]) -> dict[str, int]:
     return dict(rolled)
 
 
+def steps_in(events: Iterable[dict], start: float | None, end: float | None) -> int:
+    """Commit records journaled between ``start`` and ``end`` (wall clock; an open end: to the last)."""
+    if start is None:
+        return 0
+    return sum(1 for e in events if e["ev"] == "commit" and start <= e["t"] and (end is None or e["t"] <= end))
+
+
 def figures(supervisor, run_dir: Path, finished: bool) -> tuple[dict[str, Any], list[ShmSegment], list[int]]:
     """The bench's figures (``supervisor``: the run's ChaosSupervisor), and the segments and pids
     it found left behind."""
     report = build_report(run_dir)
     rolled = rollbacks_from_journal(read_journal(run_dir))
+    during = steps_in(read_journal(run_dir), *supervisor.window)
     segments = list_segments(run_id_for(run_dir))
     orphans = supervisor.orphans()
     counts = supervisor.counts
@@ -74,6 +82,7 @@ def figures(supervisor, run_dir: Path, finished: bool) -> tuple[dict[str, Any], 
         "reattached": supervisor.reattached,
         "dispatcher_restarts": report["restarts"],
         "steps": report["steps"],
+        "steps_during_window": during,  # commits while the chaos lasted: does training go on under it?
         "wall_s": report["wall_s"],
         "run_dir": str(run_dir),
     }, segments, orphans
@@ -93,7 +102,8 @@ def format_figures(f: dict[str, Any], *, seed: int, mode: str) -> str:
     causes = ", ".join(f"{c} {n}" for c, n in f["steps_rolled_back_by_cause"].items()) or "none"
     return "\n".join([
         f"chaos ({mode}, seed {seed}): {'finished' if f['finished'] else 'NOT finished'} in {f['wall_s']:.0f}s, "
-        f"{f['steps']} steps, {f['dispatcher_restarts']} dispatcher restart(s)",
+        f"{f['steps']} steps ({f['steps_during_window']} while the chaos lasted), "
+        f"{f['dispatcher_restarts']} dispatcher restart(s)",
         f"events    kills {sum(f['kills'].values())} ({kills}); attaches {f['attaches']}; detaches {f['detaches']}; "
         f"unplanned crashes {sum(f['crashes'].values())}",
         f"jobs      total {f['jobs_total']}  committed {f['committed']}",

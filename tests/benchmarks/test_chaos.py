@@ -36,6 +36,7 @@ def test_short_chaos_run_keeps_exactly_once_and_leaves_nothing(tmp_path):
     assert f["attaches"] >= 1 and f["detaches"] >= 1
     assert f["dispatcher_restarts"] == f["kills"]["dispatcher"]   # the journal saw every restart
     assert isinstance(f["steps_rolled_back"], int) and not f["crashes"]
+    assert 0 < f["steps_during_window"] <= f["steps"]          # training went on under the chaos
     # one logged line per event, with its pid
     lines = (work / "chaos-events.log").read_text().splitlines()
     kills = [line for line in lines if f" {KILL} " in line]
