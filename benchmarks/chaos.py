@@ -38,6 +38,7 @@ from benchmarks.chaos_figures import clean_up, figures, format_figures
 from benchmarks.chaos_plan import ATTACH, DETACH, KILL, ChaosEvent, build_plan
 from common.config import ConfigError, DrafterSection, load_config, write_resolved
 from dispatcher.rundir import STATE_FILE
+from dispatcher.stats_view import run_stats_or_none
 
 JSON_KEYS = ("kills", "attaches", "detaches", "jobs_total", "committed", "witness_duplicates", "witness_missing",
              "steps_rolled_back", "shm_leftover", "orphans")
@@ -188,7 +189,7 @@ class ChaosSupervisor:
         now = time.monotonic()
         if now >= self._serving_checked + 0.5:
             self._serving_checked = now
-            stats = _stats(self.run_dir) if self.dispatcher_ready() else None
+            stats = run_stats_or_none(self.run_dir) if self.dispatcher_ready() else None
             self._serving = bool(stats and stats.get("workers"))
         return self._serving and self.dispatcher_ready()
 
@@ -293,18 +294,9 @@ def _signal(popen: subprocess.Popen, signum: int) -> None:
             pass
 
 
-def _stats(run_dir: Path) -> dict | None:
-    from common.client import DispatcherUnavailable
-    from dispatcher.stats_view import fetch_stats, resolve_stats_endpoint
-    try:
-        return fetch_stats(*resolve_stats_endpoint(None, str(run_dir)), timeout_s=1.0)
-    except DispatcherUnavailable:
-        return None
-
-
 def wait_until_training(supervisor: ChaosSupervisor, run_dir: Path) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
-    while not ((_stats(run_dir) or {}).get("steps") or 0):
+    while not ((run_stats_or_none(run_dir) or {}).get("steps") or 0):
         supervisor.tend()
         if time.monotonic() > deadline:
             raise RuntimeError(f"no step committed within {READY_TIMEOUT_S:.0f}s; see {supervisor.logs_dir}")
@@ -352,7 +344,7 @@ def drive(setup: ChaosSetup, plan: list[ChaosEvent], run_dir: Path, *, window_s:
                     log.event("skipped", event.role, event.action, None, "(not possible for a whole gap)")
             if settle_end is not None and now >= next_stats:  # detached drafters stay away while the window lasts
                 next_stats = now + 2.0
-                stats = _stats(run_dir)
+                stats = run_stats_or_none(run_dir)
                 if stats:
                     supervisor.reattach_unsaved_models(stats.get("models") or {})
             time.sleep(0.05)
