@@ -37,6 +37,7 @@ import psutil
 from benchmarks.chaos_figures import clean_up, figures, format_figures
 from benchmarks.chaos_plan import ATTACH, DETACH, KILL, ChaosEvent, build_plan
 from common.config import ConfigError, DrafterSection, load_config, write_resolved
+from dispatcher.launch import _die_with_parent  # a killed bench takes its run with it, as hsd launch does
 from dispatcher.rundir import STATE_FILE
 from dispatcher.stats_view import run_stats_or_none
 
@@ -147,7 +148,8 @@ class ChaosSupervisor:
             argv += ["--name", name]
         with open(self.logs_dir / f"{name}.log", "ab") as out:
             popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                     start_new_session=True, preexec_fn=_die_with_parent,
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
         self.sessions.add(popen.pid)
         self.started.append(popen)
         proc = self.procs[name] = Proc(name, role, popen)
@@ -286,6 +288,10 @@ class ChaosSupervisor:
         return found
 
 
+def _interrupt(signum, _frame) -> None:
+    raise KeyboardInterrupt
+
+
 def _signal(popen: subprocess.Popen, signum: int) -> None:
     if popen.poll() is None:
         try:
@@ -379,6 +385,7 @@ def run_chaos_bench(*, minutes: float, seed: int, real: bool, as_json: bool, wor
         setup = sim_setup(run_dir, minutes, seed)
     plan = build_plan(seed=seed, duration_s=window_s, mean_gap_s=setup.mean_gap_s, paired_attach=setup.paired_attach)
     log = ChaosLog(quiet=quiet)
+    signal.signal(signal.SIGTERM, _interrupt)  # a stopped bench stops its run's processes first (drive's finally)
     supervisor, finished = drive(setup, plan, run_dir, window_s=window_s, log=log)
     result, segments, orphans = figures(supervisor, run_dir, finished)
     clean_up(segments, orphans)
