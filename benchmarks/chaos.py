@@ -66,10 +66,10 @@ class ChaosSetup:
 
 
 def sim_setup(run_dir: Path, minutes: float, seed: int) -> ChaosSetup:
-    # Sized to last about the window at the pace measured on the 2-core CI machine under chaos
-    # (about 4.5 jobs/s with 2 sim targets; ~3 samples a job, 3 epochs): the events land on a run
-    # that is still training.
-    samples = max(60, int(minutes * 60 * 5))
+    # Sized to outlast the window: the 2 sim targets extract at most 12 jobs/s (0.16 s a job each),
+    # about 4.5 under chaos on the loaded 2-core CI machine; ~1 job per sample over 3 epochs. A
+    # short window still gets at least 100 jobs, so an idle machine does not finish the run first.
+    samples = max(100, int(minutes * 60 * 6))
     return ChaosSetup(
         overrides=(f"run.dir={run_dir}", f"run.seed={seed}", "run.epochs=3", f"data.synthetic_samples={samples}",
                    "target.sim=true", "drafter.sim=true", "target.count=2", "drafter.count=2",
