@@ -195,6 +195,12 @@ def cmd_bench_pipeline(args) -> int:
         return 1
 
 
+def cmd_bench_chaos(args) -> int:
+    from benchmarks.chaos import run_chaos_bench
+    return run_chaos_bench(minutes=args.minutes, seed=args.seed, real=args.real, as_json=args.json,
+                           work_dir=args.dir, inputs_dir=args.inputs, keep=args.keep)
+
+
 def _require_model(config, command: str) -> None:
     if not config.target.model:
         raise ConfigError(f"hsd {command} needs target.model (a local Hugging Face model directory)")
@@ -464,6 +470,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--runs-dir", help="keep the three run directories here (default: a temporary one, removed)")
     b.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides for every policy")
     b.set_defaults(func=cmd_bench_pipeline)
+    b = bench.add_parser("chaos", help="a multi-epoch run under seeded SIGKILLs of every role, attaches and detaches")
+    b.add_argument("--minutes", type=float, default=3.0, help="length of the chaos window")
+    b.add_argument("--seed", type=int, default=0, help="seed of the run and of the fault plan")
+    b.add_argument("--real", action="store_true", help="the demo's tiny target and a group of 2 DFlash drafters")
+    b.add_argument("--inputs", default="runs/demo", help="--real: where the tiny target and data are (made once)")
+    b.add_argument("--dir", help="work directory (kept); default a temporary one, removed")
+    b.add_argument("--keep", action="store_true", help="keep the temporary work directory")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_chaos)
     return parser
 
 

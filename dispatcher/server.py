@@ -35,6 +35,7 @@ from dispatcher.metrics import MetricsServer
 from dispatcher.pool import HSPool
 from dispatcher.rundir import STATE_FILE, check_endpoint, lock_run_dir, warn_about_changed_settings, write_state_file
 from dispatcher.snapshot import build_snapshot, worker_state
+from dispatcher.stats_view import format_q_hsb
 from dispatcher.transport_setup import DataPlane
 
 log = logging.getLogger("hsd.dispatcher")
@@ -84,7 +85,7 @@ class DispatcherServer:
         self.data_plane = DataPlane.create(config, self.run_id)
         self.journal = Journal(self.run_dir, sync_in_background=True)
         pool = HSPool(min_ready=config.pool.min_ready, target_credits=config.pool.target_credits,
-                      pull=config.pool.pull, seed=config.run.seed)
+                      pull=config.pool.pull, seed=config.run.seed, num_buckets=len(config.schedule.buckets))
         now = time.monotonic()
         try:
             self.core = DispatcherCore(CoreOptions.from_config(config), run_dir=self.run_dir,
@@ -207,7 +208,7 @@ class DispatcherServer:
         states = [worker_state(core, w) for w in core.workers.values()]
         log.info("epoch %d/%d: %d/%d jobs committed, %d steps, ready per bucket %s, workers %s",
                  open_epochs[0] + 1, self.config.run.epochs, progress.committed, progress.num_jobs, core.num_steps,
-                 core.pool.ready_per_bucket() or "{}",
+                 format_q_hsb(core.pool.ready_per_bucket()),
                  " ".join(f"{state}={states.count(state)}" for state in sorted(set(states))) or "none")
 
     def _finished(self, now: float) -> bool:
