@@ -38,10 +38,11 @@ REQUESTS: dict[str, tuple[str, ...]] = {
     #   ledger back only when the whole group starts from a checkpoint.
     "register": ("role", "name", "pid", "host"),
     # {wait_ms, after, step, failed?} -> {group: {rank, world_size, membership, store, step, source,
-    #   transfer} | None, model_step}; long-poll for the membership version newer than ``after`` that
+    #   transfer} | None, model_step, membership}; long-poll for the membership version newer than ``after`` that
     #   names this rank (after=0: any). ``step``: the model step the rank holds. ``failed``: a
     #   collective of version ``after`` failed on this rank, which ends that version at once. A rank
-    #   at a rendezvous asks with wait_ms=0 between waits, so it learns at once that its version ended.
+    #   at a rendezvous asks with wait_ms=0 between waits, so it learns at once that its version ended
+    #   (membership: the version that names the rank now, 0 while it waits for one).
     #   transfer: some rank holds another step than the version's; rank ``source`` sends its state
     #   (model, optimizer, scheduler, RNG, witness) to the others over the new group before any step.
     "join_group": ("worker_id", "token", "wait_ms", "after", "step"),

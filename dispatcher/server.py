@@ -373,7 +373,8 @@ class DispatcherServer:
             membership = self.core.join_group(worker_id, now, **fields)
             if membership is None:
                 return None
-            return protocol.ok_reply(request_id, group=membership.to_wire(), model_step=self._model_step(worker_id))
+            return protocol.ok_reply(request_id, group=membership.to_wire(), model_step=self._model_step(worker_id),
+                                     membership=membership.version)
         if op == "get_job":
             grant = self.core.get_job(worker_id, now)
             flush = False
@@ -392,8 +393,10 @@ class DispatcherServer:
         return self.core.ledger.model_step.get(worker.model, 0) if worker is not None and worker.model else 0
 
     def _empty_reply(self, op: str, request_id: int, worker_id: str) -> dict:
-        if op == "join_group":
-            return protocol.ok_reply(request_id, group=None, model_step=self._model_step(worker_id))
+        if op == "join_group":  # membership: the version naming this rank now (0: it waits for one)
+            named = self.core.workers[worker_id].group if worker_id in self.core.workers else None
+            return protocol.ok_reply(request_id, group=None, model_step=self._model_step(worker_id),
+                                     membership=named.version if named is not None else 0)
         self.core.end_wait(worker_id, time.monotonic())
         flush = op == "get_hs" and self.core.nothing_left_to_hand_out()
         return protocol.ok_reply(request_id, job=None, done=self.core.done, flush=flush)

@@ -33,6 +33,7 @@ from drafter_worker.dflash.export import save_drafter
 from drafter_worker.dflash.state_io import load_state, save_state
 from drafter_worker.dflash.trainer import DFlashTrainer
 from drafter_worker.process_group import AllReduce, all_reduce_flat
+from drafter_worker.state_transfer import weights_checksum, witness_from_tensor, witness_tensor
 from drafter_worker.dflash_metrics import StepClock, TensorBoardLog, format_metrics, step_metrics
 
 log = logging.getLogger("hsd.dflash")
@@ -131,6 +132,21 @@ class DFlashBackend:
         self.window = []
         self.clock = StepClock()
         return self.step
+
+    # -- a joiner's state, from a live rank (drafter_worker/state_transfer.py) ---------------------
+    def live_state(self) -> dict:
+        """Everything a rank holds between steps: weights, optimizer, scheduler, RNGs, witness."""
+        return {"trainer": self.trainer.state_dict(), "torch_rng": torch.get_rng_state(), "step": self.step,
+                "trained": witness_tensor(self.trained)}
+
+    def load_live_state(self, state: dict) -> None:
+        self.trainer.load_state_dict(state["trainer"])
+        torch.set_rng_state(state["torch_rng"])
+        self.step, self.trained = int(state["step"]), witness_from_tensor(state["trained"])
+        self.window, self.clock, self._synced_total = [], StepClock(), None
+
+    def weights_checksum(self) -> int:
+        return weights_checksum(self.trainer.model.draft_state_dict())
 
     def _export_dtype(self) -> str:
         if self.export_dtype != "auto":
