@@ -193,10 +193,13 @@ class DispatcherServer:
         open_epochs = [e for e in sorted(core.epoch_jobs) if not core.ledger.epoch_complete(e)] or [max(core.epoch_jobs)]
         progress = core.ledger.epochs[open_epochs[0]]
         states = [worker_state(core, w) for w in core.workers.values()]
-        log.info("epoch %d/%d: %d/%d jobs committed, %d steps, ready per bucket %s, workers %s",
+        groups = "".join(f", group {m} {g.world_size} rank(s) membership {g.version} {len(g.waiting)} waiting "
+                         f"{core.ledger.model_step.get(m, 0) - g.opened_at_steps if g.formed else 0} steps since change"
+                         for m, g in core.groups.groups.items())
+        log.info("epoch %d/%d: %d/%d jobs committed, %d steps, ready per bucket %s, workers %s%s",
                  open_epochs[0] + 1, self.config.run.epochs, progress.committed, progress.num_jobs, core.num_steps,
                  core.pool.ready_per_bucket() or "{}",
-                 " ".join(f"{state}={states.count(state)}" for state in sorted(set(states))) or "none")
+                 " ".join(f"{state}={states.count(state)}" for state in sorted(set(states))) or "none", groups)
 
     def _finished(self, now: float) -> bool:
         if not (self.core.done and self.config.dispatcher.exit_when_done):

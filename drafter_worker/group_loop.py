@@ -65,9 +65,9 @@ COMMITTED, REFUSED, ABORTED = 1, 0, -1  # rank 0's commit outcome, broadcast to 
 GROUP_NEVER_FORMED_EXIT = 4  # exit code of a rank that found no version to train in within drafter.group_wait_s
 DONE, NEXT_VERSION, LEAVE = "done", "next", "leave"  # how a version ends for a rank
 JOIN_POLL_MS = 1000
-# Test-only faults: "<point>:<step>" SIGKILLs this rank at ``point`` (micro_batch: before its second
-# micro-batch; allreduce: after the first collective of the gradient sum) of step ``step``, once per
-# run directory (a marker file keeps the restarted rank from doing it again).
+# Test-only faults: "<name>@<point>:<step>,..." SIGKILLs the drafter named ``name`` at ``point``
+# (micro_batch: before its second micro-batch; allreduce: after the first collective of the gradient
+# sum) of step ``step``, once per run directory (a marker file keeps its restart from doing it again).
 KILL_AT_ENV = "HSD_TEST_DRAFTER_KILL_AT"
 LOG_CHECKSUMS_ENV = "HSD_TEST_LOG_WEIGHT_CHECKSUMS"  # log the weights' CRC32 after every applied step
 
@@ -384,9 +384,11 @@ class GroupDrafterLoop(DrafterLoop):
     def _test_fault(self, point: str) -> None:
         if not self._kill_at:
             return
-        where, _, step = self._kill_at.partition(":")
-        marker = os.path.join(self.run_dir, f"test-killed-{self.name}-{where}")
-        if where == point and int(step) == self.backend.step + 1 and not os.path.exists(marker):
-            open(marker, "w").close()
-            log.error("%s: SIGKILL at %s of step %s (%s)", self.name, point, step, KILL_AT_ENV)
-            os.kill(os.getpid(), signal.SIGKILL)
+        for fault in self._kill_at.split(","):
+            name, _, at = fault.partition("@")
+            where, _, step = at.partition(":")
+            marker = os.path.join(self.run_dir, f"test-killed-{name}-{where}-{step}")
+            if (name, where) == (self.name, point) and int(step) == self.backend.step + 1 and not os.path.exists(marker):
+                open(marker, "w").close()
+                log.error("%s: SIGKILL at %s of step %s (%s)", self.name, point, step, KILL_AT_ENV)
+                os.kill(os.getpid(), signal.SIGKILL)
