@@ -80,6 +80,18 @@ class DispatcherSection:
 
 
 @dataclass
+class CurveSection:
+    server_public_key: str = opt("", "The dispatcher's CURVE public key (its Z85 text or its .key file): every worker and hsd stats encrypt to it. Empty = CURVE off (the default; ipc:// on one node needs none).")
+    server_secret_key: str = opt("", "The dispatcher's .key_secret file (read on the dispatcher's node only).")
+    client_secret_key: str = opt("", "This worker's .key_secret file: its key pair, whose public half the dispatcher must allow.")
+    allowed_client_keys: list[str] = opt([], "Public keys the dispatcher accepts: Z85 texts, .key files or directories of .key files.")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.server_public_key)
+
+
+@dataclass
 class TargetSection:
     model: str = opt("", "Local Hugging Face model directory of the target.")
     count: int = opt(1, "Target workers started by hsd launch.")
@@ -161,6 +173,7 @@ class Config:
     schedule: ScheduleSection = field(default_factory=ScheduleSection)
     pool: PoolSection = field(default_factory=PoolSection)
     dispatcher: DispatcherSection = field(default_factory=DispatcherSection)
+    curve: CurveSection = field(default_factory=CurveSection)
     target: TargetSection = field(default_factory=TargetSection)
     drafter: DrafterSection = field(default_factory=DrafterSection)
     dflash: DFlashSection = field(default_factory=DFlashSection)

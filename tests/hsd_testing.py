@@ -59,7 +59,8 @@ def stats(run_dir: Path) -> dict | None:
     if not (run_dir / "config.yaml").exists():
         return None
     try:
-        return fetch_stats(*resolve_stats_endpoint(None, str(run_dir)), timeout_s=1.0)
+        endpoint, secret, curve = resolve_stats_endpoint(None, str(run_dir))
+        return fetch_stats(endpoint, secret, timeout_s=1.0, curve=curve)
     except DispatcherUnavailable:
         return None
 
