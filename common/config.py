@@ -158,7 +158,7 @@ class DFlashSection:
     warmup_ratio: float = opt(0.04, "Share of the total steps spent warming the learning rate up linearly.")
     min_lr_ratio: float = opt(0.0, "Floor of the cosine decay, as a fraction of lr.")
     grad_clip: float = opt(1.0, "Clip the global gradient norm to this; 0 = no clipping.")
-    total_steps: int = opt(0, "Optimizer steps of the cosine schedule; 0 = jobs per epoch x epochs / (accum_steps x drafters).")
+    total_steps: int = opt(0, "Length of the cosine schedule in steps of accum_steps x drafter.count jobs; the schedule advances by the jobs each step trained, so a changing world size does not shift it. 0 = every job of every epoch.")
     loss_chunk_size: int = opt(4096, "Block positions whose logits are computed at once (bounds the logits' memory).")
     dtype: str = opt("auto", "Compute dtype: auto (bfloat16 autocast on GPU, float32 on CPU), bfloat16 or float32.")
     attention: str = opt("auto", "Attention kernel: auto (flex attention on GPU, SDPA elsewhere), flex or sdpa.")

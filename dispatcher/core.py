@@ -124,6 +124,8 @@ class DispatcherCore(GroupOps):
         return self.store.maybe_snapshot(models, self.incarnation + 1, force=force)
 
     def close(self) -> None:
+        if self.done:
+            self.groups.remove_stores()
         self.store.close()
 
     # -- membership -------------------------------------------------------------------------

@@ -36,9 +36,9 @@ class GroupOps:
 
     def _maybe_open(self, group: DrafterGroup) -> None:
         """Open the group's next version when its rules allow it now."""
-        if not self.groups.may_open(group, busy=self._busy(group)):
-            return
         ledger_step = self.ledger.model_step.get(group.model, 0)
+        if not self.groups.may_open(group, busy=self._busy(group), ledger_step=ledger_step):
+            return
         opened = self.groups.open(group, ledger_step)
         for worker_id in opened.previous_members:  # what they hold belongs to a step that will not complete
             for job in self.ledger.held_by(worker_id):

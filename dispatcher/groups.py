@@ -80,7 +80,9 @@ class DrafterGroup:
     members: dict[str, int] = field(default_factory=dict)  # worker id -> rank, current version only
     waiting: dict[str, int] = field(default_factory=dict)  # worker id -> model step it holds, in arrival order
     memberships: dict[str, Membership] = field(default_factory=dict)  # worker id -> its place, current version
+    entry_steps: dict[str, int] = field(default_factory=dict)  # member -> the step it held when the version opened
     survivors: set[str] = field(default_factory=set)  # waiting ranks that were members of the last version
+    unconfirmed: set[str] = field(default_factory=set)  # waiting ranks whose step is a guess until they report it
     opened_at_steps: int = 0  # the ledger's step for the model when this version opened
     window_avail: int | None = None  # buckets eligible when the group's step window opened
     window_mixed: bool = True  # every pull of the step took a new bucket when one was eligible
@@ -137,6 +139,7 @@ class DrafterGroups:
         group = self.groups[model]
         group.waiting.pop(worker_id, None)
         group.survivors.discard(worker_id)
+        group.unconfirmed.discard(worker_id)
         if worker_id not in group.members:
             return None
         del group.members[worker_id]
@@ -148,14 +151,19 @@ class DrafterGroups:
         group = self.group_of_rank(worker_id)
         if group is not None and worker_id in group.waiting:
             group.waiting[worker_id] = step
+            group.unconfirmed.discard(worker_id)
 
     # -- versions -----------------------------------------------------------------------------------
     def end_version(self, group: DrafterGroup, ledger_step: int) -> list[str]:
         """The current version can no longer step (a member left, died or failed a collective): its
-        members wait again, holding the ledger's step. Returns them."""
+        members wait again, holding the ledger's step — or, when the version committed nothing
+        yet, the step each held when it opened (a joiner's transfer may not have completed).
+        Returns them."""
         members = sorted(group.members, key=group.members.get)
+        stepped = ledger_step > group.opened_at_steps
         for worker_id in members:
-            group.waiting[worker_id] = ledger_step
+            group.waiting[worker_id] = ledger_step if stepped else group.entry_steps.get(worker_id, ledger_step)
+        group.unconfirmed = set() if stepped else {w for w in members if group.waiting[w] != group.step}
         # the survivors first, in their rank order, then the joiners: rank 0 stays rank 0 when it can
         group.waiting = {w: group.waiting[w] for w in members} | {w: s for w, s in group.waiting.items()
                                                                      if w not in group.members}
@@ -163,10 +171,12 @@ class DrafterGroups:
         group.survivors = set(members)
         return members
 
-    def may_open(self, group: DrafterGroup, *, busy: bool) -> bool:
+    def may_open(self, group: DrafterGroup, *, busy: bool, ledger_step: int) -> bool:
         """Whether the next version opens now. ``busy``: a member holds a job (a step is in flight)."""
         if not group.waiting:
             return False
+        if group.unconfirmed and not group.members and max(group.waiting.values()) < ledger_step:
+            return False  # a guessed step would roll the ledger back: wait for the ranks to say theirs
         if group.members:  # joiners wait for the step boundary and for room
             room = group.spec.max_ranks - len(group.members) if group.spec.max_ranks else len(group.waiting)
             return not busy and room > 0
@@ -185,14 +195,15 @@ class DrafterGroups:
         step = max(ranks.values())
         source = next(w for w, s in ranks.items() if s == step)  # a survivor when one holds the step
         order = [source] + [w for w in ranks if w != source]
-        if group.version:  # a dead rank never released the old store: nobody will use it again
-            self.store_path(group.model, group.version).unlink(missing_ok=True)
+        # The old store stays: a rank may still be in a wait on it (a FileStore whose file is deleted
+        # under a wait never returns); the run's stores go when it is done (remove_stores).
         group.version += 1
         path = self.store_path(group.model, group.version)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.unlink(missing_ok=True)  # a store file must start empty
         transfer = any(s != step for s in ranks.values())
         group.members = {w: r for r, w in enumerate(order)}
+        group.entry_steps = dict(ranks)
         group.memberships = {w: Membership(r, len(order), group.version, str(path), step, 0, transfer)
                              for w, r in group.members.items()}
         for worker_id in newcomers:
@@ -202,6 +213,12 @@ class DrafterGroups:
         group.opened_at_steps = step
         group.window_avail, group.window_mixed = None, True
         return Opened(group.version, previous, step if step < ledger_step else None)
+
+    def remove_stores(self) -> None:
+        """The run is done: no rank waits on any store of this incarnation any more."""
+        for group in self.groups.values():
+            for version in range(1, group.version + 1):
+                self.store_path(group.model, version).unlink(missing_ok=True)
 
     # -- lookups ------------------------------------------------------------------------------------
     def group_of_rank(self, worker_id: str) -> DrafterGroup | None:

@@ -305,6 +305,8 @@ class DispatcherServer:
             wait_ms = min(max(0, field_of(f, "wait_ms", int)), MAX_WAIT_MS)
             core.worker(worker_id, now)
             poll = _poll_fields(op, f)
+            if poll.get("failed"):  # a peer's collective failed: a dead rank must not be in the next version
+                core.sweep(now, self._is_alive)
             reply = self._try_serve(op, request.id, worker_id, now, poll)
             if reply is None:
                 if wait_ms == 0:

@@ -46,7 +46,7 @@ def weights_checksum(weights: dict[str, torch.Tensor]) -> int:
     """CRC32 over the weights' bytes in name order: equal on two ranks only when bit-identical."""
     crc = 0
     for name in sorted(weights):
-        tensor = weights[name].detach().to("cpu").contiguous()
+        tensor = weights[name].detach().to("cpu").contiguous().reshape(-1)  # a 0-dim tensor has no byte view
         crc = zlib.crc32(name.encode(), crc)
         crc = zlib.crc32(tensor.view(torch.uint8).numpy().tobytes(), crc)
     return crc

@@ -131,3 +131,19 @@ def test_a_group_back_from_its_checkpoint_rolls_the_ledger_back_to_it(tmp_path):
     again = _rank(core, "a", size=1, step=1, now=5.0)  # its checkpoint holds step 1
     assert _join(core, again, step=1).step == 1
     assert core.ledger.model_step["m"] == 1 and len(_rollbacks(tmp_path)) == 1
+
+
+def test_a_joiner_whose_source_died_before_any_step_says_its_step_before_the_ledger_moves(tmp_path):
+    core = make_core(tmp_path, shared_slots=8, credits=8, min_ready=0)
+    [target] = register(core, "target", 1)
+    a = _rank(core, "a", size=1)
+    v1 = _join(core, a).version
+    _fill(core, target, 1)
+    job = _consume(core, a.id, v1)
+    core.commit_step(a.id, [job.job_id], 0.1, 3.0, model="m", step=1, membership=v1)
+    b = _rank(core, "b", size=1)
+    assert _join(core, b).transfer  # b holds step 0, the version step 1: rank 0 sends it the state
+    core.deregister(a.id, 4.0, reason="dead")  # ... and dies before any step: did b get the state?
+    assert core.groups.groups["m"].version == v1 + 1 and not core.groups.groups["m"].members
+    m = _join(core, b, after=v1 + 1, step=1, failed=True)  # it did: it goes on, no rollback
+    assert m.step == 1 and not m.transfer and not _rollbacks(tmp_path)

@@ -27,13 +27,15 @@ def _args(run_dir, *overrides: str) -> list[str]:
 
 
 def test_a_rank_sigkilled_inside_a_step_the_survivor_goes_on_from_its_own_weights(run_dir, tmp_path, monkeypatch):
-    """drafter-1 kills itself inside step 4 (before its second micro-batch) and, restarted, inside
-    step 9 (during the gradient all-reduce): drafter-0 commits nothing for those steps, goes on
-    alone at once (no checkpoint reloaded, no rollback), and takes the restarted rank back."""
+    """drafter-1 kills itself inside step 4 (before its second micro-batch) and, restarted and back
+    in the group, inside a later step (during the gradient all-reduce): drafter-0 commits nothing
+    for those steps, goes on alone at once (no checkpoint reloaded, no rollback), and takes the
+    restarted rank back."""
     monkeypatch.setenv(KILL_AT_ENV, "drafter-1@micro_batch:4,drafter-1@allreduce:9")
-    launch = start_hsd("launch", *_args(run_dir, "target.sim_cost_per_token=2e-5"), log_path=tmp_path / "launch.log")
+    launch = start_hsd("launch", *_args(run_dir, "target.sim_cost_per_token=2e-5", "run.epochs=4"),
+                       log_path=tmp_path / "launch.log")
     try:
-        assert launch.wait(timeout=240) == 0, (tmp_path / "launch.log").read_text()[-4000:]
+        assert launch.wait(timeout=300) == 0, (tmp_path / "launch.log").read_text()[-4000:]
     finally:
         kill_tree(launch)
     assert_exactly_once(report(run_dir))
@@ -43,13 +45,12 @@ def test_a_rank_sigkilled_inside_a_step_the_survivor_goes_on_from_its_own_weight
     steps = [e["step"] for e in events if e["ev"] == "commit"]
     assert steps == list(range(1, len(steps) + 1))  # the step count only goes up
     assert not [e for e in events if e["ev"] == "rollback" and e["jobs"]]
-    # After each kill a version of the survivor alone committed steps before the restarted rank came back.
-    memberships = [e for e in events if e["ev"] == "membership"]
-    alone = [m["version"] for m in memberships if len(m["ranks"]) == 1]
-    assert len(alone) >= 2, memberships
-    for version in alone[:2]:
-        assert any(e["ev"] == "commit" and e.get("membership") == version for e in events)
-    assert max(len(m["ranks"]) for m in memberships[-2:]) == 2  # the restarted rank rejoined
+    # After each kill the survivor alone committed steps at once; in between the restarted rank rejoined.
+    # (A version opened before the dispatcher saw the death may still name the dead rank: it commits nothing.)
+    committed_in = {e.get("membership") for e in events if e["ev"] == "commit"}
+    stepping = [m for m in events if m["ev"] == "membership" and m["version"] in committed_in]
+    assert [len(m["ranks"]) for m in stepping][:4] == [2, 1, 2, 1], stepping
+    assert stepping[2]["transfer"]  # the restarted rank took the survivor's state, not a checkpoint
     survivor_log = (run_dir / "logs" / "drafter-0.log").read_text()
     assert "resumes from its checkpoint" not in survivor_log and "membership" in survivor_log
 
