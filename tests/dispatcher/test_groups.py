@@ -147,3 +147,28 @@ def test_a_joiner_whose_source_died_before_any_step_says_its_step_before_the_led
     assert core.groups.groups["m"].version == v1 + 1 and not core.groups.groups["m"].members
     m = _join(core, b, after=v1 + 1, step=1, failed=True)  # it did: it goes on, no rollback
     assert m.step == 1 and not m.transfer and not _rollbacks(tmp_path)
+
+
+def test_the_stats_and_metrics_show_the_group(tmp_path):
+    from dispatcher.metrics import render_prometheus
+    from dispatcher.snapshot import build_snapshot
+    from dispatcher.stats_view import format_stats
+    core = make_core(tmp_path, shared_slots=8, credits=8, min_ready=0)
+    [target] = register(core, "target", 1)
+    a = _rank(core, "a", size=1)
+    v1 = _join(core, a).version
+    _fill(core, target, 3)
+    for step in (1, 2):
+        job = _consume(core, a.id, v1)
+        core.commit_step(a.id, [job.job_id], 0.1, 3.0, model="m", step=step, membership=v1)
+    _consume(core, a.id, v1)  # a step in flight: a joiner waits
+    _rank(core, "b", size=1)
+    s = build_snapshot(core, 4.0)
+    assert {k: s["groups"]["m"][k] for k in ("world_size", "version", "waiting", "steps_since_change")} == {
+        "world_size": 1, "version": v1, "waiting": 1, "steps_since_change": 2}
+    text = render_prometheus({**s, "pool": s["pool"]})
+    assert 'hsd_group_ranks{model="m"} 1.0' in text and 'hsd_group_waiting{model="m"} 1.0' in text
+    assert 'hsd_group_steps_since_change{model="m"} 2.0' in text
+    served = {**s, "run_dir": str(tmp_path), "run_id": "r", "pid": 1, "waiters": 0,
+              "transport": {"kind": "shm", "num_slots": 8, "per_target": False, "slot_bytes": 1, "pool_bytes": 8}}
+    assert "group     m: 1 rank(s) [0:d0.0]  membership 1  1 waiting  2 steps since change" in format_stats(served)
