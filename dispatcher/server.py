@@ -456,7 +456,10 @@ class DispatcherServer:
     def _is_alive(self, worker: Worker) -> bool:
         if worker.host != self.hostname:
             return True  # only heartbeats can tell for a remote worker
-        return psutil.pid_exists(worker.pid)
+        try:  # a killed process its parent has not reaped yet is gone all the same
+            return psutil.Process(worker.pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
 
     # -- stats ----------------------------------------------------------------------------------
     def _handle_stats(self, identity: bytes, payload: list[bytes]) -> tuple[dict | None, bool]:

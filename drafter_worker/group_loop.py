@@ -66,8 +66,8 @@ GROUP_NEVER_FORMED_EXIT = 4  # exit code of a rank that found no version to trai
 DONE, NEXT_VERSION, LEAVE = "done", "next", "leave"  # how a version ends for a rank
 JOIN_POLL_MS = 1000
 # Test-only faults: "<name>@<point>:<step>,..." SIGKILLs the drafter named ``name`` at ``point``
-# (micro_batch: before its second micro-batch; allreduce: after the first collective of the gradient
-# sum) of its first step numbered ``step`` or later, once per run directory (a marker file keeps its
+# (micro_batch: before its second micro-batch; allreduce: as it enters the gradient sum, its peers
+# already in it) of its first step numbered ``step`` or later, once per run directory (a marker file keeps its
 # restart from doing it again).
 KILL_AT_ENV = "HSD_TEST_DRAFTER_KILL_AT"
 LOG_CHECKSUMS_ENV = "HSD_TEST_LOG_WEIGHT_CHECKSUMS"  # log the weights' CRC32 after every applied step
@@ -296,7 +296,14 @@ class GroupDrafterLoop(DrafterLoop):
             busy_s = sum(r.busy_us for r in rounds) / 1e6
             step_s = time.perf_counter() - self._step_started
             outcome, after = self._commit_as_rank0(job_ids, busy_s=busy_s, wait_s=wait_s, step_s=step_s)
-            outcome, after = self.group.broadcast(outcome, after)
+            try:
+                outcome, after = self.group.broadcast(outcome, after)
+            except CollectiveFailed:
+                if outcome == COMMITTED:  # durable, and the gradients are the group's: rank 0 holds the step
+                    self.session.held.discard(list(self.window))
+                    self.window, self.busy_s = [], 0.0
+                    self._apply(job_ids, wait_s)
+                raise
         else:
             outcome, after = self.group.broadcast(ABORTED, version)
         mine = list(self.window)
@@ -322,8 +329,8 @@ class GroupDrafterLoop(DrafterLoop):
 
     def _all_reduce(self, tensor) -> None:
         assert self.group is not None
+        self._test_fault("allreduce")  # the peers are in the all-reduce, waiting for this rank
         self.group.all_reduce(tensor)
-        self._test_fault("allreduce")
 
     def _apply(self, job_ids: list[int], wait_s: float) -> None:
         metrics = self.backend.apply_step(job_ids)
