@@ -67,8 +67,8 @@ DONE, NEXT_VERSION, LEAVE = "done", "next", "leave"  # how a version ends for a 
 JOIN_POLL_MS = 1000
 # Test-only faults: "<name>@<point>:<step>,..." SIGKILLs the drafter named ``name`` at ``point``
 # (micro_batch: before its second micro-batch; allreduce: as it enters the gradient sum, its peers
-# already in it) of its first step numbered ``step`` or later, once per run directory (a marker file keeps its
-# restart from doing it again).
+# already in it) of its first step numbered ``step`` or later that it trains with peers, once per run
+# directory (a marker file keeps its restart from doing it again).
 KILL_AT_ENV = "HSD_TEST_DRAFTER_KILL_AT"
 LOG_CHECKSUMS_ENV = "HSD_TEST_LOG_WEIGHT_CHECKSUMS"  # log the weights' CRC32 after every applied step
 
@@ -396,7 +396,8 @@ class GroupDrafterLoop(DrafterLoop):
             name, _, at = fault.partition("@")
             where, _, step = at.partition(":")
             marker = os.path.join(self.run_dir, f"test-killed-{name}-{where}-{step}")
-            if (name, where) == (self.name, point) and int(step) <= self.backend.step + 1 and not os.path.exists(marker):
+            if ((name, where) == (self.name, point) and int(step) <= self.backend.step + 1
+                    and self.membership["world_size"] > 1 and not os.path.exists(marker)):
                 open(marker, "w").close()
                 log.error("%s: SIGKILL at %s of step %s (%s)", self.name, point, step, KILL_AT_ENV)
                 os.kill(os.getpid(), signal.SIGKILL)
