@@ -223,6 +223,12 @@ def cmd_bench_gradsync(args) -> int:
     return run_gradient_sync_bench(hidden=args.hidden, layers=args.layers, reps=args.reps, as_json=args.json)
 
 
+def cmd_bench_gpu(args) -> int:
+    from benchmarks.gpu import run_gpu_bench
+    only = [name for part in args.only for name in part.split(",") if name] if args.only else None
+    return run_gpu_bench(as_json=args.json, budget_s=args.budget_s, only=only)
+
+
 def cmd_bench_dflash(args) -> int:
     from drafter_worker.dflash.bench import run_dflash_bench
     return run_dflash_bench(hidden=args.hidden, intermediate=args.intermediate, heads=args.heads,
@@ -421,6 +427,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--reps", type=int, default=10)
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_gradsync)
+    b = bench.add_parser("gpu", help="every GPU path in one run: IPC and pinned copies, capture, DFlash step, launch")
+    b.add_argument("--budget-s", type=float, default=450.0, help="time budget of the whole check (seconds)")
+    b.add_argument("--only", nargs="+", metavar="SECTION",
+                   help="run only these sections: ipc_handoff pinned_shm capture dflash_step launch nccl_group")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_gpu)
     b = bench.add_parser("dispatcher", help="the dispatcher core under simulated load: latency, restart, memory")
     b.add_argument("--jobs", type=int, default=1_000_000, help="jobs per epoch")
     b.add_argument("--epochs", type=int, default=3)

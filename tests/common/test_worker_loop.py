@@ -15,6 +15,7 @@ import torch
 from common import worker_loop
 from drafter_worker import loop as drafter_loop
 from common.client import run_id_for
+from common.slots import SlotView
 from drafter_worker.loop import DrafterLoop
 from target_worker.loop import TargetLoop
 from common.witness import latest_checkpoint
@@ -139,17 +140,29 @@ def test_flush_checkpoints_the_witness_and_a_restart_resumes_from_it(tmp_path, f
     assert list(again.backend.trained) == [1, 2, 3]
 
 
-def test_stale_slot_is_reported_and_the_drafter_carries_on(tmp_path, fake):
+def test_stale_slot_is_reported_and_the_drafter_carries_on(tmp_path, fake, monkeypatch):
     fake.add_ready_job(1, slot=0, generation=1)
     job = make_job(2, slot=0, generation=7)  # the slot holds generation 1: a rewritten slot
     fake.add_job(job)
     fake.add_ready_job(3, slot=1)
+    fake.add_ready_job(4, slot=2, generation=9)  # its writer starts again while the drafter copies it
+    fake.add_ready_job(5, slot=3)
+    check = SlotView.expect_generation
+
+    def writer_starts_during_the_copy(view, generation, *, when="before"):
+        header = check(view, generation, when=when)
+        if generation == 9 and when == "before":
+            view.begin_write()
+        return header
+    monkeypatch.setattr(SlotView, "expect_generation", writer_starts_during_the_copy)
     loop = drafter(tmp_path, fake)
     with running(loop):
-        fake.wait_for(lambda f: len(f.ops("commit_step")) == 2, what="two commits")
+        fake.wait_for(lambda f: len(f.ops("commit_step")) == 3, what="three commits")
     failed = fake.ops("read_failed")
-    assert [e.fields["job_id"] for e in failed] == [2] and "stale slot" in failed[0].fields["reason"]
-    assert list(loop.backend.trained) == [1, 3]
+    assert [e.fields["job_id"] for e in failed] == [2, 4]
+    assert "stale slot" in failed[0].fields["reason"] and "found 0 after" in failed[1].fields["reason"]
+    assert [e.fields["job_id"] for e in fake.ops("consumed")] == [1, 3, 5]  # a stale copy never releases its slot
+    assert list(loop.backend.trained) == [1, 3, 5]
 
 
 def test_unanswered_poll_is_asked_again_on_a_fresh_socket(tmp_path, fake, monkeypatch):
