@@ -34,6 +34,19 @@ def _consume(core, drafter, membership, now=2.0):
     return grant.job
 
 
+def _lone_rank_stepping(tmp_path, num_steps, *, extra_jobs=0):
+    """A core whose 1-rank group ("a") committed ``num_steps`` one-job steps; ``extra_jobs`` more wait ready."""
+    core = make_core(tmp_path, shared_slots=8, credits=8, min_ready=0)
+    [target] = register(core, "target", 1)
+    a = _rank(core, "a", size=1)
+    version = _join(core, a).version
+    _fill(core, target, num_steps + extra_jobs)
+    for step in range(1, num_steps + 1):
+        job = _consume(core, a.id, version)
+        core.commit_step(a.id, [job.job_id], 0.1, 3.0, model="m", step=step, membership=version)
+    return core, a, version
+
+
 def _rollbacks(run_dir):
     return [e for e in read_journal(run_dir) if e["ev"] == "rollback" and e["jobs"]]
 
@@ -119,14 +132,7 @@ def test_max_ranks_keeps_extra_joiners_waiting(tmp_path):
 
 
 def test_a_group_back_from_its_checkpoint_rolls_the_ledger_back_to_it(tmp_path):
-    core = make_core(tmp_path, shared_slots=8, credits=8, min_ready=0)
-    [target] = register(core, "target", 1)
-    a = _rank(core, "a", size=1)
-    v1 = _join(core, a).version
-    _fill(core, target, 2)
-    for step in (1, 2):
-        job = _consume(core, a.id, v1)
-        core.commit_step(a.id, [job.job_id], 0.1, 3.0, model="m", step=step, membership=v1)
+    core, a, _ = _lone_rank_stepping(tmp_path, 2)
     core.deregister(a.id, 4.0, reason="dead")
     again = _rank(core, "a", size=1, step=1, now=5.0)  # its checkpoint holds step 1
     assert _join(core, again, step=1).step == 1
@@ -134,13 +140,7 @@ def test_a_group_back_from_its_checkpoint_rolls_the_ledger_back_to_it(tmp_path):
 
 
 def test_a_joiner_whose_source_died_before_any_step_says_its_step_before_the_ledger_moves(tmp_path):
-    core = make_core(tmp_path, shared_slots=8, credits=8, min_ready=0)
-    [target] = register(core, "target", 1)
-    a = _rank(core, "a", size=1)
-    v1 = _join(core, a).version
-    _fill(core, target, 1)
-    job = _consume(core, a.id, v1)
-    core.commit_step(a.id, [job.job_id], 0.1, 3.0, model="m", step=1, membership=v1)
+    core, a, v1 = _lone_rank_stepping(tmp_path, 1)
     b = _rank(core, "b", size=1)
     assert _join(core, b).transfer  # b holds step 0, the version step 1: rank 0 sends it the state
     core.deregister(a.id, 4.0, reason="dead")  # ... and dies before any step: did b get the state?
@@ -153,14 +153,7 @@ def test_the_stats_and_metrics_show_the_group(tmp_path):
     from dispatcher.metrics import render_prometheus
     from dispatcher.snapshot import build_snapshot
     from dispatcher.stats_view import format_stats
-    core = make_core(tmp_path, shared_slots=8, credits=8, min_ready=0)
-    [target] = register(core, "target", 1)
-    a = _rank(core, "a", size=1)
-    v1 = _join(core, a).version
-    _fill(core, target, 3)
-    for step in (1, 2):
-        job = _consume(core, a.id, v1)
-        core.commit_step(a.id, [job.job_id], 0.1, 3.0, model="m", step=step, membership=v1)
+    core, a, v1 = _lone_rank_stepping(tmp_path, 2, extra_jobs=1)
     _consume(core, a.id, v1)  # a step in flight: a joiner waits
     _rank(core, "b", size=1)
     s = build_snapshot(core, 4.0)
