@@ -201,7 +201,8 @@ def cmd_bench_target(args) -> int:
     config = _config(args)
     _require_model(config, "bench target")
     from target_worker.bench import run_target_bench
-    return run_target_bench(config, as_json=args.json, warmup=args.warmup, reps=args.reps)
+    return run_target_bench(config, as_json=args.json, warmup=args.warmup, reps=args.reps, num_samples=args.samples,
+                            median=args.median, sigma=args.sigma, seed=args.seed)
 
 
 def cmd_capture(args) -> int:
@@ -405,10 +406,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seconds", type=float, default=2.0, help="time per measurement")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench)
-    b = bench.add_parser("target", help="capture tokens/s per bucket vs a plain Hugging Face forward")
+    b = bench.add_parser("target", help="slot fill and capture tokens/s on a lognormal length mix, per batching, "
+                                        "vs a plain Hugging Face forward")
     _add_config_args(b, required=True)
-    b.add_argument("--warmup", type=int, default=2, help="untimed passes per bucket")
-    b.add_argument("--reps", type=int, default=5, help="timed passes per bucket (the median is reported)")
+    b.add_argument("--warmup", type=int, default=1, help="untimed passes per bucket")
+    b.add_argument("--reps", type=int, default=3, help="jobs timed per bucket (drawn from the schedule)")
+    b.add_argument("--samples", type=int, default=20_000, help="samples of the length mix")
+    b.add_argument("--median", type=float, default=400.0, help="median sample length (lognormal)")
+    b.add_argument("--sigma", type=float, default=0.9, help="sigma of the log length (the tail's weight)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the lengths, tokens and timed jobs")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_target)
     b = bench.add_parser("dflash", help="DFlash micro-batch cost by sequence length and anchor count")
