@@ -65,7 +65,7 @@ def cmd_worker(args) -> int:
         from drafter_worker.sim import SimDrafter
         # An independent sim drafter trains a model of its own, named after it: a restart resumes it.
         return DrafterLoop(config, name, SimDrafter(config, model_id=name)).run()
-    grouped = config.drafter.group_size > 1
+    grouped = config.drafter.grouped
     # Every rank of a data-parallel group trains the group's one model (rank 0 writes its checkpoints);
     # an independent drafter trains a model of its own, named after it: a restart resumes it.
     model_id = config.drafter.model if grouped else name

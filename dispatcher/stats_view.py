@@ -230,6 +230,10 @@ def format_stats(s: dict[str, Any], *, previous: dict[str, Any] | None = None, r
     if usage is not None:
         lines.append(f"pool use  {_mib(usage[0])} of {_mib(usage[1])} ({usage[0] / max(1, usage[1]):.0%})")
     lines.append(f"steps     {s['steps']}   given back {s['given_back'] or 0}   errors {s['errors'] or 0}")
+    for model, g in (s.get("groups") or {}).items():
+        ranks = " ".join(f"{r}:{w}" for r, w in sorted(g.get("members", {}).items(), key=lambda m: int(m[0])))
+        lines.append(f"group     {model}: {g['world_size']} rank(s) [{ranks}]  membership {g['version']}  "
+                     f"{g.get('waiting', 0)} waiting  {g.get('steps_since_change', 0)} steps since change")
     auth = s.get("auth") or {}
     if auth.get("mechanism") == "curve":
         lines.append(f"auth      curve: {auth['accepted']} accepted, {auth['refused']} keys refused, "

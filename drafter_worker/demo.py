@@ -144,7 +144,7 @@ def run_demo(*, out: str | os.PathLike, config_path: str | os.PathLike | None, o
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     prompts = load_chat_prompts(target_dir / "heldout.jsonl", tokenizer, eval_prompts)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    untrained = Backend(config, "untrained", total_steps=1).trainer.model.eval()  # the run's initial weights
+    untrained = Backend(config, "untrained", schedule_jobs=1).trainer.model.eval()  # the run's initial weights
     before = evaluate(target_dir, untrained, prompts, max_new_tokens, target=target)
     checkpoint = latest_checkpoint(run_dir, DRAFTER_NAME)
     after = evaluate(target_dir, checkpoint.path, prompts, max_new_tokens, target=target)

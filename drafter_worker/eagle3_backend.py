@@ -65,8 +65,8 @@ class Eagle3Backend(DFlashBackend):
         self.d2t, self.t2d = draft_vocab_of_dataset(config.data.path, vocab_size, config.eagle3.draft_vocab)
         super().__init__(config, model_id, **kwargs)
 
-    def _train_config(self, section, total_steps: int) -> Eagle3TrainConfig:
-        return Eagle3TrainConfig.from_section(section, total_steps=total_steps)
+    def _train_config(self, section, schedule_jobs: int) -> Eagle3TrainConfig:
+        return Eagle3TrainConfig.from_section(section, total_steps=schedule_jobs)
 
     def _new_trainer(self) -> Eagle3Trainer:
         torch.manual_seed(self.seed)

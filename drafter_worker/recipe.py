@@ -76,13 +76,16 @@ def build_optimizer(params: list[torch.nn.Parameter], recipe: TrainingRecipe):
     return optimizer, scheduler
 
 
-def clip_and_step(params: list[torch.nn.Parameter], optimizer, scheduler, grad_clip: float) -> tuple[float, float]:
-    """Clip (0 = not), optimizer and scheduler step, zero the gradients; (grad norm before clipping, lr used)."""
+def clip_and_step(params: list[torch.nn.Parameter], optimizer, scheduler, grad_clip: float, *,
+                  num_jobs: int = 1) -> tuple[float, float]:
+    """Clip (0 = not), optimizer step, ``num_jobs`` scheduler steps (the schedule counts jobs trained,
+    so a group's world size cannot shift it), zero the gradients; (grad norm before clipping, lr used)."""
     clip = grad_clip if grad_clip > 0 else float("inf")
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
-    scheduler.step()
+    for _ in range(num_jobs):
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm, lr
 
@@ -151,15 +154,16 @@ class AccumulatingTrainer:
         """Divide the accumulated gradients by the step's total weight (all ranks summed)."""
         scale_gradients(self.params, total_weight)
 
-    def apply_step(self, *, total_weight: float | None = None) -> StepStats:
+    def apply_step(self, *, total_weight: float | None = None, num_jobs: int = 1) -> StepStats:
         """Scale, clip, optimizer and scheduler step, zero the gradients; ``step += 1``.
 
         ``total_weight`` defaults to this trainer's own total; a data-parallel group passes the sum
-        over its ranks.
+        over its ranks. The schedule advances by ``num_jobs``, the micro-batches the step trained.
         """
         total = self._weight_total if total_weight is None else float(total_weight)
         self.scale_gradients(total)
-        grad_norm, lr = clip_and_step(self.params, self.optimizer, self.scheduler, self.config.grad_clip)
+        grad_norm, lr = clip_and_step(self.params, self.optimizer, self.scheduler, self.config.grad_clip,
+                                      num_jobs=num_jobs)
         self.step += 1
         first = self.first_reported
         stats = StepStats(step=self.step, loss=self._weighted_sum / total if total > 0 else math.nan,

@@ -43,16 +43,16 @@ def test_checkpoint_resumes_exactly_and_exports_the_eagle3_layout(tiny_target, t
     config = backend_config(tiny_target, tmp_path / "run", random_prepared(tmp_path / "data"))
     contract = contract_from_config(config)
     jobs = _jobs(tiny_target_model, 8)
-    straight = Eagle3Backend(config, "drafter-0", total_steps=4)
+    straight = Eagle3Backend(config, "drafter-0", schedule_jobs=8)
     assert straight.contract == contract.to_dict() and contract.final_norm and contract.row_width == 4 * HIDDEN
     reference = _train(straight, jobs, range(4))
     assert reference[-1] < reference[0]
 
-    first = Eagle3Backend(config, "drafter-0", total_steps=4)
+    first = Eagle3Backend(config, "drafter-0", schedule_jobs=8)
     assert first.load_latest(config.run_dir) == 0
     assert _train(first, jobs, range(2)) == reference[:2]
     first.save_checkpoint(config.run_dir)
-    resumed = Eagle3Backend(config, "drafter-0", total_steps=4)
+    resumed = Eagle3Backend(config, "drafter-0", schedule_jobs=8)
     assert resumed.load_latest(config.run_dir) == 2
     assert _train(resumed, jobs, range(2, 4)) == reference[2:]
     for name, tensor in straight.trainer.model.draft_state_dict().items():
