@@ -65,7 +65,7 @@ def cmd_worker(args) -> int:
         from drafter_worker.sim import SimDrafter
         # An independent sim drafter trains a model of its own, named after it: a restart resumes it.
         return DrafterLoop(config, name, SimDrafter(config, model_id=name)).run()
-    grouped = config.drafter.group_size > 1
+    grouped = config.drafter.grouped
     # Every rank of a data-parallel group trains the group's one model (rank 0 writes its checkpoints);
     # an independent drafter trains a model of its own, named after it: a restart resumes it.
     model_id = config.drafter.model if grouped else name
@@ -74,9 +74,12 @@ def cmd_worker(args) -> int:
         backend = LinearDrafter(config, model_id=model_id)
     else:
         if not config.target.model:  # said before torch loads: the drafter reads the target's config and head
-            raise ConfigError("target.model: the DFlash drafter needs the target model directory (or use --sim)")
-        from drafter_worker.dflash_backend import DFlashBackend
-        backend = DFlashBackend(config, model_id=model_id)
+            raise ConfigError("target.model: the drafter needs the target model directory (or use --sim)")
+        if config.drafter.objective == "eagle3":
+            from drafter_worker.eagle3_backend import Eagle3Backend as Backend
+        else:
+            from drafter_worker.dflash_backend import DFlashBackend as Backend
+        backend = Backend(config, model_id=model_id)
     if grouped:
         from drafter_worker.group_loop import GroupDrafterLoop
         loop = GroupDrafterLoop(config, name, backend)
@@ -192,6 +195,12 @@ def cmd_bench_pipeline(args) -> int:
         return 1
 
 
+def cmd_bench_chaos(args) -> int:
+    from benchmarks.chaos import run_chaos_bench
+    return run_chaos_bench(minutes=args.minutes, seed=args.seed, real=args.real, as_json=args.json,
+                           work_dir=args.dir, inputs_dir=args.inputs, keep=args.keep)
+
+
 def _require_model(config, command: str) -> None:
     if not config.target.model:
         raise ConfigError(f"hsd {command} needs target.model (a local Hugging Face model directory)")
@@ -281,7 +290,8 @@ def cmd_demo(args) -> int:
     _setup_logging("demo")
     from drafter_worker.demo import run_demo
     return run_demo(out=args.out, config_path=args.config, overrides=args.overrides, samples=args.samples,
-                    eval_prompts=args.eval_prompts, max_new_tokens=args.max_new_tokens, tiny_steps=args.tiny_steps)
+                    eval_prompts=args.eval_prompts, max_new_tokens=args.max_new_tokens, tiny_steps=args.tiny_steps,
+                    objective=args.objective)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -292,13 +302,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.set_defaults(func=cmd_launch)
 
-    p = sub.add_parser("demo", help="tiny target -> its own answers -> online DFlash training -> tau before/after")
+    p = sub.add_parser("demo", help="tiny target -> its own answers -> online drafter training -> tau before/after")
     _add_config_args(p)
     p.add_argument("--out", default="runs/demo", help="demo directory: target, data, run (default runs/demo)")
     p.add_argument("--samples", type=int, default=200, help="training prompts whose answers the target regenerates")
     p.add_argument("--eval-prompts", type=int, default=12, help="held-out prompts of the tau evaluation")
     p.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per evaluation prompt")
     p.add_argument("--tiny-steps", type=int, help="training steps of the tiny target (default: its full recipe)")
+    p.add_argument("--objective", choices=("dflash", "eagle3"), default="dflash",
+                   help="drafter to train (default dflash; eagle3 runs deploy/configs/demo-eagle3.yaml)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("dispatcher", help="run the dispatcher daemon")
@@ -458,6 +470,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--runs-dir", help="keep the three run directories here (default: a temporary one, removed)")
     b.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides for every policy")
     b.set_defaults(func=cmd_bench_pipeline)
+    b = bench.add_parser("chaos", help="a multi-epoch run under seeded SIGKILLs of every role, attaches and detaches")
+    b.add_argument("--minutes", type=float, default=3.0, help="length of the chaos window")
+    b.add_argument("--seed", type=int, default=0, help="seed of the run and of the fault plan")
+    b.add_argument("--real", action="store_true", help="the demo's tiny target and a group of 2 DFlash drafters")
+    b.add_argument("--inputs", default="runs/demo", help="--real: where the tiny target and data are (made once)")
+    b.add_argument("--dir", help="work directory (kept); default a temporary one, removed")
+    b.add_argument("--keep", action="store_true", help="keep the temporary work directory")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_chaos)
     return parser
 
 

@@ -10,18 +10,16 @@ loss sum, accuracy counts) over its ranks and hands the sums back (:meth:`DFlash
 before :meth:`DFlashTrainer.apply_step`; then a long micro-batch and a short one weigh by their
 supervised positions, not one each, and the step's loss and accuracy are the whole group's.
 
-The host reads the device once per optimizer step. ``micro_batch`` draws its anchors on the device,
-keeps every shape fixed (no selection by a mask, whose size would have to be read) and adds its
-loss, weight and accuracy counts to tensors on the device; ``apply_step`` divides and clips the
-gradients with tensors as well, then reads the step's figures in one transfer (for the log line and
-the commit) before the optimizer step.
+The host reads the device once per optimizer step (:class:`drafter_worker.recipe.AccumulatingTrainer`
+reads the step's figures at its end). ``micro_batch`` draws its anchors on the device, keeps every
+shape fixed (no selection by a mask, whose size would have to be read) and adds its loss, weight and
+accuracy counts to tensors on the device.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +27,8 @@ from drafter_worker.dflash.anchors import check_anchors, block_labels, sample_an
 from drafter_worker.dflash.config import DFlashTrainConfig
 from drafter_worker.dflash.loss import position_weights, weighted_ce_chunked
 from drafter_worker.dflash.model import DFlashDraftModel, build_drafter
+from drafter_worker.recipe import AccumulatingTrainer, build_optimizer, resolve_dtype
+from drafter_worker.recipe import StepStats, warmup_cosine  # noqa: F401  (re-exported: callers import them from here)
 
 
 @dataclass
@@ -50,36 +50,6 @@ class MicroStats:
         return float(self.weighted_sum) / weight if weight > 0 else math.nan
 
 
-@dataclass
-class StepStats:
-    step: int              # steps applied, this one included
-    loss: float            # the step's weighted CE (sum over its micro-batches / total weight)
-    grad_norm: float       # global gradient norm before clipping
-    lr: float              # learning rate this step was applied with
-    weight: float          # total weight the gradients were divided by
-    num_micro_batches: int
-    accuracy: list[float] = field(default_factory=list)  # top-1 accuracy per block position 1..B-1
-
-
-def warmup_cosine(total_steps: int, warmup_ratio: float, min_lr_ratio: float):
-    """LR factor of step s (0-based): linear warmup over ``ceil(ratio * total)`` steps, then cosine."""
-    warmup = math.ceil(warmup_ratio * total_steps)
-
-    def factor(s: int) -> float:
-        if s < warmup:
-            return (s + 1) / warmup
-        progress = min(1.0, (s - warmup) / max(1, total_steps - warmup))
-        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
-
-
-def _resolve_dtype(config: DFlashTrainConfig, device: torch.device) -> torch.dtype:
-    if config.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, config.dtype)
-
-
 def _resolve_attention(config: DFlashTrainConfig, device: torch.device) -> str:
     if config.attention != "auto":
         return config.attention
@@ -90,12 +60,14 @@ def _resolve_attention(config: DFlashTrainConfig, device: torch.device) -> str:
     return "flex" if device.type == "cuda" else "sdpa"
 
 
-class DFlashTrainer:
+class DFlashTrainer(AccumulatingTrainer):
+    first_reported = 1  # block position 0 is the anchor: never predicted
+
     def __init__(self, config: DFlashTrainConfig, *, target_dir: str, layer_ids: list[int], device, seed: int):
         config.validate()
         self.config = config
         self.device = torch.device(device)
-        self.compute_dtype = _resolve_dtype(config, self.device)
+        self.compute_dtype = resolve_dtype(config, self.device)
         self.model_config = config.model_config(target_dir, layer_ids)
         # Trainable tensors stay float32 (master weights); the frozen shared ones take the compute dtype.
         self.model: DFlashDraftModel = build_drafter(self.model_config, target_dir, dtype=self.compute_dtype)
@@ -103,12 +75,7 @@ class DFlashTrainer:
         self.model.to(self.device)
         self.model.attention = _resolve_attention(config, self.device)
         self.params = [p for _, p in self.model.draft_named_parameters()]
-        # Fused: one kernel for all tensors, its step counts on the device (the unfused versions read
-        # each one on the host).
-        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=tuple(config.betas),
-                                           weight_decay=config.weight_decay, fused=True)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, warmup_cosine(config.total_steps, config.warmup_ratio, config.min_lr_ratio))
+        self.optimizer, self.scheduler = build_optimizer(self.params, config)
         # Anchors are drawn on the device from a generator of the trainer's own: checkpointed, and
         # independent of whatever else uses the global RNG in the process.
         self.anchor_generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -117,41 +84,9 @@ class DFlashTrainer:
         self.step = 0
         self._reset_accumulators()
 
-    def _reset_accumulators(self) -> None:
-        def zeros(*shape):
-            return torch.zeros(shape, dtype=torch.float64, device=self.device)
-        block = self.model_config.block_size
-        self._weighted_sum, self._weight_total = zeros(), zeros()
-        self._correct_K, self._count_K = zeros(block), zeros(block)  # integers, exact in float64
-        self._num_micro_batches = 0
-
     @property
-    def local_weight_total(self) -> float:
-        """Total position weight of this rank's micro-batches since the last step (a host read)."""
-        return float(self._weight_total)
-
-    def step_sums(self) -> torch.Tensor:
-        """What a data-parallel group sums besides the gradients, float64 on the trainer's device:
-        ``[weight total, weighted CE sum, top-1 hits per block position..., counts per block position...]``
-        of this rank's micro-batches since the last step."""
-        return torch.cat([self._weight_total.view(1), self._weighted_sum.view(1), self._correct_K, self._count_K])
-
-    def adopt_group_sums(self, sums: torch.Tensor) -> torch.Tensor:
-        """Take :meth:`step_sums` summed over the group as this step's own: the gradients are divided
-        by the group's weight, and the step's loss and accuracy are the group's, not this rank's
-        share of them. Returns the group's weight total (a tensor on the device: nothing is read)."""
-        block = self.model_config.block_size
-        if sums.numel() != 2 + 2 * block:
-            raise ValueError(f"group sums of {sums.numel()} values, expected {2 + 2 * block}")
-        sums = sums.detach().to(self.device, torch.float64)
-        self._weight_total, self._weighted_sum = sums[0], sums[1]
-        self._correct_K, self._count_K = sums[2:2 + block], sums[2 + block:]
-        return self._weight_total
-
-    def _autocast(self):
-        if self.compute_dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+    def num_positions(self) -> int:
+        return self.model_config.block_size
 
     def micro_batch(self, hs, input_ids, loss_mask, seq_lens, *, anchors=None) -> MicroStats:
         """Forward + backward of one micro-batch; gradients and the step's figures accumulate on the device.
@@ -188,55 +123,10 @@ class DFlashTrainer:
                                          block_pos_P, self.weights_K, chunk_size=self.config.loss_chunk_size)
         result.weighted_sum.backward()  # all zeros when nothing was supervised, no need to ask
         weighted_sum = result.weighted_sum.detach()
-        self._weighted_sum = self._weighted_sum + weighted_sum.double()
-        self._weight_total = self._weight_total + result.weight_total
-        self._correct_K = self._correct_K + result.correct_K
-        self._count_K = self._count_K + result.count_K
-        self._num_micro_batches += 1
+        self._accumulate(weighted_sum, result.weight_total, result.correct_K, result.count_K)
         return MicroStats(weighted_sum=weighted_sum, weight=result.weight_total, num_blocks=(anchors >= 0).sum(),
                           num_positions=result.count_K.sum(), num_tokens=seq_lens.sum(),
                           correct_K=result.correct_K, count_K=result.count_K)
-
-    def scale_gradients(self, total_weight: torch.Tensor) -> None:
-        """Divide the accumulated gradients by the step's total position weight (all ranks summed)."""
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if grads:  # nothing supervised: the gradients are zero, and stay so divided by 1
-            torch._foreach_div_(grads, torch.where(total_weight > 0, total_weight, 1.0))
-
-    def apply_step(self, *, total_weight: float | torch.Tensor | None = None) -> StepStats:
-        """Scale, clip, optimizer and scheduler step, zero the gradients; ``step += 1``.
-
-        ``total_weight`` defaults to this trainer's own total; a data-parallel group passes the sum
-        over its ranks. The step's figures are read to the host here, once; a step with nothing
-        supervised changes no weight.
-        """
-        total = self._weight_total if total_weight is None else torch.as_tensor(
-            total_weight, dtype=torch.float64, device=self.device)
-        self.scale_gradients(total)
-        clip = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
-        # A tensor (the foreach kernels where the device has them); checking it for inf/nan would read it.
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip, error_if_nonfinite=False)
-        lr = self.optimizer.param_groups[0]["lr"]
-        figures = torch.cat([total.view(1), self._weighted_sum.view(1),
-                             grad_norm.to(self.device, torch.float64).view(1), self._correct_K[1:], self._count_K[1:]])
-        weight, weighted_sum, grad_norm, *counts = figures.tolist()  # the step's one read
-        if weight > 0:
-            self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        block = self.model_config.block_size
-        correct, count = counts[:block - 1], counts[block - 1:]
-        stats = StepStats(step=self.step, loss=weighted_sum / weight if weight > 0 else math.nan,
-                          grad_norm=grad_norm, lr=lr, weight=weight, num_micro_batches=self._num_micro_batches,
-                          accuracy=[c / max(n, 1.0) for c, n in zip(correct, count)])
-        self._reset_accumulators()
-        return stats
-
-    def drop_step(self) -> None:
-        """Forget the accumulated micro-batches (the dispatcher refused the step)."""
-        self.optimizer.zero_grad(set_to_none=True)
-        self._reset_accumulators()
 
     def state_dict(self) -> dict:
         """Model (draft tensors only) + optimizer + scheduler + step + the anchor RNG."""
