@@ -124,7 +124,7 @@ class DFlashSection:
     num_draft_layers: int = opt(5, "Draft decoder layers.")
     num_anchors: int = opt(512, "Most anchors (blocks) sampled per training sequence, re-drawn every time.")
     gamma: float = opt(0.0, "Loss decay: block position k weighs exp(-(k-1)/gamma); 0 = 7 for block 16, 5 for 10, 4 for 8.")
-    mask_token_id: int = opt(-1, "Token id of the masked block positions; -1 = the last row of the target embedding.")
+    mask_token_id: int = opt(-1, "Token id of the masked block positions; -1 = the tokenizer's mask token, else a reserved special token absent from the data, else an error.")
     lr: float = opt(6e-4, "Peak AdamW learning rate.")
     betas: list[float] = opt([0.9, 0.95], "AdamW betas.")
     weight_decay: float = opt(0.0, "AdamW decoupled weight decay.")

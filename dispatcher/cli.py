@@ -224,6 +224,14 @@ def cmd_eval(args) -> int:
                     max_new_tokens=args.max_new_tokens, device=args.device, as_json=args.json)
 
 
+def cmd_export(args) -> int:
+    from common.servable import export_servable, find_checkpoint
+    checkpoint = find_checkpoint(args.run_dir, model=args.model, step=args.step)
+    out = export_servable(checkpoint, args.out, force=args.force)
+    print(f"model {checkpoint.model_id} at step {checkpoint.step} exported to {out}")
+    return 0
+
+
 def cmd_prepare(args) -> int:
     _setup_logging()
     from target_worker.prepare import prepare_dataset
@@ -339,13 +347,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_capture)
     p = sub.add_parser("eval", help="speculative decoding with a trained drafter: acceptance length tau")
     _add_config_args(p, required=True)
-    p.add_argument("--drafter", required=True, help="exported drafter directory (config.json + model.safetensors)")
+    p.add_argument("--drafter", required=True,
+                   help="exported drafter directory (config.json + model.safetensors), or a checkpoint's step directory")
     p.add_argument("--prompts", type=int, default=16, help="number of held-out prompts")
     p.add_argument("--prompts-file", help="ShareGPT JSONL of prompts (default: <target.model>/heldout.jsonl)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("export", help="copy a trained model's servable directory out of a run, for a serving engine")
+    p.add_argument("--run-dir", required=True, help="the run directory (run.dir)")
+    p.add_argument("--model", help="model id (run.dir/models/<model>); default: the run's only model")
+    p.add_argument("--step", type=int, help="checkpoint step; default: the latest")
+    p.add_argument("--out", required=True, help="directory to write (config.json + model.safetensors)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    p.set_defaults(func=cmd_export)
 
 
     p = sub.add_parser("prepare", help="tokenize conversations (JSONL/Parquet) into a prepared dataset directory")

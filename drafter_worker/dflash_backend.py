@@ -1,10 +1,11 @@
 """The DFlash drafter behind the worker loop: trains on the hidden states a real target captured.
 
-Each checkpoint is one step directory (:func:`common.witness.save_checkpoint`) that is at once
-an exported drafter — ``config.json`` + ``model.safetensors`` in the published DFlash layout, so
-``hsd eval --drafter`` and serving engines load it as is — and the training state beside it
-(``state.safetensors`` + ``state.json``: optimizer, scheduler, step, anchor RNG, the process RNG),
-plus the trained-jobs witness. Resuming from it continues the run exactly as if it had not stopped.
+Each checkpoint is one step directory (:func:`common.witness.save_checkpoint`) holding the
+exported drafter in its servable part (:func:`common.witness.servable_dir`: ``config.json`` +
+``model.safetensors`` in the published DFlash layout, which ``hsd eval --drafter`` and serving
+engines load as is), the training state in its training part (:func:`common.witness.training_dir`:
+``state.safetensors`` + ``state.json``: optimizer, scheduler, step, anchor RNG, the process RNG),
+and the trained-jobs witness. Resuming from it continues the run exactly as if it had not stopped.
 
 Gradients of a step accumulate unnormalised over its micro-batches (see
 :mod:`drafter_worker.dflash.trainer`); :meth:`DFlashBackend.sync_gradients` is where a
@@ -14,6 +15,7 @@ before the step is applied.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -27,9 +29,10 @@ from common.capture_contract import contract_from_config
 from common.config import Config, ConfigError
 from common.mix import splitmix64
 from common.slots import SlotBatch
-from common.witness import TrainedJobs, check_model_id, latest_checkpoint, save_checkpoint
-from drafter_worker.dflash.config import DFlashTrainConfig
+from common.witness import TrainedJobs, check_model_id, latest_checkpoint, save_checkpoint, training_dir
+from drafter_worker.dflash.config import DFlashTrainConfig, read_target_config
 from drafter_worker.dflash.export import save_drafter
+from drafter_worker.dflash.mask_token import resolve_mask_token_id
 from drafter_worker.dflash.state_io import load_state, save_state
 from drafter_worker.dflash.trainer import DFlashTrainer
 from drafter_worker.process_group import AllReduce, all_reduce_flat
@@ -91,8 +94,11 @@ class DFlashBackend:
         self.target_dir = str(config.target.model)
         self.device = torch.device(device) if device is not None else default_device(config)
         self.seed = config.run.seed
+        # Chosen once, at start: the tokenizer's mask token or a reserved one, never a token of the data.
+        mask_token_id = resolve_mask_token_id(config, vocab_size=read_target_config(self.target_dir)["vocab_size"])
         self.train_config = DFlashTrainConfig.from_section(
-            config.dflash, total_steps=total_steps or derive_total_steps(config))
+            dataclasses.replace(config.dflash, mask_token_id=mask_token_id),
+            total_steps=total_steps or derive_total_steps(config))
         self.train_config.validate()
         self.keep = config.drafter.checkpoint_keep
         self.export_dtype = config.dflash.export_dtype
@@ -121,7 +127,7 @@ class DFlashBackend:
                 self.trainer = self._new_trainer()
             self.step, self.trained = 0, TrainedJobs()
         else:
-            state = load_state(checkpoint.path)
+            state = load_state(training_dir(checkpoint))
             self.trainer.load_state_dict(state["trainer"])
             torch.set_rng_state(state["torch_rng"])
             self.step, self.trained = checkpoint.step, checkpoint.trained_jobs()
@@ -137,14 +143,15 @@ class DFlashBackend:
             return self.export_dtype
         return str(self.trainer.compute_dtype).removeprefix("torch.")
 
-    def write_checkpoint_files(self, directory: Path) -> None:
-        """Exported drafter + training state into ``directory`` (a step directory being written)."""
+    def write_servable(self, directory: Path) -> None:
         save_drafter(self.trainer.model, directory, dtype=self._export_dtype())
+
+    def write_training(self, directory: Path) -> None:
         save_state({"trainer": self.trainer.state_dict(), "torch_rng": torch.get_rng_state()}, directory)
 
     def save_checkpoint(self, run_dir: str | os.PathLike) -> None:
-        save_checkpoint(run_dir, self.model_id, self.step, self.trained, write_extra=self.write_checkpoint_files,
-                        keep_last=self.keep)
+        save_checkpoint(run_dir, self.model_id, self.step, self.trained, write_servable=self.write_servable,
+                        write_training=self.write_training, keep_last=self.keep)
 
     # -- a step -----------------------------------------------------------------------------
     def micro_batch(self, job: dict[str, Any], batch: SlotBatch) -> None:

@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 
 from common.client import run_id_for
 from common.shm_arena import list_segments
-from common.witness import latest_checkpoint
+from common.servable import weights_files
+from common.witness import latest_checkpoint, servable_dir
 from dflash_run import tiny_run_args
 from drafter_worker.dflash_backend import EXIT_AFTER_STEP_ENV
 from hsd_testing import hsd, report
@@ -30,7 +31,9 @@ def _losses(log_text: str) -> dict[int, str]:
 
 
 def _final_weights(run_dir):
-    return load_file(latest_checkpoint(run_dir, "drafter-0").path / "model.safetensors")
+    servable = servable_dir(latest_checkpoint(run_dir, "drafter-0"))
+    assert weights_files(servable) == [servable / "model.safetensors"]  # nothing else an engine would load
+    return load_file(servable / "model.safetensors")
 
 
 @pytest.mark.timeout(900)  # three launches, each starting torch in three processes: slow on a loaded 2-core host
@@ -62,5 +65,9 @@ def test_real_run_exactly_once_and_resumed_run_trains_identically(tmp_path, monk
     straight, resumed = _final_weights(straight_dir), _final_weights(resumed_dir)
     assert straight.keys() == resumed.keys()
     assert all(straight[name].equal(resumed[name]) for name in straight)
+    exported = tmp_path / "served"
+    hsd("export", "--run-dir", str(resumed_dir), "--out", str(exported))
+    assert weights_files(exported) == [exported / "model.safetensors"]
+    assert load_file(exported / "model.safetensors").keys() == straight.keys()
     for path in (straight_dir, resumed_dir):
         assert not list_segments(run_id_for(path)), "shared memory left behind"
