@@ -176,6 +176,25 @@ def save_checkpoint(run_dir: str | os.PathLike, model_id: str, step: int, traine
     return Checkpoint(model_id, step, final)
 
 
+@dataclass(frozen=True)
+class CheckpointSnapshot:
+    """A model's checkpoint at ``step``, taken off its live training state: the witness copied, and
+    callbacks that write host copies of the tensors. Writing it (on another thread, while training
+    goes on) reads nothing training changes."""
+
+    model_id: str
+    step: int
+    trained: TrainedJobs
+    write_servable: WriteFiles | None = None
+    write_training: WriteFiles | None = None
+    keep_last: int = 3
+
+    def write(self, run_dir: str | os.PathLike, *, before_publish: WriteFiles | None = None) -> Checkpoint:
+        return save_checkpoint(run_dir, self.model_id, self.step, self.trained, write_servable=self.write_servable,
+                               write_training=self.write_training, keep_last=self.keep_last,
+                               before_publish=before_publish)
+
+
 _PARTIAL = re.compile(r"^\.tmp-step-\d{8}-(\d+)$")  # save_checkpoint's temporary directory: its writer's pid
 
 

@@ -29,11 +29,12 @@ from common.capture_contract import contract_from_config
 from common.config import Config, ConfigError
 from common.mix import splitmix64
 from common.slots import SlotBatch
-from common.witness import TrainedJobs, check_model_id, latest_checkpoint, save_checkpoint, training_dir
+from common.host_staging import HostStaging
+from common.witness import CheckpointSnapshot, TrainedJobs, check_model_id, latest_checkpoint, training_dir
 from drafter_worker.dflash.config import DFlashTrainConfig, read_target_config
-from drafter_worker.dflash.export import save_drafter
+from drafter_worker.dflash.export import save_drafter_tensors
 from drafter_worker.dflash.mask_token import resolve_mask_token_id
-from drafter_worker.dflash.state_io import load_state, save_state
+from drafter_worker.dflash.state_io import flatten_state, load_state, unflatten_state, write_state
 from drafter_worker.dflash.trainer import DFlashTrainer
 from drafter_worker.process_group import AllReduce, all_reduce_flat
 from drafter_worker.dflash_metrics import StepClock, TensorBoardLog, format_metrics, step_metrics
@@ -104,6 +105,7 @@ class DFlashBackend:
         self.export_dtype = config.dflash.export_dtype
         self.log_every = config.dflash.log_every
         self.trainer = self._new_trainer()
+        self.staging = HostStaging()  # a checkpoint's host copies, reused from one checkpoint to the next
         self.step = 0
         self.trained = TrainedJobs()
         self.window: list[int] = []
@@ -143,15 +145,21 @@ class DFlashBackend:
             return self.export_dtype
         return str(self.trainer.compute_dtype).removeprefix("torch.")
 
-    def write_servable(self, directory: Path) -> None:
-        save_drafter(self.trainer.model, directory, dtype=self._export_dtype())
-
-    def write_training(self, directory: Path) -> None:
-        save_state({"trainer": self.trainer.state_dict(), "torch_rng": torch.get_rng_state()}, directory)
+    def snapshot_checkpoint(self) -> CheckpointSnapshot:
+        """The checkpoint at this step, on host copies of the state (pinned buffers on a GPU): a
+        thread can write it while training goes on. The servable weights are the training state's
+        own copy of the draft tensors, cast to the export dtype as they are written."""
+        structure, tensors = flatten_state({"trainer": self.trainer.state_dict(), "torch_rng": torch.get_rng_state()})
+        host = self.staging.copy(tensors)
+        draft_tensors = unflatten_state(structure, host)["trainer"]["model"]
+        model_config, dtype = self.trainer.model_config, self._export_dtype()
+        return CheckpointSnapshot(
+            self.model_id, self.step, self.trained.copy(), keep_last=self.keep,
+            write_servable=lambda directory: save_drafter_tensors(draft_tensors, model_config, directory, dtype=dtype),
+            write_training=lambda directory: write_state(structure, host, directory))
 
     def save_checkpoint(self, run_dir: str | os.PathLike) -> None:
-        save_checkpoint(run_dir, self.model_id, self.step, self.trained, write_servable=self.write_servable,
-                        write_training=self.write_training, keep_last=self.keep)
+        self.snapshot_checkpoint().write(run_dir)
 
     # -- a step -----------------------------------------------------------------------------
     def micro_batch(self, job: dict[str, Any], batch: SlotBatch) -> None:

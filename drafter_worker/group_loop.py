@@ -101,7 +101,7 @@ class GroupDrafterLoop(DrafterLoop):
         super()._lost()
         self.backend.drop_step()
         self.window, self.busy_s = [], 0.0
-        self.checkpointed_step = self.backend.load_latest(self.run_dir)
+        self._reload()
         self.num_regroups += 1
         log.warning("%s: model %s goes back to its checkpoint at step %d and joins the group again", self.name,
                     self.backend.model_id, self.backend.step)
@@ -167,6 +167,7 @@ class GroupDrafterLoop(DrafterLoop):
             done, flush, job = reply["done"], reply.get("flush", False), reply["job"]
             if not done:
                 poll = self._poll("get_hs")
+            self._report_durable()  # rank 0's checkpoint, once its writer has it on disk
             reports = self._collect(reports)
             if job is not None:
                 self._train_on(job, transport, reports)
@@ -253,7 +254,8 @@ class GroupDrafterLoop(DrafterLoop):
             request_id = self.session.submit("commit_step", **fields)
 
     def _group_checkpoint(self) -> None:
-        """Rank 0 saves (every rank holds the same weights); the others note the step as saved."""
+        """Rank 0 saves, off its training thread (every rank holds the same weights); the others
+        note the step as saved."""
         if self.rank == 0:
             self._checkpoint()
         else:
@@ -271,5 +273,5 @@ class GroupDrafterLoop(DrafterLoop):
             self.backend.drop_step()
             self.session.held.discard(self.window)
             self.window, self.busy_s = [], 0.0
-        if self.rank == 0 and self.backend.step > self.checkpointed_step:
-            self._checkpoint(best_effort=True)
+        if self.rank == 0:
+            self._finish_checkpoints()

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from common.config import Config
 from common.slots import SlotBatch
-from common.witness import TrainedJobs, check_model_id, latest_checkpoint, save_checkpoint, training_dir
+from common.witness import CheckpointSnapshot, TrainedJobs, check_model_id, latest_checkpoint, training_dir
 from drafter_worker.process_group import all_reduce_flat
 
 WEIGHTS_FILE = "linear.safetensors"
@@ -102,12 +102,17 @@ class LinearDrafter:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"weight": self.weight.detach().clone(), "bias": self.bias.detach().clone()}
 
-    def save_checkpoint(self, run_dir: str | os.PathLike) -> None:
+    def snapshot_checkpoint(self) -> CheckpointSnapshot:
+        weights = self.state_dict()  # copies
+
         def write_weights(directory: Path) -> None:
-            save_file(self.state_dict(), str(directory / WEIGHTS_FILE))
+            save_file(weights, str(directory / WEIGHTS_FILE))
         # Not a servable model: its weights are training state only.
-        save_checkpoint(run_dir, self.model_id, self.step, self.trained, write_training=write_weights,
-                        keep_last=self.keep)
+        return CheckpointSnapshot(self.model_id, self.step, self.trained.copy(), write_training=write_weights,
+                                  keep_last=self.keep)
+
+    def save_checkpoint(self, run_dir: str | os.PathLike) -> None:
+        self.snapshot_checkpoint().write(run_dir)
 
     def load_latest(self, run_dir: str | os.PathLike) -> int:
         checkpoint = latest_checkpoint(run_dir, self.model_id)

@@ -63,16 +63,22 @@ def export_config(config: DFlashConfig, dtype: str) -> dict:
 
 def save_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, *, dtype: str = "bfloat16") -> Path:
     """Write ``config.json`` + ``model.safetensors`` into ``out_dir`` (files replaced atomically)."""
+    return save_drafter_tensors(model.draft_state_dict(), model.config, out_dir, dtype=dtype)
+
+
+def save_drafter_tensors(tensors: dict[str, torch.Tensor], config: DFlashConfig, out_dir: str | os.PathLike, *,
+                         dtype: str = "bfloat16") -> Path:
+    """:func:`save_drafter` from the draft tensors (e.g. a checkpoint's host copy of them) and the config."""
     if dtype not in _DTYPES:
         raise ValueError(f"export dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().to("cpu", _DTYPES[dtype]).contiguous() for name, t in model.draft_state_dict().items()}
+    tensors = {name: t.detach().to("cpu", _DTYPES[dtype]).contiguous() for name, t in tensors.items()}
     tmp = out_dir / (WEIGHTS_NAME + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, out_dir / WEIGHTS_NAME)
     tmp = out_dir / (CONFIG_NAME + ".tmp")
-    tmp.write_text(json.dumps(export_config(model.config, dtype), indent=2) + "\n")
+    tmp.write_text(json.dumps(export_config(config, dtype), indent=2) + "\n")
     os.replace(tmp, out_dir / CONFIG_NAME)
     return out_dir
 

@@ -22,7 +22,7 @@ STRUCTURE_NAME = "state.json"
 def _flatten(value, tensors: dict[str, torch.Tensor]):
     if isinstance(value, torch.Tensor):
         name = f"t{len(tensors)}"
-        tensors[name] = value.detach().to("cpu").contiguous()
+        tensors[name] = value.detach()
         return {"__tensor__": name}
     if isinstance(value, dict):
         if all(isinstance(k, str) and not k.startswith("__") for k in value):
@@ -51,14 +51,28 @@ def _unflatten(value, tensors: dict[str, torch.Tensor]):
     return value
 
 
+def flatten_state(state: dict) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``state`` as (structure, tensors): the structure names each tensor (``t0``, ``t1``, ...); the
+    tensors are the state's own, not copies."""
+    tensors: dict[str, torch.Tensor] = {}
+    return _flatten(state, tensors), tensors
+
+
+def unflatten_state(structure: dict, tensors: dict[str, torch.Tensor]) -> dict:
+    return _unflatten(structure, tensors)
+
+
 def save_state(state: dict, out_dir: str | os.PathLike) -> Path:
     """Write ``state`` into ``out_dir`` (both files replaced atomically, structure last)."""
+    return write_state(*flatten_state(state), out_dir)
+
+
+def write_state(structure: dict, tensors: dict[str, torch.Tensor], out_dir: str | os.PathLike) -> Path:
+    """Write a flattened state (:func:`flatten_state`) into ``out_dir``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, torch.Tensor] = {}
-    structure = _flatten(state, tensors)
     tmp = out_dir / (TENSORS_NAME + ".tmp")
-    save_file(tensors, str(tmp))
+    save_file({name: t.to("cpu").contiguous() for name, t in tensors.items()}, str(tmp))
     os.replace(tmp, out_dir / TENSORS_NAME)
     tmp = out_dir / (STRUCTURE_NAME + ".tmp")
     tmp.write_text(json.dumps(structure))

@@ -63,6 +63,24 @@ def test_checkpoint_then_load_latest_continues_identically(tiny_target, tiny_tar
         assert torch.equal(tensor, resumed.trainer.model.draft_state_dict()[name]), name
 
 
+def test_a_snapshot_written_after_later_steps_holds_its_own_step(tiny_target, tiny_target_model, tmp_path):
+    """A checkpoint is written on a thread while training goes on: what it writes is the state at
+    its snapshot, whatever the steps trained meanwhile changed in place (weights, AdamW moments)."""
+    config = backend_config(tiny_target, tmp_path / "run")
+    jobs = _jobs(tiny_target_model, 8)
+    straight = DFlashBackend(config, "drafter-0", total_steps=4)
+    _train(straight, jobs, range(2))
+    snapshot = straight.snapshot_checkpoint()
+    at_step_2 = {k: v.clone() for k, v in straight.trainer.model.draft_state_dict().items()}
+    later = _train(straight, jobs, range(2, 4))  # before the snapshot is written
+    snapshot.write(config.run_dir)
+    resumed = DFlashBackend(config, "drafter-0", total_steps=4)
+    assert resumed.load_latest(config.run_dir) == 2
+    for name, tensor in resumed.trainer.model.draft_state_dict().items():
+        assert torch.equal(tensor, at_step_2[name]), name
+    assert _train(resumed, jobs, range(2, 4)) == later
+
+
 def test_load_latest_without_checkpoint_starts_afresh(tiny_target, tiny_target_model, tmp_path):
     config = backend_config(tiny_target, tmp_path / "run")
     jobs = _jobs(tiny_target_model, 4)
