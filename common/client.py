@@ -16,6 +16,7 @@ from typing import Any
 import zmq
 
 from common import protocol
+from common.curve import CurveClient
 from common.protocol import ErrorCode, ProtocolError
 
 
@@ -30,9 +31,10 @@ def run_id_for(run_dir: str | os.PathLike) -> str:
 
 class DispatcherClient:
     def __init__(self, endpoint: str, *, secret: str = "", timeout_s: float = 10.0,
-                 context: zmq.Context | None = None):
+                 context: zmq.Context | None = None, curve: CurveClient | None = None):
         self.endpoint = endpoint
         self.secret = secret
+        self.curve = curve
         self.timeout_s = timeout_s
         self._context = context or zmq.Context.instance()
         self._ids = itertools.count(1)
@@ -44,6 +46,8 @@ class DispatcherClient:
     def _connect(self) -> None:
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            self.curve.apply(self._socket)
         self._socket.connect(self.endpoint)
 
     def reset(self) -> None:

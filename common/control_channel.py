@@ -23,6 +23,7 @@ import zmq
 
 from common import protocol
 from common.client import DispatcherUnavailable
+from common.curve import CurveClient
 from common.protocol import ErrorCode, ProtocolError
 
 log = logging.getLogger("hsd.worker")
@@ -32,9 +33,11 @@ HeartbeatFields = Callable[[], "dict[str, Any] | None"]
 
 
 class ControlChannel:
-    def __init__(self, endpoint: str, *, secret: str = "", on_reply: ReplyHook | None = None, name: str = "worker"):
+    def __init__(self, endpoint: str, *, secret: str = "", curve: CurveClient | None = None,
+                 on_reply: ReplyHook | None = None, name: str = "worker"):
         self.endpoint = endpoint
         self.secret = secret
+        self.curve = curve
         self._on_reply = on_reply
         self._ids = itertools.count(1)
         self._cond = threading.Condition()
@@ -146,6 +149,8 @@ class ControlChannel:
     def _connect(self, context: zmq.Context) -> zmq.Socket:
         sock = context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            self.curve.apply(sock)
         sock.connect(self.endpoint)
         return sock
 

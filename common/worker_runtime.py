@@ -19,6 +19,7 @@ from typing import Any
 from common.client import DispatcherUnavailable
 from common.config import Config
 from common.control_channel import ControlChannel
+from common.curve import client_from_config
 from common.held_jobs import HeldJobs
 from common.protocol import ErrorCode, ProtocolError
 
@@ -55,8 +56,8 @@ class WorkerSession:
         self.endpoint = config.control_endpoint
         self.held = HeldJobs()
         self.seen_grant = 0  # the grant number of the latest job received in this session
-        self.channel = ControlChannel(self.endpoint, secret=config.dispatcher.secret, on_reply=self._on_reply,
-                                      name=name)
+        self.channel = ControlChannel(self.endpoint, secret=config.dispatcher.secret,
+                                      curve=client_from_config(config.curve), on_reply=self._on_reply, name=name)
         self.worker_id: str | None = None
         self.token: str | None = None
         self.registration: dict[str, Any] = {}
@@ -103,7 +104,10 @@ class WorkerSession:
                 break
             except DispatcherUnavailable:
                 if time.monotonic() > deadline or self.stop_requested.is_set():
-                    raise DispatcherGone(f"no dispatcher at {self.endpoint} for {RECONNECT_S:.0f}s") from None
+                    hint = ("; with CURVE on, check that curve.server_public_key is the dispatcher's and that the "
+                            "public half of curve.client_secret_key is in its curve.allowed_client_keys (a refused "
+                            "key gets no answer at all)") if self.channel.curve is not None else ""
+                    raise DispatcherGone(f"no dispatcher at {self.endpoint} for {RECONNECT_S:.0f}s{hint}") from None
                 time.sleep(0.2)
         self.worker_id = reply["worker_id"]
         self.token = reply.get("token")

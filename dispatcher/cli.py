@@ -27,6 +27,21 @@ def _config(args):
     return load_config(args.config, args.overrides)
 
 
+def cmd_keys(args) -> int:
+    """``hsd keys``: CURVE key pairs for the dispatcher and the workers, and the config that uses them."""
+    from common.curve import generate_keys
+    names = ["dispatcher"] + ([n for n in args.name if n != "dispatcher"] or ["worker"])
+    written = generate_keys(args.out, names)
+    for name, (public, secret) in written.items():
+        print(f"{name:<12} public {public}  secret {secret}")
+    server_public, server_secret = written["dispatcher"]
+    clients = [str(p) for n, (p, _) in written.items() if n != "dispatcher"]
+    print("\nconfig (each worker sets curve.client_secret_key to its own .key_secret file):")
+    print(f"curve:\n  server_public_key: {server_public}\n  server_secret_key: {server_secret}\n"
+          f"  allowed_client_keys: [{', '.join(clients)}]\n  client_secret_key: {written[names[1]][1]}")
+    return 0
+
+
 def cmd_dispatcher(args) -> int:
     _setup_logging()
     from dispatcher.allocator import pin_mmap_threshold
@@ -186,7 +201,8 @@ def cmd_bench_target(args) -> int:
     config = _config(args)
     _require_model(config, "bench target")
     from target_worker.bench import run_target_bench
-    return run_target_bench(config, as_json=args.json, warmup=args.warmup, reps=args.reps)
+    return run_target_bench(config, as_json=args.json, warmup=args.warmup, reps=args.reps, num_samples=args.samples,
+                            median=args.median, sigma=args.sigma, seed=args.seed)
 
 
 def cmd_capture(args) -> int:
@@ -206,6 +222,12 @@ def cmd_bench_gradsync(args) -> int:
     if args.layers < 1 or args.reps < 1 or min(args.hidden) < 1:
         raise ConfigError("--hidden, --layers and --reps must be positive")
     return run_gradient_sync_bench(hidden=args.hidden, layers=args.layers, reps=args.reps, as_json=args.json)
+
+
+def cmd_bench_gpu(args) -> int:
+    from benchmarks.gpu import run_gpu_bench
+    only = [name for part in args.only for name in part.split(",") if name] if args.only else None
+    return run_gpu_bench(as_json=args.json, budget_s=args.budget_s, only=only)
 
 
 def cmd_bench_dflash(args) -> int:
@@ -334,6 +356,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="remove every hsdispatch segment whose creating dispatcher is gone, whatever its run")
     p.set_defaults(func=cmd_cleanup)
 
+    p = sub.add_parser("keys", help="make CURVE key pairs for a control plane over TCP between nodes")
+    p.add_argument("--out", required=True, help="directory for the key files (NAME.key, NAME.key_secret)")
+    p.add_argument("--name", action="append", default=[], metavar="NAME",
+                   help="a worker (or node) key pair to make besides the dispatcher's; repeat for more (default: worker)")
+    p.set_defaults(func=cmd_keys)
+
     p = sub.add_parser("config", help="show every config key with its default, or the resolved config")
     _add_config_args(p)
     p.set_defaults(func=cmd_config)
@@ -395,10 +423,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seconds", type=float, default=2.0, help="time per measurement")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench)
-    b = bench.add_parser("target", help="capture tokens/s per bucket vs a plain Hugging Face forward")
+    b = bench.add_parser("target", help="slot fill and capture tokens/s on a lognormal length mix, per batching, "
+                                        "vs a plain Hugging Face forward")
     _add_config_args(b, required=True)
-    b.add_argument("--warmup", type=int, default=2, help="untimed passes per bucket")
-    b.add_argument("--reps", type=int, default=5, help="timed passes per bucket (the median is reported)")
+    b.add_argument("--warmup", type=int, default=1, help="untimed passes per bucket")
+    b.add_argument("--reps", type=int, default=3, help="jobs timed per bucket (drawn from the schedule)")
+    b.add_argument("--samples", type=int, default=20_000, help="samples of the length mix")
+    b.add_argument("--median", type=float, default=400.0, help="median sample length (lognormal)")
+    b.add_argument("--sigma", type=float, default=0.9, help="sigma of the log length (the tail's weight)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the lengths, tokens and timed jobs")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_target)
     b = bench.add_parser("dflash", help="DFlash micro-batch cost by sequence length and anchor count")
@@ -417,6 +450,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--reps", type=int, default=10)
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_gradsync)
+    b = bench.add_parser("gpu", help="every GPU path in one run: IPC and pinned copies, capture, DFlash step, launch")
+    b.add_argument("--budget-s", type=float, default=450.0, help="time budget of the whole check (seconds)")
+    b.add_argument("--only", nargs="+", metavar="SECTION",
+                   help="run only these sections: ipc_handoff pinned_shm capture dflash_step launch nccl_group")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_gpu)
     b = bench.add_parser("dispatcher", help="the dispatcher core under simulated load: latency, restart, memory")
     b.add_argument("--jobs", type=int, default=1_000_000, help="jobs per epoch")
     b.add_argument("--epochs", type=int, default=3)

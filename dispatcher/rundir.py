@@ -20,11 +20,12 @@ LOCK_FILE = "dispatcher.lock"
 RESUME_SENSITIVE = ("run", "data", "schedule")
 
 
-def check_endpoint(endpoint: str, secret: str) -> None:
+def check_endpoint(endpoint: str, secret: str, *, curve: bool = False) -> None:
     if endpoint.startswith("tcp://"):
         host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
-        if host not in ("127.0.0.1", "localhost", "::1") and not secret:
-            raise ConfigError(f"binding {endpoint} on a non-loopback address requires dispatcher.secret")
+        if host not in ("127.0.0.1", "localhost", "::1") and not (secret or curve):
+            raise ConfigError(f"binding {endpoint} on a non-loopback address requires CURVE keys (curve.*, made by "
+                              "hsd keys) or at least dispatcher.secret")
     elif endpoint.startswith("ipc://"):
         path = endpoint[len("ipc://"):]
         if len(path.encode()) > 100:

@@ -25,6 +25,7 @@ from common.client import run_id_for
 from common.config import Config, write_resolved
 from common.protocol import ErrorCode, ProtocolError, field_of
 from dispatcher.core import DispatcherCore
+from common.curve import HandshakeMonitor, ZapAuthorizer, server_from_config
 from dispatcher.core_types import DONE, CoreOptions, Incompatible, Unauthorized, UnknownWorker, Worker
 from dispatcher.groups import GroupChanged
 from dispatcher.dataset import load_lengths
@@ -73,7 +74,8 @@ class DispatcherServer:
         self.run_dir = config.run_dir
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for endpoint in (config.control_endpoint, config.stats_endpoint):
-            check_endpoint(endpoint, config.dispatcher.secret)
+            check_endpoint(endpoint, config.dispatcher.secret, curve=config.curve.enabled)
+        self.curve = server_from_config(config.curve)
         self._lock = lock_run_dir(self.run_dir)
         warn_about_changed_settings(self.run_dir, config)
         write_resolved(config)
@@ -101,8 +103,12 @@ class DispatcherServer:
         self._next_progress = time.monotonic() + PROGRESS_INTERVAL_S
         self._last_progress_marker: tuple[int, int] | None = None
         self._context = zmq.Context()
+        # The authorizer must listen before the first handshake: libzmq drops a CURVE connection
+        # whose authentication request finds no handler.
+        self.authorizer = ZapAuthorizer(self._context, self.curve.allowed) if self.curve else None
         self.control = self._bind(config.control_endpoint)
         self.stats = self._bind(config.stats_endpoint)
+        self.handshakes = [HandshakeMonitor(self.control), HandshakeMonitor(self.stats)] if self.curve else []
         write_state_file(self.run_dir, {"pid": os.getpid(), "host": self.hostname, "run_id": self.run_id,
                                         "control": config.control_endpoint, "stats": config.stats_endpoint,
                                         "started": time.time()})
@@ -123,6 +129,8 @@ class DispatcherServer:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, max(HARD_MESSAGE_LIMIT, 4 * self.max_bytes))
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if self.curve is not None:
+            self.curve.apply(sock)
         if endpoint.startswith("ipc://"):
             Path(endpoint[len("ipc://"):]).unlink(missing_ok=True)  # a stale socket file of a dead dispatcher
         sock.bind(endpoint)
@@ -139,6 +147,8 @@ class DispatcherServer:
         poller.register(self.control, zmq.POLLIN)
         poller.register(self.stats, zmq.POLLIN)
         poller.register(self.journal.notify_fd, zmq.POLLIN)
+        for monitor in self.handshakes:
+            poller.register(monitor.socket, zmq.POLLIN)
         next_sweep = time.monotonic() + SWEEP_INTERVAL_S
         self.exit_code = 0
         try:
@@ -151,6 +161,9 @@ class DispatcherServer:
                     changed |= self._drain(self.control, self._handle_control)
                 if self.stats in events:
                     self._drain(self.stats, self._handle_stats)
+                for monitor in self.handshakes:
+                    if monitor.socket in events:
+                        monitor.drain()
                 if self.journal.notify_fd in events:
                     self.journal.drain_notifications()
                     if self.journal.failed is not None:
@@ -440,8 +453,19 @@ class DispatcherServer:
     def _stats_snapshot(self) -> dict[str, Any]:
         snapshot = build_snapshot(self.core, time.monotonic())
         snapshot.update(run_dir=str(self.run_dir), run_id=self.run_id, pid=os.getpid(),
-                        transport=self.data_plane.describe_dict(), waiters=len(self.waiters))
+                        transport=self.data_plane.describe_dict(), waiters=len(self.waiters),
+                        auth=self._auth_stats())
         return snapshot
+
+    def _auth_stats(self) -> dict[str, Any]:
+        """How the control plane authenticates, and the handshakes it refused (CURVE only)."""
+        if self.authorizer is None:
+            return {"mechanism": "secret" if self.config.dispatcher.secret else "none"}
+        for monitor in self.handshakes:
+            monitor.drain()
+        counts = self.authorizer.snapshot()
+        return {"mechanism": "curve", "accepted": counts.get("accepted", 0), "refused": counts.get("refused", 0),
+                "handshakes_failed": sum(m.failed for m in self.handshakes)}
 
     def close(self) -> None:
         for waiter in self.waiters:
@@ -460,8 +484,12 @@ class DispatcherServer:
                     reply.get("id"), ErrorCode.INTERNAL, f"the journal failed ({self.journal.failed}); not durable"))
             self.held_replies = []
         self.core.close()
+        for monitor, sock in zip(self.handshakes, (self.control, self.stats)):
+            monitor.close(sock)
         self.control.close(linger=0)
         self.stats.close(linger=0)
+        if self.authorizer is not None:
+            self.authorizer.close()
         self._context.term()
         for endpoint in (self.config.control_endpoint, self.config.stats_endpoint):
             if endpoint.startswith("ipc://"):

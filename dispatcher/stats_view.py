@@ -15,27 +15,41 @@ from typing import Any
 
 from common.client import DispatcherClient, DispatcherUnavailable
 from common.config import ConfigError, load_run_config
+from common.curve import CurveClient, client_from_config
 
 DEFAULT_RUN_DIR = "runs/demo"
 
 
-def resolve_stats_endpoint(endpoint: str | None, run_dir: str | None) -> tuple[str, str]:
-    """(endpoint, secret) from --endpoint, or from the run directory's resolved config."""
+def resolve_stats_endpoint(endpoint: str | None, run_dir: str | None) -> tuple[str, str, CurveClient | None]:
+    """(endpoint, secret, CURVE keys) from --endpoint, or from the run directory's resolved config."""
     if endpoint:
-        return endpoint, ""
+        return endpoint, "", None
     run_dir = run_dir or DEFAULT_RUN_DIR
     if not Path(run_dir).is_dir():
         raise ConfigError(f"run directory {run_dir} does not exist (give --run-dir or --endpoint)")
     config = load_run_config(run_dir)
-    return config.stats_endpoint, config.dispatcher.secret
+    return config.stats_endpoint, config.dispatcher.secret, client_from_config(config.curve)
 
 
-def fetch_stats(endpoint: str, secret: str = "", timeout_s: float = 3.0) -> dict[str, Any]:
-    client = DispatcherClient(endpoint, secret=secret, timeout_s=timeout_s)
+def fetch_stats(endpoint: str, secret: str = "", timeout_s: float = 3.0, *,
+                curve: CurveClient | None = None) -> dict[str, Any]:
+    client = DispatcherClient(endpoint, secret=secret, timeout_s=timeout_s, curve=curve)
     try:
         return client.call("stats")["stats"]
     finally:
         client.close()
+
+
+def run_stats_or_none(run_dir: str | Path, *, timeout_s: float = 1.0) -> dict[str, Any] | None:
+    """The snapshot of ``run_dir``'s dispatcher, or None while none answers (not started yet,
+    restarting): for whoever watches a run from outside it (tests, ``hsd bench gpu``)."""
+    if not (Path(run_dir) / "config.yaml").exists():
+        return None
+    try:
+        endpoint, secret, curve = resolve_stats_endpoint(None, str(run_dir))
+        return fetch_stats(endpoint, secret, timeout_s=timeout_s, curve=curve)
+    except DispatcherUnavailable:
+        return None
 
 
 def _mib(n: int) -> str:
@@ -211,6 +225,10 @@ def format_stats(s: dict[str, Any], *, previous: dict[str, Any] | None = None, r
     if usage is not None:
         lines.append(f"pool use  {_mib(usage[0])} of {_mib(usage[1])} ({usage[0] / max(1, usage[1]):.0%})")
     lines.append(f"steps     {s['steps']}   given back {s['given_back'] or 0}   errors {s['errors'] or 0}")
+    auth = s.get("auth") or {}
+    if auth.get("mechanism") == "curve":
+        lines.append(f"auth      curve: {auth['accepted']} accepted, {auth['refused']} keys refused, "
+                     f"{auth['handshakes_failed']} handshakes failed")
     lines.append(bottleneck_line(s, previous))
     lines.append("")
     lines.append(f"{'worker':<12} {'id':<5} {'role':<8} {'state':<8} {'jobs':>6} {'tok/s':>10} {'idle':>6} "
@@ -236,11 +254,11 @@ def step_metric_lines(workers: list[dict[str, Any]]) -> list[str]:
 
 
 def run_stats(*, endpoint: str | None, run_dir: str | None, as_json: bool, watch_s: float | None) -> int:
-    endpoint, secret = resolve_stats_endpoint(endpoint, run_dir)
+    endpoint, secret, curve = resolve_stats_endpoint(endpoint, run_dir)
     commit_rate, previous = CommitRate(), None
     while True:
         try:
-            stats = fetch_stats(endpoint, secret)
+            stats = fetch_stats(endpoint, secret, curve=curve)
         except DispatcherUnavailable:
             print(f"no dispatcher answers at {endpoint}")
             if not watch_s:
