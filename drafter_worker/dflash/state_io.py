@@ -19,55 +19,47 @@ TENSORS_NAME = "state.safetensors"
 STRUCTURE_NAME = "state.json"
 
 
-def _flatten(value, tensors: dict[str, torch.Tensor]):
+def flatten_state(value, tensors: dict[str, torch.Tensor], *, host: bool = True):
+    """``value``'s structure, its tensors moved to ``tensors`` (named ``t0``, ``t1``, ...): contiguous
+    on the host, or with ``host=False`` the state's own tensors where they are (the caller copies them)."""
     if isinstance(value, torch.Tensor):
         name = f"t{len(tensors)}"
-        tensors[name] = value.detach()
+        tensors[name] = value.detach().to("cpu").contiguous() if host else value.detach()
         return {"__tensor__": name}
     if isinstance(value, dict):
         if all(isinstance(k, str) and not k.startswith("__") for k in value):
-            return {k: _flatten(v, tensors) for k, v in value.items()}
-        return {"__items__": [[k, _flatten(v, tensors)] for k, v in value.items()]}
+            return {k: flatten_state(v, tensors, host=host) for k, v in value.items()}
+        return {"__items__": [[k, flatten_state(v, tensors, host=host)] for k, v in value.items()]}
     if isinstance(value, tuple):
-        return {"__tuple__": [_flatten(v, tensors) for v in value]}
+        return {"__tuple__": [flatten_state(v, tensors, host=host) for v in value]}
     if isinstance(value, list):
-        return [_flatten(v, tensors) for v in value]
+        return [flatten_state(v, tensors, host=host) for v in value]
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     raise TypeError(f"cannot save a value of type {type(value).__name__} in a training state")
 
 
-def _unflatten(value, tensors: dict[str, torch.Tensor]):
+def unflatten_state(value, tensors: dict[str, torch.Tensor]):
     if isinstance(value, dict):
         if "__tensor__" in value:
             return tensors[value["__tensor__"]]
         if "__items__" in value:
-            return {k: _unflatten(v, tensors) for k, v in value["__items__"]}
+            return {k: unflatten_state(v, tensors) for k, v in value["__items__"]}
         if "__tuple__" in value:
-            return tuple(_unflatten(v, tensors) for v in value["__tuple__"])
-        return {k: _unflatten(v, tensors) for k, v in value.items()}
+            return tuple(unflatten_state(v, tensors) for v in value["__tuple__"])
+        return {k: unflatten_state(v, tensors) for k, v in value.items()}
     if isinstance(value, list):
-        return [_unflatten(v, tensors) for v in value]
+        return [unflatten_state(v, tensors) for v in value]
     return value
-
-
-def flatten_state(state: dict) -> tuple[dict, dict[str, torch.Tensor]]:
-    """``state`` as (structure, tensors): the structure names each tensor (``t0``, ``t1``, ...); the
-    tensors are the state's own, not copies."""
-    tensors: dict[str, torch.Tensor] = {}
-    return _flatten(state, tensors), tensors
-
-
-def unflatten_state(structure: dict, tensors: dict[str, torch.Tensor]) -> dict:
-    return _unflatten(structure, tensors)
 
 
 def save_state(state: dict, out_dir: str | os.PathLike) -> Path:
     """Write ``state`` into ``out_dir`` (both files replaced atomically, structure last)."""
-    return write_state(*flatten_state(state), out_dir)
+    tensors: dict[str, torch.Tensor] = {}
+    return write_state(flatten_state(state, tensors), tensors, out_dir)
 
 
-def write_state(structure: dict, tensors: dict[str, torch.Tensor], out_dir: str | os.PathLike) -> Path:
+def write_state(structure, tensors: dict[str, torch.Tensor], out_dir: str | os.PathLike) -> Path:
     """Write a flattened state (:func:`flatten_state`) into ``out_dir``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -85,4 +77,4 @@ def load_state(state_dir: str | os.PathLike) -> dict:
     if not (state_dir / STRUCTURE_NAME).is_file():
         raise FileNotFoundError(f"{state_dir} holds no training state ({STRUCTURE_NAME} missing)")
     tensors = load_file(str(state_dir / TENSORS_NAME))
-    return _unflatten(json.loads((state_dir / STRUCTURE_NAME).read_text()), tensors)
+    return unflatten_state(json.loads((state_dir / STRUCTURE_NAME).read_text()), tensors)

@@ -51,7 +51,7 @@ def test_the_tokenizers_mask_token_is_the_default_and_goes_into_the_export(tmp_p
     mask_id = tokenizer.mask_token_id
     assert tokenizer.mask_token == "<|mask|>"
     config = _config(target, tmp_path, [tokenizer("user assistant system")["input_ids"]])
-    backend = DFlashBackend(config, "drafter-0", total_steps=2)
+    backend = DFlashBackend(config, "drafter-0", schedule_jobs=4)
     assert backend.trainer.model_config.mask_token_id == mask_id
     backend.save_checkpoint(config.run_dir)
     exported = json.loads((servable_dir(latest_checkpoint(config.run_dir, "drafter-0")) / "config.json").read_text())
@@ -79,4 +79,4 @@ def test_no_mask_token_and_no_reserved_token_fails_at_start(tmp_path):
     make_target(target)
     save_word_tokenizer(target, ["hello", "world"], special_tokens=["<|endoftext|>", "<|im_start|>"])
     with pytest.raises(ConfigError, match="dflash.mask_token_id: the target's tokenizer has no mask token"):
-        DFlashBackend(_config(target, tmp_path, [[2, 3]]), "drafter-0", total_steps=2)
+        DFlashBackend(_config(target, tmp_path, [[2, 3]]), "drafter-0", schedule_jobs=4)
