@@ -4,7 +4,8 @@ The dispatcher picks the kind (:func:`common.transport_info.resolve_transport`) 
 its register reply; a target opens a :class:`TargetTransport` from it and writes slots, a drafter
 opens a :class:`DrafterTransport` and reads them. With ``shm`` every worker maps the dispatcher's
 pool; with ``cuda_ipc`` every target allocates its own slots on its GPU and sends the dispatcher
-their :meth:`TargetTransport.export`, which drafters receive with each job as ``ipc``.
+their :meth:`TargetTransport.export`, which drafters receive with each job as ``ipc``. ``nixl`` is
+the same with the slots in the target node's memory, read across nodes (:mod:`common.node_slots`).
 """
 
 from __future__ import annotations
@@ -14,16 +15,17 @@ from typing import Any
 import torch
 
 from common.cuda_ipc import CudaIpcOpener, CudaSlotBlock
+from common.node_slots import NodeSlotBlock, NodeSlotReader
 from common.shm_arena import SlotArena
 from common.slots import SlotBatch, SlotHeader, SlotLayout, SlotView, copy_out
 from common.transport_info import (TRANSPORT_CHOICES, TRANSPORT_KINDS, cuda_ipc_transport_info,  # noqa: F401
-                                   parse_transport_info, resolve_transport, shm_transport_info)
+                                   nixl_transport_info, parse_transport_info, resolve_transport, shm_transport_info)
 
 class TargetTransport:
     """Writable slots of one target: the shared pool (shm) or the target's own GPU block (cuda_ipc)."""
 
     def __init__(self, kind: str, layout: SlotLayout, num_slots: int, device: torch.device, *,
-                 arena: SlotArena | None = None, block: CudaSlotBlock | None = None):
+                 arena: SlotArena | None = None, block: CudaSlotBlock | NodeSlotBlock | None = None):
         self.kind = kind
         self.layout = layout
         self.num_slots = num_slots
@@ -91,7 +93,7 @@ class DrafterTransport:
     """Reads slots into a drafter's own memory; the slot can be released as soon as read returns."""
 
     def __init__(self, kind: str, layout: SlotLayout, device: torch.device, *, arena: SlotArena | None = None,
-                 opener: CudaIpcOpener | None = None):
+                 opener: CudaIpcOpener | NodeSlotReader | None = None):
         self.kind = kind
         self.layout = layout
         self.device = device
@@ -113,13 +115,13 @@ class DrafterTransport:
         """
         if self._opener is not None:
             if ipc is None:
-                raise ValueError("a cuda_ipc read needs the owning target's export (ipc=...)")
+                raise ValueError(f"a {self.kind} read needs the owning target's export (ipc=...)")
             return self._opener.read_into(ipc, slot_id, generation, stream=self._stream, owner=owner)
         assert self._arena is not None
         return copy_out(self._arena.slot(slot_id), generation, self.device, stream=self._stream, into=self._staging)
 
     def forget(self, owner: str) -> None:
-        """Drop a departed target's CUDA IPC block (no-op for shm)."""
+        """Drop a departed target's CUDA IPC block or node segment (no-op for shm)."""
         if self._opener is not None:
             self._opener.forget(owner=owner)
 
@@ -144,6 +146,12 @@ def open_target_transport(info: dict[str, Any], device: torch.device | str) -> T
     if kind == "shm":
         arena = SlotArena.attach(info["arena"], layout, num_slots, pin_device=device)
         return TargetTransport(kind, layout, num_slots, device, arena=arena)
+    if kind == "nixl":
+        if device.type != "cpu":
+            raise ValueError("pool.transport=nixl keeps a target's slots in host memory: its GPU copies into "
+                             "them (slots in GPU memory across nodes are not built yet)")
+        node_block = NodeSlotBlock(info["run_id"], layout, num_slots, info["node"])
+        return TargetTransport(kind, layout, num_slots, device, block=node_block)
     block = CudaSlotBlock(layout, num_slots, device)
     return TargetTransport(kind, layout, num_slots, block.device, block=block)
 
@@ -154,5 +162,7 @@ def open_drafter_transport(info: dict[str, Any], device: torch.device | str) -> 
     if kind == "shm":
         arena = SlotArena.attach(info["arena"], layout, num_slots, pin_device=device)
         return DrafterTransport(kind, layout, device, arena=arena)
+    if kind == "nixl":
+        return DrafterTransport(kind, layout, device, opener=NodeSlotReader(layout, info["node"], device))
     opener = CudaIpcOpener(layout, device)
     return DrafterTransport(kind, layout, opener.device, opener=opener)
