@@ -54,6 +54,8 @@ def cmd_worker(args) -> int:
     """``hsd target`` / ``hsd drafter``: one worker process."""
     _setup_logging()
     config = _config(args)
+    if args.node:
+        config.nodes.name = args.node
     role = args.command
     sim = args.sim or getattr(config, role).sim
     name = args.name or f"{role}-{os.getpid()}"
@@ -309,6 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_config_args(p)
         p.add_argument("--sim", action="store_true", help=f"simulated {role} (same as {role}.sim=true)")
         p.add_argument("--name", help="worker name shown in stats and logs")
+        p.add_argument("--node", help="the node it runs on (same as nodes.name=...; default the hostname)")
         p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("schedule", help="print the epoch schedule and its fairness figures")
