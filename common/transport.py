@@ -19,7 +19,8 @@ from common.node_slots import NodeSlotBlock, NodeSlotReader
 from common.shm_arena import SlotArena
 from common.slots import SlotBatch, SlotHeader, SlotLayout, SlotView, copy_out
 from common.transport_info import (TRANSPORT_CHOICES, TRANSPORT_KINDS, cuda_ipc_transport_info,  # noqa: F401
-                                   nixl_transport_info, parse_transport_info, resolve_transport, shm_transport_info)
+                                   engine_missing, nixl_transport_info, parse_transport_info, resolve_transport,
+                                   shm_transport_info)
 
 class TargetTransport:
     """Writable slots of one target: the shared pool (shm) or the target's own GPU block (cuda_ipc)."""
@@ -163,6 +164,9 @@ def open_drafter_transport(info: dict[str, Any], device: torch.device | str) -> 
         arena = SlotArena.attach(info["arena"], layout, num_slots, pin_device=device)
         return DrafterTransport(kind, layout, device, arena=arena)
     if kind == "nixl":
+        missing = engine_missing()  # said at start, not at the first read of another node's slot
+        if missing:
+            raise RuntimeError(missing)
         return DrafterTransport(kind, layout, device, opener=NodeSlotReader(layout, info["node"], device))
     opener = CudaIpcOpener(layout, device)
     return DrafterTransport(kind, layout, opener.device, opener=opener)
