@@ -10,7 +10,7 @@ import pytest
 from core_harness import Sim, make_core, small_lengths
 
 from dispatcher.nodes import format_nodes, node_summary
-from dispatcher.pool import HSPool
+from dispatcher.pool import LOCAL_SLACK, HSPool
 from dispatcher.report import build_report
 
 
@@ -93,19 +93,20 @@ def _two_node_run(run_dir, *, drafter_nodes: list[str], target_nodes: list[str])
 def test_two_node_run_reads_mostly_locally_and_stays_fair(tmp_path):
     (tmp_path / "one").mkdir()
     (tmp_path / "two").mkdir()
-    _, one = _two_node_run(tmp_path / "one", drafter_nodes=["a", "a"], target_nodes=["a", "a"])
-    core, two = _two_node_run(tmp_path / "two", drafter_nodes=["a", "b"], target_nodes=["a", "b"])
+    # node b has one target of three: its drafter reads node a's slots now and then
+    _, one = _two_node_run(tmp_path / "one", drafter_nodes=["a", "a"], target_nodes=["a", "a", "a"])
+    core, two = _two_node_run(tmp_path / "two", drafter_nodes=["a", "b"], target_nodes=["a", "a", "b"])
     reads = two["reads"]
     assert reads["local"] + reads["remote"] == sum(core.counters.reads.values())
-    assert reads["local"] >= 0.8 * (reads["local"] + reads["remote"]), reads
+    assert reads["local"] >= 0.85 * (reads["local"] + reads["remote"]), reads  # 90 of 96
     assert reads["remote"] > 0 and one["reads"]["remote"] == 0
-    for key in ("prefix_deviation", "tail_skew"):  # the same data: the same bucket choices
-        assert two[key]["consumed"] <= one[key]["consumed"] + 0.25, (key, one[key], two[key])
+    for key in ("prefix_deviation", "tail_skew"):  # the same data: within LOCAL_SLACK of one node's
+        assert two[key]["consumed"] <= one[key]["consumed"] + LOCAL_SLACK, (key, one[key], two[key])
     assert two["step_mix"] >= one["step_mix"] - 0.05
     assert (two["duplicates"], two["lost"]) == (0, 0)
     nodes = node_summary(core.pool, core.workers, core.counters.reads, home="a")
     assert set(nodes) == {"a", "b"} and nodes["b"]["targets"] == nodes["b"]["drafters"] == 1
-    assert sum(nodes["b"]["slots"].values()) == 4
+    assert sum(nodes["b"]["slots"].values()) == 4 and sum(nodes["a"]["slots"].values()) == 8
     lines = format_nodes(nodes, slot_bytes=2**20)
     assert len(lines) == 2 and "node b: 1 target(s), 1 drafter(s); 4 slots" in lines[1]
 

@@ -16,6 +16,7 @@ from hsd_testing import (assert_exactly_once, curve_args, free_port, hsd, kill_t
                          start_hsd, wait_for_stats)
 
 from common.transport_info import engine_missing
+from dispatcher.pool import MAX_LAG
 
 needs_engine = pytest.mark.skipif(engine_missing() is not None, reason="NIXL is not installed (make install adds it)")
 
@@ -38,8 +39,8 @@ def loopback_tcp(monkeypatch):
 
 
 def _node_a(run_dir, keys, *overrides: str) -> list[str]:
-    return sim_args(run_dir, "run.epochs=1", "data.synthetic_samples=60", "pool.transport=nixl", "pool.slots=4",
-                    "pool.min_ready=1", "nodes.name=a", "target.sim_cost_per_token=1e-5",
+    return sim_args(run_dir, "run.epochs=1", "data.synthetic_samples=60", "pool.transport=nixl", "pool.slots=6", "pool.min_ready=3",
+                    "nodes.name=a", "target.sim_cost_per_token=1e-5",
                     *curve_args(keys, free_port(), free_port(), allowed=("node-a", "node-b")), *overrides)
 
 
@@ -93,6 +94,7 @@ def test_drafters_on_both_nodes_read_mostly_locally(run_dir, tmp_path, keys, loo
     r = _run(run_dir, keys, tmp_path, ["target.count=1", "drafter.count=1"],
              [("target", "target-b0"), ("drafter", "drafter-b0")])
     reads = r["reads"]
-    assert reads["local"] > 2 * reads["remote"], reads
-    # The bucket is chosen as on one node (tests/dispatcher/test_pool_nodes.py compares the two on the same data)
-    assert r["prefix_deviation"]["consumed"] <= 1.5 + 1e-9 and r["step_mix"] >= 0.9, r
+    # 16-18 of 22 local here; the rest are buckets fairness asked for that only the other node had.
+    # (tests/dispatcher/test_pool_nodes.py compares with one node on the same data, turn by turn: 94% local)
+    assert reads["local"] >= 0.6 * r["jobs_total"], reads
+    assert r["prefix_deviation"]["consumed"] <= MAX_LAG + 0.5 and r["step_mix"] >= 0.9, r
