@@ -108,10 +108,10 @@ def measure_remote(*, slot_mb: float, seconds: float) -> dict[str, Any]:
     try:
         export = to_parent.get(timeout=120)
         staging = torch.empty(layout.slot_bytes, dtype=torch.uint8)
-        batch = reader.read_into(export, 0, 1, owner="a")
+        batch = reader.start_read(export, 0, 1, owner="a").wait()
         verify_pattern(batch.hs, batch.input_ids, batch.loss_mask, batch.seq_lens, job_id=0)
         figures: dict[str, Any] = {"slot_bytes": layout.slot_bytes, "ucx_tls": os.environ["UCX_TLS"]}
-        figures["nixl"] = _timed(lambda slot: reader.read_into(export, slot, 1, owner="a"), seconds, layout.slot_bytes)
+        figures["nixl"] = _timed(lambda slot: reader.start_read(export, slot, 1, owner="a").wait(), seconds, layout.slot_bytes)
         zctx = zmq.Context.instance()
         zsock = zctx.socket(zmq.REQ)
         zsock.connect(f"tcp://127.0.0.1:{port}")

@@ -204,7 +204,7 @@ def _measure_memcpy(spec: BenchSpec, *, num_buffers: int = 2, device: str = "cpu
                                 for _ in range(num_buffers)])
 
 
-def _measure_cuda(ctx: Any, spec: BenchSpec, timeout_s: float) -> dict[str, Any]:
+def measure_cuda(ctx: Any, spec: BenchSpec, timeout_s: float) -> dict[str, Any]:
     figures: dict[str, Any] = {"d2d_gbps": _measure_memcpy(spec, device="cuda:0")}
     _progress(f"d2d copy on cuda:0: {figures['d2d_gbps']:.2f} GB/s")
     if not cuda_ipc_available():
@@ -294,7 +294,7 @@ def measure(*, slot_mb: float, seconds: float) -> dict[str, Any]:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if torch.cuda.is_available():
-        figures.update(_measure_cuda(ctx, spec, timeout_s))
+        figures.update(measure_cuda(ctx, spec, timeout_s))
 
     figures.update(load.figures())
     if figures["other_cpu_pct"] > 5:

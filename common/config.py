@@ -51,7 +51,8 @@ class DataSection:
 @dataclass
 class ScheduleSection:
     buckets: list[int] = opt([128, 256, 512, 1024, 2048, 4096], "Bucket max lengths, ascending.")
-    tokens_per_batch: int = opt(8192, "Token budget of every batch: bucket L holds tokens_per_batch // L sequences.")
+    tokens_per_batch: int = opt(8192, "Token budget of every batch and slot, padding included (see schedule.batching).")
+    batching: str = opt("sorted", "Batch formation: sorted (a bucket's samples sorted by length, cut into batches of at most tokens_per_batch tokens padded to each batch's longest) or fixed (tokens_per_batch // L sequences padded to the bucket's L; for comparison).")
     order: str = opt("interleave", "Job order: interleave (largest deficit) or shuffle (plain random, for comparison).")
     assignment: str = opt("shared", "Job queues: shared (any target takes the next job) or per_target (job i only to target i mod target.count; naive, for comparison).")
 
@@ -109,7 +110,7 @@ class TargetSection:
     capture_layers: list[int] = opt([], "Captured decoder layers (i = output of decoder layer i); empty = DFlash default.")
     hidden_size: int = opt(64, "Hidden size of the captured states (sim; real models read it from the model).")
     num_capture_layers: int = opt(5, "Captured target layers K of the DFlash default (ignored when capture_layers is set).")
-    attn_implementation: str = opt("sdpa", "Attention kernel of the target forward (Hugging Face attn_implementation).")
+    attn_implementation: str = opt("auto", "Attention kernel of the target forward (Hugging Face attn_implementation); auto = the fastest the architecture supports here: flash attention on a GPU where installed, else sdpa, else eager.")
     dtype: str = opt("auto", "Dtype of the target forward and captured states; auto = float32 for a model on CPU, else bfloat16.")
     max_restarts: int = opt(3, "Restarts hsd launch grants a crashed target.")
 
@@ -190,6 +191,7 @@ class Config:
 RESOLVED_CONFIG_NAME = "config.yaml"
 _CHOICES = {
     ("schedule", "order"): ("interleave", "shuffle"),
+    ("schedule", "batching"): ("sorted", "fixed"),
     ("schedule", "assignment"): ("shared", "per_target"),
     ("pool", "pull"): ("deficit", "random"),
     ("pool", "transport"): ("auto", "shm", "cuda_ipc", "nixl"),
@@ -199,7 +201,7 @@ _CHOICES = {
     ("dflash", "attention"): ("auto", "flex", "sdpa"),
     ("dflash", "export_dtype"): ("auto", "bfloat16", "float16", "float32"),
     ("drafter", "backend"): ("dflash", "linear"),
-    ("target", "attn_implementation"): ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"),
+    ("target", "attn_implementation"): ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"),
 }
 _PATH_KEYS = (("run", "dir"), ("data", "lengths"), ("data", "path"), ("target", "model"))
 

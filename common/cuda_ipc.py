@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from common.slots import SlotBatch, SlotLayout, SlotView, copy_out
+from common.slots import SlotBatch, SlotCopy, SlotLayout, SlotView, start_copy
 
 # shm_open of this name fails, which is what turns a consumer's counter release into a no-op.
 _NO_REF_COUNTER = b"/hsd_no_ipc_refcount"
@@ -172,18 +172,24 @@ class CudaIpcOpener:
                 return index
         return None
 
-    def read_into(self, export: dict[str, Any], slot: int, generation: int, *, stream: torch.cuda.Stream | None = None,
-                  owner: str = "") -> SlotBatch:
-        """Copy slot ``slot`` of the peer block into new tensors on this drafter's device.
+    def start_read(self, export: dict[str, Any], slot: int, generation: int, *,
+                   stream: torch.cuda.Stream | None = None, owner: str = "") -> SlotCopy:
+        """Begin copying slot ``slot`` of the peer block into new tensors on this drafter's device
+        (device to device, on ``stream``); the :class:`SlotCopy` checks the generation again when waited for.
 
-        Raises StaleSlotError when the slot does not hold ``generation`` before or after the copy.
+        Raises StaleSlotError when the slot does not hold ``generation`` before the copy.
         """
         if not 0 <= slot < int(export["num_slots"]):
             raise IndexError(f"slot {slot} is outside the peer block of {export['num_slots']}")
         block = self.open(export, owner=owner)
         start = slot * self.layout.slot_bytes
         view = SlotView(block[start:start + self.layout.slot_bytes], self.layout)
-        return copy_out(view, generation, self.device, stream=stream)
+        return start_copy(view, generation, self.device, stream=stream)
+
+    def read_into(self, export: dict[str, Any], slot: int, generation: int, *, stream: torch.cuda.Stream | None = None,
+                  owner: str = "") -> SlotBatch:
+        """:meth:`start_read`, waited for (StaleSlotError when the slot was rewritten before or during the copy)."""
+        return self.start_read(export, slot, generation, stream=stream, owner=owner).wait()
 
     def forget(self, *, owner: str = "", block_id: str = "") -> None:
         """Close the blocks of a target that left (by owner, or by block id when no owner was given)."""

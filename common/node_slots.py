@@ -15,7 +15,7 @@ import torch
 
 from common.nixl_engine import RemoteSlotReader, SlotExporter
 from common.shm_arena import SlotArena
-from common.slots import SlotBatch, SlotLayout, SlotView, copy_out
+from common.slots import SlotCopy, SlotLayout, SlotView, start_copy
 
 
 class NodeSlotBlock:
@@ -61,27 +61,30 @@ class NodeSlotReader:
         self.num_local = 0
         self.num_remote = 0
 
-    def read_into(self, export: dict[str, Any], slot: int, generation: int, *, stream: torch.cuda.Stream | None = None,
-                  owner: str = "") -> SlotBatch:
-        """The slot's batch on the reader's device (views into the staging slot on a CPU reader)."""
-        batch = self._read(export, slot, generation, owner=owner)
-        return batch if self.device.type == "cpu" else batch.copy_to(self.device)
+    def start_read(self, export: dict[str, Any], slot: int, generation: int, *,
+                   stream: torch.cuda.Stream | None = None, owner: str = "") -> SlotCopy:
+        """The slot's batch on the reader's device (views into the staging slot on a CPU reader).
 
-    def _read(self, export: dict[str, Any], slot: int, generation: int, *, owner: str) -> SlotBatch:
+        A local slot is copied as with shm (on ``stream`` on a GPU); a remote one is read through
+        the engine with both generation checks before this returns, then moved to the GPU if any.
+        """
         if export.get("node") == self.node:
             arena = self._local.get(owner)
             if arena is None:
                 arena = self._local[owner] = SlotArena.attach(export["arena"], self.layout,
                                                               export["nbytes"] // self.layout.slot_bytes)
-            batch = copy_out(arena.slot(slot), generation, torch.device("cpu"), into=self._staging)
+            copy = start_copy(arena.slot(slot), generation, self.device, stream=stream, into=self._staging
+                              if self.device.type == "cpu" else None)
             self.num_local += 1
-            return batch
+            return copy
         if self._remote is None:
             self._remote = RemoteSlotReader(self.layout)
         self._agents[owner] = export["agent"]
         batch = self._remote.read(export, slot, generation)
         self.num_remote += 1
-        return batch
+        if self.device.type != "cpu":
+            batch = batch.copy_to(self.device)
+        return SlotCopy(self._staging, generation, batch, device=self.device)
 
     def forget(self, *, owner: str = "") -> None:
         """The owner left: unmap its segment, drop its agent."""

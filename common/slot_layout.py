@@ -44,6 +44,12 @@ def format_bytes(n: int) -> str:
     return f"{n} B"
 
 
+def max_seqs_per_batch(tokens_per_batch: int, bucket_max_lens: Any) -> int:
+    """Most sequences one batch (and slot) holds: as many as the shortest bucket's fixed batch. A cap
+    rather than what short samples could pack, so a drafter's per-sequence work (anchors) stays bounded."""
+    return tokens_per_batch // bucket_max_lens[0]
+
+
 @dataclass(frozen=True)
 class SlotLayout:
     """Byte layout of one slot; identical in every process of a run (sent in the register reply)."""
@@ -89,8 +95,7 @@ class SlotLayout:
 
     @staticmethod
     def _max_seqs(schedule: Any) -> int:
-        # The shortest bucket packs the most sequences into the token budget.
-        return schedule.tokens_per_batch // schedule.buckets[0]
+        return max_seqs_per_batch(schedule.tokens_per_batch, schedule.buckets)
 
     @property
     def torch_dtype(self) -> "torch.dtype":

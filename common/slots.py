@@ -43,7 +43,7 @@ assert DTYPES.keys() == DTYPE_SIZES.keys()
 assert all(DTYPES[name].itemsize == size for name, size in DTYPE_SIZES.items())
 
 __all__ = ["DTYPES", "HEADER_BYTES", "REGION_ALIGN", "SLOT_ALIGN", "SLOT_MAGIC", "SlotBatch", "SlotHeader",
-           "SlotLayout", "SlotView", "StaleSlotError", "copy_out", "format_bytes"]
+           "SlotCopy", "SlotLayout", "SlotView", "StaleSlotError", "copy_out", "format_bytes", "start_copy"]
 
 
 @dataclass(frozen=True)
@@ -170,17 +170,51 @@ class SlotView:
         return header
 
 
-def copy_out(view: SlotView, generation: int, device: torch.device, *,
-             stream: torch.cuda.Stream | None = None, into: SlotView | None = None) -> SlotBatch:
-    """Copy the used part of a slot to ``device``, checking the generation before and after.
+class SlotCopy:
+    """A slot's used part on its way to a reader's device: the batch, and the event that completes it.
+
+    On the CPU the copy is done when this is made (``event`` is None). On a CUDA device the copies
+    are queued on a copy stream and ``event`` is recorded after them: the micro-batch the caller
+    queued before keeps computing meanwhile. :meth:`wait` is the one way to take the batch: it
+    waits for this copy alone (never for the compute stream), checks the slot's generation again
+    (a writer that started during the copy raises :class:`StaleSlotError`), and makes the caller's
+    current stream wait for the copy on the device before any kernel of its own reads the batch.
+    """
+
+    def __init__(self, view: SlotView, generation: int, batch: SlotBatch, *, device: torch.device,
+                 stream: torch.cuda.Stream | None = None, event: torch.cuda.Event | None = None):
+        self.view = view
+        self.device = device
+        self.generation = generation
+        self._batch = batch
+        self.stream = stream
+        self.event = event
+
+    def wait(self) -> SlotBatch:
+        if self.event is None:
+            return self._batch
+        self.event.synchronize()  # this copy only: compute queued on other streams runs on
+        with torch.cuda.stream(self.stream):  # a header on a GPU (cuda_ipc) is read on the copy stream too
+            self.view.expect_generation(self.generation, when="after")
+        consumer = torch.cuda.current_stream(self.device)
+        if self.stream != consumer:
+            consumer.wait_event(self.event)
+            # Allocated on the copy stream: not to be reused until the consumer's work on it is done.
+            self._batch.record_stream(consumer)
+        return self._batch
+
+
+def start_copy(view: SlotView, generation: int, device: torch.device, *,
+               stream: torch.cuda.Stream | None = None, into: SlotView | None = None) -> SlotCopy:
+    """Begin copying the used part of a slot to ``device``, if it holds ``generation`` (else StaleSlotError).
 
     On the CPU, ``into`` is a staging slot of the reader's own: the batch is then views into it,
     valid until the next read, and no fresh pages are faulted in per read (on a VM that costs more
-    than the copy itself).
+    than the copy itself). The copy and both generation checks are done on return.
 
-    On a CUDA device the copies (and the tiny header reads) run on ``stream`` so they do not queue
-    behind the caller's compute stream; the batch is then recorded on the caller's current stream so
-    the caching allocator does not reuse it under pending compute. Raises :class:`StaleSlotError`.
+    On a CUDA device the copies (and the tiny header read) run on ``stream`` so they do not queue
+    behind the caller's compute stream: from pinned pages for a shm slot, device to device for a
+    cuda_ipc one. The returned :class:`SlotCopy` carries the event recorded after them.
     """
     if device.type == "cpu":
         if view.device.type != "cpu":
@@ -193,15 +227,17 @@ def copy_out(view: SlotView, generation: int, device: torch.device, *,
             for dst, src in zip(out._tensors(), view.batch(header)._tensors()):
                 dst.copy_(src)
         view.expect_generation(generation, when="after")
-        return out
-    consumer = torch.cuda.current_stream(device)
-    stream = stream if stream is not None else consumer
+        return SlotCopy(view, generation, out, device=device)
+    stream = stream if stream is not None else torch.cuda.current_stream(device)
     with torch.cuda.stream(stream):
         header = view.expect_generation(generation, when="before")
         out = view.batch(header).copy_to(device, non_blocking=True)
-        # The after-check is only meaningful once the copies have really landed.
-        stream.synchronize()
-        view.expect_generation(generation, when="after")
-    if stream != consumer:
-        out.record_stream(consumer)
-    return out
+        event = torch.cuda.Event()
+        event.record(stream)
+    return SlotCopy(view, generation, out, device=device, stream=stream, event=event)
+
+
+def copy_out(view: SlotView, generation: int, device: torch.device, *,
+             stream: torch.cuda.Stream | None = None, into: SlotView | None = None) -> SlotBatch:
+    """:func:`start_copy`, waited for: the batch, ready for the caller's current stream."""
+    return start_copy(view, generation, device, stream=stream, into=into).wait()

@@ -17,7 +17,7 @@ import torch
 from common.cuda_ipc import CudaIpcOpener, CudaSlotBlock
 from common.node_slots import NodeSlotBlock, NodeSlotReader
 from common.shm_arena import SlotArena
-from common.slots import SlotBatch, SlotHeader, SlotLayout, SlotView, copy_out
+from common.slots import SlotBatch, SlotCopy, SlotHeader, SlotLayout, SlotView, start_copy
 from common.transport_info import (TRANSPORT_CHOICES, TRANSPORT_KINDS, cuda_ipc_transport_info,  # noqa: F401
                                    engine_missing, nixl_transport_info, parse_transport_info, resolve_transport,
                                    shm_transport_info)
@@ -91,7 +91,7 @@ class TargetTransport:
 
 
 class DrafterTransport:
-    """Reads slots into a drafter's own memory; the slot can be released as soon as read returns."""
+    """Reads slots into a drafter's own memory, on a copy stream of its own on a GPU."""
 
     def __init__(self, kind: str, layout: SlotLayout, device: torch.device, *, arena: SlotArena | None = None,
                  opener: CudaIpcOpener | NodeSlotReader | None = None):
@@ -106,20 +106,35 @@ class DrafterTransport:
         self._staging = (SlotView(torch.zeros(layout.slot_bytes, dtype=torch.uint8), layout)
                          if device.type == "cpu" else None)
 
-    def read(self, slot_id: int, generation: int, *, ipc: dict[str, Any] | None = None, owner: str = "") -> SlotBatch:
-        """Copy slot ``slot_id`` if it still holds ``generation`` (else StaleSlotError).
+    def start_read(self, slot_id: int, generation: int, *, ipc: dict[str, Any] | None = None,
+                   owner: str = "") -> SlotCopy:
+        """Begin copying slot ``slot_id`` if it holds ``generation`` (else StaleSlotError).
 
-        On a CPU drafter the batch lives in the transport's staging slot until the next read
-        (``clone()`` it to keep it longer); on a GPU it is a fresh allocation of the caching allocator.
+        On a GPU the copy runs on the transport's copy stream while the compute already queued goes
+        on; :meth:`SlotCopy.wait` gives the batch once this copy (and nothing else) is complete and
+        the generation still holds, and orders the caller's stream after it: the slot may be
+        released then. On a CPU drafter the copy is done on return, and the batch lives in the
+        transport's staging slot until the next read (``clone()`` it to keep it longer); on a GPU
+        it is a fresh allocation of the caching allocator.
 
         For cuda_ipc, ``ipc`` is the owning target's export and ``owner`` its worker id.
         """
         if self._opener is not None:
             if ipc is None:
                 raise ValueError(f"a {self.kind} read needs the owning target's export (ipc=...)")
-            return self._opener.read_into(ipc, slot_id, generation, stream=self._stream, owner=owner)
+            return self._opener.start_read(ipc, slot_id, generation, stream=self._stream, owner=owner)
         assert self._arena is not None
-        return copy_out(self._arena.slot(slot_id), generation, self.device, stream=self._stream, into=self._staging)
+        return start_copy(self._arena.slot(slot_id), generation, self.device, stream=self._stream,
+                          into=self._staging)
+
+    def read(self, slot_id: int, generation: int, *, ipc: dict[str, Any] | None = None, owner: str = "") -> SlotBatch:
+        """:meth:`start_read`, waited for: the slot can be released as soon as this returns."""
+        return self.start_read(slot_id, generation, ipc=ipc, owner=owner).wait()
+
+    @property
+    def pinned(self) -> bool:
+        """Whether this process registered the shm pool's pages for async copies (False for cuda_ipc)."""
+        return self._arena is not None and self._arena.pinned
 
     def forget(self, owner: str) -> None:
         """Drop a departed target's CUDA IPC block or node segment (no-op for shm)."""

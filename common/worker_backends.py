@@ -16,11 +16,21 @@ from typing import Any, Protocol
 from common.slots import SlotBatch, SlotView
 
 
+class PendingSlotWrite(Protocol):
+    """A slot whose data is still being copied on ``stream``; :meth:`wait` completes it."""
+
+    stream: Any  # the torch.cuda.Stream the copies run on
+
+    def wait(self) -> None:
+        """Block until the copies have landed, then publish the header (generation last)."""
+
+
 class TargetBackend(Protocol):
     contract: dict | None  # capture contract sent at registration (None for sim)
 
-    def extract(self, job: dict[str, Any], slot: SlotView) -> None:
-        """Fill the slot for ``job``: data, then the header with the generation last."""
+    def extract(self, job: dict[str, Any], slot: SlotView) -> PendingSlotWrite | None:
+        """Fill the slot for ``job``: data, then the header with the generation last. None when the slot
+        is complete on return; else the write still in flight, which the loop completes before reporting."""
 
 
 class DrafterBackend(Protocol):

@@ -209,7 +209,8 @@ def cmd_bench_target(args) -> int:
     config = _config(args)
     _require_model(config, "bench target")
     from target_worker.bench import run_target_bench
-    return run_target_bench(config, as_json=args.json, warmup=args.warmup, reps=args.reps)
+    return run_target_bench(config, as_json=args.json, warmup=args.warmup, reps=args.reps, num_samples=args.samples,
+                            median=args.median, sigma=args.sigma, seed=args.seed)
 
 
 def cmd_capture(args) -> int:
@@ -229,6 +230,12 @@ def cmd_bench_gradsync(args) -> int:
     if args.layers < 1 or args.reps < 1 or min(args.hidden) < 1:
         raise ConfigError("--hidden, --layers and --reps must be positive")
     return run_gradient_sync_bench(hidden=args.hidden, layers=args.layers, reps=args.reps, as_json=args.json)
+
+
+def cmd_bench_gpu(args) -> int:
+    from benchmarks.gpu import run_gpu_bench
+    only = [name for part in args.only for name in part.split(",") if name] if args.only else None
+    return run_gpu_bench(as_json=args.json, budget_s=args.budget_s, only=only)
 
 
 def cmd_bench_dflash(args) -> int:
@@ -410,10 +417,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="slot reads across nodes through NIXL beside a ZeroMQ copy (needs hsdispatch[multinode])")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench)
-    b = bench.add_parser("target", help="capture tokens/s per bucket vs a plain Hugging Face forward")
+    b = bench.add_parser("target", help="slot fill and capture tokens/s on a lognormal length mix, per batching, "
+                                        "vs a plain Hugging Face forward")
     _add_config_args(b, required=True)
-    b.add_argument("--warmup", type=int, default=2, help="untimed passes per bucket")
-    b.add_argument("--reps", type=int, default=5, help="timed passes per bucket (the median is reported)")
+    b.add_argument("--warmup", type=int, default=1, help="untimed passes per bucket")
+    b.add_argument("--reps", type=int, default=3, help="jobs timed per bucket (drawn from the schedule)")
+    b.add_argument("--samples", type=int, default=20_000, help="samples of the length mix")
+    b.add_argument("--median", type=float, default=400.0, help="median sample length (lognormal)")
+    b.add_argument("--sigma", type=float, default=0.9, help="sigma of the log length (the tail's weight)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the lengths, tokens and timed jobs")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_target)
     b = bench.add_parser("dflash", help="DFlash micro-batch cost by sequence length and anchor count")
@@ -432,6 +444,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--reps", type=int, default=10)
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_gradsync)
+    b = bench.add_parser("gpu", help="every GPU path in one run: IPC and pinned copies, capture, DFlash step, launch")
+    b.add_argument("--budget-s", type=float, default=450.0, help="time budget of the whole check (seconds)")
+    b.add_argument("--only", nargs="+", metavar="SECTION",
+                   help="run only these sections: ipc_handoff pinned_shm capture dflash_step launch nccl_group")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_gpu)
     b = bench.add_parser("dispatcher", help="the dispatcher core under simulated load: latency, restart, memory")
     b.add_argument("--jobs", type=int, default=1_000_000, help="jobs per epoch")
     b.add_argument("--epochs", type=int, default=3)

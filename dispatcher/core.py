@@ -50,7 +50,7 @@ class DispatcherCore:
         pool.add_slots(range(shared_slots))
         check_data(self.run_dir, self.lengths, allow_changed=options.allow_changed_data)
         self.store = EpochStore(self.run_dir, ScheduleSpec(tuple(options.buckets), options.tokens_per_batch,
-                                                           options.run_seed, options.order),
+                                                           options.run_seed, options.order, options.batching),
                                 options.epochs, self.ledger, journal, build_ahead=options.build_ahead)
         self.groups: DrafterGroups | None = None  # made once the incarnation is known (_recover)
         self._recover()
@@ -111,8 +111,9 @@ class DispatcherCore:
         holder = self.workers[job.holder]
         holder.num_grants += 1
         job.grant_seq = holder.num_grants
-        return JobGrant(job, slot_id - base, owner, schedule.buckets[job.bucket].max_len, samples,
-                        self.lengths[samples].tolist(), job.grant_seq)
+        lengths = self.lengths[samples].tolist()
+        return JobGrant(job, slot_id - base, owner, schedule.padded_len(job.bucket, lengths), samples, lengths,
+                        job.grant_seq)
 
     # -- snapshots --------------------------------------------------------------------------
     def maybe_snapshot(self, *, force: bool = False) -> bool:

@@ -89,6 +89,7 @@ class CoreOptions:
     buckets: list[int]
     tokens_per_batch: int
     order: str
+    batching: str = "sorted"
     heartbeat_s: float = 0.5
     build_ahead: bool = False  # build the next epoch's schedule in a child process (the daemon) or inline (tests)
     allow_changed_data: bool = False
@@ -100,7 +101,7 @@ class CoreOptions:
         return cls(lease_s=config.dispatcher.lease_s, worker_timeout_s=config.dispatcher.worker_timeout_s,
                    epochs=config.run.epochs, run_seed=config.run.seed, buckets=list(config.schedule.buckets),
                    tokens_per_batch=config.schedule.tokens_per_batch, order=config.schedule.order,
-                   heartbeat_s=config.dispatcher.heartbeat_s, build_ahead=True,
+                   batching=config.schedule.batching, heartbeat_s=config.dispatcher.heartbeat_s, build_ahead=True,
                    allow_changed_data=config.data.allow_changed, contract=run_contract(config),
                    num_target_queues=config.target.count if config.schedule.assignment == "per_target" else 0)
 

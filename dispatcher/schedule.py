@@ -9,6 +9,21 @@ about a second, written as a few ``.npy`` files, and read back memory-mapped:
 
 - ``job_bucket[i]``: the bucket of job ``i``;
 - ``job_offsets[i]:job_offsets[i + 1]``: the slice of ``job_samples`` holding job ``i``'s samples.
+
+Batch formation (``batching``). A batch's sequences are right-padded to one length, so the share
+of real tokens in a slot (its *fill*) depends on how alike their lengths are:
+
+- ``sorted`` (the default): each bucket's samples, in the epoch's random order, are stably sorted
+  by length (longest first) and cut into batches greedily: a batch takes the next samples while
+  ``count × its longest <= tokens_per_batch`` and ``count <= max_seqs``, and is padded only to
+  its own longest sample. A batch thus holds samples of nearly one length, and a bucket's batches
+  are dealt out in a random order. Which samples share a batch changes with the epoch among
+  samples of equal length; the number of batches does not depend on the seed at all (it is a
+  function of the sorted lengths), so the drafter can size its learning-rate schedule up front
+  (:func:`count_batches`). About 0.93 of a slot's tokens are real on a lognormal chat mix, against
+  0.70 for ``fixed`` (README, ``hsd bench target``).
+- ``fixed``: ``tokens_per_batch // L`` random samples per batch of a bucket with max length ``L``,
+  padded to ``L`` (the first design; kept for comparison).
 """
 
 from __future__ import annotations
@@ -25,9 +40,11 @@ from typing import Sequence
 import numpy as np
 
 from common.durable import fsync_dir
+from common.slot_layout import max_seqs_per_batch
 from dispatcher.fairness import prefix_deviation_array, tail_skew
 
 ORDERS = ("interleave", "shuffle")
+BATCHINGS = ("sorted", "fixed")
 SCHEDULE_DIR = "schedule"
 
 
@@ -58,6 +75,11 @@ class EpochSchedule:
     job_offsets: np.ndarray  # [num_jobs + 1] int64
     job_samples: np.ndarray  # [num_samples kept] int64, sample indices
     saved_figures: dict | None = None  # the figures stored with a persisted schedule
+    batching: str = "fixed"  # how batches were formed (BATCHINGS); schedules written before it was recorded are fixed
+
+    def padded_len(self, bucket: int, lengths: Sequence[int]) -> int:
+        """The length a batch's sequences are padded to: the bucket's max (fixed) or the batch's longest (sorted)."""
+        return self.buckets[bucket].max_len if self.batching == "fixed" else int(max(lengths))
 
     @property
     def prefix_deviation(self) -> float:
@@ -88,18 +110,28 @@ class EpochSchedule:
         counts = np.bincount(self.job_bucket, minlength=len(self.buckets)) if self.num_jobs else []
         return {b: int(n) for b, n in enumerate(counts) if n}
 
+    def fill(self, lengths: np.ndarray) -> tuple[float, dict[int, float]]:
+        """Real tokens ÷ slot tokens (``tokens_per_batch`` a job): overall, and per bucket that has jobs."""
+        if not self.num_jobs:
+            return 0.0, {}
+        tokens = np.add.reduceat(np.asarray(lengths)[self.job_samples], self.job_offsets[:-1])
+        per_bucket = np.bincount(self.job_bucket, weights=tokens, minlength=len(self.buckets))
+        buckets = {b.id: float(per_bucket[b.id] / (b.num_batches * self.tokens_per_batch))
+                   for b in self.buckets if b.num_batches}
+        return float(per_bucket.sum() / (self.num_jobs * self.tokens_per_batch)), buckets
+
     def figures(self) -> dict[str, float]:
         return {"prefix_deviation": prefix_deviation_array(self.job_bucket, self.bucket_totals),
                 "tail_skew": tail_skew(self.job_bucket.tolist())}
 
     def summary(self) -> dict:
         """The JSON shape printed by ``hsd schedule --json``."""
-        return {"epoch": self.epoch, "order_kind": self.order_kind, "num_jobs": self.num_jobs,
-                "num_dropped": self.num_dropped, "buckets": [asdict(b) for b in self.buckets],
+        return {"epoch": self.epoch, "order_kind": self.order_kind, "batching": self.batching,
+                "num_jobs": self.num_jobs, "num_dropped": self.num_dropped, "buckets": [asdict(b) for b in self.buckets],
                 "order": self.bucket_order, **self.figures()}
 
     def meta(self) -> dict:
-        return {"epoch": self.epoch, "seed": self.seed, "order_kind": self.order_kind,
+        return {"epoch": self.epoch, "seed": self.seed, "order_kind": self.order_kind, "batching": self.batching,
                 "tokens_per_batch": self.tokens_per_batch, "num_dropped": self.num_dropped,
                 "num_jobs": self.num_jobs, "buckets": [asdict(b) for b in self.buckets],
                 "figures": self.saved_figures or self.figures()}
@@ -159,43 +191,91 @@ def shuffle_order(counts: Sequence[int], rng: np.random.Generator) -> np.ndarray
     return order
 
 
+def sorted_batch_sizes(lengths_desc: np.ndarray, *, tokens_per_batch: int, max_seqs: int) -> np.ndarray:
+    """Sizes of the batches cut from lengths sorted longest first: each takes samples while their count
+    times its first (longest) length stays within ``tokens_per_batch``, and at most ``max_seqs``."""
+    sizes = []
+    remaining = lengths_desc.tolist()
+    start, total = 0, len(remaining)
+    while start < total:
+        size = min(tokens_per_batch // remaining[start], max_seqs, total - start)
+        sizes.append(size)
+        start += size
+    return np.asarray(sizes, dtype=np.int64)
+
+
+def _bucket_batches(lengths: np.ndarray, mine: np.ndarray, *, batching: str, max_len: int, tokens_per_batch: int,
+                    max_seqs: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(members in batch order, batch sizes) of one bucket whose shuffled members are ``mine``."""
+    if batching == "fixed":  # chunks of shuffled members come out in random order already
+        batch_size = tokens_per_batch // max_len
+        sizes = np.full(-(-len(mine) // batch_size), batch_size, dtype=np.int64)
+        if len(mine) % batch_size:
+            sizes[-1] = len(mine) % batch_size
+        return mine, sizes
+    # A stable sort keeps the epoch's random order among equal lengths.
+    members = mine[np.argsort(-lengths[mine], kind="stable")]
+    sizes = sorted_batch_sizes(lengths[members], tokens_per_batch=tokens_per_batch, max_seqs=max_seqs)
+    # Deal the batches out in a random order: else every bucket would run from its longest to its shortest.
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    order = rng.permutation(len(sizes))
+    members = np.concatenate([members[bounds[i]:bounds[i + 1]] for i in order]) if len(sizes) else members
+    return members, sizes[order]
+
+
+def count_batches(lengths: Sequence[int] | np.ndarray, *, bucket_max_lens: Sequence[int], tokens_per_batch: int,
+                  batching: str) -> int:
+    """Jobs of one epoch: the same for every seed and epoch, and what :func:`build_epoch_schedule` makes."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    assignment = _assign(lengths, bucket_max_lens)
+    max_seqs = max_seqs_per_batch(tokens_per_batch, bucket_max_lens)
+    total = 0
+    for b, max_len in enumerate(bucket_max_lens):
+        mine = lengths[assignment == b]
+        if batching == "fixed":
+            total += -(-len(mine) // (tokens_per_batch // max_len))
+        else:
+            total += len(sorted_batch_sizes(np.sort(mine)[::-1], tokens_per_batch=tokens_per_batch, max_seqs=max_seqs))
+    return total
+
+
 def build_epoch_schedule(lengths: Sequence[int] | np.ndarray, *, bucket_max_lens: Sequence[int],
-                         tokens_per_batch: int, run_seed: int, epoch: int, order: str = "interleave") -> EpochSchedule:
+                         tokens_per_batch: int, run_seed: int, epoch: int, order: str = "interleave",
+                         batching: str = "sorted") -> EpochSchedule:
     if order not in ORDERS:
         raise ValueError(f"unknown schedule order {order!r} (known: {', '.join(ORDERS)})")
+    if batching not in BATCHINGS:
+        raise ValueError(f"unknown batching {batching!r} (known: {', '.join(BATCHINGS)})")
     seed = epoch_seed(run_seed, epoch)
     rng = np.random.default_rng(seed)
     lengths = np.asarray(lengths, dtype=np.int64)
     shuffled = rng.permutation(len(lengths))
     assignment = _assign(lengths[shuffled], bucket_max_lens)
-    # Chunking each bucket's shuffled members gives its batches already in random order.
-    chunk_bounds: list[np.ndarray] = []  # per bucket: start offsets of its batches inside its members
-    members: list[np.ndarray] = []
+    max_seqs = max_seqs_per_batch(tokens_per_batch, bucket_max_lens)
+    members: list[np.ndarray] = []     # per bucket: its samples, batch after batch
+    batch_sizes: list[np.ndarray] = []  # per bucket: the size of each of its batches, in that order
     buckets = []
     for b, max_len in enumerate(bucket_max_lens):
-        mine = shuffled[assignment == b]
-        batch_size = tokens_per_batch // max_len
+        mine, sizes = _bucket_batches(lengths, shuffled[assignment == b], batching=batching, max_len=max_len,
+                                      tokens_per_batch=tokens_per_batch, max_seqs=max_seqs, rng=rng)
         members.append(mine)
-        chunk_bounds.append(np.arange(0, len(mine), batch_size, dtype=np.int64))
-        buckets.append(Bucket(id=b, max_len=max_len, batch_size=batch_size,
-                              num_batches=len(chunk_bounds[-1]), num_samples=len(mine)))
+        batch_sizes.append(sizes)
+        batch_size = tokens_per_batch // max_len if batching == "fixed" else int(sizes.max(initial=0))
+        buckets.append(Bucket(id=b, max_len=max_len, batch_size=batch_size, num_batches=len(sizes),
+                              num_samples=len(mine)))
     counts = [b.num_batches for b in buckets]
     job_bucket = (interleave_order if order == "interleave" else shuffle_order)(counts, rng)
-    # Job i takes its bucket's next batch: its rank among earlier jobs of the same bucket.
+    # Job i takes its bucket's next batch (the k-th job of a bucket its k-th batch).
     num_jobs = len(job_bucket)
-    rank = np.zeros(num_jobs, dtype=np.int64)
-    for b in range(len(bucket_max_lens)):
-        where = np.flatnonzero(job_bucket == b)
-        rank[where] = np.arange(len(where))
     member_base = np.cumsum([0] + [len(m) for m in members])
     all_members = np.concatenate(members) if members else np.zeros(0, dtype=np.int64)
     sizes = np.empty(num_jobs, dtype=np.int64)
     starts = np.empty(num_jobs, dtype=np.int64)
-    for b, bucket in enumerate(buckets):
-        where = job_bucket == b
-        begin = chunk_bounds[b][rank[where]]
-        starts[where] = member_base[b] + begin
-        sizes[where] = np.minimum(bucket.batch_size, bucket.num_samples - begin)
+    for b in range(len(bucket_max_lens)):
+        where = np.flatnonzero(job_bucket == b)
+        begins = np.concatenate([[0], np.cumsum(batch_sizes[b])[:-1]]).astype(np.int64)
+        starts[where] = member_base[b] + begins[:len(where)]
+        sizes[where] = batch_sizes[b][:len(where)]
     job_offsets = np.zeros(num_jobs + 1, dtype=np.int64)
     np.cumsum(sizes, out=job_offsets[1:])
     # Gather every job's slice of the members in job order.
@@ -203,7 +283,8 @@ def build_epoch_schedule(lengths: Sequence[int] | np.ndarray, *, bucket_max_lens
     job_samples = all_members[gather].astype(np.int64)
     return EpochSchedule(epoch=epoch, seed=seed, order_kind=order, tokens_per_batch=tokens_per_batch,
                          buckets=tuple(buckets), num_dropped=int((assignment == -1).sum()),
-                         job_bucket=job_bucket.astype(np.int16), job_offsets=job_offsets, job_samples=job_samples)
+                         job_bucket=job_bucket.astype(np.int16), job_offsets=job_offsets, job_samples=job_samples,
+                         batching=batching)
 
 
 def schedule_path(run_dir: str | os.PathLike, epoch: int) -> Path:
@@ -249,4 +330,4 @@ def load_schedule(run_dir: str | os.PathLike, epoch: int) -> EpochSchedule | Non
     return EpochSchedule(epoch=meta["epoch"], seed=meta["seed"], order_kind=meta["order_kind"],
                          tokens_per_batch=meta["tokens_per_batch"], num_dropped=meta["num_dropped"],
                          buckets=tuple(Bucket(**b) for b in meta["buckets"]), saved_figures=meta.get("figures"),
-                         **arrays)
+                         batching=meta.get("batching", "fixed"), **arrays)

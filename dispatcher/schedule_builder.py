@@ -33,6 +33,7 @@ class ScheduleSpec:
     tokens_per_batch: int
     run_seed: int
     order: str
+    batching: str = "sorted"
 
 
 def _die_with_parent() -> None:
@@ -50,7 +51,7 @@ def build_and_save(run_dir: str, epoch: int, spec: ScheduleSpec) -> int:
         return existing.num_jobs
     lengths = np.load(Path(run_dir) / LENGTHS_FILE, mmap_mode="r")
     schedule = build_epoch_schedule(lengths, bucket_max_lens=list(spec.buckets), tokens_per_batch=spec.tokens_per_batch,
-                                    run_seed=spec.run_seed, epoch=epoch, order=spec.order)
+                                    run_seed=spec.run_seed, epoch=epoch, order=spec.order, batching=spec.batching)
     if schedule.num_jobs == 0:
         raise ValueError("the schedule holds no job: every sample is longer than the last bucket")
     save_schedule(schedule, run_dir)
@@ -120,7 +121,7 @@ class ScheduleBuilder:
 def main(argv: list[str]) -> int:
     run_dir, epoch, spec = argv[0], int(argv[1]), json.loads(argv[2])
     build_and_save(run_dir, epoch, ScheduleSpec(tuple(spec["buckets"]), spec["tokens_per_batch"], spec["run_seed"],
-                                                spec["order"]))
+                                                spec["order"], spec["batching"]))
     return 0
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+
 from common.config import Config
 from dispatcher.dataset import LENGTHS_FILE_IN_DATASET, load_lengths, read_lengths_file
 from dispatcher.schedule import ORDERS, EpochSchedule, build_epoch_schedule
@@ -21,7 +23,8 @@ def _lengths(config: Config, lengths_file: str | None, data_dir: str | None) -> 
 def _build(config: Config, lengths: list[int], epoch: int, order: str) -> EpochSchedule:
     return build_epoch_schedule(lengths, bucket_max_lens=config.schedule.buckets,
                                 tokens_per_batch=config.schedule.tokens_per_batch,
-                                run_seed=config.run.seed, epoch=epoch, order=order)
+                                run_seed=config.run.seed, epoch=epoch, order=order,
+                                batching=config.schedule.batching)
 
 
 def print_schedule(config: Config, *, lengths_file: str | None, data_dir: str | None, epoch: int,
@@ -33,13 +36,16 @@ def print_schedule(config: Config, *, lengths_file: str | None, data_dir: str | 
     schedules = {order: _build(config, lengths, epoch, order) for order in ORDERS}
     first = schedules[ORDERS[0]]
     num_jobs = len(first.batches)
+    fill, bucket_fill = first.fill(np.asarray(lengths, dtype=np.int64))
     print(f"epoch {epoch}: {len(lengths)} samples, {first.num_dropped} dropped (longer than "
-          f"{config.schedule.buckets[-1]}), {num_jobs} jobs of {config.schedule.tokens_per_batch} tokens")
-    print(f"{'bucket':>6} {'max_len':>8} {'batch':>6} {'samples':>8} {'share':>7} {'batches':>8} {'job share':>9}")
+          f"{config.schedule.buckets[-1]}), {num_jobs} jobs of {config.schedule.tokens_per_batch} tokens, "
+          f"batching {first.batching}: {fill:.1%} of slot tokens real")
+    print(f"{'bucket':>6} {'max_len':>8} {'batch':>6} {'samples':>8} {'share':>7} {'batches':>8} {'job share':>9} "
+          f"{'fill':>6}")
     total_samples = max(1, sum(b.num_samples for b in first.buckets))
     for b in first.buckets:
         print(f"{b.id:>6} {b.max_len:>8} {b.batch_size:>6} {b.num_samples:>8} {b.num_samples / total_samples:>7.1%} "
-              f"{b.num_batches:>8} {b.num_batches / max(1, num_jobs):>9.1%}")
+              f"{b.num_batches:>8} {b.num_batches / max(1, num_jobs):>9.1%} {bucket_fill.get(b.id, 0.0):>6.1%}")
     print()
     print(f"{'order':<11} {'prefix deviation':>17} {'tail skew':>10}   first 40 jobs (bucket ids)")
     for order, schedule in schedules.items():

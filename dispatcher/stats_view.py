@@ -41,6 +41,18 @@ def fetch_stats(endpoint: str, secret: str = "", timeout_s: float = 3.0, *,
         client.close()
 
 
+def run_stats_or_none(run_dir: str | Path, *, timeout_s: float = 1.0) -> dict[str, Any] | None:
+    """The snapshot of ``run_dir``'s dispatcher, or None while none answers (not started yet,
+    restarting): for whoever watches a run from outside it (tests, ``hsd bench gpu``)."""
+    if not (Path(run_dir) / "config.yaml").exists():
+        return None
+    try:
+        endpoint, secret, curve = resolve_stats_endpoint(None, str(run_dir))
+        return fetch_stats(endpoint, secret, timeout_s=timeout_s, curve=curve)
+    except DispatcherUnavailable:
+        return None
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 

@@ -45,13 +45,9 @@ EXIT_AFTER_STEP_ENV = "HSD_TEST_DRAFTER_EXIT_AFTER_STEP"
 def jobs_per_epoch(config: Config) -> int:
     """Batches one epoch of ``data`` makes under ``schedule`` (the same count for every epoch and seed)."""
     from dispatcher.dataset import load_lengths
-    from dispatcher.schedule import assign_buckets
-    buckets = config.schedule.buckets
-    counts = [0] * len(buckets)
-    for b in assign_buckets(load_lengths(config), buckets):
-        if b >= 0:
-            counts[b] += 1
-    return sum(math.ceil(n / (config.schedule.tokens_per_batch // length)) for n, length in zip(counts, buckets))
+    from dispatcher.schedule import count_batches
+    return count_batches(load_lengths(config), bucket_max_lens=config.schedule.buckets,
+                         tokens_per_batch=config.schedule.tokens_per_batch, batching=config.schedule.batching)
 
 
 def derive_total_steps(config: Config) -> int:

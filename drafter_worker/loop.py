@@ -6,7 +6,10 @@ The handshake with the dispatcher (protocol v2), in the order the loop keeps:
   rolls the model back to exactly that step. A model ahead of the ledger reloads its checkpoint and
   registers again.
 - a step: ``get_hs`` (the next one always in flight), copy the slot out, ``consumed``, the backend's
-  ``micro_batch``. After ``accum_steps`` micro-batches (fewer when the dispatcher says ``flush``),
+  ``micro_batch``. On a GPU the copy of slot N+1 runs on the transport's copy stream while
+  micro-batch N computes (:meth:`common.transport.DrafterTransport.start_read`): the slot is
+  released once the copy's event completes, and the compute stream waits on that event, not the
+  host on the compute stream. After ``accum_steps`` micro-batches (fewer when the dispatcher says ``flush``),
   ``commit_step {model, step: current + 1, job_ids}``. The next slot is copied while the commit is
   in flight; before the next micro-batch the loop waits for the answer: acknowledged → the backend
   applies the step (weights, witness); refused → the step is dropped and its jobs leave the held
@@ -15,7 +18,8 @@ The handshake with the dispatcher (protocol v2), in the order the loop keeps:
   is coming (``flush`` with an empty window, or ``done``) while steps are not yet checkpointed:
   the backend saves weights + witness, then ``checkpoint {model, step}``. The dispatcher says
   ``done`` only once every model's last commit is checkpointed.
-- a slot rewritten under the copy (StaleSlotError): ``read_failed``, and on to the next job.
+- a slot rewritten before or under the copy (StaleSlotError, also when found once the copy's event
+  completed): ``read_failed``, and on to the next job.
 - the dispatcher restarted (unknown worker): the pending step is dropped (its jobs were given back)
   and the drafter registers again with the step it has applied.
 """
@@ -139,7 +143,12 @@ class DrafterLoop(WorkerLoop):
     def _read(self, job: dict[str, Any], transport: DrafterTransport, reports: list[int]) -> SlotBatch | None:
         started = time.perf_counter()
         try:
-            return transport.read(job["slot"], job["generation"], ipc=job.get("ipc"), owner=job.get("owner") or "")
+            # On a GPU the copy runs on the transport's copy stream while the micro-batch queued
+            # before it computes; the wait is for this copy's event alone, and the slot is
+            # released (consumed) as soon as it is complete and its generation still holds.
+            copy = transport.start_read(job["slot"], job["generation"], ipc=job.get("ipc"),
+                                        owner=job.get("owner") or "")
+            return copy.wait()
         except StaleSlotError as exc:
             # The slot was given to another job under us (our lease lapsed): the dispatcher extracts
             # this one again; we carry on with the next.

@@ -15,11 +15,14 @@ model stays usable (the benchmark compares against it) at no extra memory.
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from torch import nn
+
+log = logging.getLogger("hsd.target")
 
 _LAYER_LIST_NAMES = ("layers", "h", "blocks")
 _FINAL_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_norm")
@@ -32,11 +35,62 @@ def _from_pretrained_dtype_key() -> str:
     return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
 
 
+ATTN_KEY = "target.attn_implementation"
+_FLASH = ("flash_attention_3", "flash_attention_2")  # fastest first
+
+
+def supported_attn_implementations(model_class: type) -> list[str]:
+    """The attention kernels a Hugging Face model class declares (its ``_supports_*`` flags), eager always."""
+    kernels = ["eager"]
+    if getattr(model_class, "_supports_sdpa", False):
+        kernels.append("sdpa")
+    if getattr(model_class, "_supports_flash_attn", False) or getattr(model_class, "_supports_flash_attn_2", False):
+        kernels += list(_FLASH)
+    if getattr(model_class, "_supports_flex_attn", False):
+        kernels.append("flex_attention")
+    return kernels
+
+
+def causal_lm_class(model_dir: str | Path) -> type:
+    """The ``AutoModelForCausalLM`` class of a local model directory, without loading its weights."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+
+
+def resolve_attn_implementation(model_class: type, requested: str, device: torch.device) -> str:
+    """``requested`` if the class supports it; for ``auto`` the fastest kernel it supports here: flash
+    attention on a GPU where the package is installed, else SDPA, else eager. ``ConfigError`` otherwise."""
+    from common.config import ConfigError
+    supported = supported_attn_implementations(model_class)
+    if requested != "auto":
+        if requested not in supported:
+            raise ConfigError(f"{ATTN_KEY}: {model_class.__name__} does not support {requested!r} in the installed "
+                              f"transformers; it supports {', '.join(supported)} (or auto)")
+        return requested
+    if device.type == "cuda":
+        from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
+        installed = {"flash_attention_3": is_flash_attn_3_available(), "flash_attention_2": is_flash_attn_2_available()}
+        for kernel in _FLASH:
+            if kernel in supported and installed[kernel]:
+                return kernel
+    return "sdpa" if "sdpa" in supported else "eager"
+
+
 def load_target_model(model_dir: str | Path, *, dtype: torch.dtype, attn_implementation: str,
                       device: torch.device) -> nn.Module:
-    """A local causal LM, frozen and in eval mode, on ``device``; never downloads anything."""
+    """A local causal LM, frozen and in eval mode, on ``device``; never downloads anything.
+
+    ``attn_implementation`` is resolved by :func:`resolve_attn_implementation` (``auto`` allowed); the
+    kernel used is logged and left in ``model.config._attn_implementation``."""
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation=attn_implementation,
+    model_class = causal_lm_class(model_dir)
+    kernel = resolve_attn_implementation(model_class, attn_implementation, device)
+    log.info("target %s: attention %s%s", model_class.__name__, kernel,
+             f" (auto, of {', '.join(supported_attn_implementations(model_class))})"
+             if attn_implementation == "auto" else "")
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation=kernel,
                                                  local_files_only=True, **{_from_pretrained_dtype_key(): dtype})
     model.requires_grad_(False)
     model.eval()
@@ -89,12 +143,13 @@ def drop_unused_modules(model: nn.Module, *, last_layer: int) -> None:
 class LayerCapture:
     """Runs the decoder up to the last captured layer and returns ``[B, S, K × hidden]``.
 
-    The returned tensor is a view of a buffer reused by the next call: copy it out before calling
-    again. Inputs are right-padded ``input_ids``/``attention_mask`` of shape ``[B, S]`` with
+    The returned tensor is a view of one of ``num_buffers`` buffers, used in turn: it stays valid for
+    the next ``num_buffers - 1`` calls (on a GPU, a slot copy drains one while the next forward fills
+    the other). Inputs are right-padded ``input_ids``/``attention_mask`` of shape ``[B, S]`` with
     ``B × S <= max_tokens``.
     """
 
-    def __init__(self, model: nn.Module, layer_ids: Sequence[int], *, max_tokens: int):
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int], *, max_tokens: int, num_buffers: int = 1):
         decoder, layers_name = find_decoder(model)
         layers = decoder._modules[layers_name]
         ids = list(layer_ids)
@@ -118,7 +173,8 @@ class LayerCapture:
                     self._truncated._modules[name] = nn.Identity()
         hooked = ids[:-1] if self._last_from_norm else ids
         self._hooks = [layers[layer].register_forward_hook(self._hook(k)) for k, layer in enumerate(hooked)]
-        self._buffer: torch.Tensor | None = None
+        self._buffers: list[torch.Tensor | None] = [None] * num_buffers
+        self.next_buffer = 0  # index of the buffer the next call fills
         self._out: torch.Tensor | None = None  # set only during a call: the hooks are shared with the full model
 
     def _hook(self, k: int):
@@ -134,9 +190,11 @@ class LayerCapture:
         batch_size, seq_len = input_ids.shape
         if batch_size * seq_len > self.max_tokens:
             raise ValueError(f"a batch of {batch_size} × {seq_len} exceeds the capture buffer of {self.max_tokens} tokens")
-        if self._buffer is None:  # allocated once, at the largest shape, and reused by every bucket
-            self._buffer = torch.empty(self.max_tokens * self.row_width, dtype=self.dtype, device=self.device)
-        out = self._buffer[:batch_size * seq_len * self.row_width].view(batch_size, seq_len, self.row_width)
+        index = self.next_buffer
+        if self._buffers[index] is None:  # allocated once, at the largest shape, and reused by every job
+            self._buffers[index] = torch.empty(self.max_tokens * self.row_width, dtype=self.dtype, device=self.device)
+        self.next_buffer = (index + 1) % len(self._buffers)
+        out = self._buffers[index][:batch_size * seq_len * self.row_width].view(batch_size, seq_len, self.row_width)
         self._out = out
         try:
             result = self._truncated(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
@@ -150,4 +208,4 @@ class LayerCapture:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
-        self._buffer = None
+        self._buffers = [None] * len(self._buffers)

@@ -1,15 +1,18 @@
 """The real target backend: a Hugging Face forward per job, its captured layers written into a slot.
 
-Every job runs at its bucket's fixed shape ``[tokens_per_batch // seq_len, seq_len]``: the batch is
-padded with filler rows to that many sequences and every sequence is right-padded to ``seq_len``,
-so a bucket's tensors have the same shape every time (what fixed-shape kernels and CUDA graphs
-replay) and every slot holds the same byte count. Right padding under a causal mask leaves each
-real token's states exactly as if the sequence ran alone; only real sequences go into the slot.
+A job runs at its own shape ``[num_seqs, seq_len]``: every sequence right-padded to the job's
+``seq_len`` (the batch's longest sample under ``schedule.batching=sorted``, the bucket's max length
+under ``fixed``). Right padding under a causal mask leaves each real token's states exactly as if
+the sequence ran alone.
 
 Slot content, as the sim target writes it and :func:`common.slots.copy_out` reads it: rows
-``batch_size × seq_len`` (``batch_size`` = the job's real sequences), hidden states zeroed at
-padding, ``input_ids`` 0 at padding, ``loss_mask``, ``seq_lens``; the header with the generation
-last.
+``batch_size × seq_len``, hidden states zeroed at padding, ``input_ids`` 0 at padding,
+``loss_mask``, ``seq_lens``; the header with the generation last.
+
+On a GPU the slot is written from a side stream while the next job's forward runs: the capture
+alternates between two output buffers, each with its copy stream, and :meth:`HFTargetBackend.extract`
+returns the write in flight (:class:`SideStreamWrite`); the worker loop waits for it, and so
+publishes the header and reports the job ready, only after it has queued the next forward.
 """
 
 from __future__ import annotations
@@ -36,10 +39,10 @@ class SampleSource(Protocol):
 
 @dataclass
 class PaddedBatch:
-    """One job at its bucket's fixed shape; rows past ``num_seqs`` are filler."""
+    """One job: its sequences right-padded to ``seq_len``."""
 
-    input_ids: torch.Tensor       # [rows, seq_len] int64, 0 at padding
-    attention_mask: torch.Tensor  # [rows, seq_len] int64, 1 on real tokens (and on filler rows)
+    input_ids: torch.Tensor       # [num_seqs, seq_len] int64, 0 at padding
+    attention_mask: torch.Tensor  # [num_seqs, seq_len] int64, 1 on real tokens
     loss_mask: torch.Tensor       # [num_seqs, seq_len] uint8
     seq_lens: torch.Tensor        # [num_seqs] int32
 
@@ -53,16 +56,14 @@ class PaddedBatch:
 
 
 def pad_job(job: dict[str, Any], dataset: SampleSource, *, tokens_per_batch: int) -> PaddedBatch:
-    """The job's samples right-padded to ``seq_len``, plus filler rows up to the bucket's batch size."""
+    """The job's samples right-padded to its ``seq_len``."""
     seq_len = int(job["seq_len"])
     samples, lengths = list(job["samples"]), list(job["lengths"])
-    rows = tokens_per_batch // seq_len
-    if not samples or len(samples) != len(lengths) or len(samples) > rows:
+    if not samples or len(samples) != len(lengths) or len(samples) * seq_len > tokens_per_batch:
         raise ValueError(f"job {job['job_id']}: {len(samples)} samples with {len(lengths)} lengths do not form "
-                         f"a batch of 1..{rows} sequences of {seq_len} tokens")
-    input_ids = torch.zeros(rows, seq_len, dtype=torch.int64)
-    # Filler rows attend to their own (pad) tokens: a row with nothing to attend to would make NaNs.
-    attention_mask = torch.ones(rows, seq_len, dtype=torch.int64)
+                         f"a batch of 1..{tokens_per_batch // seq_len} sequences of {seq_len} tokens")
+    input_ids = torch.zeros(len(samples), seq_len, dtype=torch.int64)
+    attention_mask = torch.zeros(len(samples), seq_len, dtype=torch.int64)
     loss_mask = torch.zeros(len(samples), seq_len, dtype=torch.uint8)
     for row, (index, length) in enumerate(zip(samples, lengths)):
         ids, mask = dataset.sample(int(index))
@@ -72,10 +73,25 @@ def pad_job(job: dict[str, Any], dataset: SampleSource, *, tokens_per_batch: int
         if not 0 < length <= seq_len:
             raise ValueError(f"job {job['job_id']}: sample {index} of {length} tokens does not fit seq_len {seq_len}")
         input_ids[row, :length] = torch.from_numpy(np.asarray(ids, dtype=np.int64))
-        attention_mask[row, length:] = 0
+        attention_mask[row, :length] = 1
         loss_mask[row, :length] = torch.from_numpy(np.asarray(mask).astype(np.uint8))
     return PaddedBatch(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask,
                        seq_lens=torch.tensor(lengths, dtype=torch.int32))
+
+
+@dataclass
+class SideStreamWrite:
+    """A slot being filled on ``stream``; :meth:`wait` blocks until ``copied`` and publishes ``header``."""
+
+    slot: SlotView
+    header: SlotHeader
+    stream: torch.cuda.Stream
+    copied: torch.cuda.Event
+
+    def wait(self) -> None:
+        self.copied.synchronize()
+        with torch.cuda.stream(self.stream):  # a GPU slot's header is written behind its data
+            self.slot.write_header(self.header)
 
 
 def default_device(config: Config) -> torch.device:
@@ -104,18 +120,26 @@ class HFTargetBackend:
                                  layer_ids=declared.layer_ids, dtype=str(self.model.dtype).removeprefix("torch."))
         check_same_contract(declared, loaded, ours_name="config.json", theirs_name="loaded model")
         self.contract: dict[str, Any] = declared.to_dict()
-        self.capture = LayerCapture(self.model, declared.layer_ids, max_tokens=self.tokens_per_batch)
+        on_gpu = device.type == "cuda"
+        # Two capture buffers on a GPU: the next forward fills one while the other drains into its slot.
+        self.capture = LayerCapture(self.model, declared.layer_ids, max_tokens=self.tokens_per_batch,
+                                    num_buffers=2 if on_gpu else 1)
+        self._copy_streams = [torch.cuda.Stream(device) for _ in range(2)] if on_gpu else []
+        self._copied = [torch.cuda.Event() for _ in range(2)] if on_gpu else []
         if not keep_full_model:
             drop_unused_modules(self.model, last_layer=declared.layer_ids[-1])
 
     def forward(self, batch: PaddedBatch) -> torch.Tensor:
-        """``[rows, seq_len, K × hidden]`` for the whole fixed-shape batch (a view reused by the next call)."""
+        """``[num_seqs, seq_len, K × hidden]`` (a view of a capture buffer that a later call reuses)."""
+        if self._copied:  # the buffer this call fills must have drained from its previous use
+            torch.cuda.current_stream(self.device).wait_event(self._copied[self.capture.next_buffer])
         return self.capture(batch.input_ids.to(self.device, non_blocking=True),
                             batch.attention_mask.to(self.device, non_blocking=True))
 
     @torch.inference_mode()
-    def extract(self, job: dict[str, Any], slot: SlotView) -> None:
-        """Run the forward for one job and fill the slot (data + header, generation last)."""
+    def extract(self, job: dict[str, Any], slot: SlotView) -> SideStreamWrite | None:
+        """Run the forward for one job and fill the slot: complete on return on the CPU (None); on a GPU
+        the copy still in flight, whose ``wait()`` publishes the header."""
         layout = slot.layout
         if layout.row_width != self.capture.row_width or layout.torch_dtype != self.capture.dtype:
             raise ValueError(f"slot rows hold {layout.row_width} {layout.dtype} values but this target captures "
@@ -126,22 +150,38 @@ class HFTargetBackend:
         if num_seqs > layout.max_seqs or rows > layout.tokens_per_batch:
             raise ValueError(f"job {job['job_id']}: {num_seqs} × {seq_len} does not fit a slot of "
                              f"{layout.tokens_per_batch} tokens / {layout.max_seqs} sequences")
-        hs = self.forward(batch)[:num_seqs]
+        header = SlotHeader(generation=int(job["generation"]), job_id=int(job["job_id"]), bucket=int(job["bucket"]),
+                            batch_size=num_seqs, seq_len=seq_len, num_tokens=int(batch.seq_lens.sum()))
+        buffer_index = self.capture.next_buffer
+        hs = self.forward(batch)
         # Padding positions hold whatever the model made of pad tokens: zero them, so a slot's content
         # depends only on its samples.
-        padding = batch.attention_mask[:num_seqs].to(self.device, non_blocking=True) == 0
+        padding = batch.attention_mask.to(self.device, non_blocking=True) == 0
         hs.masked_fill_(padding.unsqueeze(-1), 0)
+        rows_hs = hs.reshape(rows, -1)
+        if self.device.type != "cuda":
+            self._write_tokens(slot, batch)
+            slot.hs[:rows].copy_(rows_hs)
+            slot.write_header(header)
+            return None
+        compute, stream = torch.cuda.current_stream(self.device), self._copy_streams[buffer_index]
+        with torch.cuda.stream(stream):
+            # The token regions do not depend on the forward: queued first, so even a blocking host-to-GPU
+            # copy into a cuda_ipc slot waits only for this stream, never for the forward.
+            self._write_tokens(slot, batch)
+            stream.wait_stream(compute)  # the hidden states are what the forward queued on the compute stream
+            slot.hs[:rows].copy_(rows_hs, non_blocking=True)  # device to pinned host, or device to device
+            self._copied[buffer_index].record(stream)
+        return SideStreamWrite(slot=slot, header=header, stream=stream, copied=self._copied[buffer_index])
+
+    @staticmethod
+    def _write_tokens(slot: SlotView, batch: PaddedBatch) -> None:
+        """Mark the slot being written, then its ids, loss mask and lengths (the hidden states follow)."""
+        rows = batch.num_seqs * batch.seq_len
         slot.begin_write()
-        slot.hs[:rows].copy_(hs.reshape(rows, -1), non_blocking=True)
-        slot.input_ids[:rows].copy_(batch.input_ids[:num_seqs].reshape(-1))
+        slot.input_ids[:rows].copy_(batch.input_ids.reshape(-1))
         slot.loss_mask[:rows].copy_(batch.loss_mask.reshape(-1))
-        slot.seq_lens[:num_seqs].copy_(batch.seq_lens)
-        if self.device.type == "cuda" and slot.device.type == "cpu":
-            # The header is a host store: it must not become visible before the async copy has landed.
-            torch.cuda.current_stream(self.device).synchronize()
-        slot.write_header(SlotHeader(generation=int(job["generation"]), job_id=int(job["job_id"]),
-                                     bucket=int(job["bucket"]), batch_size=num_seqs, seq_len=seq_len,
-                                     num_tokens=int(batch.seq_lens.sum())))
+        slot.seq_lens[:batch.num_seqs].copy_(batch.seq_lens)
 
     def close(self) -> None:
         self.capture.close()

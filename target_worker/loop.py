@@ -2,17 +2,22 @@
 
 With ``pool.target_credits`` of 2 (the default) the dispatcher grants the prefetched request while
 the current job computes, so the next job (and its slot) is waiting when this one is reported.
+
+A backend may hand back its slot still being written (:class:`common.worker_backends.PendingSlotWrite`,
+a GPU target's copy on a side stream): the loop then starts the next job's forward first and
+reports the previous job ready only once its copy has landed and its header is published.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from common.config import Config
 from common.transport import TargetTransport, open_target_transport
-from common.worker_backends import TargetBackend
+from common.worker_backends import PendingSlotWrite, TargetBackend
 from common.worker_loop import WorkerLoop
 
 log = logging.getLogger("hsd.target")
@@ -36,36 +41,77 @@ class TargetLoop(WorkerLoop):
         ipc_block = transport.export()
         if ipc_block is not None:  # cuda_ipc: our own GPU slots join the pool
             session.call("register_slots", ipc_block=ipc_block, num_slots=transport.num_slots)
-        reports: list[int] = []
-        failures_in_a_row = 0
+        self._reports: list[int] = []
+        self._failures_in_a_row = 0
+        # A job whose slot is still being copied (a GPU target's side stream): reported once the copy lands,
+        # after the next job's forward is queued, so the two overlap.
+        pending: PendingJob | None = None
         poll = self._poll("get_job")
         while True:
+            if pending is not None and not session.done(poll):
+                # Nothing to overlap with yet: report what we hold rather than sit on it while we wait.
+                self._complete(pending, transport)
+                pending = None
             reply = self._await_poll(poll, "get_job")
             if reply["done"] or self.stopping:
-                self._collect(reports, wait=True)
+                if pending is not None:
+                    self._complete(pending, transport)
+                self._collect(self._reports, wait=True)
                 if reply["done"]:
                     log.info("%s: run complete after %d jobs", self.name, self.num_jobs)
                 return
             poll = self._poll("get_job")  # prefetch: the next grant arrives while this job computes
-            reports = self._collect(reports)
+            self._reports = self._collect(self._reports)
             job = reply["job"]
             if job is None:
                 continue
             started = time.perf_counter()
+            failure: Exception | None = None
             try:
-                self.backend.extract(job, transport.slot(job["slot"]))
-                transport.finish_write(job["slot"])
+                written = self.backend.extract(job, transport.slot(job["slot"]))
             except Exception as exc:
-                failures_in_a_row += 1
-                self.num_failed += 1
-                log.exception("%s: job %d failed", self.name, job["job_id"])
-                reports.append(session.submit("job_failed", job_id=job["job_id"],
-                                              reason=f"{type(exc).__name__}: {exc}"[:500]))
-                if failures_in_a_row >= MAX_CONSECUTIVE_FAILURES:
-                    self._collect(reports, wait=True)
-                    raise
+                written, failure = None, exc
+            if pending is not None:  # its copy drained while this job's forward was queued
+                self._complete(pending, transport)
+                pending = None
+            if failure is not None:
+                self._failed(job, failure)
                 continue
-            failures_in_a_row = 0
-            reports.append(session.submit("job_ready", job_id=job["job_id"], generation=job["generation"],
-                                          busy_s=time.perf_counter() - started))
-            self.num_jobs += 1
+            pending = PendingJob(job, written, time.perf_counter() - started)
+            if written is None:  # the slot is complete: report it now
+                self._complete(pending, transport)
+                pending = None
+
+    def _complete(self, pending: "PendingJob", transport: TargetTransport) -> None:
+        """Wait for the job's slot to be complete, publish it, report it ready (or failed)."""
+        job = pending.job
+        started = time.perf_counter()
+        try:
+            if pending.written is not None:
+                pending.written.wait()
+            transport.finish_write(job["slot"], stream=pending.written.stream if pending.written is not None else None)
+        except Exception as exc:
+            self._failed(job, exc)
+            return
+        self._failures_in_a_row = 0
+        busy_s = pending.busy_s + time.perf_counter() - started
+        self._reports.append(self.session.submit("job_ready", job_id=job["job_id"], generation=job["generation"],
+                                                 busy_s=busy_s))
+        self.num_jobs += 1
+
+    def _failed(self, job: dict[str, Any], exc: Exception) -> None:
+        self._failures_in_a_row += 1
+        self.num_failed += 1
+        log.exception("%s: job %d failed", self.name, job["job_id"], exc_info=exc)
+        self._reports.append(self.session.submit("job_failed", job_id=job["job_id"],
+                                                 reason=f"{type(exc).__name__}: {exc}"[:500]))
+        if self._failures_in_a_row >= MAX_CONSECUTIVE_FAILURES:
+            self._collect(self._reports, wait=True)
+            raise exc
+
+
+@dataclass
+class PendingJob:
+    job: dict[str, Any]
+    written: PendingSlotWrite | None  # None: the backend completed the slot inside extract
+    busy_s: float  # seconds spent in extract

@@ -54,15 +54,8 @@ def assert_exactly_once(r: dict) -> None:
 
 def stats(run_dir: Path) -> dict | None:
     """The dispatcher's stats snapshot, or None while none answers (asked in-process: fast)."""
-    from common.client import DispatcherUnavailable
-    from dispatcher.stats_view import fetch_stats, resolve_stats_endpoint
-    if not (run_dir / "config.yaml").exists():
-        return None
-    try:
-        endpoint, secret, curve = resolve_stats_endpoint(None, str(run_dir))
-        return fetch_stats(endpoint, secret, timeout_s=1.0, curve=curve)
-    except DispatcherUnavailable:
-        return None
+    from dispatcher.stats_view import run_stats_or_none
+    return run_stats_or_none(run_dir)
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "condition"):

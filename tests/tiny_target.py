@@ -14,12 +14,14 @@ VOCAB = 97
 
 
 def save_tiny_model(kind: str, path: Path, *, num_layers: int = 8, seed: int = 0) -> Path:
-    """A randomly initialised ``kind`` (qwen3, llama, mistral, gemma3) causal LM saved as a local model directory."""
+    """A randomly initialised ``kind`` (qwen3, llama, mistral, gemma3, gemma2) causal LM saved as a local model directory."""
     import transformers as tf
     classes = {"qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, {}), "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, {}),
                "mistral": (tf.MistralConfig, tf.MistralForCausalLM, {}),
                # Gemma 3: embedding scaling, sandwich norms and alternating sliding-window layers.
-               "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, {"sliding_window": 8})}
+               "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, {"sliding_window": 8}),
+               # Gemma 2: attention logit softcapping, hence no SDPA kernel in transformers (eager or flash).
+               "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM, {"sliding_window": 8})}
     config_class, model_class, extra = classes[kind]
     config = config_class(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,

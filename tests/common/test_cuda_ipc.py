@@ -98,6 +98,13 @@ def test_cuda_ipc_transport_in_one_process() -> None:
     target.finish_write(0)
     export = msgpack.unpackb(msgpack.packb(target.export()))
     _verify(drafter.read(0, 8, ipc=export, owner="t0"), job_id=3)
+    copy = drafter.start_read(0, 8, ipc=export, owner="t0")
+    target.slot(0).begin_write()  # on the target's GPU, while the device-to-device copy may still run
+    torch.cuda.synchronize()  # the target's store lands before the drafter's stream reads the header
+    with pytest.raises(StaleSlotError, match="after"):
+        copy.wait()
+    _fill(target.slot(0), job_id=3, generation=8)
+    target.finish_write(0)
     with pytest.raises(StaleSlotError):
         drafter.read(0, 7, ipc=export, owner="t0")
     with pytest.raises(ValueError, match="export"):
@@ -124,6 +131,19 @@ def test_shm_transport_with_cuda_workers() -> None:
             batch = drafter.read(1, 2)
             assert batch.hs.is_cuda
             _verify(batch, job_id=12)
+            # The copy runs on the transport's own stream and completes by its event: waiting for it
+            # does not wait for the compute queued before it (about a second of GPU sleep here).
+            torch.cuda._sleep(2_000_000_000)
+            overlapped = drafter.start_read(1, 2).wait()
+            assert not torch.cuda.current_stream().query(), "the read waited for the compute stream"
+            torch.cuda.synchronize()
+            _verify(overlapped, job_id=12)
+            # A writer that starts before the copy is waited for makes the wait fail.
+            copy = drafter.start_read(1, 2)
+            assert copy.event is not None and copy.stream != torch.cuda.current_stream()
+            target.slot(1).begin_write()
+            with pytest.raises(StaleSlotError, match="after"):
+                copy.wait()
             target.close()
             drafter.close()
     finally:

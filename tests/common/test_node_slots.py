@@ -51,19 +51,19 @@ def test_slot_read_locally_and_across_nodes(monkeypatch):
         export = child_message(to_parent, child)
         assert export["node"] == "a" and isinstance(export["metadata"], bytes)
         for reader in (local, remote):
-            batch = reader.read_into(export, 2, 4, owner="t0")
+            batch = reader.start_read(export, 2, 4, owner="t0").wait()
             verify_pattern(batch.hs, batch.input_ids, batch.loss_mask, batch.seq_lens, job_id=9,
                            expected_seq_lens=[128, 5, 60])
             with pytest.raises(StaleSlotError):
-                reader.read_into(export, 2, 3, owner="t0")  # an older generation: refused before the copy
+                reader.start_read(export, 2, 3, owner="t0")  # an older generation: refused before the copy
         assert (local.num_local, local.num_remote, remote.num_local, remote.num_remote) == (1, 0, 0, 1)  # refused reads do not count
         from_parent.put("rewrite")
         assert child_message(to_parent, child) == "rewritten"
         for reader in (local, remote):
             with pytest.raises(StaleSlotError):
-                reader.read_into(export, 2, 4, owner="t0")
+                reader.start_read(export, 2, 4, owner="t0").wait()
         with pytest.raises(IndexError):
-            remote.read_into(export, 3, 4, owner="t0")
+            remote.start_read(export, 3, 4, owner="t0")
         local.forget(owner="t0")
         remote.forget(owner="t0")
         from_parent.put("stop")

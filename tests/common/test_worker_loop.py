@@ -8,6 +8,7 @@ drafter's witness (its checkpoints), never from the loop's own counters.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import torch
 from common import worker_loop
 from drafter_worker import loop as drafter_loop
 from common.client import run_id_for
+from common.slots import SlotView
 from drafter_worker.loop import DrafterLoop
 from target_worker.loop import TargetLoop
 from common.witness import latest_checkpoint
@@ -139,17 +141,29 @@ def test_flush_checkpoints_the_witness_and_a_restart_resumes_from_it(tmp_path, f
     assert list(again.backend.trained) == [1, 2, 3]
 
 
-def test_stale_slot_is_reported_and_the_drafter_carries_on(tmp_path, fake):
+def test_stale_slot_is_reported_and_the_drafter_carries_on(tmp_path, fake, monkeypatch):
     fake.add_ready_job(1, slot=0, generation=1)
     job = make_job(2, slot=0, generation=7)  # the slot holds generation 1: a rewritten slot
     fake.add_job(job)
     fake.add_ready_job(3, slot=1)
+    fake.add_ready_job(4, slot=2, generation=9)  # its writer starts again while the drafter copies it
+    fake.add_ready_job(5, slot=3)
+    check = SlotView.expect_generation
+
+    def writer_starts_during_the_copy(view, generation, *, when="before"):
+        header = check(view, generation, when=when)
+        if generation == 9 and when == "before":
+            view.begin_write()
+        return header
+    monkeypatch.setattr(SlotView, "expect_generation", writer_starts_during_the_copy)
     loop = drafter(tmp_path, fake)
     with running(loop):
-        fake.wait_for(lambda f: len(f.ops("commit_step")) == 2, what="two commits")
+        fake.wait_for(lambda f: len(f.ops("commit_step")) == 3, what="three commits")
     failed = fake.ops("read_failed")
-    assert [e.fields["job_id"] for e in failed] == [2] and "stale slot" in failed[0].fields["reason"]
-    assert list(loop.backend.trained) == [1, 3]
+    assert [e.fields["job_id"] for e in failed] == [2, 4]
+    assert "stale slot" in failed[0].fields["reason"] and "found 0 after" in failed[1].fields["reason"]
+    assert [e.fields["job_id"] for e in fake.ops("consumed")] == [1, 3, 5]  # a stale copy never releases its slot
+    assert list(loop.backend.trained) == [1, 3, 5]
 
 
 def test_unanswered_poll_is_asked_again_on_a_fresh_socket(tmp_path, fake, monkeypatch):
@@ -182,3 +196,44 @@ def test_held_jobs_is_consistent_under_concurrent_writers():
         t.join()
     expected = sorted({b + i for b in (0, 10_000) for i in range(2000) if i % 2})
     assert held.snapshot() == expected and len(held) == len(expected) and 1999 in held
+
+
+class DeferredSimTarget(SimTarget):
+    """The sim target with its header published only by the returned write's ``wait()``: the shape of a GPU
+    target whose slot copy is still on its side stream when ``extract`` returns."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.calls: list[tuple[str, int, float]] = []
+
+    def extract(self, job, slot):
+        super().extract(job, slot)
+        header = slot.read_header()
+        slot.begin_write()  # unpublished until wait()
+        self.calls.append(("extract", job["job_id"], time.monotonic()))
+        calls = self.calls
+
+        class Write:
+            stream = None
+
+            def wait(self):
+                slot.write_header(header)
+                calls.append(("wait", job["job_id"], time.monotonic()))
+        return Write()
+
+
+def test_target_queues_its_next_job_before_it_waits_for_the_last_slot_copy(tmp_path, fake):
+    fake.add_job(make_job(1, slot=0, generation=1))
+    fake.add_job(make_job(2, slot=1, generation=1))
+    config = worker_config(tmp_path / "run", fake.endpoint, "target.sim_cost_per_token=0.02")
+    backend = DeferredSimTarget(config)
+    loop = TargetLoop(config, "target-0", backend)
+    with running(loop):
+        fake.wait_for(lambda f: len(f.ops("job_ready")) == 2, what="two ready jobs")
+        ready = fake.ops("job_ready")
+    # Job 2 was extracted before job 1's copy was waited for; job 2, with no job after it, is reported anyway.
+    assert [(what, job) for what, job, _ in backend.calls] == [("extract", 1), ("extract", 2), ("wait", 1), ("wait", 2)]
+    waited = {job: at for what, job, at in backend.calls if what == "wait"}
+    assert [r.fields["job_id"] for r in ready] == [1, 2]
+    assert all(r.at >= waited[r.fields["job_id"]] for r in ready)  # job_ready follows the copy's completion
+    assert [fake.arena.slot(s).read_header().job_id for s in (0, 1)] == [1, 2]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dispatcher.fairness import prefix_deviation, prefix_deviation_array, tail_skew
-from dispatcher.schedule import (assign_buckets, build_epoch_schedule, epoch_seed, interleave_order, load_schedule,
+from dispatcher.schedule import (assign_buckets, build_epoch_schedule, count_batches, epoch_seed, interleave_order, load_schedule,
                                  save_schedule, schedule_path)
 
 BUCKETS6 = [256, 512, 1024, 2048, 4096, 8192]
@@ -31,9 +31,9 @@ def lengths6():
     return lengths_with_shares(10_000, BUCKETS6, SHARES6, seed=11)
 
 
-def build(lengths, order="interleave", epoch=0, seed=0, buckets=BUCKETS6, tokens=16384):
+def build(lengths, order="interleave", epoch=0, seed=0, buckets=BUCKETS6, tokens=16384, batching="sorted"):
     return build_epoch_schedule(lengths, bucket_max_lens=buckets, tokens_per_batch=tokens, run_seed=seed,
-                                epoch=epoch, order=order)
+                                epoch=epoch, order=order, batching=batching)
 
 
 # -- bucketing ------------------------------------------------------------------------------------
@@ -59,7 +59,7 @@ def test_too_long_samples_are_dropped_and_counted():
 # -- fixed token budget ---------------------------------------------------------------------------
 
 def test_fixed_token_budget_and_every_sample_once(lengths6):
-    schedule = build(lengths6)
+    schedule = build(lengths6, batching="fixed")
     max_lens = {b.id: b.max_len for b in schedule.buckets}
     assert [b.max_len for b in schedule.buckets] == BUCKETS6
     per_bucket = {b: [] for b in max_lens}
@@ -87,14 +87,56 @@ def test_fixed_token_budget_and_every_sample_once(lengths6):
 
 def test_only_one_short_batch_per_bucket():
     lengths = [10] * 7 + [50] * 5 + [60] * 9
-    schedule = build(lengths, buckets=[16, 64], tokens=64)   # batch sizes 4 and 1
+    schedule = build(lengths, buckets=[16, 64], tokens=64, batching="fixed")   # batch sizes 4 and 1
     sizes = {0: [], 1: []}
     for batch in schedule.batches:
         sizes[batch.bucket].append(len(batch.samples))
     assert sorted(sizes[0]) == [3, 4] and sizes[1] == [1] * 14
-    schedule = build(lengths, buckets=[16, 64], tokens=128)  # batch sizes 8 and 2
+    schedule = build(lengths, buckets=[16, 64], tokens=128, batching="fixed")  # batch sizes 8 and 2
     sizes = Counter((batch.bucket, len(batch.samples)) for batch in schedule.batches)
     assert sizes == {(0, 7): 1, (1, 2): 7}
+
+
+def test_sorted_batches_fill_the_budget_padded_to_their_longest(lengths6):
+    schedule = build(lengths6)
+    max_seqs = 16384 // BUCKETS6[0]
+    by_bucket = {b.id: [] for b in schedule.buckets}
+    for batch in schedule.batches:
+        batch_lengths = sorted(lengths6[s] for s in batch.samples)
+        assert 1 <= len(batch_lengths) <= max_seqs and len(batch_lengths) * batch_lengths[-1] <= 16384
+        assert all(assign_buckets(batch_lengths, BUCKETS6)[i] == batch.bucket for i in range(len(batch_lengths)))
+        by_bucket[batch.bucket].append(batch_lengths)
+    kept = [s for batch in schedule.batches for s in batch.samples]
+    assert sorted(kept) == list(range(len(lengths6)))
+    for bucket, batches in by_bucket.items():
+        # Greedy over the lengths sorted longest first: every batch but the bucket's shortest is as large as fits.
+        chain = sorted(batches, key=lambda b: (-b[-1], -b[0], -len(b)))
+        assert all(len(b) == min(16384 // b[-1], max_seqs) for b in chain[:-1])
+        assert all(after[-1] <= batch[0] for batch, after in zip(chain, chain[1:]))  # runs of the sorted lengths
+        assert [b[-1] for b in batches] != [b[-1] for b in chain]  # dealt out in a random order, not longest first
+
+
+def test_sorted_batch_count_is_the_same_for_every_seed_and_epoch(lengths6):
+    expected = count_batches(lengths6, bucket_max_lens=BUCKETS6, tokens_per_batch=16384, batching="sorted")
+    assert {build(lengths6, epoch=e, seed=s).num_jobs for e in (0, 1) for s in (0, 3)} == {expected}
+    assert count_batches(lengths6, bucket_max_lens=BUCKETS6, tokens_per_batch=16384,
+                         batching="fixed") == build(lengths6, batching="fixed").num_jobs
+    # Members of a batch change between epochs (ties among equal lengths are in the epoch's random order).
+    assert set(build(lengths6, epoch=0).batches) != set(build(lengths6, epoch=1).batches)
+
+
+def test_sorted_batching_fills_slots_on_a_lognormal_mix_and_stays_fair():
+    """The figures ``hsd bench target`` reports, on its default mix (median 400, sigma 0.9, capped at 4096)."""
+    rng = np.random.default_rng(0)
+    lengths = np.clip(np.rint(rng.lognormal(np.log(400), 0.9, 20_000)), 1, 4096).astype(np.int64)
+    buckets = [128, 256, 512, 1024, 2048, 4096]
+    fill = {}
+    for batching in ("fixed", "sorted"):
+        schedule = build(lengths, buckets=buckets, tokens=8192, batching=batching)
+        fill[batching] = lengths[schedule.job_samples].sum() / (schedule.num_jobs * 8192)
+        figures = schedule.figures()
+        assert figures["prefix_deviation"] <= 2 and figures["tail_skew"] <= 0.03
+    assert fill["fixed"] < 0.75 and fill["sorted"] >= 0.9
 
 
 def test_job_list_bucket_order_matches_batches(lengths6):

@@ -15,6 +15,7 @@ from common.witness import latest_checkpoint
 from dflash_run import tiny_run, write_dataset
 from dflash_testing import LAYER_IDS, backend_config, random_batch
 from drafter_worker.dflash.export import load_drafter
+from dispatcher.schedule import build_epoch_schedule
 from drafter_worker.dflash_backend import DFlashBackend, derive_total_steps, jobs_per_epoch
 
 
@@ -115,7 +116,12 @@ def test_total_steps_from_the_data_and_schedule(tmp_path):
                       extra=("drafter.accum_steps=3",))
     lengths = [int(n) for n in (tmp_path / "data" / "lengths.txt").read_text().split()]
     short = sum(n <= 32 for n in lengths)
-    assert jobs_per_epoch(config) == -(-short // 4) + -(-(len(lengths) - short) // 2)  # 128 tokens a batch
+    fixed = load_config(None, [*_overrides(config), "schedule.batching=fixed"])
+    assert jobs_per_epoch(fixed) == -(-short // 4) + -(-(len(lengths) - short) // 2)  # 128 tokens a batch
+    for epoch in (0, 1):  # sorted batching: the count of the schedule the dispatcher builds, every epoch
+        schedule = build_epoch_schedule(lengths, bucket_max_lens=config.schedule.buckets, tokens_per_batch=128,
+                                        run_seed=config.run.seed, epoch=epoch, batching="sorted")
+        assert jobs_per_epoch(config) == schedule.num_jobs
     assert derive_total_steps(config) == -(-jobs_per_epoch(config) * 3 // 3)
     assert derive_total_steps(load_config(None, [*_overrides(config), "dflash.total_steps=17"])) == 17
     write_dataset(tmp_path / "empty", [8])

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
 
 from common.capture_contract import contract_from_model_dir
+from common.config import ConfigError
 from common.slots import SlotLayout, SlotView, copy_out
 from target_worker.capture import LayerCapture, contract_shape_of, load_target_model
 from target_worker.hf_backend import HFTargetBackend
@@ -62,6 +65,32 @@ def test_capture_finds_other_decoder_only_architectures(kind, tmp_path):
     torch.testing.assert_close(captured[0], expected[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(captured[1, :13], expected[1, :13], atol=1e-5, rtol=0)
     capture.close()
+
+
+def test_default_attention_on_an_architecture_without_sdpa(tmp_path, caplog):
+    """Gemma 2 declares no SDPA kernel: auto picks eager on the CPU, and the captured states equal the plain forward."""
+    model_dir = save_tiny_model("gemma2", tmp_path / "gemma2")
+    config = tiny_config(tmp_path, model_dir)
+    assert config.target.attn_implementation == "auto"
+    lengths = [29, 40, 17]  # a batch padded to its longest, 3 × 40 of the 128 tokens
+    dataset = random_samples(lengths, seed=4)
+    with caplog.at_level(logging.INFO, logger="hsd.target"):
+        backend = HFTargetBackend(config, device="cpu", dataset=dataset, keep_full_model=True)
+    assert "Gemma2ForCausalLM: attention eager (auto, of eager, flash_attention_3, flash_attention_2, flex_attention)" \
+        in caplog.text
+    assert backend.model.config._attn_implementation == "eager"
+    slot = _slot(backend, config)
+    assert backend.extract(_job(0, [0, 1, 2], lengths, 40, 2), slot) is None  # complete on return on the CPU
+    batch = copy_out(slot, 1, CPU)
+    for row, n in enumerate(lengths):
+        ids = torch.from_numpy(dataset.sample(row)[0].astype(np.int64))[None]
+        alone = _plain_layers(backend.model, ids, torch.ones_like(ids), backend.contract["layer_ids"])[0]
+        torch.testing.assert_close(batch.hs[row, :n], alone, atol=1e-5, rtol=0)
+    backend.close()
+    # An explicit kernel the architecture lacks is a config error naming the key and what it supports.
+    with pytest.raises(ConfigError, match=r"target.attn_implementation: Gemma2ForCausalLM does not support 'sdpa'.*"
+                                          r"it supports eager, flash_attention_3, flash_attention_2, flex_attention"):
+        load_target_model(model_dir, dtype=torch.float32, attn_implementation="sdpa", device=CPU)
 
 
 def test_contract_from_config_json_matches_loaded_model(model_dir):

@@ -94,10 +94,22 @@ def test_capture_errors_are_clear(setup, monkeypatch, capsys):
 
 def test_bench_target_json(setup, capsys):
     _root, config_path, _data_dir = setup
-    assert cli.main(["bench", "target", "--config", str(config_path), "--json", "--warmup", "0", "--reps", "1"]) == 0
+    assert cli.main(["bench", "target", "--config", str(config_path), "--json", "--warmup", "0", "--reps", "1",
+                     "--samples", "400", "--median", "20", "--sigma", "0.7"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert set(result["buckets"]) == {"16", "32", "64"}
-    for seq_len, row in result["buckets"].items():
-        assert row["batch"] == [128 // int(seq_len), int(seq_len)]
-        assert row["capture_tok_s"] > 0 and row["plain_tok_s"] > 0
+    assert result["batching"] == "sorted" and set(result["batchings"]) == {"sorted", "fixed"}
+    assert result["lengths"]["max_len"] == 64 and set(result["buckets"]) == {"16", "32", "64"}
+    for batching, figures in result["batchings"].items():
+        assert 0 < figures["fill"] <= 1 and figures["capture_tok_s"] > 0
+        jobs = sum(row["jobs"] for row in figures["buckets"].values())
+        assert jobs == figures["num_jobs"]
+        # The overall fill is the per-bucket fills weighted by their jobs (every job offers 128 slot tokens).
+        weighted = sum(row["fill"] * row["jobs"] for row in figures["buckets"].values()) / jobs
+        assert figures["fill"] == pytest.approx(weighted)
+        for seq_len, row in figures["buckets"].items():
+            assert 0 < row["fill"] <= 1 and row["capture_tok_s"] > 0
+            assert all(rows * length <= 128 and length <= int(seq_len) for rows, length in row["shapes"])
+    assert result["batchings"]["sorted"]["fill"] > result["batchings"]["fixed"]["fill"]
+    for row in result["buckets"].values():
+        assert row["plain_tok_s"] > 0 and row["speedup"] > 0
     assert result["contract"]["layer_ids"] == [1, 3, 5] and isinstance(result["capture_not_slower"], bool)

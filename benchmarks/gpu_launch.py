@@ -1,0 +1,192 @@
+"""The process sections of ``hsd bench gpu``: whole runs under ``hsd launch`` on this machine's GPUs.
+
+- ``launch``: one real target and one real DFlash drafter on the one GPU, end to end, once per
+  transport (``shm`` through the pinned pool, ``cuda_ipc`` device to device); the figures are the
+  run's own report: exactly once by the ledger and by the models' witness (0 duplicates / 0
+  missing), throughput per stage.
+- ``nccl_group``: with two or more GPUs, two drafter ranks of one model (NCCL) and a target; once
+  the group has formed and checkpointed, the rank that commits is SIGKILLed mid-step; the others
+  must regroup and the run still finish exactly once.
+
+The target is a small random Qwen3 with a tokenizer trained on the synthetic language, and the
+data a prepared dataset of random token sequences (:func:`write_launch_inputs`): nothing is
+downloaded. On the CPU the ``launch`` section runs with ``shm`` only (its reduced form, in tests).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.gpu_sections import CheckContext, save_random_qwen3
+from dispatcher.stats_view import run_stats_or_none
+
+RUN_OVERRIDES = ("run.epochs=1", "run.seed=0", "target.capture_layers=[1,2]", "target.count=1",
+                 "drafter.accum_steps=2", "drafter.checkpoint_every=2", "schedule.buckets=[32,64]",
+                 "schedule.tokens_per_batch=128", "pool.slots=4", "pool.min_ready=1", "dflash.block_size=4",
+                 "dflash.gamma=2.0", "dflash.num_draft_layers=1", "dflash.num_anchors=8",
+                 "dispatcher.heartbeat_s=0.2", "dispatcher.worker_timeout_s=30")
+
+
+def write_launch_inputs(root: Path, *, num_samples: int, hidden: int) -> tuple[Path, Path]:
+    """(target directory, prepared dataset) of a small real run; reused when already written."""
+    from common.prepared import FORMAT, MANIFEST_FILE, load_tokenizer, tokenizer_fingerprint
+    from target_worker.prepare import _Writer
+    from target_worker.synthetic_language import make_splits
+    from target_worker.tiny_tokenizer import build_tokenizer
+    import torch
+    target_dir, data_dir = root / "target", root / "data"
+    if not (data_dir / MANIFEST_FILE).is_file():
+        train, _ = make_splits(0, num_train=200, num_heldout=0)
+        texts = [text for c in train for turn in c.turns for text in turn] + ["system user assistant"]
+        tokenizer = build_tokenizer(texts, vocab_size=400)
+        vocab = len(tokenizer)
+        save_random_qwen3(target_dir, hidden=hidden, heads=4, kv_heads=2, head_dim=hidden // 4,
+                          intermediate=2 * hidden, vocab=vocab, num_layers=4, dtype="float32",
+                          device=torch.device("cpu"))
+        tokenizer.save_pretrained(str(target_dir))
+        rng = np.random.default_rng(0)
+        data_dir.mkdir(parents=True, exist_ok=True)
+        writer = _Writer(data_dir)
+        lengths = rng.integers(12, 60, size=num_samples).tolist()
+        for length in lengths:
+            writer.add(rng.integers(1, vocab - 1, size=length).tolist(), [0] * 4 + [1] * (length - 4))
+        writer.finish()
+        manifest = {"format": FORMAT, "num_samples": num_samples, "num_tokens": int(sum(lengths)),
+                    "tokenizer": {"fingerprint": tokenizer_fingerprint(load_tokenizer(target_dir))}}
+        (data_dir / MANIFEST_FILE).write_text(json.dumps(manifest))
+    return target_dir, data_dir
+
+
+def _hsd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "dispatcher.cli", *args]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Kill a launch and every process it started (they share its session)."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def _report(run_dir: Path) -> dict[str, Any]:
+    out = subprocess.run(_hsd("report", "--run-dir", str(run_dir), "--json"), capture_output=True, text=True,
+                         timeout=120)
+    if out.returncode != 0:
+        raise RuntimeError(f"hsd report failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout)
+
+
+def _run_figures(r: dict[str, Any], *, returncode: int, wall_s: float) -> dict[str, Any]:
+    figures = {"exit_code": returncode, "wall_s": round(wall_s, 1),
+               **{k: r.get(k) for k in ("jobs_total", "committed", "duplicates", "lost", "steps",
+                                        "witness_duplicates", "witness_missing")}}
+    for stage, row in r.get("stages", {}).items():
+        figures[f"{stage}_tokens_per_s"] = row.get("tokens_per_s")
+    figures["exactly_once"] = bool(returncode == 0 and r.get("finished")
+                                   and (r["committed"], r["duplicates"], r["lost"]) == (r["jobs_total"], 0, 0)
+                                   and (r["witness_duplicates"], r["witness_missing"]) == (0, 0))
+    return figures
+
+
+def _launch(run_dir: Path, overrides: list[str], *, timeout_s: float) -> dict[str, Any]:
+    log_path = run_dir.parent / f"{run_dir.name}.log"
+    started = time.monotonic()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(_hsd("launch", *overrides), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"hsd launch did not finish within {timeout_s:.0f}s (log: {log_path})") from None
+        finally:
+            _stop(proc)
+    figures = _run_figures(_report(run_dir), returncode=returncode, wall_s=time.monotonic() - started)
+    if not figures["exactly_once"]:
+        figures["log_tail"] = log_path.read_text(errors="replace")[-2000:]
+    return figures
+
+
+def launch(ctx: CheckContext) -> dict[str, Any]:
+    """1 target + 1 DFlash drafter on one GPU, end to end, with each transport (shm only on the CPU)."""
+    s = ctx.shapes
+    target_dir, data_dir = write_launch_inputs(ctx.tmp / "launch-inputs", num_samples=s.launch_samples,
+                                               hidden=s.launch_hidden)
+    transports = ("shm", "cuda_ipc") if ctx.cuda else ("shm",)
+    gpus = ["target.gpus=[0]", "drafter.gpus=[0]"] if ctx.cuda else []
+    figures: dict[str, Any] = {}
+    for transport in transports:
+        run_dir = ctx.tmp / f"launch-{transport}"
+        overrides = [f"run.dir={run_dir}", f"data.path={data_dir}", f"target.model={target_dir}", "drafter.count=1",
+                     f"pool.transport={transport}", *RUN_OVERRIDES, *gpus]
+        ctx.progress(f"launch with pool.transport={transport}")
+        figures[transport] = _launch(run_dir, overrides, timeout_s=max(30.0, min(240.0, ctx.left_s())))
+    figures["witness_ok"] = all(f["exactly_once"] for f in figures.values() if isinstance(f, dict))
+    return figures
+
+
+# -- two NCCL ranks, one killed mid-step --------------------------------------------------------
+def _committing_rank_mid_step(run_dir: Path) -> tuple[dict[str, Any], int] | None:
+    """Rank 0 holding jobs of a step after the group's first checkpoint, and the membership version."""
+    s = run_stats_or_none(run_dir)
+    group = (s or {}).get("groups", {}).get("drafter")
+    model = (s or {}).get("models", {}).get("drafter", {})
+    if not group or not group["formed"] or model.get("checkpoint", 0) < 2:
+        return None
+    holding = [w for w in s["workers"] if w.get("rank") == 0 and w["held"]]
+    return (holding[0], group["version"]) if holding else None
+
+
+def nccl_group(ctx: CheckContext) -> dict[str, Any]:
+    """Two drafter ranks over NCCL (GPUs 0 and 1) train one model; rank 0 is killed inside a step."""
+    import torch
+    if not ctx.cuda or torch.cuda.device_count() < 2:
+        raise RuntimeError("needs two GPUs")
+    target_dir, data_dir = write_launch_inputs(ctx.tmp / "launch-inputs", num_samples=ctx.shapes.launch_samples,
+                                               hidden=ctx.shapes.launch_hidden)
+    run_dir = ctx.tmp / "nccl-group"
+    overrides = [f"run.dir={run_dir}", f"data.path={data_dir}", f"target.model={target_dir}", *RUN_OVERRIDES,
+                 "target.gpus=[0]", "drafter.count=2", "drafter.gpus=[0,1]", "drafter.data_parallel=true",
+                 "drafter.collective_timeout_s=60", "drafter.max_restarts=2", "run.epochs=2"]
+    log_path = ctx.tmp / "nccl-group.log"
+    started = time.monotonic()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(_hsd("launch", *overrides), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            deadline = time.monotonic() + max(30.0, min(240.0, ctx.left_s()))
+            found = None
+            while found is None and time.monotonic() < deadline and proc.poll() is None:
+                found = _committing_rank_mid_step(run_dir)
+                time.sleep(0.05)
+            if found is None:
+                raise RuntimeError(f"rank 0 was never seen holding jobs after a checkpoint (log: {log_path})")
+            victim, version = found
+            os.kill(victim["pid"], signal.SIGKILL)
+            killed_at = time.monotonic()
+            regrouped_s = None
+            while time.monotonic() < deadline and proc.poll() is None:
+                group = ((run_stats_or_none(run_dir) or {}).get("groups", {}) or {}).get("drafter")
+                if group and group["formed"] and group["version"] > version:
+                    regrouped_s = round(time.monotonic() - killed_at, 2)
+                    break
+                time.sleep(0.1)
+            returncode = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            _stop(proc)
+    figures = _run_figures(_report(run_dir), returncode=returncode, wall_s=time.monotonic() - started)
+    figures.update(killed_rank_pid=victim["pid"], killed_in_version=version, regrouped_after_s=regrouped_s)
+    if not figures["exactly_once"]:
+        figures["log_tail"] = log_path.read_text(errors="replace")[-2000:]
+    return figures
