@@ -17,8 +17,8 @@ one CUDA allocation per target); this module only decides. Pure code.
   slot of an eligible bucket lagging at most LOCAL_SLACK less, else another node's (the fairness
   bound asks for it). A drafter whose node has no slot it may take at all reads another node's
   once it has waited ``remote_after_s`` (its starvation asks for it). Two symmetric nodes through
-  the core (tests/dispatcher/test_pool_nodes.py) consume within 0.1 batch of one node's prefix
-  deviation with nearly every read local. Slots of the
+  the core (tests/dispatcher/test_pool_nodes.py) consume within LOCAL_SLACK of one node's prefix
+  deviation with over 90% of the reads local. Slots of the
   dispatcher's own arena (``node`` None) are local to every reader.
 """
 
