@@ -21,9 +21,12 @@ from common.slots import SlotCopy, SlotLayout, SlotView, start_copy
 class NodeSlotBlock:
     """A target's slots: a segment of its node's shared memory, registered with the engine once."""
 
-    def __init__(self, run_id: str, layout: SlotLayout, num_slots: int, node: str):
+    def __init__(self, run_id: str, layout: SlotLayout, num_slots: int, node: str,
+                 device: torch.device = torch.device("cpu")):
         self.node = node
-        self.arena = SlotArena.create(run_id, layout, num_slots)
+        self.device = device
+        # Page-locked for a GPU target, whose copies into it then run async (as into the shm pool).
+        self.arena = SlotArena.create(run_id, layout, num_slots, pin_device=device)
         try:
             self.exporter = SlotExporter(self.arena.slot(0).buffer.data_ptr(), self.arena.nbytes)
         except BaseException:
@@ -34,7 +37,8 @@ class NodeSlotBlock:
         return self.arena.slot(index)
 
     def finish_write(self, index: int, *, stream: torch.cuda.Stream | None = None) -> None:
-        """Nothing to add: a host target's slot is complete once its header is written."""
+        """Nothing to add: TargetTransport.finish_write lets a GPU target's copies into host memory
+        land before the header, as for the shm pool."""
 
     def export(self) -> dict[str, Any]:
         return {"kind": "nixl", "node": self.node, "arena": self.arena.name, **self.exporter.export()}

@@ -74,7 +74,7 @@ class TargetTransport:
         Call before reporting the job ready: the reader is another process and sees only memory.
         """
         view = self.slot(slot_id)
-        if self._arena is not None and self.device.type == "cuda":
+        if view.device.type == "cpu" and self.device.type == "cuda":
             # Host-side header stores are not ordered after async copies into shared memory.
             (stream if stream is not None else torch.cuda.current_stream(self.device)).synchronize()
         if header is not None:
@@ -163,10 +163,9 @@ def open_target_transport(info: dict[str, Any], device: torch.device | str) -> T
         arena = SlotArena.attach(info["arena"], layout, num_slots, pin_device=device)
         return TargetTransport(kind, layout, num_slots, device, arena=arena)
     if kind == "nixl":
-        if device.type != "cpu":
-            raise ValueError("pool.transport=nixl keeps a target's slots in host memory: its GPU copies into "
-                             "them (slots in GPU memory across nodes are not built yet)")
-        node_block = NodeSlotBlock(info["run_id"], layout, num_slots, info["node"])
+        # Host memory even on a GPU target (copied into from a side stream): slots in GPU memory
+        # across nodes (VRAM registration, GPUDirect) are not built yet.
+        node_block = NodeSlotBlock(info["run_id"], layout, num_slots, info["node"], device)
         return TargetTransport(kind, layout, num_slots, device, block=node_block)
     block = CudaSlotBlock(layout, num_slots, device)
     return TargetTransport(kind, layout, num_slots, block.device, block=block)
