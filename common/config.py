@@ -130,12 +130,27 @@ class DrafterSection:
     data_parallel: bool = opt(True, "With count > 1, real drafters train one model as a torch.distributed group (sim drafters always train a model each).")
     model: str = opt("drafter", "Id of the model a data-parallel group trains (its checkpoints live in run.dir/models/<model>).")
     collective_timeout_s: float = opt(60.0, "Longest a rank waits in a collective (gradient all-reduce, group rendezvous) before it gives the step up.")
-    group_wait_s: float = opt(600.0, "Longest a rank of a data-parallel group waits for the group to form again (every rank at the rendezvous); past it the rank exits with an error instead of waiting for a peer lost for good.")
+    group_wait_s: float = opt(600.0, "Longest a rank of a data-parallel group waits for a membership that lets it train (enough ranks to start, or min_ranks after losses); past it the rank exits with an error instead of waiting for peers lost for good.")
+    min_ranks: int = opt(1, "Fewest ranks a data-parallel group trains with once it started; below it the survivors wait (at most group_wait_s) for ranks to join.")
+    max_ranks: int = opt(0, "Most ranks a data-parallel group takes (drafters attached beyond it wait for room); 0 = no bound. With count=1, max_ranks > 1 makes the one drafter a group that others can attach to.")
+    elastic_batch: str = opt("tokens", "A step's size when the world size changes: tokens = accum_steps x count micro-batches a step, shared among the ranks (each takes at least one); ranks = accum_steps per rank, the step grows with the group.")
+
+    @property
+    def grouped(self) -> bool:
+        """Real drafters of one model train as ranks of one elastic data-parallel group."""
+        return self.data_parallel and not self.sim and (self.count > 1 or self.max_ranks > 1)
 
     @property
     def group_size(self) -> int:
-        """Ranks of the data-parallel group each drafter joins (1: it trains a model of its own)."""
-        return self.count if self.data_parallel and not self.sim and self.count > 1 else 1
+        """Ranks a new data-parallel group waits for before its first step (1: a lone drafter)."""
+        return max(1, self.count) if self.grouped else 1
+
+    def rank_accum_steps(self, *, rank: int, world_size: int) -> int:
+        """Micro-batches ``rank`` brings to a step of a ``world_size``-rank group (``elastic_batch``)."""
+        if self.elastic_batch == "ranks":
+            return self.accum_steps
+        total = self.accum_steps * max(1, self.count)
+        return max(1, total // world_size + (rank < total % world_size))
 
 
 @dataclass
@@ -151,7 +166,7 @@ class DFlashSection:
     warmup_ratio: float = opt(0.04, "Share of the total steps spent warming the learning rate up linearly.")
     min_lr_ratio: float = opt(0.0, "Floor of the cosine decay, as a fraction of lr.")
     grad_clip: float = opt(1.0, "Clip the global gradient norm to this; 0 = no clipping.")
-    total_steps: int = opt(0, "Optimizer steps of the cosine schedule; 0 = jobs per epoch x epochs / (accum_steps x drafters).")
+    total_steps: int = opt(0, "Length of the cosine schedule in steps of accum_steps x drafter.count jobs; the schedule advances by the jobs each step trained, so a changing world size does not shift it. 0 = every job of every epoch.")
     loss_chunk_size: int = opt(4096, "Block positions whose logits are computed at once (bounds the logits' memory).")
     dtype: str = opt("auto", "Compute dtype: auto (bfloat16 autocast on GPU, float32 on CPU), bfloat16 or float32.")
     attention: str = opt("auto", "Attention kernel: auto (flex attention on GPU, SDPA elsewhere), flex or sdpa.")
@@ -313,6 +328,19 @@ def validate(config: Config) -> None:
     for key in ("collective_timeout_s", "group_wait_s"):
         if getattr(config.drafter, key) <= 0:
             raise ConfigError(f"drafter.{key} must be positive")
+    drafter = config.drafter
+    if drafter.min_ranks < 1:
+        raise ConfigError("drafter.min_ranks must be at least 1")
+    if drafter.max_ranks < 0:
+        raise ConfigError("drafter.max_ranks must not be negative (0 = no bound)")
+    if drafter.min_ranks > max(1, drafter.count):
+        raise ConfigError(f"drafter.min_ranks ({drafter.min_ranks}) must not exceed drafter.count ({drafter.count}): "
+                          f"a new group starts with count ranks")
+    if drafter.max_ranks and drafter.max_ranks < drafter.count:
+        raise ConfigError(f"drafter.max_ranks ({drafter.max_ranks}) must be 0 (no bound) or at least drafter.count "
+                          f"({drafter.count})")
+    if drafter.elastic_batch not in ("tokens", "ranks"):
+        raise ConfigError(f"drafter.elastic_batch must be tokens or ranks, not {drafter.elastic_batch!r}")
     if config.drafter.model:
         try:
             check_model_id(config.drafter.model)

@@ -34,12 +34,20 @@ REQUESTS: dict[str, tuple[str, ...]] = {
     #   back to pending. The reply's model_step is the step the ledger now holds for the model; a
     #   model *ahead* of the ledger (its last commit never became durable) must reload its latest
     #   checkpoint and register again with that step.
-    # model.world_size > 1 (data-parallel drafters): drafters of the same model id form one group.
-    #   The reply's group = {rank, world_size, membership, store}: the rank's place in this membership
-    #   version and the torch.distributed FileStore path of its rendezvous. When a member leaves or
-    #   dies the version ends: the other members' get_hs and commit_step answer group_changed, they
-    #   drop the step, reload the latest checkpoint and register again (a new version forms).
+    # model.group = {size, min_ranks, max_ranks} (data-parallel drafters): drafters of the same model
+    #   id are ranks of one elastic group (dispatcher/groups.py). A rank's registration only puts it
+    #   in line: it holds no jobs until a version names it (join_group), and its step rolls the
+    #   ledger back only when the whole group starts from a checkpoint.
     "register": ("role", "name", "pid", "host"),
+    # {wait_ms, after, step, failed?} -> {group: {rank, world_size, membership, store, step, source,
+    #   transfer} | None, model_step, membership}; long-poll for the membership version newer than ``after`` that
+    #   names this rank (after=0: any). ``step``: the model step the rank holds. ``failed``: a
+    #   collective of version ``after`` failed on this rank, which ends that version at once. A rank
+    #   at a rendezvous asks with wait_ms=0 between waits, so it learns at once that its version ended
+    #   (membership: the version that names the rank now, 0 while it waits for one).
+    #   transfer: some rank holds another step than the version's; rank ``source`` sends its state
+    #   (model, optimizer, scheduler, RNG, witness) to the others over the new group before any step.
+    "join_group": ("worker_id", "token", "wait_ms", "after", "step"),
     # {ipc_block, num_slots} -> {}; a cuda_ipc target offers the slots it allocated on its GPU, a nixl
     # target those in its node's memory (ipc_block: {kind: nixl, node, arena, agent, metadata, base, nbytes})
     "register_slots": ("worker_id", "token", "ipc_block", "num_slots"),
@@ -56,8 +64,9 @@ REQUESTS: dict[str, tuple[str, ...]] = {
     "job_ready": ("worker_id", "token", "job_id", "generation", "busy_s"),
     # {job_id, reason} -> {}; the target could not extract the job: it goes back to pending
     "job_failed": ("worker_id", "token", "job_id", "reason"),
-    # {wait_ms} -> {job: {...} | None, done: bool, flush: bool}; long-poll for a ready slot
-    # (flush: nothing more is coming for now, commit a partial step)
+    # {wait_ms, membership?} -> {job: {...} | None, done: bool, flush: bool}; long-poll for a ready slot
+    # (flush: nothing more is coming for now, commit a partial step). membership: a group rank's
+    # version; a version that ended answers group_changed (so a poll sent before a change is void)
     "get_hs": ("worker_id", "token", "wait_ms"),
     # {job_id} -> {}; the drafter copied the slot out: the slot is free again
     "consumed": ("worker_id", "token", "job_id"),
@@ -69,8 +78,10 @@ REQUESTS: dict[str, tuple[str, ...]] = {
     # Idempotent: the same (model, step, job_ids) again gets the first answer.
     # (verified: how many of the step's slots a sim drafter checked byte for byte; metrics: a few
     # named floats of the drafter's previous step, loss and the like, shown by hsd stats)
-    # A data-parallel group commits once per step (its rank 0), naming every rank's jobs; any jobs
-    # consumed by a current member count. (sync_wait_s: rank 0's wait at the gradient all-reduce)
+    # A data-parallel group commits once per step (its rank 0, with membership: its version), naming
+    # every rank's jobs; any jobs consumed by a current member count. The reply's membership is the
+    # group's version after the commit: a newer one means waiting ranks join at this step boundary.
+    # (sync_wait_s: rank 0's wait at the gradient all-reduce)
     "commit_step": ("worker_id", "token", "model", "step", "job_ids", "busy_s"),
     # {model, step} -> {}; the model's state at ``step`` (witness included) is durable on disk
     "checkpoint": ("worker_id", "token", "model", "step"),
@@ -92,7 +103,7 @@ class ErrorCode:
     UNKNOWN_WORKER = "unknown_worker"  # not registered, or declared dead: register again
     BAD_STATE = "bad_state"            # the job is not in the state the op expects (stale lease)
     INCOMPATIBLE = "incompatible"      # the worker cannot serve this run (transport, capture contract)
-    GROUP_CHANGED = "group_changed"    # the drafter's data-parallel membership ended: drop the step, register again
+    GROUP_CHANGED = "group_changed"    # the rank's membership version ended: drop the step, join_group again
     READ_ONLY = "read_only"            # a control op sent to the stats socket
     INTERNAL = "internal"
 

@@ -52,3 +52,20 @@ class DrafterBackend(Protocol):
 
     def save_checkpoint(self, run_dir: str | os.PathLike) -> None:
         """Weights + witness at ``self.step`` (:func:`common.witness.save_checkpoint`)."""
+
+
+class GroupDrafterBackend(DrafterBackend, Protocol):
+    """A drafter backend that trains as a rank of an elastic data-parallel group."""
+
+    def sync_gradients(self, all_reduce) -> float:
+        """Sum the step's gradients (and whatever weighs them) over the group; the group's weight total."""
+
+    def live_state(self) -> dict:
+        """The whole training state (weights, optimizer, scheduler, RNG, ``step``, and ``trained``:
+        the witness as an int64 tensor), as nested dicts of tensors and plain values: a joiner's state."""
+
+    def load_live_state(self, state: dict) -> None:
+        """Take a live rank's :meth:`live_state` as this rank's own."""
+
+    def weights_checksum(self) -> int:
+        """CRC32 of the weights (:func:`drafter_worker.state_transfer.weights_checksum`)."""

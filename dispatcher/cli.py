@@ -67,7 +67,7 @@ def cmd_worker(args) -> int:
         from drafter_worker.sim import SimDrafter
         # An independent sim drafter trains a model of its own, named after it: a restart resumes it.
         return DrafterLoop(config, name, SimDrafter(config, model_id=name)).run()
-    grouped = config.drafter.group_size > 1
+    grouped = config.drafter.grouped
     # Every rank of a data-parallel group trains the group's one model (rank 0 writes its checkpoints);
     # an independent drafter trains a model of its own, named after it: a restart resumes it.
     model_id = config.drafter.model if grouped else name
@@ -198,6 +198,12 @@ def cmd_bench_pipeline(args) -> int:
     except RuntimeError as exc:  # a policy's run failed: its log tail says why
         print(f"hsd bench pipeline: error: {exc}", file=sys.stderr)
         return 1
+
+
+def cmd_bench_chaos(args) -> int:
+    from benchmarks.chaos import run_chaos_bench
+    return run_chaos_bench(minutes=args.minutes, seed=args.seed, real=args.real, as_json=args.json,
+                           work_dir=args.dir, inputs_dir=args.inputs, keep=args.keep)
 
 
 def _require_model(config, command: str) -> None:
@@ -469,6 +475,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--runs-dir", help="keep the three run directories here (default: a temporary one, removed)")
     b.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides for every policy")
     b.set_defaults(func=cmd_bench_pipeline)
+    b = bench.add_parser("chaos", help="a multi-epoch run under seeded SIGKILLs of every role, attaches and detaches")
+    b.add_argument("--minutes", type=float, default=3.0, help="length of the chaos window")
+    b.add_argument("--seed", type=int, default=0, help="seed of the run and of the fault plan")
+    b.add_argument("--real", action="store_true", help="the demo's tiny target and a group of 2 DFlash drafters")
+    b.add_argument("--inputs", default="runs/demo", help="--real: where the tiny target and data are (made once)")
+    b.add_argument("--dir", help="work directory (kept); default a temporary one, removed")
+    b.add_argument("--keep", action="store_true", help="keep the temporary work directory")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_chaos)
     return parser
 
 

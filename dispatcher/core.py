@@ -18,6 +18,7 @@ import numpy as np
 
 from dispatcher.core_types import (DONE, CoreOptions, Counters, Incompatible, JobGrant, Unauthorized,
                                    UnknownWorker, Worker)
+from dispatcher.group_ops import GroupOps
 from dispatcher.groups import DrafterGroup, DrafterGroups
 from dispatcher.journal import Journal
 from dispatcher.ledger import Job, JobLedger, JobState, LedgerError, split_job_id
@@ -31,7 +32,7 @@ log = logging.getLogger("hsd.dispatcher")
 
 
 
-class DispatcherCore:
+class DispatcherCore(GroupOps):
     def __init__(self, options: CoreOptions, *, run_dir, lengths, journal: Journal, pool: HSPool,
                  shared_slots: int, now: float):
         self.options = options
@@ -124,6 +125,8 @@ class DispatcherCore:
         return self.store.maybe_snapshot(models, self.incarnation + 1, force=force)
 
     def close(self) -> None:
+        if self.done:
+            self.groups.remove_stores()
         self.store.close()
 
     # -- membership -------------------------------------------------------------------------
@@ -134,15 +137,14 @@ class DispatcherCore:
         rolls that model back to exactly that step (its later commits go back to pending)."""
         if contract is not None:
             self._check_contract(role, name, contract)
-        model_id, model_step, world_size = None, 0, 1
+        model_id, model_step, spec = None, 0, None
         if model is not None:
             if role != "drafter":
                 raise LedgerError("only a drafter registers a model")
-            model_id, model_step, world_size = model.get("id"), model.get("step", 0), model.get("world_size", 1)
+            model_id, model_step = model.get("id"), model.get("step", 0)
             if not isinstance(model_id, str) or not model_id or not isinstance(model_step, int) or model_step < 0:
                 raise LedgerError("model must be {id: non-empty string, step: integer >= 0}")
-            if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-                raise LedgerError("model.world_size must be an integer >= 1")
+            spec = self._group_spec(model.get("group"))
             held = self.ledger.model_step.get(model_id, 0)
             if model_step > held:
                 raise LedgerError(f"model {model_id} holds step {model_step}, ahead of the ledger's {held}: its last "
@@ -155,21 +157,20 @@ class DispatcherCore:
             self.deregister(other.id, now, reason="replaced")  # the same worker registering again
         worker = Worker(worker_id, role, name, pid, host, gpu, registered_at=now, last_seen=now,
                         token=secrets.token_hex(16), model=model_id, node=node or host)
-        if world_size > 1:
+        if spec is not None:
             try:
-                worker.group, stale = self.groups.join(model_id, world_size, worker_id, model_step)
+                self.groups.join(model_id, spec, worker_id, model_step)
             except ValueError as exc:
                 raise LedgerError(str(exc)) from None
-            self._group_changed(model_id, stale)
         self.workers[worker_id] = worker
         extra = {}
         if role == "target" and self.options.num_target_queues:
             worker.queue = self._free_queue()
             extra["queue"] = worker.queue
-        if worker.group:
-            extra.update(rank=worker.group.rank, membership=worker.group.version)
         self.journal.record("join", w=worker_id, role=role, name=name, pid=pid, host=host, node=worker.node, **extra)
-        if model_id is not None:
+        if spec is not None:  # a rank's step matters only once a version names it (dispatcher/group_ops.py)
+            self._maybe_open(self.groups.groups[model_id])
+        elif model_id is not None:
             self._rollback(model_id, model_step)
         return worker
 
@@ -177,17 +178,6 @@ class DispatcherCore:
         """Per-target assignment: the lowest queue no live target takes from (None: every queue has one)."""
         taken = {w.queue for w in self.workers.values() if w.queue is not None}
         return next((k for k in range(self.options.num_target_queues) if k not in taken), None)
-
-    def _group_changed(self, model: str, stale: list[str]) -> None:
-        """A membership version ended: its step is void. Every job its members hold goes back now,
-        so nothing waits for ranks that will drop the step anyway."""
-        for worker_id in stale:
-            for job in self.ledger.held_by(worker_id):
-                self._give_back(job, "group_changed")
-        if stale:
-            log.info("model %s: the group changed (membership %d); %s drop the step and join again", model,
-                     self.groups.groups[model].version, ", ".join(stale))
-            self.journal.record("membership", model=model, version=self.groups.groups[model].version, stale=stale)
 
     def _check_contract(self, role: str, name: str, contract: dict[str, Any]) -> None:
         from common.capture_contract import check_same_contract
@@ -279,8 +269,8 @@ class DispatcherCore:
                     self.counters.given_back["slot_lost"] += 1
         del self.workers[worker_id]
         self.journal.record("leave", w=worker_id, reason=reason)
-        if worker.group is not None:
-            self._group_changed(worker.model, self.groups.leave(worker_id))
+        if worker.model is not None:
+            self._rank_left(worker_id)
 
     def sweep(self, now: float, is_alive: Callable[[Worker], bool]) -> list[str]:
         """Declare silent or vanished workers dead and give back expired leases; returns the dead."""
@@ -395,10 +385,11 @@ class DispatcherCore:
         return all(self.ledger.count(e, JobState.PENDING, JobState.EXTRACTING, JobState.READY) == 0
                    for e in self.epoch_jobs)
 
-    def get_hs(self, worker_id: str, now: float) -> tuple[JobGrant | str | None, bool]:
+    def get_hs(self, worker_id: str, now: float, *, membership: int | None = None) -> tuple[JobGrant | str | None, bool]:
         """(grant, flush): flush tells a waiting drafter to commit its partial step, nothing more is coming."""
         worker = self.worker(worker_id, now)
-        self.groups.check_current(worker_id)
+        self._step_boundary(worker_id)
+        self.groups.check_current(worker_id, membership)
         if self.done:
             self._end_wait(worker, now)
             return DONE, False
@@ -454,12 +445,12 @@ class DispatcherCore:
 
     def commit_step(self, worker_id: str, job_ids: list[int], busy_s: float, now: float, *, model: str | None = None,
                     step: int | None = None, verified: int = 0, metrics: dict[str, float] | None = None,
-                    sync_wait_s: float = 0.0, step_s: float = 0.0) -> int:
+                    sync_wait_s: float = 0.0, step_s: float = 0.0, membership: int | None = None) -> int:
         """The drafter's model takes optimizer step ``step`` on ``job_ids``. Idempotent: the same
         (model, step, jobs) again gets the same answer. Refused (all or nothing) otherwise when a
         job is not consumed by this drafter or the step does not follow the model's last."""
         worker = self.worker(worker_id, now)
-        self.groups.check_current(worker_id)
+        self.groups.check_current(worker_id, membership)
         model = model or worker.model or worker_id
         group = self.groups.group_of(worker_id)
         if group is not None and model != group.model:
@@ -497,6 +488,8 @@ class DispatcherCore:
             if self.ledger.epoch_complete(epoch):
                 self.journal.record("epoch_committed", durable=True, epoch=epoch)
                 self.store.finish_if_complete(epoch)
+        if group is not None:
+            self._maybe_open(group)  # the step boundary waiting ranks wait for
         return step
 
     def checkpoint(self, worker_id: str, step: int, now: float, *, model: str | None = None) -> None:

@@ -1,20 +1,29 @@
-"""Data-parallel drafter groups: ranks, membership versions and the rendezvous, as pure bookkeeping.
+"""Elastic data-parallel drafter groups: ranks, membership versions and the rendezvous, as pure bookkeeping.
 
-Drafters that register the same model with ``world_size > 1`` form one group. The dispatcher is
-the rendezvous: it gives each joiner a rank and the group's **membership version**, and names a
-``torch.distributed.FileStore`` path under ``run.dir/groups/<model>/`` that is fresh for every
-version (it never imports torch: the ranks open the store themselves).
+Drafters that register the same model as ranks of a group form one ``torch.distributed`` group.
+The dispatcher is the rendezvous: it keeps each group's **membership version** — the ranks that
+train together now — and names a ``torch.distributed.FileStore`` path under
+``run.dir/groups/<model>/`` that is fresh for every version (it never imports torch: the ranks
+open the store themselves).
 
 Invariants this module keeps:
 
-- a version's members are exactly the ranks ``0 .. world_size-1``, handed out in join order; the
-  group is *formed* once all of them joined, and only then do its ranks train;
-- a member that leaves (dead, left, replaced) ends its version: the version is bumped, the group
-  forms again from scratch, and the members of the old version are *stale*. The core gives their
-  jobs back and answers their requests with ``group_changed``, so they drop the step at once,
-  reload the latest checkpoint and join again. A stale member leaving changes nothing;
-- a joiner whose model step differs from the forming group's, or who joins a formed group, also
-  starts a new version: every rank of a version starts from the same state.
+- a registered rank first *waits*: it holds no jobs and takes part in no step until a version
+  names it. The first version of a group (or of one whose ranks all died) opens once
+  ``drafter.count`` ranks wait; after that the world size is elastic between ``min_ranks`` and
+  ``max_ranks`` (0: no bound);
+- membership changes only at step boundaries. Waiting ranks join when no member holds a job (the
+  step just committed, or nothing is in flight): the next version takes the current members plus
+  **every** waiting rank at once (up to ``max_ranks``), so no number of joiners keeps a group
+  from training;
+- a member that leaves or dies, or reports that a collective of its version failed, ends the
+  version at once: the next one opens with the others (and every waiting rank) when they are at
+  least ``min_ranks``; below that they wait. Only the jobs held then (the step in flight) go back;
+- the state of a version comes from a live rank: its **source** holds the version's step, the
+  highest any of its ranks holds. Under commit-then-apply every member holds the ledger's step, so
+  a membership change needs no rollback; the ledger rolls back (to the source's step) only when no
+  rank holds the committed step any more — the whole group crashed and its ranks came back from a
+  checkpoint. A rank whose step differs from the source's receives the state over the new group.
 """
 
 from __future__ import annotations
@@ -26,35 +35,75 @@ GROUPS_DIR = "groups"
 
 
 class GroupChanged(Exception):
-    """A request from a member of a membership version that ended: drop the step, join again."""
+    """A request from a rank that is not a member of its group's current version: drop the step, join again."""
 
 
-@dataclass
-class DrafterGroup:
-    model: str
-    world_size: int
-    version: int = 0
-    step: int = 0  # the model step every member of this version registered with
-    members: dict[str, int] = field(default_factory=dict)  # worker id -> rank, this version only
-    window_avail: int | None = None  # buckets eligible when the group's step window opened
-    window_mixed: bool = True  # every pull of the step took a new bucket when one was eligible
+@dataclass(frozen=True)
+class GroupSpec:
+    """The sizes a rank brings at registration (from its config); every rank of a model must agree."""
 
-    @property
-    def formed(self) -> bool:
-        return len(self.members) == self.world_size
+    size: int  # drafter.count: the ranks a new group waits for before its first step
+    min_ranks: int = 1
+    max_ranks: int = 0  # 0: no bound
+
+    def check(self) -> None:
+        if self.size < 1 or self.min_ranks < 1 or self.max_ranks < 0:
+            raise ValueError("a group needs size >= 1, min_ranks >= 1 and max_ranks >= 0")
+        if self.max_ranks and not self.min_ranks <= self.size <= self.max_ranks:
+            raise ValueError(f"a group needs min_ranks <= size <= max_ranks, got {self.min_ranks}, {self.size}, "
+                             f"{self.max_ranks}")
 
 
 @dataclass(frozen=True)
 class Membership:
-    """What a rank learns at registration (the ``group`` field of the register reply)."""
+    """A rank's place in one membership version (the answer to ``join_group``)."""
 
     rank: int
     world_size: int
     version: int
     store: str  # FileStore path for torch.distributed's rendezvous of this version
+    step: int  # the model step of the version: what the source holds and every rank holds once it starts
+    source: int  # the rank whose state the others take when ``transfer``
+    transfer: bool  # some rank of the version holds another step: the source sends its state to all
 
     def to_wire(self) -> dict:
-        return {"rank": self.rank, "world_size": self.world_size, "membership": self.version, "store": self.store}
+        return {"rank": self.rank, "world_size": self.world_size, "membership": self.version, "store": self.store,
+                "step": self.step, "source": self.source, "transfer": self.transfer}
+
+
+@dataclass
+class DrafterGroup:
+    model: str
+    spec: GroupSpec
+    version: int = 0
+    step: int = 0  # the model step of the current version
+    members: dict[str, int] = field(default_factory=dict)  # worker id -> rank, current version only
+    waiting: dict[str, int] = field(default_factory=dict)  # worker id -> model step it holds, in arrival order
+    memberships: dict[str, Membership] = field(default_factory=dict)  # worker id -> its place, current version
+    entry_steps: dict[str, int] = field(default_factory=dict)  # member -> the step it held when the version opened
+    survivors: set[str] = field(default_factory=set)  # waiting ranks that were members of the last version
+    unconfirmed: set[str] = field(default_factory=set)  # waiting ranks whose step is a guess until they report it
+    opened_at_steps: int = 0  # the ledger's step for the model when this version opened
+    window_avail: int | None = None  # buckets eligible when the group's step window opened
+    window_mixed: bool = True  # every pull of the step took a new bucket when one was eligible
+
+    @property
+    def formed(self) -> bool:
+        return bool(self.members)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A version that just opened: who left it (their held jobs go back) and the step the ledger
+    must roll back to (None: the version's step is the ledger's — the usual case)."""
+
+    version: int
+    previous_members: list[str]
+    rollback_to: int | None
 
 
 class DrafterGroups:
@@ -62,71 +111,135 @@ class DrafterGroups:
         self.run_dir = Path(run_dir)
         self.incarnation = incarnation  # in the store path: a restarted dispatcher never reuses a store file
         self.groups: dict[str, DrafterGroup] = {}
-        self._joined: dict[str, str] = {}  # worker id -> model, for every member of any version
+        self._joined: dict[str, str] = {}  # worker id -> model, for every rank (waiting or member)
 
     def store_path(self, model: str, version: int) -> Path:
         return self.run_dir / GROUPS_DIR / model / f"i{self.incarnation}-v{version}"
 
-    def join(self, model: str, world_size: int, worker_id: str, step: int) -> tuple[Membership, list[str]]:
-        """Give ``worker_id`` a rank; returns its membership and the members made stale by it."""
-        if world_size < 2:
-            raise ValueError("a data-parallel group has at least 2 ranks")
+    # -- ranks arrive and leave ---------------------------------------------------------------------
+    def join(self, model: str, spec: GroupSpec, worker_id: str, step: int) -> None:
+        """``worker_id`` (holding ``step``) waits for a version of ``model``'s group to name it."""
+        spec.check()
         group = self.groups.get(model)
-        stale: list[str] = []
         if group is None:
-            group = self.groups[model] = DrafterGroup(model, world_size)
-            self._new_version(group)
-        elif group.world_size != world_size:
-            raise ValueError(f"model {model} trains in a group of {group.world_size} ranks; a drafter asked for "
-                             f"{world_size} (drafter.count must be the same for every drafter of the model)")
-        elif group.formed or (group.members and step != group.step):
-            stale = self._new_version(group)
-        if not group.members:
-            group.step = step
-        rank = min(set(range(world_size)) - set(group.members.values()))
-        group.members[worker_id] = rank
+            group = self.groups[model] = DrafterGroup(model, spec)
+        elif group.spec != spec:
+            raise ValueError(f"model {model} trains in a group of drafter.count={group.spec.size}, min_ranks="
+                             f"{group.spec.min_ranks}, max_ranks={group.spec.max_ranks}; a drafter asked for "
+                             f"{spec.size}, {spec.min_ranks}, {spec.max_ranks} (every drafter of the model must agree)")
+        group.waiting[worker_id] = step
         self._joined[worker_id] = model
-        return Membership(rank, world_size, group.version, str(self.store_path(model, group.version))), stale
 
-    def leave(self, worker_id: str) -> list[str]:
-        """``worker_id`` is gone. When it was a current member, its version ends: returns the members
-        made stale (the others of that version)."""
+    def leave(self, worker_id: str) -> DrafterGroup | None:
+        """``worker_id`` is gone; returns its group when it was a member of the current version
+        (which then has ended: see :meth:`end_version`)."""
         model = self._joined.pop(worker_id, None)
-        if model is None:
-            return []
-        group = self.groups[model]
-        if worker_id not in group.members:
-            return []
-        del group.members[worker_id]
-        return self._new_version(group)
-
-    def _new_version(self, group: DrafterGroup) -> list[str]:
-        stale = list(group.members)
-        if group.version:  # a dead rank never released the old store: nobody will use it again
-            self.store_path(group.model, group.version).unlink(missing_ok=True)
-        group.version += 1
-        group.members = {}
-        group.window_avail, group.window_mixed = None, True
-        path = self.store_path(group.model, group.version)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.unlink(missing_ok=True)  # a store file must start empty
-        return stale
-
-    def group_of(self, worker_id: str) -> DrafterGroup | None:
-        """The group ``worker_id`` is a current member of (None for a stale member or a lone drafter)."""
-        model = self._joined.get(worker_id)
         if model is None:
             return None
         group = self.groups[model]
-        return group if worker_id in group.members else None
+        group.waiting.pop(worker_id, None)
+        group.survivors.discard(worker_id)
+        group.unconfirmed.discard(worker_id)
+        if worker_id not in group.members:
+            return None
+        del group.members[worker_id]
+        group.memberships.pop(worker_id, None)
+        return group
 
-    def check_current(self, worker_id: str) -> None:
-        """Raise GroupChanged for a member of a version that ended."""
+    def report_step(self, worker_id: str, step: int) -> None:
+        """A waiting rank tells the step it holds now (a survivor that dropped a step, say)."""
+        group = self.group_of_rank(worker_id)
+        if group is not None and worker_id in group.waiting:
+            group.waiting[worker_id] = step
+            group.unconfirmed.discard(worker_id)
+
+    # -- versions -----------------------------------------------------------------------------------
+    def end_version(self, group: DrafterGroup, ledger_step: int) -> list[str]:
+        """The current version can no longer step (a member left, died or failed a collective): its
+        members wait again, holding the ledger's step — or, when the version committed nothing
+        yet, the step each held when it opened (a joiner's transfer may not have completed).
+        Returns them."""
+        members = sorted(group.members, key=group.members.get)
+        stepped = ledger_step > group.opened_at_steps
+        for worker_id in members:
+            group.waiting[worker_id] = ledger_step if stepped else group.entry_steps.get(worker_id, ledger_step)
+        group.unconfirmed = set() if stepped else {w for w in members if group.waiting[w] != group.step}
+        # the survivors first, in their rank order, then the joiners: rank 0 stays rank 0 when it can
+        group.waiting = {w: group.waiting[w] for w in members} | {w: s for w, s in group.waiting.items()
+                                                                     if w not in group.members}
+        group.members, group.memberships = {}, {}
+        group.survivors = set(members)
+        return members
+
+    def may_open(self, group: DrafterGroup, *, busy: bool, ledger_step: int) -> bool:
+        """Whether the next version opens now. ``busy``: a member holds a job (a step is in flight)."""
+        if not group.waiting:
+            return False
+        if group.unconfirmed and not group.members and max(group.waiting.values()) < ledger_step:
+            return False  # a guessed step would roll the ledger back: wait for the ranks to say theirs
+        if group.members:  # joiners wait for the step boundary and for room
+            room = group.spec.max_ranks - len(group.members) if group.spec.max_ranks else len(group.waiting)
+            return not busy and room > 0
+        # Survivors of an ended version hold live state: they wait only for min_ranks. A group
+        # none of whose ranks survived is new again: it waits for drafter.count.
+        needed = group.spec.min_ranks if group.survivors else group.spec.size
+        return len(group.waiting) >= needed
+
+    def open(self, group: DrafterGroup, ledger_step: int) -> Opened:
+        """The next version: the current members plus every waiting rank (up to max_ranks)."""
+        previous = sorted(group.members, key=group.members.get)
+        carried = {w: ledger_step for w in previous}  # members hold the committed step (commit, then apply)
+        room = (group.spec.max_ranks - len(carried)) if group.spec.max_ranks else len(group.waiting)
+        newcomers = dict(list(group.waiting.items())[:max(0, room)])
+        ranks = carried | newcomers
+        step = max(ranks.values())
+        source = next(w for w, s in ranks.items() if s == step)  # a survivor when one holds the step
+        order = [source] + [w for w in ranks if w != source]
+        # The old store stays: a rank may still be in a wait on it (a FileStore whose file is deleted
+        # under a wait never returns); the run's stores go when it is done (remove_stores).
+        group.version += 1
+        path = self.store_path(group.model, group.version)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)  # a store file must start empty
+        transfer = any(s != step for s in ranks.values())
+        group.members = {w: r for r, w in enumerate(order)}
+        group.entry_steps = dict(ranks)
+        group.memberships = {w: Membership(r, len(order), group.version, str(path), step, 0, transfer)
+                             for w, r in group.members.items()}
+        for worker_id in newcomers:
+            del group.waiting[worker_id]
+        group.survivors -= set(newcomers)
+        group.step = step
+        group.opened_at_steps = step
+        group.window_avail, group.window_mixed = None, True
+        return Opened(group.version, previous, step if step < ledger_step else None)
+
+    def remove_stores(self) -> None:
+        """The run is done: no rank waits on any store of this incarnation any more."""
+        for group in self.groups.values():
+            for version in range(1, group.version + 1):
+                self.store_path(group.model, version).unlink(missing_ok=True)
+
+    # -- lookups ------------------------------------------------------------------------------------
+    def group_of_rank(self, worker_id: str) -> DrafterGroup | None:
+        """The group ``worker_id`` belongs to, as a member or waiting (None for a lone drafter)."""
         model = self._joined.get(worker_id)
-        if model is not None and worker_id not in self.groups[model].members:
-            group = self.groups[model]
-            raise GroupChanged(f"the group of model {model} changed (membership {group.version}): drop the step, "
-                               f"reload the latest checkpoint and register again")
+        return self.groups[model] if model is not None else None
+
+    def group_of(self, worker_id: str) -> DrafterGroup | None:
+        """The group ``worker_id`` is a current member of (None for a waiting rank or a lone drafter)."""
+        group = self.group_of_rank(worker_id)
+        return group if group is not None and worker_id in group.members else None
+
+    def check_current(self, worker_id: str, membership: int | None = None) -> None:
+        """Raise GroupChanged for a rank that is not a member of its group's current version (or
+        speaks for ``membership``, a version that ended)."""
+        group = self.group_of_rank(worker_id)
+        if group is None:
+            return
+        if worker_id not in group.members or (membership is not None and membership != group.version):
+            raise GroupChanged(f"the group of model {group.model} is at membership {group.version}: drop the step "
+                               f"and join the current membership")
 
     def versions(self) -> dict[str, int]:
         return {model: group.version for model, group in self.groups.items()}

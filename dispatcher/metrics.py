@@ -129,6 +129,13 @@ def snapshot_families(s: dict[str, Any]) -> Iterator[GaugeMetricFamily | Counter
     version = _membership_version(s)
     if version is not None:
         yield _gauge("hsd_membership_version", "Version of the drafter group's membership.", (), [((), version)])
+    groups = s.get("groups") or {}
+    for key, name, text in (("world_size", "hsd_group_ranks", "Ranks of a drafter group's current membership."),
+                            ("waiting", "hsd_group_waiting", "Ranks waiting to join a drafter group."),
+                            ("steps_since_change", "hsd_group_steps_since_change",
+                             "Steps a drafter group committed since its membership last changed.")):
+        if groups:
+            yield _gauge(name, text, ("model",), [((m,), g.get(key, 0)) for m, g in groups.items()])
 
 
 class SnapshotCollector(Collector):

@@ -106,7 +106,7 @@ def choose_bucket(deficits: dict[int, float], *, window: set[int], rng: random.R
 
 class HSPool:
     def __init__(self, *, min_ready: int, target_credits: int, pull: str = "deficit", seed: int = 0,
-                 locality: str = "prefer", remote_after_s: float = 0.0):
+                 num_buckets: int = 0, locality: str = "prefer", remote_after_s: float = 0.0):
         if pull not in PULL_POLICIES:
             raise ValueError(f"unknown pull policy {pull!r} (known: {', '.join(PULL_POLICIES)})")
         if locality not in LOCALITY_POLICIES:
@@ -116,6 +116,9 @@ class HSPool:
         self.min_ready = min_ready
         self.target_credits = target_credits
         self.pull = pull
+        # every bucket of the schedule is listed in ready_per_bucket, empty ones as 0: a watcher's
+        # series for a bucket must not vanish while that bucket has nothing ready
+        self.num_buckets = num_buckets
         self.rng = random.Random(seed)
         self.slots: dict[int, Slot] = {}
         self._free: dict[str | None, list[int]] = defaultdict(list)  # owner -> free slot ids
@@ -165,7 +168,8 @@ class HSPool:
                 for node, counts in out.items()}
 
     def ready_per_bucket(self) -> dict[int, int]:
-        out: Counter = Counter()
+        """Ready slots per bucket index: every bucket of the schedule, 0 for an empty one."""
+        out: Counter = Counter(dict.fromkeys(range(self.num_buckets), 0))
         for per_bucket in self._ready.values():
             for bucket, jobs in per_bucket.items():
                 if jobs:

@@ -13,7 +13,7 @@ import os
 import signal
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ from dispatcher.pool import HSPool
 from dispatcher.rundir import STATE_FILE, check_endpoint, lock_run_dir, warn_about_changed_settings, write_state_file
 from dispatcher.snapshot import build_snapshot, worker_state
 from dispatcher.nodes import node_summary
+from dispatcher.stats_view import format_q_hsb
 from dispatcher.transport_setup import DataPlane
 
 log = logging.getLogger("hsd.dispatcher")
@@ -67,6 +68,7 @@ class Waiter:
     op: str
     worker_id: str
     deadline: float
+    fields: dict = field(default_factory=dict)  # the request's own (get_hs: membership; join_group: after, step)
 
 
 class DispatcherServer:
@@ -85,8 +87,8 @@ class DispatcherServer:
         self.data_plane = DataPlane.create(config, self.run_id)
         self.journal = Journal(self.run_dir, sync_in_background=True)
         pool = HSPool(min_ready=config.pool.min_ready, target_credits=config.pool.target_credits,
-                      pull=config.pool.pull, seed=config.run.seed, locality=config.nodes.locality,
-                      remote_after_s=config.nodes.remote_after_s)
+                      pull=config.pool.pull, seed=config.run.seed, num_buckets=len(config.schedule.buckets),
+                      locality=config.nodes.locality, remote_after_s=config.nodes.remote_after_s)
         now = time.monotonic()
         try:
             self.core = DispatcherCore(CoreOptions.from_config(config), run_dir=self.run_dir,
@@ -207,10 +209,13 @@ class DispatcherServer:
         open_epochs = [e for e in sorted(core.epoch_jobs) if not core.ledger.epoch_complete(e)] or [max(core.epoch_jobs)]
         progress = core.ledger.epochs[open_epochs[0]]
         states = [worker_state(core, w) for w in core.workers.values()]
-        log.info("epoch %d/%d: %d/%d jobs committed, %d steps, ready per bucket %s, workers %s",
+        groups = "".join(f", group {m} {g.world_size} rank(s) membership {g.version} {len(g.waiting)} waiting "
+                         f"{core.ledger.model_step.get(m, 0) - g.opened_at_steps if g.formed else 0} steps since change"
+                         for m, g in core.groups.groups.items())
+        log.info("epoch %d/%d: %d/%d jobs committed, %d steps, ready per bucket %s, workers %s%s",
                  open_epochs[0] + 1, self.config.run.epochs, progress.committed, progress.num_jobs, core.num_steps,
-                 core.pool.ready_per_bucket() or "{}",
-                 " ".join(f"{state}={states.count(state)}" for state in sorted(set(states))) or "none")
+                 format_q_hsb(core.pool.ready_per_bucket()),
+                 " ".join(f"{state}={states.count(state)}" for state in sorted(set(states))) or "none", groups)
 
     def _finished(self, now: float) -> bool:
         if not (self.core.done and self.config.dispatcher.exit_when_done):
@@ -299,17 +304,20 @@ class DispatcherServer:
             given_back = core.counters.given_back["not_held"]
             core.heartbeat(worker_id, now, holding, seen_grant)
             return protocol.ok_reply(request.id, done=core.done), core.counters.given_back["not_held"] != given_back
-        if op in ("get_job", "get_hs"):
+        if op in ("get_job", "get_hs", "join_group"):
             wait_ms = min(max(0, field_of(f, "wait_ms", int)), MAX_WAIT_MS)
             core.worker(worker_id, now)
-            reply = self._try_serve(op, request.id, worker_id, now)
+            poll = _poll_fields(op, f)
+            if poll.get("failed"):  # a peer's collective failed: a dead rank must not be in the next version
+                core.sweep(now, self._is_alive)
+            reply = self._try_serve(op, request.id, worker_id, now, poll)
             if reply is None:
                 if wait_ms == 0:
                     return self._empty_reply(op, request.id, worker_id), False
                 # A worker asks again only after it gave up on its earlier poll: that one is dead.
                 self.waiters = [w for w in self.waiters if (w.worker_id, w.op) != (worker_id, op)]
-                self.waiters.append(Waiter(identity, request.id, op, worker_id, now + wait_ms / 1000))
-            return reply, reply is not None
+                self.waiters.append(Waiter(identity, request.id, op, worker_id, now + wait_ms / 1000, poll))
+            return reply, reply is not None or op == "join_group"  # a join may open a version
         if op == "job_ready":
             core.job_ready(worker_id, field_of(f, "job_id", int), field_of(f, "generation", int),
                            float(field_of(f, "busy_s", (int, float))), now)
@@ -331,8 +339,10 @@ class DispatcherServer:
                                     model=field_of(f, "model", str), step=field_of(f, "step", int),
                                     verified=int(f.get("verified") or 0), metrics=_step_metrics(f.get("metrics")),
                                     sync_wait_s=float(f.get("sync_wait_s") or 0.0),
-                                    step_s=float(f.get("step_s") or 0.0))
-            return self._when_durable(identity, protocol.ok_reply(request.id, step=step, done=core.done)), True
+                                    step_s=float(f.get("step_s") or 0.0), membership=_membership_of(f))
+            group = core.groups.group_of_rank(worker_id)
+            extra = {"membership": group.version} if group is not None else {}
+            return self._when_durable(identity, protocol.ok_reply(request.id, step=step, done=core.done, **extra)), True
         elif op == "checkpoint":
             core.checkpoint(worker_id, field_of(f, "step", int), now, model=field_of(f, "model", str))
             return self._when_durable(identity, protocol.ok_reply(request.id, done=core.done)), True
@@ -373,20 +383,24 @@ class DispatcherServer:
                  f", model {worker.model} at step {model.get('step', 0)}" if worker.model else "")
         c = self.config
         extra = {"model_step": self.core.ledger.model_step.get(worker.model, 0)} if worker.model else {}
-        if worker.group is not None:
-            extra["group"] = worker.group.to_wire()
         return {"worker_id": worker.id, "token": worker.token, "contract": self.core.contract, **extra,
                 "run_id": self.run_id, "transport": self.data_plane.info(role, worker.node),
                 "heartbeat_s": c.dispatcher.heartbeat_s, "worker_timeout_s": c.dispatcher.worker_timeout_s,
                 "accum_steps": c.drafter.accum_steps, "buckets": list(c.schedule.buckets),
                 "epochs": c.run.epochs}
 
-    def _try_serve(self, op: str, request_id: int, worker_id: str, now: float) -> dict | None:
+    def _try_serve(self, op: str, request_id: int, worker_id: str, now: float, fields: dict) -> dict | None:
+        if op == "join_group":
+            membership = self.core.join_group(worker_id, now, **fields)
+            if membership is None:
+                return None
+            return protocol.ok_reply(request_id, group=membership.to_wire(), model_step=self._model_step(worker_id),
+                                     membership=membership.version)
         if op == "get_job":
             grant = self.core.get_job(worker_id, now)
             flush = False
         else:
-            grant, flush = self.core.get_hs(worker_id, now)
+            grant, flush = self.core.get_hs(worker_id, now, **fields)
         if grant is None:
             return None
         if grant == DONE:
@@ -395,7 +409,15 @@ class DispatcherServer:
         return protocol.ok_reply(request_id, job=grant.to_wire(ipc_block=ipc if op == "get_hs" else None),
                                  done=False, flush=flush)
 
+    def _model_step(self, worker_id: str) -> int:
+        worker = self.core.workers.get(worker_id)
+        return self.core.ledger.model_step.get(worker.model, 0) if worker is not None and worker.model else 0
+
     def _empty_reply(self, op: str, request_id: int, worker_id: str) -> dict:
+        if op == "join_group":  # membership: the version naming this rank now (0: it waits for one)
+            named = self.core.workers[worker_id].group if worker_id in self.core.workers else None
+            return protocol.ok_reply(request_id, group=None, model_step=self._model_step(worker_id),
+                                     membership=named.version if named is not None else 0)
         self.core.end_wait(worker_id, time.monotonic())
         flush = op == "get_hs" and self.core.nothing_left_to_hand_out()
         return protocol.ok_reply(request_id, job=None, done=self.core.done, flush=flush)
@@ -404,11 +426,13 @@ class DispatcherServer:
         remaining = []
         for waiter in self.waiters:
             try:
-                reply = self._try_serve(waiter.op, waiter.request_id, waiter.worker_id, now)
+                reply = self._try_serve(waiter.op, waiter.request_id, waiter.worker_id, now, waiter.fields)
             except UnknownWorker:
                 reply = self._error(waiter.request_id, ErrorCode.UNKNOWN_WORKER, f"worker {waiter.worker_id} is not registered")
             except GroupChanged as exc:  # a parked get_hs of a rank whose group just changed: tell it now
                 reply = self._error(waiter.request_id, ErrorCode.GROUP_CHANGED, str(exc))
+            except LedgerError as exc:
+                reply = self._error(waiter.request_id, ErrorCode.BAD_STATE, str(exc))
             if reply is None:
                 remaining.append(waiter)
             else:
@@ -435,7 +459,10 @@ class DispatcherServer:
     def _is_alive(self, worker: Worker) -> bool:
         if worker.host != self.hostname:
             return True  # only heartbeats can tell for a remote worker
-        return psutil.pid_exists(worker.pid)
+        try:  # a killed process its parent has not reaped yet is gone all the same
+            return psutil.Process(worker.pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
 
     # -- stats ----------------------------------------------------------------------------------
     def _handle_stats(self, identity: bytes, payload: list[bytes]) -> tuple[dict | None, bool]:
@@ -503,6 +530,23 @@ class DispatcherServer:
             self.metrics.close()
         self.data_plane.close()
         self._lock.close()
+
+
+def _membership_of(fields: dict) -> int | None:
+    value = fields.get("membership")
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+        raise ProtocolError(ErrorCode.MALFORMED, "field 'membership' must be an integer")
+    return value
+
+
+def _poll_fields(op: str, fields: dict) -> dict:
+    """What a long-poll's op takes besides the worker: checked once, kept with a parked poll."""
+    if op == "get_hs":
+        return {"membership": _membership_of(fields)}
+    if op == "join_group":
+        return {"after": field_of(fields, "after", int), "step": field_of(fields, "step", int),
+                "failed": bool(fields.get("failed", False))}
+    return {}
 
 
 def _same_secret(given: Any, expected: str) -> bool:

@@ -52,8 +52,16 @@ def build_snapshot(core: DispatcherCore, now: float) -> dict[str, Any]:
             "q_hsb": {str(b): n for b, n in core.pool.ready_per_bucket().items()},  # msgpack map keys are str
             "pool": core.pool.counts(), "pool_peak_slots": core.pool.peak_in_use, "workers": workers, "steps": core.num_steps,
             "models": {m: {"step": s, "checkpoint": core.checkpoints.get(m, 0)} for m, s in core.ledger.model_step.items()},
-            "groups": {m: {"version": g.version, "world_size": g.world_size, "formed": g.formed,
-                           "members": {str(r): w for w, r in g.members.items()}} for m, g in core.groups.groups.items()},
+            "groups": {m: group_view(core, g) for m, g in core.groups.groups.items()},
             **({"membership_version": max(core.groups.versions().values())} if core.groups.groups else {}),
             "given_back": dict(core.counters.given_back), "requests": dict(core.counters.requests),
             "errors": dict(core.counters.errors)}
+
+
+def group_view(core, group) -> dict[str, Any]:
+    """A data-parallel group as a watcher sees it: its ranks, membership version, the ranks waiting
+    to join, and the steps it committed since its membership last changed."""
+    return {"version": group.version, "world_size": group.world_size, "formed": group.formed,
+            "members": {str(r): w for w, r in group.members.items()}, "waiting": len(group.waiting),
+            "steps_since_change": max(0, core.ledger.model_step.get(group.model, 0) - group.opened_at_steps)
+            if group.formed else 0}

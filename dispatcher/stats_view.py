@@ -21,6 +21,11 @@ from dispatcher.nodes import format_nodes
 DEFAULT_RUN_DIR = "runs/demo"
 
 
+def format_q_hsb(q_hsb: dict) -> str:
+    """Ready slots per bucket as ``b0:1  b1:0  ...``: every bucket, empty ones as 0."""
+    return "  ".join(f"b{b}:{n}" for b, n in q_hsb.items()) or "(no bucket)"
+
+
 def resolve_stats_endpoint(endpoint: str | None, run_dir: str | None) -> tuple[str, str, CurveClient | None]:
     """(endpoint, secret, CURVE keys) from --endpoint, or from the run directory's resolved config."""
     if endpoint:
@@ -218,7 +223,7 @@ def format_stats(s: dict[str, Any], *, previous: dict[str, Any] | None = None, r
                      f"consumed {e['consumed_prefix_deviation']:.2f}")
     lines.append(eta_line(s, rate if rate is not None else CommitRate().rate(s)))
     lines.append("jobs      " + "  ".join(f"{k} {v}" for k, v in s["jobs_by_state"].items()))
-    lines.append("q_hsb     " + ("  ".join(f"b{b}:{n}" for b, n in s["q_hsb"].items()) or "(no ready slot)"))
+    lines.append("q_hsb     " + format_q_hsb(s["q_hsb"]))
     lines.append(f"pool      {t['kind']}, {t['num_slots']} slots{' per target' if t['per_target'] else ''} x "
                  f"{_mib(t['slot_bytes'])} = {_mib(t['pool_bytes'])}; "
                  + "  ".join(f"{k} {v}" for k, v in s["pool"].items()))
@@ -227,6 +232,10 @@ def format_stats(s: dict[str, Any], *, previous: dict[str, Any] | None = None, r
         lines.append(f"pool use  {_mib(usage[0])} of {_mib(usage[1])} ({usage[0] / max(1, usage[1]):.0%})")
     lines.extend(format_nodes(s.get("nodes") or {}, t["slot_bytes"]))
     lines.append(f"steps     {s['steps']}   given back {s['given_back'] or 0}   errors {s['errors'] or 0}")
+    for model, g in (s.get("groups") or {}).items():
+        ranks = " ".join(f"{r}:{w}" for r, w in sorted(g.get("members", {}).items(), key=lambda m: int(m[0])))
+        lines.append(f"group     {model}: {g['world_size']} rank(s) [{ranks}]  membership {g['version']}  "
+                     f"{g.get('waiting', 0)} waiting  {g.get('steps_since_change', 0)} steps since change")
     auth = s.get("auth") or {}
     if auth.get("mechanism") == "curve":
         lines.append(f"auth      curve: {auth['accepted']} accepted, {auth['refused']} keys refused, "

@@ -60,20 +60,13 @@ def _step_log(run_dir: Path) -> list[tuple[int, float, float]]:
     return [(step, *steps[step]) for step in sorted(steps)]
 
 
-def run_demo(*, out: str | os.PathLike, config_path: str | os.PathLike | None, overrides: list[str], samples: int,
-             eval_prompts: int, max_new_tokens: int, tiny_steps: int | None = None) -> int:
-    if samples <= 0 or eval_prompts <= 0 or max_new_tokens <= 0:
-        raise ConfigError("--samples, --eval-prompts and --max-new-tokens must be positive")
-    import torch
-
-    torch.set_num_threads(1)  # the demo's stages share the machine with each other's processes
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the launched workers
-    out = Path(out).resolve()
+def prepare_inputs(out: Path, *, config_path: str | os.PathLike | None, overrides: list[str], samples: int,
+                   tiny_steps: int | None = None, timings: dict[str, float]) -> list[str]:
+    """Stages 1-3 under ``out``: the tiny target (``out/target``), the target's own answers and the
+    prepared dataset (``out/data``), each reused when already made from the same inputs. Returns
+    ``overrides`` plus what points a run at them (``target.model``, ``data.path``, the mask token)."""
     out.mkdir(parents=True, exist_ok=True)
-    target_dir, data_dir, run_dir = out / "target", out / "data", out / "run"
-    timings: dict[str, float] = {}
-    began = time.perf_counter()
-
+    target_dir, data_dir = out / "target", out / "data"
     from target_worker.tiny import TinySpec, make_tiny
     started = _stage(1, f"tiny target in {target_dir} (built once, then reused)")
     tiny = make_tiny(target_dir, seed=0, spec=TinySpec() if tiny_steps is None else TinySpec(steps=tiny_steps))
@@ -83,7 +76,7 @@ def run_demo(*, out: str | os.PathLike, config_path: str | os.PathLike | None, o
         # The tiny tokenizer has a token of its own for the masked block positions.
         overrides = [f"dflash.mask_token_id={tiny['mask_token_id']}", *overrides]
     config = load_config(config_path or DEFAULT_CONFIG,
-                         [*overrides, f"run.dir={run_dir}", f"target.model={target_dir}", "data.path="])
+                         [*overrides, f"run.dir={out / 'run'}", f"target.model={target_dir}", "data.path="])
     from target_worker.regenerate import regenerate_file
     started = _stage(2, f"the target's own greedy answers to {samples} training prompts")
     regenerated = out / "regenerated.jsonl"
@@ -100,9 +93,25 @@ def run_demo(*, out: str | os.PathLike, config_path: str | os.PathLike | None, o
     manifest = prepare_dataset(regenerated, target_dir, data_dir, max_length=config.schedule.buckets[-1],
                                progress=False)
     timings["prepare"] = _done(started, f"{manifest['num_samples']} samples, {manifest['num_tokens']} tokens")
+    return [*overrides, f"target.model={target_dir}", f"data.path={data_dir}"]
 
-    config = load_config(config_path or DEFAULT_CONFIG,
-                         [*overrides, f"run.dir={run_dir}", f"target.model={target_dir}", f"data.path={data_dir}"])
+
+def run_demo(*, out: str | os.PathLike, config_path: str | os.PathLike | None, overrides: list[str], samples: int,
+             eval_prompts: int, max_new_tokens: int, tiny_steps: int | None = None) -> int:
+    if samples <= 0 or eval_prompts <= 0 or max_new_tokens <= 0:
+        raise ConfigError("--samples, --eval-prompts and --max-new-tokens must be positive")
+    import torch
+
+    torch.set_num_threads(1)  # the demo's stages share the machine with each other's processes
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the launched workers
+    out = Path(out).resolve()
+    run_dir = out / "run"
+    timings: dict[str, float] = {}
+    began = time.perf_counter()
+    inputs = prepare_inputs(out, config_path=config_path, overrides=overrides, samples=samples,
+                            tiny_steps=tiny_steps, timings=timings)
+    target_dir = out / "target"
+    config = load_config(config_path or DEFAULT_CONFIG, [*inputs, f"run.dir={run_dir}"])
     import shutil
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run each time: the figures describe this one
     from dispatcher.launch import Launcher
@@ -123,7 +132,7 @@ def run_demo(*, out: str | os.PathLike, config_path: str | os.PathLike | None, o
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     prompts = load_chat_prompts(target_dir / "heldout.jsonl", tokenizer, eval_prompts)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    untrained = DFlashBackend(config, "untrained", total_steps=1).trainer.model.eval()  # the run's initial weights
+    untrained = DFlashBackend(config, "untrained", schedule_jobs=1).trainer.model.eval()  # the run's initial weights
     before = evaluate(target_dir, untrained, prompts, max_new_tokens, target=target)
     checkpoint = latest_checkpoint(run_dir, DRAFTER_NAME)
     after = evaluate(target_dir, checkpoint.path, prompts, max_new_tokens, target=target)

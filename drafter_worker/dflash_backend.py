@@ -33,6 +33,7 @@ from drafter_worker.dflash.export import save_drafter
 from drafter_worker.dflash.state_io import load_state, save_state
 from drafter_worker.dflash.trainer import DFlashTrainer
 from drafter_worker.process_group import AllReduce, all_reduce_flat
+from drafter_worker.state_transfer import weights_checksum, witness_from_tensor, witness_tensor
 from drafter_worker.dflash_metrics import StepClock, TensorBoardLog, format_metrics, step_metrics
 
 log = logging.getLogger("hsd.dflash")
@@ -50,14 +51,16 @@ def jobs_per_epoch(config: Config) -> int:
                          tokens_per_batch=config.schedule.tokens_per_batch, batching=config.schedule.batching)
 
 
-def derive_total_steps(config: Config) -> int:
-    """``dflash.total_steps``, or the run's optimizer steps: every job once per epoch, ``accum_steps``
-    jobs a step, the jobs shared among ``drafter.count`` drafters. A flush at an epoch's end makes a
-    short step now and then; the cosine then stays at its floor for those few extra steps."""
+def derive_schedule_jobs(config: Config) -> int:
+    """The learning-rate schedule's length in jobs trained (it advances by every step's job count,
+    so its position follows what was trained whatever the world size of a group did): every job of
+    every epoch, shared among ``drafter.count`` independent drafters; or ``dflash.total_steps``
+    steps of ``accum_steps x drafter.count`` jobs."""
+    num_drafters = max(1, config.drafter.count)
     if config.dflash.total_steps:
-        return config.dflash.total_steps
+        return config.dflash.total_steps * config.drafter.accum_steps * num_drafters
     num_jobs = jobs_per_epoch(config) * config.run.epochs
-    return max(1, math.ceil(num_jobs / (config.drafter.accum_steps * max(1, config.drafter.count))))
+    return max(1, math.ceil(num_jobs / (1 if config.drafter.grouped else num_drafters)))
 
 
 def default_device(config: Config) -> torch.device:
@@ -76,7 +79,7 @@ class DFlashBackend:
     """A :class:`common.worker_backends.DrafterBackend` training a DFlash drafter with :class:`DFlashTrainer`."""
 
     def __init__(self, config: Config, model_id: str, *, device: str | torch.device | None = None,
-                 total_steps: int | None = None):
+                 schedule_jobs: int | None = None):
         if not config.target.model:
             raise ConfigError("target.model: the DFlash drafter reads the target's config.json and shares its "
                               "embedding and LM head; set the target model directory")
@@ -88,7 +91,7 @@ class DFlashBackend:
         self.device = torch.device(device) if device is not None else default_device(config)
         self.seed = config.run.seed
         self.train_config = DFlashTrainConfig.from_section(
-            config.dflash, total_steps=total_steps or derive_total_steps(config))
+            config.dflash, total_steps=schedule_jobs or derive_schedule_jobs(config))
         self.train_config.validate()
         self.keep = config.drafter.checkpoint_keep
         self.export_dtype = config.dflash.export_dtype
@@ -127,6 +130,21 @@ class DFlashBackend:
         self.window = []
         self.clock = StepClock()
         return self.step
+
+    # -- a joiner's state, from a live rank (drafter_worker/state_transfer.py) ---------------------
+    def live_state(self) -> dict:
+        """Everything a rank holds between steps: weights, optimizer, scheduler, RNGs, witness."""
+        return {"trainer": self.trainer.state_dict(), "torch_rng": torch.get_rng_state(), "step": self.step,
+                "trained": witness_tensor(self.trained)}
+
+    def load_live_state(self, state: dict) -> None:
+        self.trainer.load_state_dict(state["trainer"])
+        torch.set_rng_state(state["torch_rng"])
+        self.step, self.trained = int(state["step"]), witness_from_tensor(state["trained"])
+        self.window, self.clock, self._synced_total = [], StepClock(), None
+
+    def weights_checksum(self) -> int:
+        return weights_checksum(self.trainer.model.draft_state_dict())
 
     def _export_dtype(self) -> str:
         if self.export_dtype != "auto":
@@ -182,7 +200,7 @@ class DFlashBackend:
             total_weight = self._synced_total
         self._synced_total = None
         started = time.perf_counter()
-        stats = self.trainer.apply_step(total_weight=total_weight)
+        stats = self.trainer.apply_step(total_weight=total_weight, num_jobs=len(job_ids))
         self.trained.add(job_ids)
         self.step += 1
         self.window = []

@@ -1,31 +1,41 @@
-"""A drafter rank of a data-parallel group: one optimizer step over every rank's micro-batches.
+"""A rank of an elastic data-parallel group: one optimizer step over every rank's micro-batches.
 
-Drafters that register the same model with ``world_size > 1`` are ranks of one group
-(:mod:`dispatcher.groups`). The dispatcher gives each its rank, the membership version and a
-FileStore path; the ranks open a ``torch.distributed`` group on it (:mod:`drafter_worker.process_group`).
+Drafters that register the same model as ranks of a group (:mod:`dispatcher.groups`) train it
+together. A rank registers, then asks ``join_group`` for the membership version that names it: its
+rank, the world size, the FileStore path of the version's rendezvous, the version's step, and
+whether a state transfer comes first. The ranks open a ``torch.distributed`` group on it
+(:mod:`drafter_worker.process_group`); a rank waiting at the rendezvous asks the dispatcher every
+quarter second whether its version still stands, so it never waits out a timeout for a version
+nobody else will join.
+
+**State comes from a live rank.** When some rank of the version holds another step than the
+version's (a joiner), rank 0 — a survivor holding the committed step — broadcasts its whole state
+(:mod:`drafter_worker.state_transfer`); every rank checks the step and the weights' checksum before
+the first step. Survivors keep their in-memory state: a membership change never goes back to a
+checkpoint.
 
 A step, in the order every rank keeps:
 
-1. each rank pulls and trains on its own micro-batches (``get_hs``; the dispatcher's accumulation
-   window spans the whole group, so lengths mix across ranks), and reports them ``consumed``;
-2. once it holds ``accum_steps`` micro-batches (fewer when the dispatcher says ``flush`` or
-   ``done``) it waits for its ``consumed`` replies and enters the **round**: the ranks exchange
-   their job ids as fixed-size int64 rows (no pickle), then all-reduce the gradients and the
-   supervised-position total (the backend's ``sync_gradients``);
-3. rank 0 alone commits the step, naming every rank's jobs; the dispatcher accepts jobs consumed by
-   any current member. Rank 0 broadcasts the outcome, and only then does every rank apply the step
-   (commit, then apply) or drop it;
-4. when every rank has nothing left (``flush``) and steps are not yet saved, rank 0 checkpoints
-   (the weights are the same on every rank).
+1. each rank pulls and trains on its own micro-batches (``get_hs`` naming its version; the
+   dispatcher's accumulation window spans the whole group, so lengths mix across ranks), and reports
+   them ``consumed``;
+2. once it holds its share of the step (``drafter.elastic_batch``: ``tokens`` splits
+   ``accum_steps x count`` micro-batches among the ranks, ``ranks`` gives each ``accum_steps``), or
+   the dispatcher says ``flush``/``done``, or it was asked to stop, it enters the **round**: the
+   ranks exchange their job ids and flags as fixed-size int64 rows (no pickle), then all-reduce the
+   gradients (the backend's ``sync_gradients``);
+3. rank 0 alone commits the step, naming every rank's jobs, and broadcasts the outcome and whether
+   a new version opened at this step boundary (ranks waiting to join); only then does every rank
+   apply the step (commit, then apply) or drop it;
+4. a new version, or a rank that said it is leaving, ends this version after the step: every rank
+   closes the group and asks for the next version. A rank asked to stop (SIGTERM) leaves then.
 
-Failure: a dead rank makes the others' collectives fail (gloo sees the closed socket, or the
-``drafter.collective_timeout_s`` bound expires), and the dispatcher, seeing a member gone, answers
-the others ``group_changed``. Either way every surviving rank drops the step, closes the group,
-reloads the latest checkpoint and registers again with its step: the dispatcher rolls the ledger
-back to it and forms the group anew under a new membership version. A peer lost for good (its
-restarts spent, its host gone) would keep the others at the rendezvous forever: a rank whose group
-does not form within ``drafter.group_wait_s`` leaves the dispatcher and exits with an error
-(:class:`GroupNeverFormed`), naming the model, the membership version and how many ranks came.
+Failure: a dead rank makes the others' collectives fail (gloo sees the closed socket, or
+``drafter.collective_timeout_s`` expires). The step commits nothing; every survivor drops it and
+asks for the next version saying its version failed, which ends it at once; the dispatcher opens
+the next one with the ranks still alive, and they carry on from their own weights. A rank that finds
+no version to train in within ``drafter.group_wait_s`` (too few ranks for ``drafter.min_ranks``, or
+for ``drafter.count`` in a new group) leaves and exits with an error (:class:`GroupNeverFormed`).
 
 The time from a rank's local gradients being ready to the all-reduce completing (the wait for the
 slowest rank plus the exchange itself) is logged per step with its share of the step's wall time.
@@ -34,51 +44,70 @@ slowest rank plus the exchange itself) is logged per step with its share of the 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 from typing import Any
 
+import psutil
+
 from common.config import Config
-from drafter_worker.loop import DrafterLoop
 from common.protocol import ErrorCode, ProtocolError
 from common.transport import DrafterTransport
 from common.worker_runtime import CALL_TIMEOUT_S, RECONNECT_S, NoReply, WorkerLost
+from drafter_worker.loop import DrafterLoop
 from drafter_worker.process_group import CollectiveFailed, RankRound, RendezvousIncomplete, StepGroup
+from drafter_worker.state_transfer import StateTransferFailed, receive_state, send_state
 
 log = logging.getLogger("hsd.drafter")
 
 COMMITTED, REFUSED, ABORTED = 1, 0, -1  # rank 0's commit outcome, broadcast to every rank
-GROUP_NEVER_FORMED_EXIT = 4  # exit code of a rank whose group did not form within drafter.group_wait_s
+GROUP_NEVER_FORMED_EXIT = 4  # exit code of a rank that found no version to train in within drafter.group_wait_s
+DONE, NEXT_VERSION, LEAVE = "done", "next", "leave"  # how a version ends for a rank
+JOIN_POLL_MS = 1000
+# Test-only faults: "<name>@<point>:<step>,..." SIGKILLs the drafter named ``name`` at ``point``
+# (micro_batch: before its second micro-batch; allreduce: as it enters the gradient sum, its peers
+# already in it) of its first step numbered ``step`` or later that it trains with peers, once per run
+# directory (a marker file keeps its restart from doing it again).
+KILL_AT_ENV = "HSD_TEST_DRAFTER_KILL_AT"
+LOG_CHECKSUMS_ENV = "HSD_TEST_LOG_WEIGHT_CHECKSUMS"  # log the weights' CRC32 after every applied step
 
 
 class GroupChanged(WorkerLost):
-    """The membership version ended (a rank died or left, or a collective failed): start over."""
+    """The membership version ended (the dispatcher said so): drop the step, join the next one."""
 
-    what = "the data-parallel group must form again"
+    what = "the data-parallel membership changed"
 
 
 class GroupNeverFormed(RuntimeError):
-    """The group did not form within ``drafter.group_wait_s``: a peer is lost for good. The rank
+    """No version to train in within ``drafter.group_wait_s``: peers are lost for good. The rank
     leaves (the dispatcher gives back whatever it held) and its process exits with an error."""
 
 
 class GroupDrafterLoop(DrafterLoop):
     def __init__(self, config: Config, name: str, backend: Any, **kwargs: Any):
         super().__init__(config, name, backend, **kwargs)
-        self.world_size = config.drafter.group_size
-        if self.world_size < 2:
-            raise ValueError("a data-parallel drafter needs drafter.count > 1 and drafter.data_parallel=true")
-        self.timeout_s = config.drafter.collective_timeout_s
-        self.group_wait_s = config.drafter.group_wait_s
-        self._waiting_since: float | None = None  # when this rank began waiting for a group to form
+        if not config.drafter.grouped:
+            raise ValueError("a data-parallel drafter needs drafter.data_parallel=true and drafter.count > 1 "
+                             "or drafter.max_ranks > 1")
+        section = config.drafter
+        self.spec = {"size": section.group_size, "min_ranks": section.min_ranks, "max_ranks": section.max_ranks}
+        self.timeout_s = section.collective_timeout_s
+        self.group_wait_s = section.group_wait_s
         self.group: StepGroup | None = None
+        self.membership: dict[str, Any] = {}
         self.rank = -1
-        self.num_regroups = 0
+        self.accum = section.accum_steps
+        self.num_versions = 0
+        self.num_applied = 0  # steps this process applied (its first one is logged with its start-up time)
         self.sync_wait_s = 0.0  # summed over applied steps
         self.step_wall_s = 0.0
         self._step_started = time.perf_counter()
+        self._kill_at = os.environ.get(KILL_AT_ENV, "")
+        self._log_checksums = bool(os.environ.get(LOG_CHECKSUMS_ENV))
 
     def run(self) -> int:
-        """The worker loop; a group that never formed is an error exit (the session has left by then)."""
+        """The worker loop; no version to train in is an error exit (the session has left by then)."""
         try:
             return super().run()
         except GroupNeverFormed as exc:
@@ -87,121 +116,196 @@ class GroupDrafterLoop(DrafterLoop):
 
     # -- membership -----------------------------------------------------------------------------
     def _model_fields(self) -> dict[str, Any]:
-        return {**super()._model_fields(), "world_size": self.world_size}
+        return {**super()._model_fields(), "group": self.spec}
 
-    def _register(self) -> dict[str, Any]:
-        reply = super()._register()
-        if "group" not in reply:
-            raise RuntimeError("the dispatcher formed no data-parallel group for this drafter (an older dispatcher?)")
-        return reply
+    def _check_registered_step(self, reply: dict[str, Any]) -> None:
+        """A rank's step matters only when its version opens (a live rank's state may replace it)."""
 
     def _lost(self) -> None:
-        """The step is void on every rank: drop it, and start again from the latest checkpoint."""
         self._close_group()
         super()._lost()
         self.backend.drop_step()
         self.window, self.busy_s = [], 0.0
-        self.checkpointed_step = self.backend.load_latest(self.run_dir)
-        self.num_regroups += 1
-        log.warning("%s: model %s goes back to its checkpoint at step %d and joins the group again", self.name,
-                    self.backend.model_id, self.backend.step)
 
     def _close_group(self) -> None:
         if self.group is not None:
             self.group.close()
             self.group = None
 
+    def _poll(self, op: str) -> int:
+        if op == "get_hs":  # a poll names its version: one sent before a change is answered group_changed
+            return self.session.submit(op, wait_ms=self.poll_ms, membership=self.membership["membership"])
+        return super()._poll(op)
+
+    def _join_group(self, *, after: int, failed: bool, started: float) -> dict[str, Any]:
+        """The next version that names this rank, asked for until ``drafter.group_wait_s`` is spent."""
+        while True:
+            if self.stopping:
+                raise WorkerLost("asked to stop while waiting for a membership")
+            reply = self.session.call("join_group", timeout_s=JOIN_POLL_MS / 1000 + CALL_TIMEOUT_S,
+                                      wait_ms=JOIN_POLL_MS, after=after, step=self.backend.step, failed=failed)
+            failed = False  # said once is enough
+            if reply["group"] is not None:
+                return reply["group"]
+            waited_s = time.monotonic() - started
+            if waited_s > self.group_wait_s:
+                raise GroupNeverFormed(
+                    f"model {self.backend.model_id}: no membership to train in within drafter.group_wait_s="
+                    f"{self.group_wait_s:g}s (drafter.count="
+                    f"{self.spec['size']}, min_ranks={self.spec['min_ranks']}; waited {waited_s:.0f}s); this rank "
+                    f"gives up, holding no jobs")
+
+    def _still_current(self, version: int) -> bool:
+        try:
+            reply = self.session.call("join_group", wait_ms=0, after=version, step=self.backend.step)
+        except NoReply:
+            return True  # the dispatcher is restarting: the rendezvous' own bound still holds
+        return reply["group"] is None and reply["membership"] == version
+
     # -- the loop -------------------------------------------------------------------------------
     def _work(self, registration: dict[str, Any], transport: DrafterTransport) -> None:
-        info = registration["group"]
-        self.rank = info["rank"]
-        try:
-            self.group = self._join(info, registration["accum_steps"])
-            self._train(registration["accum_steps"], transport)
-        except CollectiveFailed as exc:
-            raise GroupChanged(str(exc)) from None
-        except ProtocolError as exc:
-            if exc.code == ErrorCode.GROUP_CHANGED:
-                raise GroupChanged(exc.message) from None
-            raise
-        finally:
-            self._close_group()
+        after, failed = 0, False
+        waiting_since = time.monotonic()
+        while True:
+            self.membership = self._join_group(after=after, failed=failed, started=waiting_since)
+            version = self.membership["membership"]
+            self.rank, world_size = self.membership["rank"], self.membership["world_size"]
+            self.accum = self.config.drafter.rank_accum_steps(rank=self.rank, world_size=world_size)
+            self.session.held.clear()  # what the last version held went back when it ended
+            self.num_versions += 1
+            try:
+                self.group = self._open_group(waiting_since)
+                waiting_since = time.monotonic()
+                if self.membership["transfer"]:
+                    self._transfer()
+                ended = self._train(transport)
+                failed = False
+            except CollectiveFailed as exc:
+                log.warning("%s: membership %d failed: %s", self.name, version, exc)
+                ended, failed = NEXT_VERSION, True
+            except ProtocolError as exc:
+                if exc.code != ErrorCode.GROUP_CHANGED:
+                    raise
+                log.info("%s: membership %d ended: %s", self.name, version, exc.message)
+                ended, failed = NEXT_VERSION, False
+            finally:
+                self._close_group()
+            if self.window:
+                self.backend.drop_step()
+                self.num_dropped_steps += 1
+                self.window, self.busy_s = [], 0.0
+            if ended in (DONE, LEAVE):
+                return
+            after = version
 
-    def _join(self, info: dict[str, Any], accum_steps: int) -> StepGroup:
-        """The rendezvous of this membership version, within what is left of ``drafter.group_wait_s``.
-
-        The wait runs from the moment this rank started waiting for a group to form (its start, or
-        the end of the last formed group) across every re-registration in between, and ends when a
-        group forms. A rendezvous that fails once the wait is spent raises GroupNeverFormed."""
-        now = time.monotonic()
-        if self._waiting_since is None:
-            self._waiting_since = now
-        left_s = self.group_wait_s - (now - self._waiting_since)
+    def _open_group(self, waiting_since: float) -> StepGroup:
+        m = self.membership
+        left_s = self.group_wait_s - (time.monotonic() - waiting_since)
         try:
-            group = StepGroup(store_path=info["store"], rank=self.rank, world_size=info["world_size"],
-                              version=info["membership"], timeout_s=self.timeout_s, max_jobs=accum_steps,
-                              device=getattr(self.backend, "device", "cpu"),
-                              rendezvous_timeout_s=min(self.timeout_s, max(left_s, 1.0)))
+            return StepGroup(store_path=m["store"], rank=self.rank, world_size=m["world_size"],
+                             version=m["membership"], timeout_s=self.timeout_s, max_jobs=self.accum,
+                             device=getattr(self.backend, "device", "cpu"),
+                             rendezvous_timeout_s=min(self.timeout_s, max(left_s, 1.0)),
+                             still_current=lambda: self._still_current(m["membership"]))
         except RendezvousIncomplete as exc:
-            waited_s = time.monotonic() - self._waiting_since
-            if waited_s < self.group_wait_s:
+            if left_s > 0:
                 raise
-            raise GroupNeverFormed(
-                f"model {self.backend.model_id}: the data-parallel group did not form within drafter.group_wait_s="
-                f"{self.group_wait_s:g}s: {exc.arrived} of {info['world_size']} ranks came to the rendezvous of "
-                f"membership {info['membership']} (waited {waited_s:.0f}s); rank {self.rank} gives up, holding "
-                f"no jobs") from None
-        self._waiting_since = None
-        return group
+            raise GroupNeverFormed(f"model {self.backend.model_id}: {exc.arrived} of {m['world_size']} ranks came "
+                                   f"to the rendezvous of membership {m['membership']} within drafter.group_wait_s="
+                                   f"{self.group_wait_s:g}s; rank {self.rank} gives up, holding no jobs") from None
 
-    def _train(self, accum_steps: int, transport: DrafterTransport) -> None:
+    def _transfer(self) -> None:
+        """Rank 0 sends its state; every other rank takes it when it holds another step, and checks it."""
+        assert self.group is not None
+        started = time.perf_counter()
+        group, step = self.group, self.membership["step"]
+        device = group.device
+        if self.rank == self.membership["source"]:
+            if self.backend.step != step:
+                raise StateTransferFailed(f"the source holds step {self.backend.step}, the membership says {step}")
+            sent = send_state(self.backend.live_state(), step=step, checksum=self.backend.weights_checksum(),
+                              broadcast=group.broadcast_tensor, device=device)
+            log.info("%s: sent the state of step %d (%.1f MB) to membership %d in %.2fs", self.name, step,
+                     sent / 1e6, self.membership["membership"], time.perf_counter() - started)
+            return
+        state, sent_step, checksum = receive_state(broadcast=group.broadcast_tensor, device=device)
+        if sent_step != step:
+            raise StateTransferFailed(f"received the state of step {sent_step}, the membership says {step}")
+        if self.backend.step != step:
+            self.backend.load_live_state(state)
+            self.checkpointed_step = step  # a checkpoint at least this recent exists, written by the group
+        if self.backend.step != step or self.backend.weights_checksum() != checksum:
+            raise StateTransferFailed(f"the state of step {step} does not match its checksum after loading")
+        log.info("%s: took the state of step %d from rank %d in %.2fs (weights crc32 %08x)", self.name, step,
+                 self.membership["source"], time.perf_counter() - started, checksum)
+
+    def _train(self, transport: DrafterTransport) -> str:
         self.window, self.busy_s, self.commit = [], 0.0, None
         self._step_started = time.perf_counter()
         reports: list[int] = []
         poll = self._poll("get_hs")
         while True:
             reply = self._await_poll(poll, "get_hs")
-            if self.stopping:
-                self._stop_rank(reports)
-                return
+            leaving = self.stopping
             done, flush, job = reply["done"], reply.get("flush", False), reply["job"]
-            if not done:
-                poll = self._poll("get_hs")
-            reports = self._collect(reports)
-            if job is not None:
-                self._train_on(job, transport, reports)
-            if len(self.window) >= accum_steps or flush or done:
+            if not leaving:
+                if not done:
+                    poll = self._poll("get_hs")
+                reports = self._collect(reports)
+                if job is not None:
+                    self._train_on(job, transport, reports)
+            if leaving or len(self.window) >= self.accum or flush or done:
                 # Rank 0 commits these jobs: they must be consumed at the dispatcher before it does.
                 reports = self._collect(reports, wait=True)
-                if self._round(done=done, flush=flush):
-                    log.info("%s: run complete, rank %d, model %s at step %d (%d regroups, %d steps dropped, "
-                             "all-reduce wait %.1f%% of step time)", self.name, self.rank, self.backend.model_id,
-                             self.backend.step, self.num_regroups, self.num_dropped_steps, 100 * self.sync_wait_share)
-                    return
+                ended = self._round(done=done and not leaving, flush=flush, leaving=leaving)
+                if ended is not None:
+                    if ended == DONE:
+                        log.info("%s: run complete, rank %d, model %s at step %d (%d memberships, %d steps dropped, "
+                                 "all-reduce wait %.1f%% of step time)", self.name, self.rank, self.backend.model_id,
+                                 self.backend.step, self.num_versions, self.num_dropped_steps,
+                                 100 * self.sync_wait_share)
+                    return ended
+
+    def _train_on(self, job: dict[str, Any], transport: DrafterTransport, reports: list[int]) -> None:
+        if len(self.window) == 1:
+            self._test_fault("micro_batch")
+        super()._train_on(job, transport, reports)
 
     @property
     def sync_wait_share(self) -> float:
         return self.sync_wait_s / self.step_wall_s if self.step_wall_s > 0 else 0.0
 
-    def _round(self, *, done: bool, flush: bool) -> bool:
-        """One step of the group (or none when no rank has work); True once the run is complete."""
+    def _round(self, *, done: bool, flush: bool, leaving: bool) -> str | None:
+        """One step of the group (or none when no rank has work); how the version ends, if it does."""
         assert self.group is not None
         ready_at = time.perf_counter()
         rounds = self.group.exchange(RankRound(self.rank, list(self.window), done, flush,
-                                               busy_us=int(self.busy_s * 1e6)))
+                                               busy_us=int(self.busy_s * 1e6), leaving=leaving))
         job_ids = [job_id for r in rounds for job_id in r.job_ids]
+        someone_leaves = any(r.leaving for r in rounds)
         if not job_ids:
-            if all(r.flush or r.done for r in rounds) and self.backend.step > self.checkpointed_step:
-                self._group_checkpoint()
-            return any(r.done for r in rounds)
-        self.backend.sync_gradients(self.group.all_reduce)
+            if all(r.flush or r.done or r.leaving for r in rounds) and self.backend.step > self.checkpointed_step:
+                self._group_checkpoint(all_leave=all(r.leaving for r in rounds))
+            if any(r.done for r in rounds):
+                return DONE
+            return (LEAVE if leaving else NEXT_VERSION) if someone_leaves else None
+        self.backend.sync_gradients(self._all_reduce)
         wait_s = time.perf_counter() - ready_at
+        version = self.membership["membership"]
         if self.rank == 0:
             busy_s = sum(r.busy_us for r in rounds) / 1e6
             step_s = time.perf_counter() - self._step_started
-            outcome = self.group.broadcast(self._commit_as_rank0(job_ids, busy_s=busy_s, wait_s=wait_s, step_s=step_s))
+            outcome, after = self._commit_as_rank0(job_ids, busy_s=busy_s, wait_s=wait_s, step_s=step_s)
+            try:
+                outcome, after = self.group.broadcast(outcome, after)
+            except CollectiveFailed:
+                if outcome == COMMITTED:  # durable, and the gradients are the group's: rank 0 holds the step
+                    self.session.held.discard(list(self.window))
+                    self.window, self.busy_s = [], 0.0
+                    self._apply(job_ids, wait_s)
+                raise
         else:
-            outcome = self.group.broadcast(ABORTED)
+            outcome, after = self.group.broadcast(ABORTED, version)
         mine = list(self.window)
         self.window, self.busy_s = [], 0.0
         if outcome != COMMITTED:
@@ -209,67 +313,91 @@ class GroupDrafterLoop(DrafterLoop):
             self.session.held.discard(mine)  # the dispatcher took them back: the next heartbeat agrees
             self.num_dropped_steps += 1
             if outcome == ABORTED:
-                raise GroupChanged(f"step {self.backend.step + 1} was not committed: the group changed")
-            return False
+                raise CollectiveFailed(f"step {self.backend.step + 1} was not committed: the membership changed")
+            return None
         self.session.held.discard(mine)
+        self._apply(job_ids, wait_s)
+        if leaving or someone_leaves:
+            if all(r.leaving for r in rounds) and self.backend.step > self.checkpointed_step:
+                self._group_checkpoint(all_leave=True)
+            return LEAVE if leaving else NEXT_VERSION
+        if after != version:
+            return NEXT_VERSION  # ranks wait to join at this step boundary
+        if self.backend.step - self.checkpointed_step >= self.checkpoint_every:
+            self._group_checkpoint()
+        return None
+
+    def _all_reduce(self, tensor) -> None:
+        assert self.group is not None
+        self._test_fault("allreduce")  # the peers are in the all-reduce, waiting for this rank
+        self.group.all_reduce(tensor)
+
+    def _apply(self, job_ids: list[int], wait_s: float) -> None:
         metrics = self.backend.apply_step(job_ids)
         now = time.perf_counter()
         step_s, self._step_started = now - self._step_started, now
         self.sync_wait_s += wait_s
         self.step_wall_s += step_s
-        log.info("%s: step %d  rank %d  %d micro-batches  loss %.4f  all-reduce wait %.1f ms (%.0f%% of %.0f ms)",
-                 self.name, self.backend.step, self.rank, len(job_ids), metrics.get("loss", float("nan")),
-                 1000 * wait_s, 100 * wait_s / max(step_s, 1e-9), 1000 * step_s)
-        if self.backend.step - self.checkpointed_step >= self.checkpoint_every:
-            self._group_checkpoint()
-        return False
+        self.num_applied += 1
+        log.info("%s: step %d  rank %d/%d  membership %d  %d micro-batches  loss %.4f  all-reduce wait %.1f ms "
+                 "(%.0f%% of %.0f ms)", self.name, self.backend.step, self.rank, self.membership["world_size"],
+                 self.membership["membership"], len(job_ids), metrics.get("loss", float("nan")), 1000 * wait_s,
+                 100 * wait_s / max(step_s, 1e-9), 1000 * step_s)
+        if self.num_applied == 1:
+            started = psutil.Process().create_time()
+            log.info("%s: first step %d applied %.1fs after the process started", self.name, self.backend.step,
+                     time.time() - started)
+        if self._log_checksums:
+            log.info("%s: weights crc32 %08x at step %d", self.name, self.backend.weights_checksum(),
+                     self.backend.step)
 
-    def _commit_as_rank0(self, job_ids: list[int], *, busy_s: float, wait_s: float, step_s: float) -> int:
-        """Commit the step for the whole group; the outcome every rank then follows. ``busy_s`` is
-        every rank's compute time; ``wait_s`` and ``step_s`` are rank 0's all-reduce wait and step
-        wall time so far (``hsd report`` turns them into the group's wait share)."""
+    def _commit_as_rank0(self, job_ids: list[int], *, busy_s: float, wait_s: float,
+                         step_s: float) -> tuple[int, int]:
+        """Commit the step for the whole group: (the outcome every rank then follows, the group's
+        version after it). ``busy_s`` is every rank's compute time; ``wait_s`` and ``step_s`` are
+        rank 0's all-reduce wait and step wall time so far (``hsd report`` turns them into the
+        group's wait share)."""
+        version = self.membership["membership"]
         fields = {"model": self.backend.model_id, "step": self.backend.step + 1, "job_ids": job_ids,
-                  "busy_s": busy_s, "sync_wait_s": wait_s, "step_s": step_s}
+                  "busy_s": busy_s, "sync_wait_s": wait_s, "step_s": step_s, "membership": version}
         deadline = time.monotonic() + RECONNECT_S
         request_id = self.session.submit("commit_step", **fields)
         while True:
             try:
-                self.session.result(request_id, timeout_s=CALL_TIMEOUT_S)
-                return COMMITTED
+                reply = self.session.result(request_id, timeout_s=CALL_TIMEOUT_S)
+                return COMMITTED, int(reply.get("membership", version))
             except NoReply:
                 if time.monotonic() > deadline:
-                    return ABORTED
+                    return ABORTED, version
                 log.warning("%s: commit of step %d got no reply; sending it again", self.name, fields["step"])
             except WorkerLost:
-                return ABORTED  # the dispatcher forgot us: every rank registers again
+                return ABORTED, version  # the dispatcher forgot us: every rank registers again
             except ProtocolError as exc:
                 if exc.code == ErrorCode.BAD_STATE:
                     log.warning("%s: step %d refused, dropped: %s", self.name, fields["step"], exc.message)
-                    return REFUSED
+                    return REFUSED, version
                 if exc.code == ErrorCode.INTERNAL and time.monotonic() <= deadline:
                     time.sleep(1.0)  # not made durable: the same commit goes to the next dispatcher
                 else:
-                    return ABORTED
+                    return ABORTED, version
             request_id = self.session.submit("commit_step", **fields)
 
-    def _group_checkpoint(self) -> None:
+    def _group_checkpoint(self, *, all_leave: bool = False) -> None:
         """Rank 0 saves (every rank holds the same weights); the others note the step as saved."""
         if self.rank == 0:
-            self._checkpoint()
+            self._checkpoint(best_effort=all_leave)
         else:
             self.checkpointed_step = self.backend.step
 
-    def _stop_rank(self, reports: list[int]) -> None:
-        """A clean stop: leave the group first (the other ranks' collectives fail at once), drop the
-        partial step, and let rank 0 save what was applied."""
-        self._close_group()
-        try:
-            self._collect(reports, wait=True)
-        except (WorkerLost, ProtocolError) as exc:
-            log.warning("%s: stopping without the last answers: %s", self.name, exc)
-        if self.window:
-            self.backend.drop_step()
-            self.session.held.discard(self.window)
-            self.window, self.busy_s = [], 0.0
-        if self.rank == 0 and self.backend.step > self.checkpointed_step:
-            self._checkpoint(best_effort=True)
+    def _test_fault(self, point: str) -> None:
+        if not self._kill_at:
+            return
+        for fault in self._kill_at.split(","):
+            name, _, at = fault.partition("@")
+            where, _, step = at.partition(":")
+            marker = os.path.join(self.run_dir, f"test-killed-{name}-{where}-{step}")
+            if ((name, where) == (self.name, point) and int(step) <= self.backend.step + 1
+                    and self.membership["world_size"] > 1 and not os.path.exists(marker)):
+                open(marker, "w").close()
+                log.error("%s: SIGKILL at %s of step %s (%s)", self.name, point, step, KILL_AT_ENV)
+                os.kill(os.getpid(), signal.SIGKILL)

@@ -23,6 +23,7 @@ from common.config import Config
 from common.slots import SlotBatch
 from common.witness import TrainedJobs, check_model_id, latest_checkpoint, save_checkpoint
 from drafter_worker.process_group import all_reduce_flat
+from drafter_worker.state_transfer import weights_checksum, witness_from_tensor, witness_tensor
 
 WEIGHTS_FILE = "linear.safetensors"
 LABEL_MODULUS = 16
@@ -101,6 +102,20 @@ class LinearDrafter:
     # -- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"weight": self.weight.detach().clone(), "bias": self.bias.detach().clone()}
+
+    def live_state(self) -> dict:
+        """Weights, step and witness (plain SGD holds no optimizer state)."""
+        return {**self.state_dict(), "step": self.step, "trained": witness_tensor(self.trained)}
+
+    def load_live_state(self, state: dict) -> None:
+        self._reset()
+        with torch.no_grad():
+            self.weight.copy_(state["weight"])
+            self.bias.copy_(state["bias"])
+        self.step, self.trained = int(state["step"]), witness_from_tensor(state["trained"])
+
+    def weights_checksum(self) -> int:
+        return weights_checksum(self.state_dict())
 
     def save_checkpoint(self, run_dir: str | os.PathLike) -> None:
         def write_weights(directory: Path) -> None:

@@ -82,11 +82,14 @@ class DrafterLoop(WorkerLoop):
                     raise RuntimeError(f"model {backend.model_id}: the dispatcher refuses step {ahead} and the "
                                        f"latest checkpoint is at step {backend.step}: {exc.message}") from None
                 continue
-            ledger_step = reply.get("model_step", backend.step)
-            if ledger_step != backend.step:
-                raise RuntimeError(f"the dispatcher holds step {ledger_step} for model {backend.model_id}, "
-                                   f"which registered at step {backend.step}: the ledger did not roll back to it")
+            self._check_registered_step(reply)
             return reply
+
+    def _check_registered_step(self, reply: dict[str, Any]) -> None:
+        ledger_step = reply.get("model_step", self.backend.step)
+        if ledger_step != self.backend.step:
+            raise RuntimeError(f"the dispatcher holds step {ledger_step} for model {self.backend.model_id}, "
+                               f"which registered at step {self.backend.step}: the ledger did not roll back to it")
 
     def _model_fields(self) -> dict[str, Any]:
         return {"id": self.backend.model_id, "step": self.backend.step}

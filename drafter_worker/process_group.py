@@ -22,7 +22,8 @@ import torch.distributed as dist
 log = logging.getLogger("hsd.drafter")
 
 NO_JOB = -1  # padding of a rank's job id row
-HEAD = 4  # fields before the job ids in a row
+HEAD = 5  # fields before the job ids in a row
+WATCH_S = 0.25  # a rank at the rendezvous asks this often whether its version still stands
 ARRIVED_KEY = "hsd/arrived"  # + "/<rank>": set in the store by each rank that came to the rendezvous
 
 
@@ -68,6 +69,10 @@ class CollectiveFailed(RuntimeError):
     """A collective of the group failed or timed out: a peer is gone."""
 
 
+class VersionEnded(CollectiveFailed):
+    """The dispatcher ended this membership version while the rank waited at its rendezvous."""
+
+
 class RendezvousIncomplete(CollectiveFailed):
     """Not every rank came to the rendezvous in time; ``arrived`` of them did (this one included)."""
 
@@ -85,15 +90,19 @@ class RankRound:
     done: bool
     flush: bool
     busy_us: int = 0  # microseconds the rank computed on its micro-batches (the step's busy time)
+    leaving: bool = False  # the rank leaves the group once this step ends (it was asked to stop)
 
 
 class StepGroup:
     def __init__(self, *, store_path: str, rank: int, world_size: int, version: int, timeout_s: float,
-                 max_jobs: int, device: torch.device | str = "cpu", rendezvous_timeout_s: float | None = None):
+                 max_jobs: int, device: torch.device | str = "cpu", rendezvous_timeout_s: float | None = None,
+                 still_current: Callable[[], bool] | None = None):
         """Join membership ``version`` on its FileStore. Every rank first marks its arrival in the
         store and waits up to ``rendezvous_timeout_s`` (default ``timeout_s``) for all of them, so a
         rendezvous that fails says how many came; only then is the process group opened, its
-        collectives bounded by ``timeout_s``."""
+        collectives bounded by ``timeout_s``. While it waits it asks ``still_current`` every
+        ``WATCH_S``: a version the dispatcher ended raises VersionEnded at once."""
+        self._still_current = still_current
         self.rank, self.world_size, self.version = rank, world_size, version
         self.max_jobs = max_jobs  # job ids one rank contributes to a step, at most
         self.device = torch.device(device)
@@ -104,7 +113,7 @@ class StepGroup:
             self._await_ranks(store, rendezvous_timeout_s if rendezvous_timeout_s is not None else timeout_s)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                     timeout=datetime.timedelta(seconds=timeout_s))
-        except RendezvousIncomplete:
+        except (RendezvousIncomplete, VersionEnded):
             raise
         except (RuntimeError, ValueError) as exc:  # DistStoreError and friends: the others never came
             raise CollectiveFailed(f"rendezvous of membership {version} failed: {exc}") from None
@@ -114,12 +123,20 @@ class StepGroup:
     def _await_ranks(self, store: dist.FileStore, timeout_s: float) -> None:
         keys = [f"{ARRIVED_KEY}/{r}" for r in range(self.world_size)]
         store.set(keys[self.rank], "1")
-        try:
-            store.wait(keys, datetime.timedelta(seconds=timeout_s))
-        except RuntimeError as exc:  # DistStoreError: "Wait timeout"
-            arrived = sum(store.check([key]) for key in keys)
-            raise RendezvousIncomplete(f"rendezvous of membership {self.version}: {arrived} of {self.world_size} "
-                                       f"ranks came within {timeout_s:g}s ({exc})", arrived=arrived) from None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            slice_s = min(WATCH_S, max(0.01, deadline - time.monotonic()))
+            try:
+                store.wait(keys, datetime.timedelta(seconds=slice_s))
+                return
+            except RuntimeError as exc:  # DistStoreError: "Wait timeout"
+                if time.monotonic() >= deadline:
+                    arrived = sum(store.check([key]) for key in keys)
+                    raise RendezvousIncomplete(f"rendezvous of membership {self.version}: {arrived} of "
+                                               f"{self.world_size} ranks came within {timeout_s:g}s ({exc})",
+                                               arrived=arrived) from None
+            if self._still_current is not None and not self._still_current():
+                raise VersionEnded(f"membership {self.version} ended while rank {self.rank} waited at its rendezvous")
 
     def _run(self, what: str, fn, *args) -> None:
         try:
@@ -132,11 +149,11 @@ class StepGroup:
         self._run("all_reduce", dist.all_reduce, tensor)
 
     def exchange(self, mine: RankRound) -> list[RankRound]:
-        """Every rank's round, in rank order: ``[count, done, flush, busy_us, ids..., padding]`` per rank."""
+        """Every rank's round, in rank order: ``[count, done, flush, busy_us, leaving, ids..., padding]`` per rank."""
         if len(mine.job_ids) > self.max_jobs:
             raise ValueError(f"a rank brings {len(mine.job_ids)} jobs to a step, more than {self.max_jobs}")
         row = torch.full((HEAD + self.max_jobs,), NO_JOB, dtype=torch.int64, device=self.device)
-        row[:HEAD] = torch.tensor([len(mine.job_ids), int(mine.done), int(mine.flush), mine.busy_us])
+        row[:HEAD] = torch.tensor([len(mine.job_ids), int(mine.done), int(mine.flush), mine.busy_us, int(mine.leaving)])
         if mine.job_ids:
             row[HEAD:HEAD + len(mine.job_ids)] = torch.tensor(mine.job_ids, dtype=torch.int64)
         rows = [torch.empty_like(row) for _ in range(self.world_size)]
@@ -144,14 +161,19 @@ class StepGroup:
         rounds = []
         for rank, r in enumerate(rows):
             values = r.tolist()
-            rounds.append(RankRound(rank, values[HEAD:HEAD + values[0]], bool(values[1]), bool(values[2]), values[3]))
+            rounds.append(RankRound(rank, values[HEAD:HEAD + values[0]], bool(values[1]), bool(values[2]), values[3],
+                                    bool(values[4])))
         return rounds
 
-    def broadcast(self, value: int) -> int:
-        """Rank 0's ``value`` on every rank."""
-        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
+    def broadcast(self, *values: int) -> list[int]:
+        """Rank 0's ``values`` on every rank."""
+        tensor = torch.tensor(values, dtype=torch.int64, device=self.device)
         self._run("broadcast", dist.broadcast, tensor, 0)
-        return int(tensor.item())
+        return tensor.tolist()
+
+    def broadcast_tensor(self, tensor: torch.Tensor, source: int = 0) -> None:
+        """``tensor`` of rank ``source`` into every rank's ``tensor``, in place."""
+        self._run("state broadcast", dist.broadcast, tensor, source)
 
     def close(self) -> None:
         if dist.is_initialized():

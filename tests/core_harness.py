@@ -28,7 +28,7 @@ def make_core(run_dir, *, lengths=None, epochs=2, shared_slots=6, min_ready=2, c
               worker_timeout_s=1e6, now=0.0):
     options = CoreOptions(lease_s=lease_s, worker_timeout_s=worker_timeout_s, epochs=epochs, run_seed=3,
                           buckets=list(BUCKETS), tokens_per_batch=TOKENS, order="interleave")
-    pool = HSPool(min_ready=min_ready, target_credits=credits, pull="deficit", seed=1)
+    pool = HSPool(min_ready=min_ready, target_credits=credits, pull="deficit", seed=1, num_buckets=len(BUCKETS))
     return DispatcherCore(options, run_dir=run_dir, lengths=small_lengths() if lengths is None else lengths,
                           journal=Journal(run_dir), pool=pool, shared_slots=shared_slots, now=now)
 

@@ -37,7 +37,7 @@ def make_backend(kind: str, target_dir: str | None, run_dir: str):
         return LinearDrafter(config(), "m")
     from drafter_worker.dflash_backend import DFlashBackend
     return DFlashBackend(backend_config(target_dir, run_dir, "run.seed=7"), "m", device="cpu",
-                         total_steps=NUM_STEPS)
+                         schedule_jobs=NUM_STEPS * WORLD * PER_RANK)
 
 
 def weights(backend) -> dict[str, torch.Tensor]:

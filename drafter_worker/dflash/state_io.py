@@ -19,35 +19,35 @@ TENSORS_NAME = "state.safetensors"
 STRUCTURE_NAME = "state.json"
 
 
-def _flatten(value, tensors: dict[str, torch.Tensor]):
+def flatten_state(value, tensors: dict[str, torch.Tensor]):
     if isinstance(value, torch.Tensor):
         name = f"t{len(tensors)}"
         tensors[name] = value.detach().to("cpu").contiguous()
         return {"__tensor__": name}
     if isinstance(value, dict):
         if all(isinstance(k, str) and not k.startswith("__") for k in value):
-            return {k: _flatten(v, tensors) for k, v in value.items()}
-        return {"__items__": [[k, _flatten(v, tensors)] for k, v in value.items()]}
+            return {k: flatten_state(v, tensors) for k, v in value.items()}
+        return {"__items__": [[k, flatten_state(v, tensors)] for k, v in value.items()]}
     if isinstance(value, tuple):
-        return {"__tuple__": [_flatten(v, tensors) for v in value]}
+        return {"__tuple__": [flatten_state(v, tensors) for v in value]}
     if isinstance(value, list):
-        return [_flatten(v, tensors) for v in value]
+        return [flatten_state(v, tensors) for v in value]
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     raise TypeError(f"cannot save a value of type {type(value).__name__} in a training state")
 
 
-def _unflatten(value, tensors: dict[str, torch.Tensor]):
+def unflatten_state(value, tensors: dict[str, torch.Tensor]):
     if isinstance(value, dict):
         if "__tensor__" in value:
             return tensors[value["__tensor__"]]
         if "__items__" in value:
-            return {k: _unflatten(v, tensors) for k, v in value["__items__"]}
+            return {k: unflatten_state(v, tensors) for k, v in value["__items__"]}
         if "__tuple__" in value:
-            return tuple(_unflatten(v, tensors) for v in value["__tuple__"])
-        return {k: _unflatten(v, tensors) for k, v in value.items()}
+            return tuple(unflatten_state(v, tensors) for v in value["__tuple__"])
+        return {k: unflatten_state(v, tensors) for k, v in value.items()}
     if isinstance(value, list):
-        return [_unflatten(v, tensors) for v in value]
+        return [unflatten_state(v, tensors) for v in value]
     return value
 
 
@@ -56,7 +56,7 @@ def save_state(state: dict, out_dir: str | os.PathLike) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
-    structure = _flatten(state, tensors)
+    structure = flatten_state(state, tensors)
     tmp = out_dir / (TENSORS_NAME + ".tmp")
     save_file(tensors, str(tmp))
     os.replace(tmp, out_dir / TENSORS_NAME)
@@ -71,4 +71,4 @@ def load_state(state_dir: str | os.PathLike) -> dict:
     if not (state_dir / STRUCTURE_NAME).is_file():
         raise FileNotFoundError(f"{state_dir} holds no training state ({STRUCTURE_NAME} missing)")
     tensors = load_file(str(state_dir / TENSORS_NAME))
-    return _unflatten(json.loads((state_dir / STRUCTURE_NAME).read_text()), tensors)
+    return unflatten_state(json.loads((state_dir / STRUCTURE_NAME).read_text()), tensors)

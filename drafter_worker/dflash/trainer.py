@@ -188,11 +188,12 @@ class DFlashTrainer:
             if p.grad is not None:
                 p.grad.div_(total_weight)
 
-    def apply_step(self, *, total_weight: float | None = None) -> StepStats:
+    def apply_step(self, *, total_weight: float | None = None, num_jobs: int = 1) -> StepStats:
         """Scale, clip, optimizer and scheduler step, zero the gradients; ``step += 1``.
 
         ``total_weight`` defaults to this trainer's own total; a data-parallel group passes the sum
-        over its ranks.
+        over its ranks. The schedule advances by ``num_jobs``, the micro-batches the step trained
+        (the drafter backend's schedule counts jobs, so a group's world size cannot shift it).
         """
         total = self._weight_total if total_weight is None else float(total_weight)
         self.scale_gradients(total)
@@ -200,7 +201,8 @@ class DFlashTrainer:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
-        self.scheduler.step()
+        for _ in range(num_jobs):
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         count = self._count[1:].clamp(min=1)

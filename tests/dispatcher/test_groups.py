@@ -1,4 +1,5 @@
-"""Data-parallel drafter groups in the pure core: ranks, membership versions, group commits."""
+"""Elastic data-parallel drafter groups in the pure core: ranks wait, versions open at step
+boundaries with every waiting rank, a lost member ends its version without a rollback."""
 
 from __future__ import annotations
 
@@ -6,12 +7,18 @@ import pytest
 
 from core_harness import make_core, register
 from dispatcher.groups import GroupChanged
+from dispatcher.journal import read_journal
 from dispatcher.ledger import JobState, LedgerError
 
 
-def _rank(core, name, *, step=0, world_size=2, now=0.0):
+def _rank(core, name, *, step=0, size=2, min_ranks=1, max_ranks=0, now=0.0):
     return core.register(role="drafter", name=name, pid=2000 + len(core.workers), host="h", gpu=None, now=now,
-                         model={"id": "m", "step": step, "world_size": world_size})
+                         model={"id": "m", "step": step,
+                                "group": {"size": size, "min_ranks": min_ranks, "max_ranks": max_ranks}})
+
+
+def _join(core, worker, *, after=0, step=0, failed=False, now=1.0):
+    return core.join_group(worker.id, now, after=after, step=step, failed=failed)
 
 
 def _fill(core, target, n, now=1.0):
@@ -21,76 +28,140 @@ def _fill(core, target, n, now=1.0):
         core.job_ready(target, grant.job.job_id, grant.job.generation, 0.0, now)
 
 
-def _consume(core, drafter, now=2.0):
-    grant, _ = core.get_hs(drafter, now)
+def _consume(core, drafter, membership, now=2.0):
+    grant, _ = core.get_hs(drafter, now, membership=membership)
     core.consumed(drafter, grant.job.job_id, now)
     return grant.job
 
 
-def test_ranks_membership_and_store_path(tmp_path):
-    core = make_core(tmp_path)
-    a, b = _rank(core, "a"), _rank(core, "b")
-    assert (a.group.rank, b.group.rank) == (0, 1)
-    assert a.group.version == b.group.version == 1
-    assert a.group.store == b.group.store
-    assert a.group.store.startswith(str(tmp_path / "groups" / "m"))
-    group = core.groups.group_of(a.id)
-    assert group is not None and group.formed
-    with pytest.raises(LedgerError, match="group of 2 ranks"):
-        _rank(core, "c", world_size=3)
-
-
-def test_group_commit_covers_every_ranks_jobs_and_the_window_spans_the_group(tmp_path):
+def _lone_rank_stepping(tmp_path, num_steps, *, extra_jobs=0):
+    """A core whose 1-rank group ("a") committed ``num_steps`` one-job steps; ``extra_jobs`` more wait ready."""
     core = make_core(tmp_path, shared_slots=8, credits=8, min_ready=0)
     [target] = register(core, "target", 1)
-    a, b = _rank(core, "a"), _rank(core, "b")
-    _fill(core, target, 5)
-    jobs = [_consume(core, a.id), _consume(core, b.id), _consume(core, a.id)]
-    # the pull policy saw one window for the group: three micro-batches, three different buckets
-    assert len({job.bucket for job in jobs}) == 3
-    ids = [job.job_id for job in jobs]
-    assert core.commit_step(a.id, ids, 0.1, 3.0, model="m", step=1) == 1
-    assert core.commit_step(a.id, ids, 0.1, 3.0, model="m", step=1) == 1  # idempotent
-    assert core.ledger.model_step["m"] == 1
-    assert core.ledger.count(0, JobState.COMMITTED) == 3
-    # a lone drafter still commits only its own jobs
-    solo = core.register(role="drafter", name="solo", pid=99, host="h", gpu=None, now=3.0,
-                         model={"id": "s", "step": 0})
-    mine = _consume(core, solo.id, now=4.0)
-    other = _consume(core, b.id, now=4.0)
-    with pytest.raises(LedgerError, match="held by"):
-        core.commit_step(solo.id, [mine.job_id, other.job_id], 0.1, 4.0, model="s", step=1)
+    a = _rank(core, "a", size=1)
+    version = _join(core, a).version
+    _fill(core, target, num_steps + extra_jobs)
+    for step in range(1, num_steps + 1):
+        job = _consume(core, a.id, version)
+        core.commit_step(a.id, [job.job_id], 0.1, 3.0, model="m", step=step, membership=version)
+    return core, a, version
 
 
-def test_a_member_gone_ends_the_version_and_its_step(tmp_path):
-    core = make_core(tmp_path, shared_slots=8, credits=8, min_ready=0)
-    [target] = register(core, "target", 1)
-    a, b = _rank(core, "a"), _rank(core, "b")
-    _fill(core, target, 3)
-    job_a, job_b = _consume(core, a.id), _consume(core, b.id)
-    core.deregister(b.id, 5.0, reason="dead")
-    # the survivor's step is void: its jobs went back, and it is told at once
-    assert job_a.job_id not in core.ledger.jobs and job_b.job_id not in core.ledger.jobs  # pending again
-    assert core.ledger.count(0, JobState.CONSUMED) == 0
-    with pytest.raises(GroupChanged):
-        core.get_hs(a.id, 5.0)
-    with pytest.raises(GroupChanged):
-        core.commit_step(a.id, [job_a.job_id, job_b.job_id], 0.1, 5.0, model="m", step=1)
-    # both come back (the survivor under its own name: its old session is replaced, no new bump)
-    a2, b2 = _rank(core, "a", now=6.0), _rank(core, "b", now=6.0)
-    assert a2.group.version == b2.group.version == 2
-    assert {a2.group.rank, b2.group.rank} == {0, 1}
-    assert a2.group.store != a.group.store
-    assert core.ledger.count(0, JobState.CONSUMED) == 0
+def _rollbacks(run_dir):
+    return [e for e in read_journal(run_dir) if e["ev"] == "rollback" and e["jobs"]]
 
 
-def test_a_joiner_at_another_step_starts_a_new_version(tmp_path):
+def test_a_new_group_waits_for_count_ranks_then_opens_one_version(tmp_path):
     core = make_core(tmp_path)
     a = _rank(core, "a")
-    b = _rank(core, "b", step=0)
-    c = _rank(core, "c", step=0)  # the group was formed: a third session starts a new version
-    assert c.group.version == 2 and c.group.rank == 0
-    with pytest.raises(GroupChanged):
-        core.get_hs(a.id, 1.0)
-    with pytest.raises(GroupChanged):
-        core.get_hs(b.id, 1.0)
+    assert _join(core, a) is None  # drafter.count=2: one rank is not a group yet
+    b = _rank(core, "b")
+    ma, mb = _join(core, a), _join(core, b)
+    assert (ma.rank, mb.rank, ma.world_size, ma.version, mb.version) == (0, 1, 2, 1, 1)
+    assert ma.store == mb.store and ma.store.startswith(str(tmp_path / "groups" / "m"))
+    assert not ma.transfer and ma.step == 0
+    with pytest.raises(LedgerError, match="every drafter of the model must agree"):
+        _rank(core, "c", size=3)
+
+
+def test_joiners_wait_for_the_step_boundary_and_all_join_at_once(tmp_path):
+    core = make_core(tmp_path, shared_slots=8, credits=8, min_ready=0)
+    [target] = register(core, "target", 1)
+    a, b = _rank(core, "a"), _rank(core, "b")
+    v1 = _join(core, a).version
+    _join(core, b)
+    _fill(core, target, 4)
+    jobs = [_consume(core, a.id, v1), _consume(core, b.id, v1)]
+    c, d = _rank(core, "c"), _rank(core, "d")  # two attach mid-step: they wait, the step goes on
+    assert _join(core, c) is None and _join(core, d) is None
+    assert core.groups.groups["m"].version == v1
+    core.commit_step(a.id, [j.job_id for j in jobs], 0.1, 3.0, model="m", step=1, membership=v1)
+    # the commit is the step boundary: one new version with the two members and both joiners
+    group = core.groups.groups["m"]
+    assert group.version == v1 + 1 and group.world_size == 4
+    mc = _join(core, c)
+    assert mc.version == v1 + 1 and mc.transfer and mc.step == 1 and mc.source == 0
+    assert _join(core, a, after=v1, step=1).rank == 0  # rank 0 stays rank 0: it sends the state
+    with pytest.raises(GroupChanged):  # a poll of the old version is void
+        core.get_hs(b.id, 4.0, membership=v1)
+    assert core.ledger.model_step["m"] == 1 and not _rollbacks(tmp_path)
+
+
+def test_a_member_gone_ends_the_version_the_others_go_on_without_rollback(tmp_path):
+    core = make_core(tmp_path, shared_slots=8, credits=8, min_ready=0)
+    [target] = register(core, "target", 1)
+    ranks = [_rank(core, n, size=3) for n in "abc"]
+    v1 = [_join(core, r) for r in ranks][0].version
+    _fill(core, target, 6)
+    first = [_consume(core, r.id, v1) for r in ranks]
+    core.commit_step(ranks[0].id, [j.job_id for j in first], 0.1, 3.0, model="m", step=1, membership=v1)
+    in_flight = [_consume(core, r.id, v1) for r in ranks]
+    core.deregister(ranks[2].id, 5.0, reason="dead")
+    # the step in flight goes back (consumed -> pending); the two survivors form the next version at once
+    assert all(j.job_id not in core.ledger.jobs for j in in_flight)
+    assert core.ledger.count(0, JobState.CONSUMED) == 0 and core.ledger.count(0, JobState.COMMITTED) == 3
+    m0 = _join(core, ranks[0], after=v1, step=1)
+    assert (m0.version, m0.world_size, m0.transfer) == (v1 + 1, 2, False)
+    assert core.ledger.model_step["m"] == 1 and not _rollbacks(tmp_path)
+
+
+def test_a_failed_collective_ends_the_version_at_once_and_a_lone_survivor_waits_below_min_ranks(tmp_path):
+    core = make_core(tmp_path)
+    a, b = _rank(core, "a", min_ranks=2), _rank(core, "b", min_ranks=2)
+    v1 = _join(core, a).version
+    _join(core, b)
+    assert _join(core, a, after=v1) is None  # a member that saw a peer leave waits; the version stands
+    m = _join(core, a, after=v1, failed=True)  # its collective failed: the version ends now
+    assert m.version == v1 + 1 and m.world_size == 2  # b is still registered: it is in the next one
+    core.deregister(b.id, 2.0, reason="dead")
+    assert _join(core, a, after=v1 + 1) is None  # alone, below min_ranks=2: it waits
+    c = _rank(core, "c", min_ranks=2, now=3.0)
+    mc = _join(core, c)  # min_ranks, not drafter.count, is what survivors wait for
+    assert mc.version == v1 + 2 and mc.world_size == 2
+
+
+def test_max_ranks_keeps_extra_joiners_waiting(tmp_path):
+    core = make_core(tmp_path)
+    a = _rank(core, "a", size=1, max_ranks=2)
+    assert _join(core, a).world_size == 1
+    b, c = _rank(core, "b", size=1, max_ranks=2), _rank(core, "c", size=1, max_ranks=2)
+    assert _join(core, b).world_size == 2  # nothing in flight: the joiners come in at once, up to max_ranks
+    assert _join(core, c) is None
+    core.deregister(b.id, 2.0)
+    assert _join(core, c).world_size == 2
+
+
+def test_a_group_back_from_its_checkpoint_rolls_the_ledger_back_to_it(tmp_path):
+    core, a, _ = _lone_rank_stepping(tmp_path, 2)
+    core.deregister(a.id, 4.0, reason="dead")
+    again = _rank(core, "a", size=1, step=1, now=5.0)  # its checkpoint holds step 1
+    assert _join(core, again, step=1).step == 1
+    assert core.ledger.model_step["m"] == 1 and len(_rollbacks(tmp_path)) == 1
+
+
+def test_a_joiner_whose_source_died_before_any_step_says_its_step_before_the_ledger_moves(tmp_path):
+    core, a, v1 = _lone_rank_stepping(tmp_path, 1)
+    b = _rank(core, "b", size=1)
+    assert _join(core, b).transfer  # b holds step 0, the version step 1: rank 0 sends it the state
+    core.deregister(a.id, 4.0, reason="dead")  # ... and dies before any step: did b get the state?
+    assert core.groups.groups["m"].version == v1 + 1 and not core.groups.groups["m"].members
+    m = _join(core, b, after=v1 + 1, step=1, failed=True)  # it did: it goes on, no rollback
+    assert m.step == 1 and not m.transfer and not _rollbacks(tmp_path)
+
+
+def test_the_stats_and_metrics_show_the_group(tmp_path):
+    from dispatcher.metrics import render_prometheus
+    from dispatcher.snapshot import build_snapshot
+    from dispatcher.stats_view import format_stats
+    core, a, v1 = _lone_rank_stepping(tmp_path, 2, extra_jobs=1)
+    _consume(core, a.id, v1)  # a step in flight: a joiner waits
+    _rank(core, "b", size=1)
+    s = build_snapshot(core, 4.0)
+    assert {k: s["groups"]["m"][k] for k in ("world_size", "version", "waiting", "steps_since_change")} == {
+        "world_size": 1, "version": v1, "waiting": 1, "steps_since_change": 2}
+    text = render_prometheus({**s, "pool": s["pool"]})
+    assert 'hsd_group_ranks{model="m"} 1.0' in text and 'hsd_group_waiting{model="m"} 1.0' in text
+    assert 'hsd_group_steps_since_change{model="m"} 2.0' in text
+    served = {**s, "run_dir": str(tmp_path), "run_id": "r", "pid": 1, "waiters": 0,
+              "transport": {"kind": "shm", "num_slots": 8, "per_target": False, "slot_bytes": 1, "pool_bytes": 8}}
+    assert "group     m: 1 rank(s) [0:d0.0]  membership 1  1 waiting  2 steps since change" in format_stats(served)

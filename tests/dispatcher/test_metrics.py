@@ -7,7 +7,9 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from core_harness import make_core
 from dispatcher.metrics import MetricsServer, render_prometheus
+from dispatcher.snapshot import build_snapshot
 
 SNAPSHOT = {
     "time": 1000.0, "uptime_s": 12.5, "done": False, "epochs_total": 2, "steps": 7,
@@ -74,6 +76,15 @@ def test_figures_appear_once_the_snapshot_carries_them():
     s = copy.deepcopy(SNAPSHOT)
     s["membership_version"] = 9
     assert families(render_prometheus(s))["hsd_membership_version"].samples[0].value == 9
+
+
+def test_an_empty_bucket_keeps_its_ready_slots_series_at_zero(tmp_path):
+    # the snapshot of a real core that has nothing ready: every bucket's series is there, at 0
+    core = make_core(tmp_path, epochs=1)
+    s = copy.deepcopy(SNAPSHOT)
+    s["q_hsb"] = build_snapshot(core, 1.0)["q_hsb"]
+    ready = families(render_prometheus(s))["hsd_ready_slots"]
+    assert {sample.labels["bucket"]: sample.value for sample in ready.samples} == {"0": 0, "1": 0, "2": 0}
 
 
 def test_server_serves_only_the_latest_snapshot():

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import copy
 
-from dispatcher.stats_view import (CommitRate, WAIT_THRESHOLD, bottleneck_line, eta_line, format_stats,
+from core_harness import make_core, register
+from dispatcher.snapshot import build_snapshot
+from dispatcher.stats_view import (CommitRate, WAIT_THRESHOLD, bottleneck_line, eta_line, format_q_hsb, format_stats,
                                    name_bottleneck, pool_usage, remaining_jobs, stage_waits)
 
 
@@ -109,3 +111,20 @@ def test_pool_usage_and_the_printed_view():
     assert "pool use  6.0 MiB of 16.0 MiB (38%)" in text
     assert "eta       epoch in" in text
     assert "bottleneck drafters wait for data 38% — targets are the bottleneck" in text
+
+
+def test_q_hsb_lists_every_bucket_empty_ones_as_zero(tmp_path):
+    # a real core with one job ready: the snapshot, the printed view and the progress line name all buckets
+    core = make_core(tmp_path, epochs=1, min_ready=1)
+    (t,) = register(core, "target", 1)
+    grant = core.get_job(t, 1.0)
+    core.job_ready(t, grant.job.job_id, grant.job.generation, 0.0, 1.0)
+    q_hsb = build_snapshot(core, 1.0)["q_hsb"]
+    assert list(q_hsb) == ["0", "1", "2"] and sum(q_hsb.values()) == 1
+    assert q_hsb[str(grant.job.bucket)] == 1
+    empty = next(b for b, n in q_hsb.items() if n == 0)
+    assert f"b{empty}:0" in format_q_hsb(q_hsb)
+    s = snapshot()
+    s["q_hsb"] = q_hsb
+    assert "q_hsb     " + format_q_hsb(q_hsb) in format_stats(s).splitlines()
+    assert format_q_hsb(core.pool.ready_per_bucket()) == format_q_hsb(q_hsb)  # the progress line's figures

@@ -16,7 +16,7 @@ from dflash_run import tiny_run, write_dataset
 from dflash_testing import LAYER_IDS, backend_config, random_batch
 from drafter_worker.dflash.export import load_drafter
 from dispatcher.schedule import build_epoch_schedule
-from drafter_worker.dflash_backend import DFlashBackend, derive_total_steps, jobs_per_epoch
+from drafter_worker.dflash_backend import DFlashBackend, derive_schedule_jobs, jobs_per_epoch
 
 
 def _jobs(target_model, count: int):
@@ -44,16 +44,16 @@ def _train(backend, jobs, steps: range, accum: int = 2) -> list[float]:
 def test_checkpoint_then_load_latest_continues_identically(tiny_target, tiny_target_model, tmp_path):
     config = backend_config(tiny_target, tmp_path / "run")
     jobs = _jobs(tiny_target_model, 12)
-    straight = DFlashBackend(config, "drafter-0", total_steps=6)
+    straight = DFlashBackend(config, "drafter-0", schedule_jobs=12)
     assert straight.contract == contract_from_config(config).to_dict()  # what the target sends too
     reference = _train(straight, jobs, range(6))
 
-    first = DFlashBackend(config, "drafter-0", total_steps=6)
+    first = DFlashBackend(config, "drafter-0", schedule_jobs=12)
     assert first.load_latest(config.run_dir) == 0
     assert _train(first, jobs, range(3)) == reference[:3]
     first.save_checkpoint(config.run_dir)
     first.micro_batch(*jobs[6])  # a step in progress when the worker stops: it is not in the checkpoint
-    resumed = DFlashBackend(config, "drafter-0", total_steps=6)
+    resumed = DFlashBackend(config, "drafter-0", schedule_jobs=12)
     assert resumed.load_latest(config.run_dir) == 3
     assert list(resumed.trained) == list(range(6))
     assert _train(resumed, jobs, range(3, 6)) == reference[3:]
@@ -65,7 +65,7 @@ def test_checkpoint_then_load_latest_continues_identically(tiny_target, tiny_tar
 def test_load_latest_without_checkpoint_starts_afresh(tiny_target, tiny_target_model, tmp_path):
     config = backend_config(tiny_target, tmp_path / "run")
     jobs = _jobs(tiny_target_model, 4)
-    backend = DFlashBackend(config, "drafter-0", total_steps=4)
+    backend = DFlashBackend(config, "drafter-0", schedule_jobs=8)
     first = _train(backend, jobs, range(2))
     assert backend.load_latest(config.run_dir) == 0  # e.g. the dispatcher refused a model ahead of it
     assert backend.step == 0 and len(backend.trained) == 0
@@ -75,7 +75,7 @@ def test_load_latest_without_checkpoint_starts_afresh(tiny_target, tiny_target_m
 def test_checkpoint_is_an_exported_drafter_with_the_same_logits(tiny_target, tiny_target_model, tmp_path):
     config = backend_config(tiny_target, tmp_path / "run")
     jobs = _jobs(tiny_target_model, 4)
-    backend = DFlashBackend(config, "drafter-0", total_steps=4)
+    backend = DFlashBackend(config, "drafter-0", schedule_jobs=8)
     _train(backend, jobs, range(2))
     backend.save_checkpoint(config.run_dir)
     path = latest_checkpoint(config.run_dir, "drafter-0").path
@@ -97,8 +97,8 @@ def test_sync_gradients_sums_over_ranks(tiny_target, tiny_target_model, tmp_path
     """Two identical ranks: the summed gradients over the summed weight equal one rank's step."""
     config = backend_config(tiny_target, tmp_path / "run")
     jobs = _jobs(tiny_target_model, 2)
-    single = DFlashBackend(config, "a", total_steps=4)
-    pair = DFlashBackend(config, "b", total_steps=4)
+    single = DFlashBackend(config, "a", schedule_jobs=8)
+    pair = DFlashBackend(config, "b", schedule_jobs=8)
     for backend in (single, pair):
         for job, batch in jobs:
             backend.micro_batch(job, batch)
@@ -111,7 +111,7 @@ def test_sync_gradients_sums_over_ranks(tiny_target, tiny_target_model, tmp_path
         torch.testing.assert_close(pair.trainer.model.draft_state_dict()[name], tensor)
 
 
-def test_total_steps_from_the_data_and_schedule(tmp_path):
+def test_schedule_length_from_the_data_and_schedule(tmp_path):
     config = tiny_run(tmp_path, tmp_path / "run", num_samples=32, epochs=3,
                       extra=("drafter.accum_steps=3",))
     lengths = [int(n) for n in (tmp_path / "data" / "lengths.txt").read_text().split()]
@@ -122,8 +122,8 @@ def test_total_steps_from_the_data_and_schedule(tmp_path):
         schedule = build_epoch_schedule(lengths, bucket_max_lens=config.schedule.buckets, tokens_per_batch=128,
                                         run_seed=config.run.seed, epoch=epoch, batching="sorted")
         assert jobs_per_epoch(config) == schedule.num_jobs
-    assert derive_total_steps(config) == -(-jobs_per_epoch(config) * 3 // 3)
-    assert derive_total_steps(load_config(None, [*_overrides(config), "dflash.total_steps=17"])) == 17
+    assert derive_schedule_jobs(config) == jobs_per_epoch(config) * config.run.epochs
+    assert derive_schedule_jobs(load_config(None, [*_overrides(config), "dflash.total_steps=17"])) == 17 * 3
     write_dataset(tmp_path / "empty", [8])
     assert jobs_per_epoch(load_config(None, [*_overrides(config), f"data.path={tmp_path / 'empty'}"])) == 1
 
@@ -132,3 +132,22 @@ def _overrides(config):
     return [f"run.dir={config.run.dir}", f"data.path={config.data.path}", f"target.model={config.target.model}",
             f"run.epochs={config.run.epochs}", "drafter.accum_steps=3", "schedule.buckets=[32,64]",
             "schedule.tokens_per_batch=128", "target.capture_layers=[1,2]"]
+
+
+def test_the_learning_rate_follows_the_jobs_trained_whatever_the_world_size(tiny_target, tmp_path):
+    """One group steps 4 jobs at a time (4 ranks), another 2 (2 ranks), a third changes its world
+    size between steps: once the same jobs are trained, their next step takes the same learning rate."""
+    config = backend_config(tiny_target, tmp_path / "run", "dflash.warmup_ratio=0.25")
+    lrs = {}
+    for name, sizes in (("four", [4, 4, 4, 4]), ("two", [2] * 8), ("elastic", [1, 3, 2, 2, 4, 4])):
+        backend = DFlashBackend(config, name, schedule_jobs=16)
+        done, seen = 0, {}
+        for size in sizes:
+            done += size
+            backend.apply_step(list(range(done - size, done)))
+            seen[done] = backend.trainer.optimizer.param_groups[0]["lr"]  # what the next step applies
+        lrs[name] = seen
+    for jobs in (4, 8, 12, 16):
+        assert lrs["four"][jobs] == lrs["two"][jobs]
+    assert lrs["elastic"][8] == lrs["four"][8] and lrs["elastic"][16] == lrs["four"][16]
+    assert len({lrs["four"][jobs] for jobs in (4, 8, 12, 16)}) == 4  # warmup, then cosine: it moved every time

@@ -1,0 +1,113 @@
+"""What ``hsd bench chaos`` reports of a run: its events, the witness, rollbacks and leftovers.
+
+Exactly-once is judged by the models' own records (``hsd report``'s witness), steps rolled back
+by the journal's ``commit`` and ``rollback`` records, and what outlived the run by looking at the
+machine: shared-memory segments of the run's id in /dev/shm, processes of its sessions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections import Counter
+from pathlib import Path
+from typing import Any, Iterable
+
+from benchmarks.chaos_plan import ATTACH, DETACH, KILL, ROLES
+from common.client import run_id_for
+from common.shm_segment import ShmSegment, list_segments
+from dispatcher.journal import read_journal
+from dispatcher.report import build_report
+
+
+def rollbacks_from_journal(events: Iterable[dict]) -> dict[str, int]:
+    """Committed steps the ledger rolled back, per cause, from a journal's ``commit`` and ``rollback``
+    records. A rollback takes a model from its latest committed step back to the record's step.
+
+    The cause is the record's own ``cause`` when it names one; otherwise ``membership`` when a
+    membership record of the model came after its last commit (its group changed and the ranks went
+    back to a checkpoint), else ``restart`` (a drafter started again from its checkpoint)."""
+    latest: dict[str, int] = {}
+    regrouped: set[str] = set()
+    rolled: Counter = Counter()
+    for e in events:
+        kind = e["ev"]
+        if kind == "commit":
+            model = e.get("model", e.get("w", ""))
+            latest[model] = max(latest.get(model, 0), e["step"])
+            regrouped.discard(model)
+        elif kind == "membership":
+            regrouped.add(e["model"])
+        elif kind == "rollback":
+            model, step = e["model"], e["step"]
+            lost = latest.get(model, 0) - step
+            if lost > 0:
+                rolled[e.get("cause") or ("membership" if model in regrouped else "restart")] += lost
+            latest[model] = min(latest.get(model, 0), step)
+    return dict(rolled)
+
+
+def steps_in(events: Iterable[dict], start: float | None, end: float | None) -> int:
+    """Commit records journaled between ``start`` and ``end`` (wall clock; an open end: to the last)."""
+    if start is None:
+        return 0
+    return sum(1 for e in events if e["ev"] == "commit" and start <= e["t"] and (end is None or e["t"] <= end))
+
+
+def figures(supervisor, run_dir: Path, finished: bool) -> tuple[dict[str, Any], list[ShmSegment], list[int]]:
+    """The bench's figures (``supervisor``: the run's ChaosSupervisor), and the segments and pids
+    it found left behind."""
+    report = build_report(run_dir)
+    rolled = rollbacks_from_journal(read_journal(run_dir))
+    during = steps_in(read_journal(run_dir), *supervisor.window)
+    segments = list_segments(run_id_for(run_dir))
+    orphans = supervisor.orphans()
+    counts = supervisor.counts
+    return {
+        "kills": {role: counts[(KILL, role)] for role in ROLES},
+        "attaches": counts[(ATTACH, "drafter")],
+        "detaches": counts[(DETACH, "drafter")],
+        "jobs_total": report["jobs_total"],
+        "committed": report["committed"],
+        "witness_duplicates": report["witness_duplicates"],
+        "witness_missing": report["witness_missing"],
+        "steps_rolled_back": sum(rolled.values()),
+        "steps_rolled_back_by_cause": rolled,
+        "shm_leftover": len(segments),
+        "orphans": len(orphans),
+        "finished": finished and report["finished"],
+        "crashes": dict(supervisor.crashes),
+        "events_skipped": supervisor.skipped,
+        "reattached": supervisor.reattached,
+        "dispatcher_restarts": report["restarts"],
+        "steps": report["steps"],
+        "steps_during_window": during,  # commits while the chaos lasted: does training go on under it?
+        "wall_s": report["wall_s"],
+        "run_dir": str(run_dir),
+    }, segments, orphans
+
+
+def clean_up(segments: list[ShmSegment], orphans: list[int]) -> None:
+    """What the figures counted as left behind is removed, so the bench itself leaves nothing."""
+    for pid in orphans:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    for segment in segments:
+        Path(segment.path).unlink(missing_ok=True)
+
+
+def format_figures(f: dict[str, Any], *, seed: int, mode: str) -> str:
+    kills = ", ".join(f"{role} {n}" for role, n in f["kills"].items())
+    causes = ", ".join(f"{c} {n}" for c, n in f["steps_rolled_back_by_cause"].items()) or "none"
+    return "\n".join([
+        f"chaos ({mode}, seed {seed}): {'finished' if f['finished'] else 'NOT finished'} in {f['wall_s']:.0f}s, "
+        f"{f['steps']} steps ({f['steps_during_window']} while the chaos lasted), "
+        f"{f['dispatcher_restarts']} dispatcher restart(s)",
+        f"events    kills {sum(f['kills'].values())} ({kills}); attaches {f['attaches']}; detaches {f['detaches']}; "
+        f"unplanned crashes {sum(f['crashes'].values())}",
+        f"jobs      total {f['jobs_total']}  committed {f['committed']}",
+        f"witness   duplicates {f['witness_duplicates']}  missing {f['witness_missing']} (the models' own records)",
+        f"rollback  {f['steps_rolled_back']} committed step(s) rolled back ({causes})",
+        f"leftover  shm segments {f['shm_leftover']}  processes {f['orphans']}",
+    ])

@@ -1,0 +1,108 @@
+"""The core's ops for data-parallel drafter groups: ranks wait, versions open and end (see
+:mod:`dispatcher.groups` for the rules). A mixin of :class:`dispatcher.core.DispatcherCore`: it
+decides with the core's ledger and journal, and like the core it has no sockets and no clock.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from dispatcher.groups import DrafterGroup, GroupSpec, Membership
+from dispatcher.ledger import LedgerError
+
+log = logging.getLogger("hsd.dispatcher")
+
+
+class GroupOps:
+    def _group_spec(self, fields: Any) -> GroupSpec | None:
+        """``model.group`` of a register request: {size, min_ranks?, max_ranks?} (None: a lone drafter)."""
+        if fields is None:
+            return None
+        if not isinstance(fields, dict):
+            raise LedgerError("model.group must be a map {size, min_ranks, max_ranks}")
+        values = {key: fields.get(key, default) for key, default in (("size", None), ("min_ranks", 1), ("max_ranks", 0))}
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values.values()):
+            raise LedgerError("model.group: size, min_ranks and max_ranks must be integers")
+        spec = GroupSpec(**values)
+        try:
+            spec.check()
+        except ValueError as exc:
+            raise LedgerError(f"model.group: {exc}") from None
+        return spec
+
+    def _busy(self, group: DrafterGroup) -> bool:
+        return any(self.ledger.held_by(w) for w in group.members)
+
+    def _maybe_open(self, group: DrafterGroup) -> None:
+        """Open the group's next version when its rules allow it now."""
+        ledger_step = self.ledger.model_step.get(group.model, 0)
+        if not self.groups.may_open(group, busy=self._busy(group), ledger_step=ledger_step):
+            return
+        opened = self.groups.open(group, ledger_step)
+        for worker_id in opened.previous_members:  # what they hold belongs to a step that will not complete
+            for job in self.ledger.held_by(worker_id):
+                self._give_back(job, "membership_changed")
+        if opened.rollback_to is not None or group.model not in self.ledger.model_index:
+            # No rank holds the ledger's step (the whole group came back from a checkpoint), or the
+            # model is new: the ledger takes the step of the state the group starts from.
+            self._rollback(group.model, group.step)
+        for worker_id, membership in group.memberships.items():
+            self.workers[worker_id].group = membership
+        ranks = {self.workers[w].name: r for w, r in group.members.items()}
+        transfer = next(iter(group.memberships.values())).transfer
+        log.info("model %s: membership %d opens at step %d with %d rank(s) %s%s", group.model, group.version,
+                 group.step, len(ranks), ranks, " (the state goes out from rank 0)" if transfer else "")
+        self.journal.record("membership", model=group.model, version=group.version, step=group.step,
+                            ranks=list(group.members), transfer=transfer)
+
+    def _rank_left(self, worker_id: str) -> None:
+        """A rank deregistered or died: when it was a member its version ends, and the next one opens
+        with the others (when they are enough) at once."""
+        group = self.groups.leave(worker_id)
+        if group is not None:
+            self._end_version(group)
+
+    def _end_version(self, group: DrafterGroup, *, reopen: bool = True) -> None:
+        ended = group.version
+        for other in self.groups.end_version(group, self.ledger.model_step.get(group.model, 0)):
+            self.workers[other].group = None
+            for job in self.ledger.held_by(other):  # the step in flight cannot complete
+                self._give_back(job, "membership_changed")
+        log.info("model %s: membership %d ended", group.model, ended)
+        if reopen:
+            self._maybe_open(group)
+
+    def _step_boundary(self, worker_id: str) -> None:
+        """Before a member's next pull: waiting ranks join once no member holds a job."""
+        group = self.groups.group_of(worker_id)
+        if group is not None and group.waiting:
+            self._maybe_open(group)
+
+    def join_group(self, worker_id: str, now: float, *, after: int, step: int,
+                   failed: bool = False) -> Membership | None:
+        """The version that names ``worker_id``, newer than ``after`` (None: not yet; the loop asks again).
+
+        ``step`` is the model step the rank holds now. ``failed``: a collective of version ``after``
+        failed on this rank, so that version cannot step any more and ends now."""
+        self.worker(worker_id, now)
+        group = self.groups.group_of_rank(worker_id)
+        if group is None:
+            raise LedgerError(f"{worker_id} did not register as a rank of a data-parallel group")
+        if step > self.ledger.model_step.get(group.model, 0):
+            raise LedgerError(f"model {group.model}: a rank at step {step} is ahead of the ledger's "
+                              f"{self.ledger.model_step.get(group.model, 0)}")
+        membership = group.memberships.get(worker_id)
+        if membership is not None:
+            if group.version > after and (step == group.step or membership.transfer):
+                return membership
+            if group.version > after or failed:  # it holds another step than the version's, or the version broke
+                log.info("model %s: rank %d of membership %d %s", group.model, membership.rank, group.version,
+                         "reports a failed collective" if failed else f"holds step {step}, not {group.step}")
+                self._end_version(group, reopen=False)
+            else:
+                return None  # the version ends when the member that is leaving it deregisters
+        self.groups.report_step(worker_id, step)
+        self._maybe_open(group)
+        membership = group.memberships.get(worker_id)
+        return membership if membership is not None and group.version > after else None
