@@ -53,8 +53,9 @@ def _run(run_dir, keys, tmp_path, node_a: list[str], on_b: list[tuple[str, str]]
         wait_for_stats(run_dir, lambda s: s["transport"]["kind"] == "nixl", 120, what="the dispatcher up")
         workers = [_start_on_b(run_dir, keys, tmp_path, role, name) for role, name in on_b]
         try:
-            nodes = wait_for_stats(run_dir, lambda s: s["nodes"] if s["nodes"].get("b", {}).get("drafters") else None,
-                                   120, what="node b's workers registered")
+            nodes = wait_for_stats(run_dir, lambda s: s["nodes"] if s["nodes"].get("b", {}).get("drafters")
+                                   and s["nodes"].get("a", {}).get("targets") else None, 120,
+                                   what="node a's target and node b's drafters registered")
             assert set(nodes) == {"a", "b"}
             assert "node b:" in hsd("stats", "--run-dir", str(run_dir)).stdout
             assert launch.wait(timeout=240) == 0, (tmp_path / "launch.log").read_text()[-3000:]
