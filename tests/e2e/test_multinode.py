@@ -98,5 +98,7 @@ def test_drafters_on_both_nodes_read_mostly_locally(run_dir, tmp_path, keys, loo
     # remote_after_s=0 the drafter would read the other node's at once (10-18 local). Turn by turn
     # through the core, with the same data as one node: tests/dispatcher/test_pool_nodes.py (92% local).
     assert reads["local"] > reads["remote"], reads
-    # Timing decides a 21-job run's figures; the bounds are those of the one-node launch test
-    assert r["prefix_deviation"]["consumed"] <= 3 and r["step_mix"] >= 0.6, r
+    # Timing decides a 21-job run's figures (its 6 steps' mix ranged from 0.67 to 1.0 on a loaded host):
+    # the consumed stream is held to the one-node launch test's bound, the step mix is left to
+    # tests/dispatcher/test_pool_nodes.py, where it is not timing's.
+    assert r["prefix_deviation"]["consumed"] <= 3, r["prefix_deviation"]
