@@ -76,9 +76,12 @@ def cmd_worker(args) -> int:
         backend = LinearDrafter(config, model_id=model_id)
     else:
         if not config.target.model:  # said before torch loads: the drafter reads the target's config and head
-            raise ConfigError("target.model: the DFlash drafter needs the target model directory (or use --sim)")
-        from drafter_worker.dflash_backend import DFlashBackend
-        backend = DFlashBackend(config, model_id=model_id)
+            raise ConfigError("target.model: the drafter needs the target model directory (or use --sim)")
+        if config.drafter.objective == "eagle3":
+            from drafter_worker.eagle3_backend import Eagle3Backend as Backend
+        else:
+            from drafter_worker.dflash_backend import DFlashBackend as Backend
+        backend = Backend(config, model_id=model_id)
     if grouped:
         from drafter_worker.group_loop import GroupDrafterLoop
         loop = GroupDrafterLoop(config, name, backend)
@@ -295,7 +298,8 @@ def cmd_demo(args) -> int:
     _setup_logging("demo")
     from drafter_worker.demo import run_demo
     return run_demo(out=args.out, config_path=args.config, overrides=args.overrides, samples=args.samples,
-                    eval_prompts=args.eval_prompts, max_new_tokens=args.max_new_tokens, tiny_steps=args.tiny_steps)
+                    eval_prompts=args.eval_prompts, max_new_tokens=args.max_new_tokens, tiny_steps=args.tiny_steps,
+                    objective=args.objective)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -306,13 +310,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.set_defaults(func=cmd_launch)
 
-    p = sub.add_parser("demo", help="tiny target -> its own answers -> online DFlash training -> tau before/after")
+    p = sub.add_parser("demo", help="tiny target -> its own answers -> online drafter training -> tau before/after")
     _add_config_args(p)
     p.add_argument("--out", default="runs/demo", help="demo directory: target, data, run (default runs/demo)")
     p.add_argument("--samples", type=int, default=200, help="training prompts whose answers the target regenerates")
     p.add_argument("--eval-prompts", type=int, default=12, help="held-out prompts of the tau evaluation")
     p.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per evaluation prompt")
     p.add_argument("--tiny-steps", type=int, help="training steps of the tiny target (default: its full recipe)")
+    p.add_argument("--objective", choices=("dflash", "eagle3"), default="dflash",
+                   help="drafter to train (default dflash; eagle3 runs deploy/configs/demo-eagle3.yaml)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("dispatcher", help="run the dispatcher daemon")

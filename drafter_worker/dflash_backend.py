@@ -51,14 +51,14 @@ def jobs_per_epoch(config: Config) -> int:
                          tokens_per_batch=config.schedule.tokens_per_batch, batching=config.schedule.batching)
 
 
-def derive_schedule_jobs(config: Config) -> int:
+def derive_schedule_jobs(config: Config, section: str = "dflash") -> int:
     """The learning-rate schedule's length in jobs trained (it advances by every step's job count,
     so its position follows what was trained whatever the world size of a group did): every job of
-    every epoch, shared among ``drafter.count`` independent drafters; or ``dflash.total_steps``
+    every epoch, shared among ``drafter.count`` independent drafters; or ``<section>.total_steps``
     steps of ``accum_steps x drafter.count`` jobs."""
     num_drafters = max(1, config.drafter.count)
-    if config.dflash.total_steps:
-        return config.dflash.total_steps * config.drafter.accum_steps * num_drafters
+    if getattr(config, section).total_steps:
+        return getattr(config, section).total_steps * config.drafter.accum_steps * num_drafters
     num_jobs = jobs_per_epoch(config) * config.run.epochs
     return max(1, math.ceil(num_jobs / (1 if config.drafter.grouped else num_drafters)))
 
@@ -76,7 +76,14 @@ def anchor_seed(run_seed: int, job_id: int) -> int:
 
 
 class DFlashBackend:
-    """A :class:`common.worker_backends.DrafterBackend` training a DFlash drafter with :class:`DFlashTrainer`."""
+    """A :class:`common.worker_backends.DrafterBackend` training a DFlash drafter with :class:`DFlashTrainer`.
+
+    What is not DFlash's own (checkpoints, the group's sums, metrics) serves every drafter trainer of
+    the same interface: :class:`drafter_worker.eagle3_backend.Eagle3Backend` overrides the rest.
+    """
+
+    section = "dflash"  # the config section of the drafter's keys
+    log = log  # its step lines' logger
 
     def __init__(self, config: Config, model_id: str, *, device: str | torch.device | None = None,
                  schedule_jobs: int | None = None):
@@ -90,12 +97,12 @@ class DFlashBackend:
         self.target_dir = str(config.target.model)
         self.device = torch.device(device) if device is not None else default_device(config)
         self.seed = config.run.seed
-        self.train_config = DFlashTrainConfig.from_section(
-            config.dflash, total_steps=schedule_jobs or derive_schedule_jobs(config))
+        section = getattr(config, self.section)
+        self.train_config = self._train_config(section, schedule_jobs or derive_schedule_jobs(config, self.section))
         self.train_config.validate()
         self.keep = config.drafter.checkpoint_keep
-        self.export_dtype = config.dflash.export_dtype
-        self.log_every = config.dflash.log_every
+        self.export_dtype = section.export_dtype
+        self.log_every = section.log_every
         self.trainer = self._new_trainer()
         self.step = 0
         self.trained = TrainedJobs()
@@ -105,6 +112,10 @@ class DFlashBackend:
         self.tensorboard = TensorBoardLog(config.run_dir, self.model_id)
         self.exit_after_step = int(os.environ.get(EXIT_AFTER_STEP_ENV) or 0)
         self._synced_total: float | None = None  # the group's weight total, once sync_gradients ran
+
+    def _train_config(self, section, schedule_jobs: int) -> DFlashTrainConfig:
+        # The trainer's total_steps are the schedule's length in jobs (one scheduler step per job trained).
+        return DFlashTrainConfig.from_section(section, total_steps=schedule_jobs)
 
     def _new_trainer(self) -> DFlashTrainer:
         # The process RNG is seeded too: whatever draws from it (a kernel, a library) repeats on a rerun.
@@ -208,10 +219,10 @@ class DFlashBackend:
         wall_s, compute_s, num_tokens = self.clock.finish()
         self.last_metrics = step_metrics(stats, wall_s=wall_s, compute_s=compute_s, num_tokens=num_tokens)
         if self.step % self.log_every == 0:
-            log.info("%s", format_metrics(self.model_id, self.step, self.last_metrics))
+            self.log.info("%s", format_metrics(self.model_id, self.step, self.last_metrics))
         self.tensorboard.write(self.step, self.last_metrics)
         if self.step == self.exit_after_step:
-            log.error("%s: exiting after step %d (%s)", self.model_id, self.step, EXIT_AFTER_STEP_ENV)
+            self.log.error("%s: exiting after step %d (%s)", self.model_id, self.step, EXIT_AFTER_STEP_ENV)
             os._exit(3)
         return self.last_metrics
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import ConfigError, DFlashSection, opt
+from drafter_worker.recipe import validate_recipe
 
 # Loss decay gamma per block size, as published with the method; other block sizes need an explicit gamma.
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -123,23 +124,7 @@ class DFlashTrainConfig(DFlashSection):
         return cls(**{**dataclasses.asdict(section), "total_steps": total_steps})
 
     def validate(self) -> None:
-        if self.total_steps <= 0:
-            raise ConfigError(f"dflash total_steps must be positive (it sets the learning-rate schedule), "
-                              f"got {self.total_steps}")
-        if self.lr <= 0:
-            raise ConfigError(f"dflash lr must be positive, got {self.lr}")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ConfigError(f"dflash betas must be two numbers in [0, 1), got {self.betas}")
-        if not 0 <= self.warmup_ratio < 1:
-            raise ConfigError(f"dflash warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"dflash min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.loss_chunk_size <= 0:
-            raise ConfigError(f"dflash loss_chunk_size must be positive, got {self.loss_chunk_size}")
-        if self.grad_clip < 0:
-            raise ConfigError(f"dflash grad_clip must not be negative, got {self.grad_clip}")
-        if self.dtype not in ("auto", "bfloat16", "float32"):
-            raise ConfigError(f"dflash dtype {self.dtype!r} is not one of auto, bfloat16, float32")
+        validate_recipe("dflash", self)
         if self.attention not in ("auto", "flex", "sdpa"):
             raise ConfigError(f"dflash attention {self.attention!r} is not one of auto, flex, sdpa")
 

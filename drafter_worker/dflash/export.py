@@ -59,20 +59,28 @@ def export_config(config: DFlashConfig, dtype: str) -> dict:
     }
 
 
-def save_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, *, dtype: str = "bfloat16") -> Path:
-    """Write ``config.json`` + ``model.safetensors`` into ``out_dir`` (files replaced atomically)."""
+def write_drafter_files(tensors: dict[str, torch.Tensor], config_doc: dict, out_dir: str | os.PathLike, *,
+                        dtype: str) -> Path:
+    """``config.json`` + ``model.safetensors`` (floating tensors cast to ``dtype``, integer and bool
+    tensors as they are) into ``out_dir``, each file replaced atomically."""
     if dtype not in _DTYPES:
         raise ValueError(f"export dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().to("cpu", _DTYPES[dtype]).contiguous() for name, t in model.draft_state_dict().items()}
+    tensors = {name: t.detach().to("cpu", _DTYPES[dtype] if t.is_floating_point() else t.dtype).contiguous()
+               for name, t in tensors.items()}
     tmp = out_dir / (WEIGHTS_NAME + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, out_dir / WEIGHTS_NAME)
     tmp = out_dir / (CONFIG_NAME + ".tmp")
-    tmp.write_text(json.dumps(export_config(model.config, dtype), indent=2) + "\n")
+    tmp.write_text(json.dumps(config_doc, indent=2) + "\n")
     os.replace(tmp, out_dir / CONFIG_NAME)
     return out_dir
+
+
+def save_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, *, dtype: str = "bfloat16") -> Path:
+    """Write ``config.json`` + ``model.safetensors`` into ``out_dir`` (files replaced atomically)."""
+    return write_drafter_files(model.draft_state_dict(), export_config(model.config, dtype), out_dir, dtype=dtype)
 
 
 def config_from_export(doc: dict) -> DFlashConfig:
