@@ -54,6 +54,8 @@ def cmd_worker(args) -> int:
     """``hsd target`` / ``hsd drafter``: one worker process."""
     _setup_logging()
     config = _config(args)
+    if args.node:
+        config.nodes.name = args.node
     role = args.command
     sim = args.sim or getattr(config, role).sim
     name = args.name or f"{role}-{os.getpid()}"
@@ -173,7 +175,13 @@ def cmd_config(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.remote:
+        from benchmarks.remote_transport import run_remote_bench
+        return run_remote_bench(slot_mb=args.slot_mb if args.slot_mb is not None else 16.0, seconds=args.seconds,
+                                as_json=args.json)
     from benchmarks.transport import run_transport_bench
+    if args.slot_mb is None:
+        args.slot_mb = 64.0
     return run_transport_bench(slot_mb=args.slot_mb, as_json=args.json, seconds=args.seconds)
 
 
@@ -330,6 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_config_args(p)
         p.add_argument("--sim", action="store_true", help=f"simulated {role} (same as {role}.sim=true)")
         p.add_argument("--name", help="worker name shown in stats and logs")
+        p.add_argument("--node", help="the node it runs on (same as nodes.name=...; default the hostname)")
         p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("schedule", help="print the epoch schedule and its fairness figures")
@@ -431,8 +440,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench", required=True)
     b = bench.add_parser("transport", help="hidden-state handoff bandwidth and control-plane latency")
-    b.add_argument("--slot-mb", type=float, default=64.0)
+    b.add_argument("--slot-mb", type=float, help="hidden-state MiB per slot (default 64, 16 with --remote)")
     b.add_argument("--seconds", type=float, default=2.0, help="time per measurement")
+    b.add_argument("--remote", action="store_true",
+                   help="slot reads across nodes through NIXL beside a ZeroMQ copy (needs hsdispatch[multinode])")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench)
     b = bench.add_parser("target", help="slot fill and capture tokens/s on a lognormal length mix, per batching, "
