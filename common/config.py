@@ -63,7 +63,7 @@ class PoolSection:
     min_ready: int = opt(6, "Drafters are served only while this many slots are ready, except at an epoch's tail.")
     target_credits: int = opt(2, "Slots one target may hold while extracting (its prefetch depth).")
     pull: str = opt("deficit", "Pull policy: deficit (largest consumption deficit) or random (naive, for comparison).")
-    transport: str = opt("auto", "Hidden-state transport: auto, shm or cuda_ipc.")
+    transport: str = opt("auto", "Hidden-state transport: auto, shm or cuda_ipc (one node), or nixl (across nodes: each target holds its share of pool.slots in its own node's memory, as with cuda_ipc).")
 
 
 @dataclass
@@ -90,6 +90,13 @@ class CurveSection:
     @property
     def enabled(self) -> bool:
         return bool(self.server_public_key)
+
+
+@dataclass
+class NodesSection:
+    name: str = opt("", "This process's node, which a worker names when it registers (hsd target/drafter --node); empty = the hostname.")
+    locality: str = opt("prefer", "prefer: a drafter reads its own node's slots first, another node's only when the fairness bound or its starvation asks for it; any: no preference.")
+    remote_after_s: float = opt(0.0, "With locality=prefer: how long a drafter with no eligible slot on its node waits before it reads another node's.")
 
 
 @dataclass
@@ -169,7 +176,7 @@ class DFlashSection(TrainingRecipe):
     num_draft_layers: int = opt(5, "Draft decoder layers.")
     num_anchors: int = opt(512, "Most anchors (blocks) sampled per training sequence, re-drawn every time.")
     gamma: float = opt(0.0, "Loss decay: block position k weighs exp(-(k-1)/gamma); 0 = 7 for block 16, 5 for 10, 4 for 8.")
-    mask_token_id: int = opt(-1, "Token id of the masked block positions; -1 = the last row of the target embedding.")
+    mask_token_id: int = opt(-1, "Token id of the masked block positions; -1 = the tokenizer's mask token, else a reserved special token absent from the data, else an error.")
     attention: str = opt("auto", "Attention kernel: auto (flex attention on GPU, SDPA elsewhere), flex or sdpa.")
 
 
@@ -191,6 +198,7 @@ class Config:
     pool: PoolSection = field(default_factory=PoolSection)
     dispatcher: DispatcherSection = field(default_factory=DispatcherSection)
     curve: CurveSection = field(default_factory=CurveSection)
+    nodes: NodesSection = field(default_factory=NodesSection)
     target: TargetSection = field(default_factory=TargetSection)
     drafter: DrafterSection = field(default_factory=DrafterSection)
     dflash: DFlashSection = field(default_factory=DFlashSection)
@@ -218,7 +226,8 @@ _CHOICES = {
     ("schedule", "batching"): ("sorted", "fixed"),
     ("schedule", "assignment"): ("shared", "per_target"),
     ("pool", "pull"): ("deficit", "random"),
-    ("pool", "transport"): ("auto", "shm", "cuda_ipc"),
+    ("pool", "transport"): ("auto", "shm", "cuda_ipc", "nixl"),
+    ("nodes", "locality"): ("prefer", "any"),
     ("target", "dtype"): ("auto", "bfloat16", "float16", "float32"),
     ("dflash", "dtype"): ("auto", "bfloat16", "float32"),
     ("dflash", "attention"): ("auto", "flex", "sdpa"),
@@ -330,6 +339,8 @@ def validate(config: Config) -> None:
             raise ConfigError(f"{section}.{key} must not be negative")
     if config.schedule.assignment == "per_target" and config.target.count < 1:
         raise ConfigError("schedule.assignment=per_target needs target.count >= 1 (one queue per target)")
+    if config.nodes.remote_after_s < 0:
+        raise ConfigError("nodes.remote_after_s must not be negative")
     if config.pool.min_ready >= config.pool.slots:
         raise ConfigError(f"pool.min_ready ({config.pool.min_ready}) must be below pool.slots ({config.pool.slots})")
     if not 0 <= config.dispatcher.metrics_port < 65536:

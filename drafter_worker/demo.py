@@ -76,9 +76,6 @@ def prepare_inputs(out: Path, *, config_path: str | os.PathLike | None, override
     tiny = make_tiny(target_dir, seed=0, spec=TinySpec() if tiny_steps is None else TinySpec(steps=tiny_steps))
     timings["make_tiny"] = _done(started, f"greedy answer match on held-out turns {tiny['match_rate_trained']:.3f}")
 
-    if tiny.get("mask_token_id") is not None and not any(o.startswith("dflash.mask_token_id=") for o in overrides):
-        # The tiny tokenizer has a token of its own for the masked block positions.
-        overrides = [f"dflash.mask_token_id={tiny['mask_token_id']}", *overrides]
     config = load_config(config_path or DEFAULT_CONFIG,
                          [*overrides, f"run.dir={out / 'run'}", f"target.model={target_dir}", "data.path="])
     from target_worker.regenerate import regenerate_file
@@ -132,7 +129,7 @@ def run_demo(*, out: str | os.PathLike, config_path: str | os.PathLike | None, o
         print(f"demo: the run failed (exit code {code}); logs in {run_dir / 'logs'}")
         return code
 
-    from common.witness import latest_checkpoint
+    from common.witness import latest_checkpoint, servable_dir
     from drafter_worker.dflash.eval import evaluate
     from drafter_worker.dflash.prompts import load_chat_prompts
     if objective == "eagle3":
@@ -146,8 +143,8 @@ def run_demo(*, out: str | os.PathLike, config_path: str | os.PathLike | None, o
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     untrained = Backend(config, "untrained", schedule_jobs=1).trainer.model.eval()  # the run's initial weights
     before = evaluate(target_dir, untrained, prompts, max_new_tokens, target=target)
-    checkpoint = latest_checkpoint(run_dir, DRAFTER_NAME)
-    after = evaluate(target_dir, checkpoint.path, prompts, max_new_tokens, target=target)
+    drafter_dir = servable_dir(latest_checkpoint(run_dir, DRAFTER_NAME))
+    after = evaluate(target_dir, drafter_dir, prompts, max_new_tokens, target=target)
     timings["eval"] = _done(started, f"tau {before['tau']:.2f} -> {after['tau']:.2f}")
 
     steps = _step_log(run_dir)
@@ -164,7 +161,7 @@ def run_demo(*, out: str | os.PathLike, config_path: str | os.PathLike | None, o
         "witness_duplicates": report["witness_duplicates"],
         "witness_missing": report["witness_missing"],
         "seconds": {k: round(v, 1) for k, v in timings.items()} | {"total": round(time.perf_counter() - began, 1)},
-        "drafter": str(checkpoint.path),
+        "drafter": str(drafter_dir),
         "run_dir": str(run_dir),
     }
     shape = (f"{after['block_size'] - 1} chained drafts" if objective == "eagle3" else f"block {after['block_size']}")
@@ -174,6 +171,6 @@ def run_demo(*, out: str | os.PathLike, config_path: str | os.PathLike | None, o
     print(f"mean acceptance length tau on {len(prompts)} held-out prompts: {before['tau']:.2f} untrained -> "
           f"{after['tau']:.2f} trained (output equal to the target's greedy output)")
     print(f"exactly once: witness duplicates {report['witness_duplicates']}, missing {report['witness_missing']}; "
-          f"drafter exported to {checkpoint.path}; total {summary['seconds']['total']:.0f}s")
+          f"drafter exported to {drafter_dir} (serve it as it is); total {summary['seconds']['total']:.0f}s")
     print(json.dumps(summary))
     return 0

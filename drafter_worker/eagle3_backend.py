@@ -20,10 +20,9 @@ import torch
 from common.config import Config, ConfigError
 from common.prepared import PreparedDataset
 from common.slots import SlotBatch
-from drafter_worker.dflash.state_io import save_state
 from drafter_worker.dflash_backend import DFlashBackend
 from drafter_worker.eagle3.config import Eagle3TrainConfig
-from drafter_worker.eagle3.export import save_drafter
+from drafter_worker.eagle3.export import export_config
 from drafter_worker.eagle3.trainer import Eagle3Trainer
 from drafter_worker.eagle3.vocab import count_response_tokens, draft_vocab_from_counts
 
@@ -50,6 +49,7 @@ class Eagle3Backend(DFlashBackend):
     """A :class:`common.worker_backends.DrafterBackend` training an EAGLE-3 drafter with :class:`Eagle3Trainer`."""
 
     section = "eagle3"
+    export_config = staticmethod(export_config)
     log = log
 
     def __init__(self, config: Config, model_id: str, **kwargs: Any):
@@ -72,11 +72,6 @@ class Eagle3Backend(DFlashBackend):
         torch.manual_seed(self.seed)
         return Eagle3Trainer(self.train_config, target_dir=self.target_dir, layer_ids=self.layer_ids,
                              device=self.device, seed=self.seed, d2t=self.d2t, t2d=self.t2d)
-
-    def write_checkpoint_files(self, directory: Path) -> None:
-        """Exported drafter + training state into ``directory`` (a step directory being written)."""
-        save_drafter(self.trainer.model, directory, dtype=self._export_dtype())
-        save_state({"trainer": self.trainer.state_dict(), "torch_rng": torch.get_rng_state()}, directory)
 
     def micro_batch(self, job: dict[str, Any], batch: SlotBatch) -> None:
         started = time.perf_counter()

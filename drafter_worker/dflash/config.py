@@ -29,6 +29,15 @@ def default_gamma(block_size: int) -> float:
     return DEFAULT_GAMMA[block_size]
 
 
+def read_target_config(target_dir: str | Path) -> dict:
+    """The target's language-model config (``config.json``; a multimodal wrapper's ``text_config``)."""
+    path = Path(target_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"target directory {target_dir} has no config.json")
+    target = json.loads(path.read_text())
+    return target.get("text_config", target)  # multimodal wrappers keep the language model's config inside
+
+
 @dataclass
 class DFlashConfig:
     block_size: int = opt(16, "Tokens per draft block: the anchor token plus block_size - 1 masked positions.")
@@ -37,6 +46,8 @@ class DFlashConfig:
     gamma: float = opt(0.0, "Loss decay: position k weighs exp(-(k-1)/gamma); 0 = the default for block_size.")
     target_layer_ids: list[int] = opt([], "Target layers whose outputs are fused (layer i = hidden_states[i+1]).")
     num_target_layers: int = opt(0, "Decoder layers of the target (exported for serving engines).")
+    # A run's default comes from the tokenizer (drafter_worker.dflash.mask_token); -1 here, for a
+    # model built directly (tests and benches on random tokens), is the embedding's last row.
     mask_token_id: int = opt(-1, "Token id of the masked block positions; -1 = the last row of the target embedding.")
     hidden_size: int = opt(0, "Hidden size (must equal the target's).")
     intermediate_size: int = opt(0, "SwiGLU inner size of the draft layers.")
@@ -83,11 +94,7 @@ class DFlashConfig:
     @classmethod
     def from_target(cls, target_dir: str | Path, *, layer_ids: list[int], **overrides) -> "DFlashConfig":
         """Draft dimensions from the target's ``config.json``; ``overrides`` set any field."""
-        path = Path(target_dir) / "config.json"
-        if not path.is_file():
-            raise ConfigError(f"target directory {target_dir} has no config.json")
-        target = json.loads(path.read_text())
-        target = target.get("text_config", target)  # multimodal wrappers keep the language model's config inside
+        target = read_target_config(target_dir)
         rope_theta = target.get("rope_theta") or (target.get("rope_parameters") or {}).get("rope_theta", 1e6)
         num_heads = target["num_attention_heads"]
         fields = dict(

@@ -10,7 +10,7 @@ from safetensors import safe_open
 
 from common.capture_contract import contract_from_config
 from common.slots import SlotBatch, SlotHeader
-from common.witness import latest_checkpoint
+from common.witness import latest_checkpoint, servable_dir
 from drafter_worker.dflash.eval import evaluate
 from drafter_worker.eagle3.export import load_drafter
 from drafter_worker.eagle3_backend import Eagle3Backend
@@ -58,7 +58,8 @@ def test_checkpoint_resumes_exactly_and_exports_the_eagle3_layout(tiny_target, t
     for name, tensor in straight.trainer.model.draft_state_dict().items():
         assert torch.equal(tensor, resumed.trainer.model.draft_state_dict()[name]), name
 
-    exported = latest_checkpoint(config.run_dir, "drafter-0").path
+    exported = servable_dir(latest_checkpoint(config.run_dir, "drafter-0"))
+    assert sorted(p.name for p in exported.iterdir()) == ["config.json", "model.safetensors"]
     doc = json.loads((exported / "config.json").read_text())
     assert doc["architectures"] == ["LlamaForCausalLMEagle3"] and doc["num_hidden_layers"] == 1
     assert (doc["draft_vocab_size"], doc["vocab_size"]) == (DRAFT_VOCAB, 300)
