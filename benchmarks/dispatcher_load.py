@@ -189,6 +189,9 @@ class DispatcherLoad:
     def watch_builds(self) -> None:
         """Time each build from its request (the epoch before it started) to its end, in the child."""
         following = max(self.core.epoch_jobs) + 1
+        for epoch in [e for e in self.build_started if e < following and e not in self.build_s]:
+            # it started between two sweeps, so its build ended by now: an upper bound of its time
+            self.build_s[epoch] = time.monotonic() - self.build_started[epoch]
         builder = self.core.store.builder
         if following >= self.o.epochs or not builder.requested(following):
             return
