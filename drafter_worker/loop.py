@@ -220,7 +220,6 @@ class DrafterLoop(WorkerLoop):
         """Save weights + witness, then tell the dispatcher that the model's state at this step is durable."""
         step = self.backend.step
         self.backend.save_checkpoint(self.run_dir)
-        self.checkpointed_step = step
         try:
             if best_effort:
                 self.session.call("checkpoint", model=self.backend.model_id, step=step)
@@ -228,9 +227,11 @@ class DrafterLoop(WorkerLoop):
                 self.session.call_until_answered("checkpoint", model=self.backend.model_id, step=step)
         except (ProtocolError, WorkerLost, DispatcherGone) as exc:
             if not best_effort:
-                raise
+                raise  # not checkpointed as far as the dispatcher knows: sent again after registering again
+            self.checkpointed_step = step
             log.warning("%s: checkpoint at step %d saved, but not acknowledged: %s", self.name, step, exc)
             return
+        self.checkpointed_step = step  # acknowledged: the dispatcher's `done` may count on it
         log.info("%s: checkpoint of model %s at step %d", self.name, self.backend.model_id, step)
 
     def _stop(self, reports: list[int]) -> None:
