@@ -201,7 +201,9 @@ class DispatcherCore(GroupOps):
         reverted = self.ledger.rollback(model, step)
         if step < self.checkpoints.get(model, 0):
             self.checkpoints[model] = step
-        self.journal.record("rollback", durable=True, model=model, step=step, jobs=len(reverted))
+        # Every rollback is a restart from a checkpoint: a lone drafter's, or a group's none of whose
+        # live ranks held the committed step (a membership change itself never rolls back).
+        self.journal.record("rollback", durable=True, model=model, step=step, jobs=len(reverted), cause="restart")
         if reverted:
             log.info("model %s registered at step %d: %d job(s) committed after it go back to pending",
                      model, step, len(reverted))
