@@ -37,7 +37,8 @@ class GroupOps:
     def _maybe_open(self, group: DrafterGroup, now: float) -> None:
         """Open the group's next version when its rules allow it now."""
         ledger_step = self.ledger.model_step.get(group.model, 0)
-        if not self.groups.may_open(group, busy=self._busy(group), ledger_step=ledger_step, now=now):
+        if not self.groups.may_open(group, busy=self._busy(group), ledger_step=ledger_step,
+                                    checkpoint_step=self.checkpoints.get(group.model, 0), now=now):
             return
         opened = self.groups.open(group, ledger_step)
         for worker_id in opened.previous_members:  # what they hold belongs to a step that will not complete
@@ -103,3 +104,12 @@ class GroupOps:
         self._maybe_open(group, now)
         membership = group.memberships.get(worker_id)
         return membership if membership is not None and group.version > after else None
+
+    def checkpoint_to_load(self, worker_id: str) -> int | None:
+        """For a waiting rank's empty ``join_group`` reply: the checkpoint it must load first (see
+        :meth:`dispatcher.groups.DrafterGroups.checkpoint_to_load`)."""
+        group = self.groups.group_of_rank(worker_id)
+        if group is None:
+            return None
+        return self.groups.checkpoint_to_load(worker_id, self.ledger.model_step.get(group.model, 0),
+                                              self.checkpoints.get(group.model, 0))

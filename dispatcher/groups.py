@@ -184,8 +184,10 @@ class DrafterGroups:
         group.survivors = set(members)
         return members
 
-    def may_open(self, group: DrafterGroup, *, busy: bool, ledger_step: int, now: float) -> bool:
-        """Whether the next version opens now. ``busy``: a member holds a job (a step is in flight)."""
+    def may_open(self, group: DrafterGroup, *, busy: bool, ledger_step: int, checkpoint_step: int,
+                 now: float) -> bool:
+        """Whether the next version opens now. ``busy``: a member holds a job (a step is in flight);
+        ``checkpoint_step``: the model's latest durable checkpoint."""
         if not group.waiting:
             return False
         if not group.members:
@@ -197,6 +199,8 @@ class DrafterGroups:
                     return False  # a guessed step: wait for the ranks to say theirs
                 if not group.version and not group.survivors and now < self.live_wait_until:
                     return False  # after a restart: a rank holding the committed step may still register
+                if start < min(checkpoint_step, ledger_step):
+                    return False  # a newer checkpoint than any rank holds: they load it first (checkpoint_to_load)
         if group.members:  # joiners wait for the step boundary and for room
             room = group.spec.max_ranks - len(group.members) if group.spec.max_ranks else len(group.waiting)
             return not busy and room > 0
@@ -204,6 +208,20 @@ class DrafterGroups:
         # none of whose ranks survived is new again: it waits for drafter.count.
         needed = group.spec.min_ranks if group.survivors else group.spec.size
         return len(group.waiting) >= needed
+
+    def checkpoint_to_load(self, worker_id: str, ledger_step: int, checkpoint_step: int) -> int | None:
+        """The checkpoint step a waiting rank must load before its group can open (None: none).
+
+        When no live rank holds the committed step (the last one left or died before its state went
+        out), a durable checkpoint newer than what the waiting ranks hold is the state to start from:
+        going back to an older one would throw away the steps in between."""
+        group = self.group_of_rank(worker_id)
+        if group is None or group.members or worker_id not in group.waiting or worker_id in group.unconfirmed:
+            return None
+        target = min(checkpoint_step, ledger_step)
+        start = source_step(group.waiting.values(), ledger_step)
+        held = group.waiting[worker_id]
+        return target if start is not None and start < target and held < target else None
 
     def open(self, group: DrafterGroup, ledger_step: int) -> Opened:
         """The next version: the current members plus every waiting rank (up to max_ranks)."""

@@ -201,3 +201,15 @@ def test_after_a_dispatcher_restart_that_finds_no_live_rank_the_group_rolls_back
     assert _join(core, old, step=1, now=14.0) is None  # within worker_timeout_s a live rank may still come
     m = _join(core, old, step=1, now=15.5)  # none came: the whole group crashed, its checkpoint is the state
     assert m.step == 1 and core.ledger.model_step["m"] == 1 and len(_rollbacks(tmp_path)) == 1
+
+
+def test_when_the_last_live_rank_leaves_before_its_state_went_out_the_joiner_loads_the_newer_checkpoint(tmp_path):
+    core, a, v1 = _lone_rank_stepping(tmp_path, 3)
+    core.checkpoint(a.id, 3, 3.5, model="m")
+    b = _rank(core, "b", size=1, step=1, now=4.0)  # its checkpoint then was step 1
+    assert _join(core, b, step=1, now=4.0).transfer
+    core.deregister(a.id, 4.5)  # a detaches before any step of the new version: b never got the state
+    assert _join(core, b, after=v1 + 1, step=1, failed=True, now=5.0) is None  # no rollback to step 1 ...
+    assert core.checkpoint_to_load(b.id) == 3  # ... b loads the checkpoint of step 3 first
+    m = _join(core, b, after=v1 + 1, step=3, now=6.0)
+    assert (m.step, m.transfer) == (3, False) and core.ledger.model_step["m"] == 3 and not _rollbacks(tmp_path)
