@@ -1,5 +1,5 @@
 # Two commands do everything on a fresh machine: `make demo` and `make test`.
-# Both create .venv and install what they need. On a GPU host, install the CUDA build of torch
+# Both create .venv and install what they need (the multinode extra, NIXL, included). On a GPU host, install the CUDA build of torch
 # into .venv first (or set TORCH_SPEC); the default is the CPU build.
 PYTHON ?= python3
 VENV ?= .venv
@@ -11,7 +11,8 @@ BIN := $(VENV)/bin
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(VENV)/torch-pin.txt
+	$(BIN)/pip install -q -c $(VENV)/torch-pin.txt -e '.[test,multinode]'  # never replaces the torch build
 	touch $@
 
 install: $(BIN)/.installed

@@ -41,7 +41,7 @@ def write_launch_inputs(root: Path, *, num_samples: int, hidden: int) -> tuple[P
     from common.prepared import FORMAT, MANIFEST_FILE, load_tokenizer, tokenizer_fingerprint
     from target_worker.prepare import _Writer
     from target_worker.synthetic_language import make_splits
-    from target_worker.tiny_tokenizer import build_tokenizer
+    from target_worker.tiny_tokenizer import SPECIAL_TOKENS, build_tokenizer
     import torch
     target_dir, data_dir = root / "target", root / "data"
     if not (data_dir / MANIFEST_FILE).is_file():
@@ -58,7 +58,9 @@ def write_launch_inputs(root: Path, *, num_samples: int, hidden: int) -> tuple[P
         writer = _Writer(data_dir)
         lengths = rng.integers(12, 60, size=num_samples).tolist()
         for length in lengths:
-            writer.add(rng.integers(1, vocab - 1, size=length).tolist(), [0] * 4 + [1] * (length - 4))
+            # Ordinary tokens only: the special ones (ids 0-3, the mask token the drafter defaults to among
+            # them) never occur in real data either.
+            writer.add(rng.integers(len(SPECIAL_TOKENS), vocab, size=length).tolist(), [0] * 4 + [1] * (length - 4))
         writer.finish()
         manifest = {"format": FORMAT, "num_samples": num_samples, "num_tokens": int(sum(lengths)),
                     "tokenizer": {"fingerprint": tokenizer_fingerprint(load_tokenizer(target_dir))}}

@@ -7,7 +7,8 @@ torch and no weights: the dispatcher, which imports no model code, sizes its slo
 
 Layer ``i`` is the output of decoder layer ``i`` (0-based), i.e. ``hidden_states[i + 1]`` of a
 Hugging Face forward with ``output_hidden_states=True`` (index 0 is the embedding output). The
-captured layers sit side by side on the feature axis: ``[tokens, K × hidden_size]``.
+captured layers sit side by side on the feature axis: ``[tokens, K × hidden_size]``; an EAGLE-3
+contract (``final_norm``) adds the last decoder state after the final norm as one more block.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ class CaptureContract:
     hidden_size: int
     layer_ids: tuple[int, ...]  # captured decoder layers, ascending
     dtype: str  # dtype of the captured states (and of the target's forward)
+    # The last decoder state after the final norm, one more H-wide block after the layers: an
+    # EAGLE-3 drafter turns it into the target's logits with the frozen LM head on its own device,
+    # so the slot carries H values a token instead of a vocabulary's worth.
+    final_norm: bool = False
 
     def __post_init__(self) -> None:
         ids = list(self.layer_ids)
@@ -46,9 +51,14 @@ class CaptureContract:
         return len(self.layer_ids)
 
     @property
+    def num_blocks(self) -> int:
+        """H-wide column blocks of a token row: the captured layers, then the final-norm state if any."""
+        return self.num_capture_layers + int(self.final_norm)
+
+    @property
     def row_width(self) -> int:
-        """Features per token: the captured layers side by side."""
-        return self.num_capture_layers * self.hidden_size
+        """Features per token: the captured layers side by side (then the final-norm state)."""
+        return self.num_blocks * self.hidden_size
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (msgpack, JSON): what a target sends when it registers."""
@@ -61,7 +71,7 @@ class CaptureContract:
         try:
             return cls(architecture=str(doc["architecture"]), num_layers=int(doc["num_layers"]),
                        hidden_size=int(doc["hidden_size"]), layer_ids=tuple(int(i) for i in doc["layer_ids"]),
-                       dtype=str(doc["dtype"]))
+                       dtype=str(doc["dtype"]), final_norm=bool(doc.get("final_norm", False)))
         except KeyError as exc:
             raise ValueError(f"capture contract is missing {exc.args[0]!r}: {dict(doc)!r}") from None
 
@@ -83,6 +93,16 @@ def default_layer_ids(num_layers: int, num_capture_layers: int = 5) -> list[int]
                          f"target.capture_layers")
     span = last - first
     return [round(first + k * span / (num_capture_layers - 1)) for k in range(num_capture_layers)]
+
+
+def eagle3_layer_ids(num_layers: int) -> list[int]:
+    """The EAGLE-3 choice: a low, a middle and a high layer, the outputs of layers 1, N/2 − 1 and N − 4
+    (Qwen3-8B, 36 layers: 1, 17, 32, i.e. ``hidden_states`` indices 2, 18, 33)."""
+    ids = [1, num_layers // 2 - 1, num_layers - 4]
+    if ids != sorted(set(ids)):
+        raise ValueError(f"the EAGLE-3 default layers 1, N/2-1, N-4 of a {num_layers}-layer target are {ids}, not "
+                         f"three distinct ascending layers; list three in target.capture_layers")
+    return ids
 
 
 def read_model_config(model_dir: str | Path) -> dict[str, Any]:
@@ -123,12 +143,17 @@ def model_shape(doc: Mapping[str, Any]) -> tuple[str, int, int]:
 
 
 def build_contract(doc: Mapping[str, Any], *, layer_ids: Sequence[int] = (), num_capture_layers: int = 5,
-                   dtype: str) -> CaptureContract:
-    """The contract for a parsed ``config.json``: ``layer_ids``, or the DFlash default for K layers."""
+                   dtype: str, objective: str = "dflash") -> CaptureContract:
+    """The contract for a parsed ``config.json``: ``layer_ids``, or the default of the drafter's
+    ``objective`` (DFlash: K evenly spaced layers; EAGLE-3: three layers plus the final-norm state)."""
     architecture, num_layers, hidden_size = model_shape(doc)
-    ids = list(layer_ids) if layer_ids else default_layer_ids(num_layers, num_capture_layers)
+    eagle3 = objective == "eagle3"
+    if layer_ids:
+        ids = list(layer_ids)
+    else:
+        ids = eagle3_layer_ids(num_layers) if eagle3 else default_layer_ids(num_layers, num_capture_layers)
     return CaptureContract(architecture=architecture, num_layers=num_layers, hidden_size=hidden_size,
-                           layer_ids=tuple(ids), dtype=dtype)
+                           layer_ids=tuple(ids), dtype=dtype, final_norm=eagle3)
 
 
 def contract_from_model_dir(model_dir: str | Path, *, layer_ids: Sequence[int] = (), num_capture_layers: int = 5,
@@ -162,10 +187,10 @@ def resolve_capture_dtype(config: Any) -> str:
 
 def contract_from_config(config: Any, *, model_config: Mapping[str, Any] | None = None) -> CaptureContract:
     """The run's contract from ``target.model`` (its ``config.json``), ``target.capture_layers`` or the
-    DFlash default for ``target.num_capture_layers``, and the resolved ``target.dtype``."""
+    default of ``drafter.objective``, and the resolved ``target.dtype``."""
     target = config.target
     if not target.model:
         raise ValueError("target.model is not set: the capture contract comes from the target model's config.json")
     doc = model_config if model_config is not None else read_model_config(target.model)
     return build_contract(doc, layer_ids=target.capture_layers, num_capture_layers=target.num_capture_layers,
-                          dtype=resolve_capture_dtype(config))
+                          dtype=resolve_capture_dtype(config), objective=config.drafter.objective)

@@ -63,7 +63,7 @@ class PoolSection:
     min_ready: int = opt(6, "Drafters are served only while this many slots are ready, except at an epoch's tail.")
     target_credits: int = opt(2, "Slots one target may hold while extracting (its prefetch depth).")
     pull: str = opt("deficit", "Pull policy: deficit (largest consumption deficit) or random (naive, for comparison).")
-    transport: str = opt("auto", "Hidden-state transport: auto, shm or cuda_ipc.")
+    transport: str = opt("auto", "Hidden-state transport: auto, shm or cuda_ipc (one node), or nixl (across nodes: each target holds its share of pool.slots in its own node's memory, as with cuda_ipc).")
 
 
 @dataclass
@@ -93,6 +93,13 @@ class CurveSection:
 
 
 @dataclass
+class NodesSection:
+    name: str = opt("", "This process's node, which a worker names when it registers (hsd target/drafter --node); empty = the hostname.")
+    locality: str = opt("prefer", "prefer: a drafter reads its own node's slots first, another node's only when the fairness bound or its starvation asks for it; any: no preference.")
+    remote_after_s: float = opt(0.0, "With locality=prefer: how long a drafter with no eligible slot on its node waits before it reads another node's.")
+
+
+@dataclass
 class TargetSection:
     model: str = opt("", "Local Hugging Face model directory of the target.")
     count: int = opt(1, "Target workers started by hsd launch.")
@@ -119,7 +126,8 @@ class DrafterSection:
     checkpoint_every: int = opt(50, "Optimizer steps between checkpoints (one is also saved when the run drains).")
     checkpoint_keep: int = opt(3, "Checkpoints kept per model; older step directories are removed.")
     max_restarts: int = opt(3, "Restarts hsd launch grants a crashed drafter.")
-    backend: str = opt("dflash", "Model a real (non-sim) drafter trains: dflash, or linear (a one-layer model on the captured states, for tests).")
+    backend: str = opt("dflash", "What a real (non-sim) drafter runs: dflash (a drafter model of drafter.objective), or linear (a one-layer model on the captured states, for tests).")
+    objective: str = opt("dflash", "Drafter a real drafter trains: dflash (block diffusion, the default) or eagle3 (EAGLE-3: one layer, training-time test); it sets the capture contract's defaults.")
     data_parallel: bool = opt(True, "With count > 1, real drafters train one model as a torch.distributed group (sim drafters always train a model each).")
     model: str = opt("drafter", "Id of the model a data-parallel group trains (its checkpoints live in run.dir/models/<model>).")
     collective_timeout_s: float = opt(60.0, "Longest a rank waits in a collective (gradient all-reduce, group rendezvous) before it gives the step up.")
@@ -147,12 +155,8 @@ class DrafterSection:
 
 
 @dataclass
-class DFlashSection:
-    block_size: int = opt(16, "Tokens per draft block: the anchor plus block_size - 1 drafted positions.")
-    num_draft_layers: int = opt(5, "Draft decoder layers.")
-    num_anchors: int = opt(512, "Most anchors (blocks) sampled per training sequence, re-drawn every time.")
-    gamma: float = opt(0.0, "Loss decay: block position k weighs exp(-(k-1)/gamma); 0 = 7 for block 16, 5 for 10, 4 for 8.")
-    mask_token_id: int = opt(-1, "Token id of the masked block positions; -1 = the last row of the target embedding.")
+class TrainingRecipe:
+    """The optimizer, schedule and precision keys every drafter section has (the trainer's recipe)."""
     lr: float = opt(6e-4, "Peak AdamW learning rate.")
     betas: list[float] = opt([0.9, 0.95], "AdamW betas.")
     weight_decay: float = opt(0.0, "AdamW decoupled weight decay.")
@@ -160,11 +164,30 @@ class DFlashSection:
     min_lr_ratio: float = opt(0.0, "Floor of the cosine decay, as a fraction of lr.")
     grad_clip: float = opt(1.0, "Clip the global gradient norm to this; 0 = no clipping.")
     total_steps: int = opt(0, "Length of the cosine schedule in steps of accum_steps x drafter.count jobs; the schedule advances by the jobs each step trained, so a changing world size does not shift it. 0 = every job of every epoch.")
-    loss_chunk_size: int = opt(4096, "Block positions whose logits are computed at once (bounds the logits' memory).")
+    loss_chunk_size: int = opt(4096, "Positions whose logits are computed at once (bounds the logits' memory).")
     dtype: str = opt("auto", "Compute dtype: auto (bfloat16 autocast on GPU, float32 on CPU), bfloat16 or float32.")
-    attention: str = opt("auto", "Attention kernel: auto (flex attention on GPU, SDPA elsewhere), flex or sdpa.")
     export_dtype: str = opt("auto", "Dtype of the exported drafter weights; auto = the compute dtype.")
     log_every: int = opt(1, "Optimizer steps between two metric log lines.")
+
+
+@dataclass
+class DFlashSection(TrainingRecipe):
+    block_size: int = opt(16, "Tokens per draft block: the anchor plus block_size - 1 drafted positions.")
+    num_draft_layers: int = opt(5, "Draft decoder layers.")
+    num_anchors: int = opt(512, "Most anchors (blocks) sampled per training sequence, re-drawn every time.")
+    gamma: float = opt(0.0, "Loss decay: block position k weighs exp(-(k-1)/gamma); 0 = 7 for block 16, 5 for 10, 4 for 8.")
+    mask_token_id: int = opt(-1, "Token id of the masked block positions; -1 = the tokenizer's mask token, else a reserved special token absent from the data, else an error.")
+    attention: str = opt("auto", "Attention kernel: auto (flex attention on GPU, SDPA elsewhere), flex or sdpa.")
+
+
+@dataclass
+class Eagle3Section(TrainingRecipe):
+    ttt_steps: int = opt(7, "Training-time test: steps unrolled on the drafter's own hidden states (and tokens drafted at evaluation).")
+    draft_vocab: int = opt(32000, "Draft vocabulary: the most frequent target tokens of the training responses (capped at the target's vocabulary).")
+    loss_decay: float = opt(0.8, "Step k of the training-time test weighs loss_decay ** k.")
+    lr: float = opt(1e-4, "Peak AdamW learning rate.")
+    warmup_ratio: float = opt(0.015, "Share of the total steps spent warming the learning rate up linearly.")
+    grad_clip: float = opt(0.5, "Clip the global gradient norm to this; 0 = no clipping.")
 
 
 @dataclass
@@ -175,9 +198,11 @@ class Config:
     pool: PoolSection = field(default_factory=PoolSection)
     dispatcher: DispatcherSection = field(default_factory=DispatcherSection)
     curve: CurveSection = field(default_factory=CurveSection)
+    nodes: NodesSection = field(default_factory=NodesSection)
     target: TargetSection = field(default_factory=TargetSection)
     drafter: DrafterSection = field(default_factory=DrafterSection)
     dflash: DFlashSection = field(default_factory=DFlashSection)
+    eagle3: Eagle3Section = field(default_factory=Eagle3Section)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -201,12 +226,16 @@ _CHOICES = {
     ("schedule", "batching"): ("sorted", "fixed"),
     ("schedule", "assignment"): ("shared", "per_target"),
     ("pool", "pull"): ("deficit", "random"),
-    ("pool", "transport"): ("auto", "shm", "cuda_ipc"),
+    ("pool", "transport"): ("auto", "shm", "cuda_ipc", "nixl"),
+    ("nodes", "locality"): ("prefer", "any"),
     ("target", "dtype"): ("auto", "bfloat16", "float16", "float32"),
     ("dflash", "dtype"): ("auto", "bfloat16", "float32"),
     ("dflash", "attention"): ("auto", "flex", "sdpa"),
     ("dflash", "export_dtype"): ("auto", "bfloat16", "float16", "float32"),
     ("drafter", "backend"): ("dflash", "linear"),
+    ("drafter", "objective"): ("dflash", "eagle3"),
+    ("eagle3", "dtype"): ("auto", "bfloat16", "float32"),
+    ("eagle3", "export_dtype"): ("auto", "bfloat16", "float16", "float32"),
     ("target", "attn_implementation"): ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"),
 }
 _PATH_KEYS = (("run", "dir"), ("data", "lengths"), ("data", "path"), ("target", "model"))
@@ -294,11 +323,14 @@ def validate(config: Config) -> None:
     positive = [("run", "epochs"), ("pool", "slots"), ("pool", "target_credits"), ("drafter", "accum_steps"),
                 ("drafter", "checkpoint_every"), ("drafter", "checkpoint_keep"), ("target", "hidden_size"),
                 ("target", "num_capture_layers"), ("dispatcher", "max_message_bytes"), ("dflash", "block_size"),
-                ("dflash", "num_draft_layers"), ("dflash", "num_anchors"), ("dflash", "lr"), ("dflash", "log_every")]
+                ("dflash", "num_draft_layers"), ("dflash", "num_anchors"), ("dflash", "lr"), ("dflash", "log_every"),
+                ("eagle3", "ttt_steps"), ("eagle3", "draft_vocab"), ("eagle3", "loss_decay"), ("eagle3", "lr"),
+                ("eagle3", "log_every"), ("eagle3", "loss_chunk_size")]
     for section, key in positive:
         if getattr(getattr(config, section), key) <= 0:
             raise ConfigError(f"{section}.{key} must be positive")
-    for section, key in (("target", "count"), ("drafter", "count"), ("pool", "min_ready"), ("dflash", "total_steps")):
+    for section, key in (("target", "count"), ("drafter", "count"), ("pool", "min_ready"), ("dflash", "total_steps"),
+                         ("eagle3", "total_steps")):
         if getattr(getattr(config, section), key) < 0:
             raise ConfigError(f"{section}.{key} must not be negative")
     for section, key in (("target", "sim_cost_per_token"), ("target", "sim_cost_attention"),
@@ -307,6 +339,8 @@ def validate(config: Config) -> None:
             raise ConfigError(f"{section}.{key} must not be negative")
     if config.schedule.assignment == "per_target" and config.target.count < 1:
         raise ConfigError("schedule.assignment=per_target needs target.count >= 1 (one queue per target)")
+    if config.nodes.remote_after_s < 0:
+        raise ConfigError("nodes.remote_after_s must not be negative")
     if config.pool.min_ready >= config.pool.slots:
         raise ConfigError(f"pool.min_ready ({config.pool.min_ready}) must be below pool.slots ({config.pool.slots})")
     if not 0 <= config.dispatcher.metrics_port < 65536:
@@ -361,11 +395,16 @@ def _validate_capture(config: Config) -> None:
         doc = read_model_config(config.target.model)
     except ValueError as exc:
         raise ConfigError(f"target.model: {exc}") from None
+    eagle3 = config.drafter.objective == "eagle3"
     try:
-        contract_from_config(config, model_config=doc)
+        contract = contract_from_config(config, model_config=doc)
     except ValueError as exc:
-        key = "capture_layers" if layers else "num_capture_layers"
+        key = "capture_layers" if layers or eagle3 else "num_capture_layers"
         raise ConfigError(f"target.{key}: {exc}") from None
+    if eagle3 and contract.num_capture_layers != 3:
+        # Serving engines build EAGLE-3's fc as 3 x hidden -> hidden: another count would not load.
+        raise ConfigError(f"target.capture_layers: an EAGLE-3 drafter fuses exactly 3 target layers, "
+                          f"got {list(contract.layer_ids)}")
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = ()) -> Config:

@@ -16,3 +16,13 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_tree(directory: str | os.PathLike) -> None:
+    """fsync every file under ``directory``, then each directory, deepest first: a tree written
+    under a temporary name is on disk before it is renamed into place."""
+    for parent, _, files in os.walk(directory, topdown=False):
+        for name in files:
+            with open(os.path.join(parent, name), "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(parent)

@@ -22,9 +22,11 @@ PROTOCOL_VERSION = 2
 # Every op after ``register`` carries the ``worker_id`` and the session ``token`` that registration
 # returned: a request under a registered id without its token is refused (``unauthorized``).
 REQUESTS: dict[str, tuple[str, ...]] = {
-    # {role: target|drafter, name, pid, host, gpu?, contract?, model?}
+    # {role: target|drafter, name, pid, host, node?, gpu?, contract?, model?}
     #   -> {worker_id, token, run_id, transport, heartbeat_s, worker_timeout_s, accum_steps, buckets,
     #       epochs, contract, model_step?}
+    # node: the node it runs on (default: host); with pool.transport=nixl the reply's transport map
+    #   echoes it, a target's slots live on it and drafters are given their own node's slots first.
     # contract: the capture contract the worker produces (target) or expects (drafter); one that
     #   differs from the run's is refused (incompatible), naming both sides.
     # model (drafter): {id, step}: the model it trains and the step of the state it holds now
@@ -49,7 +51,8 @@ REQUESTS: dict[str, tuple[str, ...]] = {
     #   transfer: some rank holds another step than the version's; rank ``source`` sends its state
     #   (model, optimizer, scheduler, RNG, witness) to the others over the new group before any step.
     "join_group": ("worker_id", "token", "wait_ms", "after", "step"),
-    # {ipc_block, num_slots} -> {}; a cuda_ipc target offers the slots it allocated on its GPU
+    # {ipc_block, num_slots} -> {}; a cuda_ipc target offers the slots it allocated on its GPU, a nixl
+    # target those in its node's memory (ipc_block: {kind: nixl, node, arena, agent, metadata, base, nbytes})
     "register_slots": ("worker_id", "token", "ipc_block", "num_slots"),
     # {holding: [job_id], seen_grant?} -> {done}; keeps the worker alive (a silent one is declared
     # dead, its jobs given back). ``holding`` lists every job the worker holds (extracting, reading,

@@ -90,7 +90,7 @@ class SlotLayout:
         """Slots sized for a capture contract and the schedule's token budget (``config.schedule``)."""
         if not isinstance(contract, CaptureContract):
             contract = CaptureContract.from_dict(contract)
-        return cls(tokens_per_batch=schedule.tokens_per_batch, num_layers=contract.num_capture_layers,
+        return cls(tokens_per_batch=schedule.tokens_per_batch, num_layers=contract.num_blocks,
                    hidden_size=contract.hidden_size, dtype=contract.dtype, max_seqs=cls._max_seqs(schedule))
 
     @staticmethod

@@ -4,7 +4,8 @@ The dispatcher picks the kind (:func:`common.transport_info.resolve_transport`) 
 its register reply; a target opens a :class:`TargetTransport` from it and writes slots, a drafter
 opens a :class:`DrafterTransport` and reads them. With ``shm`` every worker maps the dispatcher's
 pool; with ``cuda_ipc`` every target allocates its own slots on its GPU and sends the dispatcher
-their :meth:`TargetTransport.export`, which drafters receive with each job as ``ipc``.
+their :meth:`TargetTransport.export`, which drafters receive with each job as ``ipc``. ``nixl`` is
+the same with the slots in the target node's memory, read across nodes (:mod:`common.node_slots`).
 """
 
 from __future__ import annotations
@@ -14,16 +15,18 @@ from typing import Any
 import torch
 
 from common.cuda_ipc import CudaIpcOpener, CudaSlotBlock
+from common.node_slots import NodeSlotBlock, NodeSlotReader
 from common.shm_arena import SlotArena
 from common.slots import SlotBatch, SlotCopy, SlotHeader, SlotLayout, SlotView, start_copy
 from common.transport_info import (TRANSPORT_CHOICES, TRANSPORT_KINDS, cuda_ipc_transport_info,  # noqa: F401
-                                   parse_transport_info, resolve_transport, shm_transport_info)
+                                   engine_missing, nixl_transport_info, parse_transport_info, resolve_transport,
+                                   shm_transport_info)
 
 class TargetTransport:
     """Writable slots of one target: the shared pool (shm) or the target's own GPU block (cuda_ipc)."""
 
     def __init__(self, kind: str, layout: SlotLayout, num_slots: int, device: torch.device, *,
-                 arena: SlotArena | None = None, block: CudaSlotBlock | None = None):
+                 arena: SlotArena | None = None, block: CudaSlotBlock | NodeSlotBlock | None = None):
         self.kind = kind
         self.layout = layout
         self.num_slots = num_slots
@@ -71,7 +74,7 @@ class TargetTransport:
         Call before reporting the job ready: the reader is another process and sees only memory.
         """
         view = self.slot(slot_id)
-        if self._arena is not None and self.device.type == "cuda":
+        if view.device.type == "cpu" and self.device.type == "cuda":
             # Host-side header stores are not ordered after async copies into shared memory.
             (stream if stream is not None else torch.cuda.current_stream(self.device)).synchronize()
         if header is not None:
@@ -91,7 +94,7 @@ class DrafterTransport:
     """Reads slots into a drafter's own memory, on a copy stream of its own on a GPU."""
 
     def __init__(self, kind: str, layout: SlotLayout, device: torch.device, *, arena: SlotArena | None = None,
-                 opener: CudaIpcOpener | None = None):
+                 opener: CudaIpcOpener | NodeSlotReader | None = None):
         self.kind = kind
         self.layout = layout
         self.device = device
@@ -118,7 +121,7 @@ class DrafterTransport:
         """
         if self._opener is not None:
             if ipc is None:
-                raise ValueError("a cuda_ipc read needs the owning target's export (ipc=...)")
+                raise ValueError(f"a {self.kind} read needs the owning target's export (ipc=...)")
             return self._opener.start_read(ipc, slot_id, generation, stream=self._stream, owner=owner)
         assert self._arena is not None
         return start_copy(self._arena.slot(slot_id), generation, self.device, stream=self._stream,
@@ -134,7 +137,7 @@ class DrafterTransport:
         return self._arena is not None and self._arena.pinned
 
     def forget(self, owner: str) -> None:
-        """Drop a departed target's CUDA IPC block (no-op for shm)."""
+        """Drop a departed target's CUDA IPC block or node segment (no-op for shm)."""
         if self._opener is not None:
             self._opener.forget(owner=owner)
 
@@ -159,6 +162,11 @@ def open_target_transport(info: dict[str, Any], device: torch.device | str) -> T
     if kind == "shm":
         arena = SlotArena.attach(info["arena"], layout, num_slots, pin_device=device)
         return TargetTransport(kind, layout, num_slots, device, arena=arena)
+    if kind == "nixl":
+        # Host memory even on a GPU target (copied into from a side stream): slots in GPU memory
+        # across nodes (VRAM registration, GPUDirect) are not built yet.
+        node_block = NodeSlotBlock(info["run_id"], layout, num_slots, info["node"], device)
+        return TargetTransport(kind, layout, num_slots, device, block=node_block)
     block = CudaSlotBlock(layout, num_slots, device)
     return TargetTransport(kind, layout, num_slots, block.device, block=block)
 
@@ -169,5 +177,10 @@ def open_drafter_transport(info: dict[str, Any], device: torch.device | str) -> 
     if kind == "shm":
         arena = SlotArena.attach(info["arena"], layout, num_slots, pin_device=device)
         return DrafterTransport(kind, layout, device, arena=arena)
+    if kind == "nixl":
+        missing = engine_missing()  # said at start, not at the first read of another node's slot
+        if missing:
+            raise RuntimeError(missing)
+        return DrafterTransport(kind, layout, device, opener=NodeSlotReader(layout, info["node"], device))
     opener = CudaIpcOpener(layout, device)
     return DrafterTransport(kind, layout, opener.device, opener=opener)

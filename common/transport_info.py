@@ -7,12 +7,23 @@ Torch-free: the dispatcher decides and describes the data plane but never touche
 from __future__ import annotations
 
 import glob
+import importlib.util
 import sys
 from typing import Any
 
 from common.slot_layout import SlotLayout
 
-TRANSPORT_KINDS = ("shm", "cuda_ipc")
+TRANSPORT_KINDS = ("shm", "cuda_ipc", "nixl")
+# The meta package ``nixl`` picks a CUDA build; the builds themselves work as well without it.
+ENGINE_MODULES = ("nixl", "nixl_cu12", "nixl_cu13")
+INSTALL_HINT = "pip install 'hsdispatch[multinode]' (NIXL)"
+
+
+def engine_missing() -> str | None:
+    """None when NIXL can be imported here, else what to install; imports nothing (no torch)."""
+    if any(importlib.util.find_spec(name) is not None for name in ENGINE_MODULES):
+        return None
+    return f"pool.transport=nixl (runs across nodes) needs NIXL, which is not installed here: {INSTALL_HINT}"
 TRANSPORT_CHOICES = ("auto",) + TRANSPORT_KINDS
 
 
@@ -31,6 +42,11 @@ def resolve_transport(requested: str, same_node: bool, *, cuda_available: bool |
         raise ValueError(f"pool.transport: {requested!r} is not one of {', '.join(TRANSPORT_CHOICES)}")
     if requested == "shm":
         return "shm"
+    if requested == "nixl":
+        missing = engine_missing()
+        if missing:
+            raise ValueError(missing)
+        return "nixl"
     if cuda_available is None:
         cuda_available = cuda_ipc_possible()
     if requested == "cuda_ipc":
@@ -53,6 +69,11 @@ def cuda_ipc_transport_info(layout: SlotLayout, num_slots: int) -> dict[str, Any
     return {"kind": "cuda_ipc", "num_slots": num_slots, "layout": layout.to_dict()}
 
 
+def nixl_transport_info(layout: SlotLayout, num_slots: int, run_id: str) -> dict[str, Any]:
+    """``num_slots`` is what each target allocates on its node; ``run_id`` names its segment."""
+    return {"kind": "nixl", "num_slots": num_slots, "layout": layout.to_dict(), "run_id": run_id}
+
+
 def parse_transport_info(info: dict[str, Any]) -> tuple[str, SlotLayout, int]:
     kind = info.get("kind")
     if kind not in TRANSPORT_KINDS:
@@ -62,4 +83,6 @@ def parse_transport_info(info: dict[str, Any]) -> tuple[str, SlotLayout, int]:
         raise ValueError(f"transport info needs a positive num_slots, got {num_slots!r}")
     if kind == "shm" and not isinstance(info.get("arena"), str):
         raise ValueError("shm transport info needs the arena name")
+    if kind == "nixl" and not (isinstance(info.get("run_id"), str) and isinstance(info.get("node"), str)):
+        raise ValueError("nixl transport info needs the run id and the worker's node")
     return kind, SlotLayout.from_dict(info["layout"]), num_slots

@@ -8,9 +8,18 @@ hide itself.
 
 Checkpoints of one model live under ``run_dir/models/<model_id>/``: one directory per step
 (``step-00000012``), written to a temporary name and renamed, and a ``latest`` file naming the
-newest, replaced atomically. Whatever else a drafter saves (weights, optimizer) goes in the same
-step directory; this module only writes ``trained_jobs.bin`` (little-endian uint64 job ids, in
-training order) and ``step.json``.
+newest, replaced atomically. Every model's step directory has the same layout::
+
+    step-00000012/
+      trained_jobs.bin  step.json   the witness (little-endian uint64 job ids, in training order)
+      model/                        the servable drafter: config.json + model.safetensors, nothing
+                                    else a serving engine would load as weights
+      training/                     what only resume reads: optimizer, scheduler, RNG, step
+
+:func:`servable_dir` and :func:`training_dir` name the two parts; a backend writes into them through
+the ``write_servable`` and ``write_training`` callbacks of :func:`save_checkpoint`, never by path.
+A serving engine's loader reads every ``*.safetensors`` of the directory it is given, so the
+training state must never sit inside ``model/``.
 """
 
 from __future__ import annotations
@@ -24,12 +33,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-from common.durable import fsync_dir
+from common.durable import fsync_dir, fsync_tree
 
 WITNESS_FILE = "trained_jobs.bin"
 STEP_FILE = "step.json"
 LATEST_FILE = "latest"
 MODELS_DIR = "models"
+SERVABLE_DIR = "model"  # inside a step directory: what a serving engine loads
+TRAINING_DIR = "training"  # inside a step directory: what resume loads besides the witness
 _MODEL_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
@@ -91,22 +102,44 @@ class TrainedJobs:
 class Checkpoint:
     model_id: str
     step: int
-    path: Path
+    path: Path  # the step directory
 
     def trained_jobs(self) -> TrainedJobs:
         return TrainedJobs.load(self.path)
+
+
+def servable_dir(checkpoint: Checkpoint | str | os.PathLike) -> Path:
+    """The servable drafter of a checkpoint (or of a step directory): point a serving engine here."""
+    return _step_path(checkpoint) / SERVABLE_DIR
+
+
+def training_dir(checkpoint: Checkpoint | str | os.PathLike) -> Path:
+    """The training state of a checkpoint (or of a step directory) that resume reads."""
+    return _step_path(checkpoint) / TRAINING_DIR
+
+
+def _step_path(checkpoint: Checkpoint | str | os.PathLike) -> Path:
+    return checkpoint.path if isinstance(checkpoint, Checkpoint) else Path(checkpoint)
 
 
 def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
+WriteFiles = Callable[[Path], None]  # writes a part of a checkpoint into the directory it is given
+
+
 def save_checkpoint(run_dir: str | os.PathLike, model_id: str, step: int, trained: TrainedJobs, *,
-                    write_extra: Callable[[Path], None] | None = None, keep_last: int = 3) -> Checkpoint:
+                    write_servable: WriteFiles | None = None, write_training: WriteFiles | None = None,
+                    keep_last: int = 3, before_publish: WriteFiles | None = None) -> Checkpoint:
     """Write a model's checkpoint at ``step`` atomically and point ``latest`` at it.
 
-    ``write_extra(directory)`` writes the drafter's own files (weights, optimizer) into the new
-    directory before it becomes visible. Older step directories beyond ``keep_last`` are removed.
+    ``write_servable(directory)`` writes the servable model (``config.json`` + weights) and
+    ``write_training(directory)`` the training state, each into its own empty directory of the new
+    step directory (:func:`servable_dir`, :func:`training_dir`) before it becomes visible; either
+    part is left out when its callback is None. ``before_publish(tmp)`` runs once every file is on
+    disk, just before the rename (tests use it to stop a writer there). Older step directories
+    beyond ``keep_last`` are removed.
     """
     root = model_dir(run_dir, model_id)
     root.mkdir(parents=True, exist_ok=True)
@@ -116,12 +149,13 @@ def save_checkpoint(run_dir: str | os.PathLike, model_id: str, step: int, traine
     tmp.mkdir()
     trained.save(tmp)
     (tmp / STEP_FILE).write_text(json.dumps({"model": model_id, "step": step, "num_trained": len(trained)}))
-    if write_extra is not None:
-        write_extra(tmp)
-    for name in os.listdir(tmp):
-        with open(tmp / name, "rb") as f:
-            os.fsync(f.fileno())
-    fsync_dir(tmp)
+    for write, part in ((write_servable, servable_dir(tmp)), (write_training, training_dir(tmp))):
+        if write is not None:
+            part.mkdir()
+            write(part)
+    fsync_tree(tmp)
+    if before_publish is not None:
+        before_publish(tmp)
     if final.exists():  # a checkpoint of this step written before a crash: the new one replaces it
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -140,6 +174,25 @@ def save_checkpoint(run_dir: str | os.PathLike, model_id: str, step: int, traine
         if match and not _alive(int(match.group(1))):
             shutil.rmtree(partial, ignore_errors=True)
     return Checkpoint(model_id, step, final)
+
+
+@dataclass(frozen=True)
+class CheckpointSnapshot:
+    """A model's checkpoint at ``step``, taken off its live training state: the witness copied, and
+    callbacks that write host copies of the tensors. Writing it (on another thread, while training
+    goes on) reads nothing training changes."""
+
+    model_id: str
+    step: int
+    trained: TrainedJobs
+    write_servable: WriteFiles | None = None
+    write_training: WriteFiles | None = None
+    keep_last: int = 3
+
+    def write(self, run_dir: str | os.PathLike, *, before_publish: WriteFiles | None = None) -> Checkpoint:
+        return save_checkpoint(run_dir, self.model_id, self.step, self.trained, write_servable=self.write_servable,
+                               write_training=self.write_training, keep_last=self.keep_last,
+                               before_publish=before_publish)
 
 
 _PARTIAL = re.compile(r"^\.tmp-step-\d{8}-(\d+)$")  # save_checkpoint's temporary directory: its writer's pid

@@ -14,6 +14,7 @@ import os
 from typing import Any, Protocol
 
 from common.slots import SlotBatch, SlotView
+from common.witness import CheckpointSnapshot
 
 
 class PendingSlotWrite(Protocol):
@@ -50,8 +51,13 @@ class DrafterBackend(Protocol):
     def drop_step(self) -> None:
         """The step was refused or lost: discard what :meth:`micro_batch` accumulated."""
 
+    def snapshot_checkpoint(self) -> CheckpointSnapshot:
+        """The checkpoint at ``self.step`` on copies of the state, for a thread to write while
+        training goes on (:mod:`common.checkpoint_writer`). A backend without it is checkpointed
+        on the training thread through :meth:`save_checkpoint`."""
+
     def save_checkpoint(self, run_dir: str | os.PathLike) -> None:
-        """Weights + witness at ``self.step`` (:func:`common.witness.save_checkpoint`)."""
+        """Weights + witness at ``self.step`` (:func:`common.witness.save_checkpoint`), written now."""
 
 
 class GroupDrafterBackend(DrafterBackend, Protocol):

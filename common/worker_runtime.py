@@ -53,6 +53,7 @@ class WorkerSession:
         self.role = role
         self.name = name
         self.gpu = gpu
+        self.node = config.nodes.name or socket.gethostname()
         self.endpoint = config.control_endpoint
         self.held = HeldJobs()
         self.seen_grant = 0  # the grant number of the latest job received in this session
@@ -100,7 +101,8 @@ class WorkerSession:
         while True:
             try:
                 reply = self.channel.call("register", role=self.role, name=self.name, pid=os.getpid(),
-                                          host=socket.gethostname(), gpu=self.gpu, timeout_s=CALL_TIMEOUT_S, **fields)
+                                          host=socket.gethostname(), node=self.node, gpu=self.gpu,
+                                          timeout_s=CALL_TIMEOUT_S, **fields)
                 break
             except DispatcherUnavailable:
                 if time.monotonic() > deadline or self.stop_requested.is_set():

@@ -54,6 +54,8 @@ def cmd_worker(args) -> int:
     """``hsd target`` / ``hsd drafter``: one worker process."""
     _setup_logging()
     config = _config(args)
+    if args.node:
+        config.nodes.name = args.node
     role = args.command
     sim = args.sim or getattr(config, role).sim
     name = args.name or f"{role}-{os.getpid()}"
@@ -74,9 +76,12 @@ def cmd_worker(args) -> int:
         backend = LinearDrafter(config, model_id=model_id)
     else:
         if not config.target.model:  # said before torch loads: the drafter reads the target's config and head
-            raise ConfigError("target.model: the DFlash drafter needs the target model directory (or use --sim)")
-        from drafter_worker.dflash_backend import DFlashBackend
-        backend = DFlashBackend(config, model_id=model_id)
+            raise ConfigError("target.model: the drafter needs the target model directory (or use --sim)")
+        if config.drafter.objective == "eagle3":
+            from drafter_worker.eagle3_backend import Eagle3Backend as Backend
+        else:
+            from drafter_worker.dflash_backend import DFlashBackend as Backend
+        backend = Backend(config, model_id=model_id)
     if grouped:
         from drafter_worker.group_loop import GroupDrafterLoop
         loop = GroupDrafterLoop(config, name, backend)
@@ -170,7 +175,13 @@ def cmd_config(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.remote:
+        from benchmarks.remote_transport import run_remote_bench
+        return run_remote_bench(slot_mb=args.slot_mb if args.slot_mb is not None else 16.0, seconds=args.seconds,
+                                as_json=args.json)
     from benchmarks.transport import run_transport_bench
+    if args.slot_mb is None:
+        args.slot_mb = 64.0
     return run_transport_bench(slot_mb=args.slot_mb, as_json=args.json, seconds=args.seconds)
 
 
@@ -252,6 +263,14 @@ def cmd_eval(args) -> int:
                     max_new_tokens=args.max_new_tokens, device=args.device, as_json=args.json)
 
 
+def cmd_export(args) -> int:
+    from common.servable import export_servable, find_checkpoint
+    checkpoint = find_checkpoint(args.run_dir, model=args.model, step=args.step)
+    out = export_servable(checkpoint, args.out, force=args.force)
+    print(f"model {checkpoint.model_id} at step {checkpoint.step} exported to {out}")
+    return 0
+
+
 def cmd_prepare(args) -> int:
     _setup_logging()
     from target_worker.prepare import prepare_dataset
@@ -287,7 +306,8 @@ def cmd_demo(args) -> int:
     _setup_logging("demo")
     from drafter_worker.demo import run_demo
     return run_demo(out=args.out, config_path=args.config, overrides=args.overrides, samples=args.samples,
-                    eval_prompts=args.eval_prompts, max_new_tokens=args.max_new_tokens, tiny_steps=args.tiny_steps)
+                    eval_prompts=args.eval_prompts, max_new_tokens=args.max_new_tokens, tiny_steps=args.tiny_steps,
+                    objective=args.objective)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -298,13 +318,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.set_defaults(func=cmd_launch)
 
-    p = sub.add_parser("demo", help="tiny target -> its own answers -> online DFlash training -> tau before/after")
+    p = sub.add_parser("demo", help="tiny target -> its own answers -> online drafter training -> tau before/after")
     _add_config_args(p)
     p.add_argument("--out", default="runs/demo", help="demo directory: target, data, run (default runs/demo)")
     p.add_argument("--samples", type=int, default=200, help="training prompts whose answers the target regenerates")
     p.add_argument("--eval-prompts", type=int, default=12, help="held-out prompts of the tau evaluation")
     p.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per evaluation prompt")
     p.add_argument("--tiny-steps", type=int, help="training steps of the tiny target (default: its full recipe)")
+    p.add_argument("--objective", choices=("dflash", "eagle3"), default="dflash",
+                   help="drafter to train (default dflash; eagle3 runs deploy/configs/demo-eagle3.yaml)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("dispatcher", help="run the dispatcher daemon")
@@ -316,6 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_config_args(p)
         p.add_argument("--sim", action="store_true", help=f"simulated {role} (same as {role}.sim=true)")
         p.add_argument("--name", help="worker name shown in stats and logs")
+        p.add_argument("--node", help="the node it runs on (same as nodes.name=...; default the hostname)")
         p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("schedule", help="print the epoch schedule and its fairness figures")
@@ -373,13 +396,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_capture)
     p = sub.add_parser("eval", help="speculative decoding with a trained drafter: acceptance length tau")
     _add_config_args(p, required=True)
-    p.add_argument("--drafter", required=True, help="exported drafter directory (config.json + model.safetensors)")
+    p.add_argument("--drafter", required=True,
+                   help="exported drafter directory (config.json + model.safetensors), or a checkpoint's step directory")
     p.add_argument("--prompts", type=int, default=16, help="number of held-out prompts")
     p.add_argument("--prompts-file", help="ShareGPT JSONL of prompts (default: <target.model>/heldout.jsonl)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("export", help="copy a trained model's servable directory out of a run, for a serving engine")
+    p.add_argument("--run-dir", required=True, help="the run directory (run.dir)")
+    p.add_argument("--model", help="model id (run.dir/models/<model>); default: the run's only model")
+    p.add_argument("--step", type=int, help="checkpoint step; default: the latest")
+    p.add_argument("--out", required=True, help="directory to write (config.json + model.safetensors)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    p.set_defaults(func=cmd_export)
 
 
     p = sub.add_parser("prepare", help="tokenize conversations (JSONL/Parquet) into a prepared dataset directory")
@@ -408,8 +440,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench", required=True)
     b = bench.add_parser("transport", help="hidden-state handoff bandwidth and control-plane latency")
-    b.add_argument("--slot-mb", type=float, default=64.0)
+    b.add_argument("--slot-mb", type=float, help="hidden-state MiB per slot (default 64, 16 with --remote)")
     b.add_argument("--seconds", type=float, default=2.0, help="time per measurement")
+    b.add_argument("--remote", action="store_true",
+                   help="slot reads across nodes through NIXL beside a ZeroMQ copy (needs hsdispatch[multinode])")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench)
     b = bench.add_parser("target", help="slot fill and capture tokens/s on a lognormal length mix, per batching, "

@@ -132,7 +132,8 @@ class DispatcherCore(GroupOps):
 
     # -- membership -------------------------------------------------------------------------
     def register(self, *, role: str, name: str, pid: int, host: str, gpu: int | None, now: float,
-                 contract: dict[str, Any] | None = None, model: dict[str, Any] | None = None) -> Worker:
+                 contract: dict[str, Any] | None = None, model: dict[str, Any] | None = None,
+                 node: str | None = None) -> Worker:
         """A new session. A drafter names its model and the step of the state it holds: the ledger
         rolls that model back to exactly that step (its later commits go back to pending)."""
         if contract is not None:
@@ -156,7 +157,7 @@ class DispatcherCore(GroupOps):
         for other in [w for w in self.workers.values() if w.name == name and w.role == role and w.host == host]:
             self.deregister(other.id, now, reason="replaced")  # the same worker registering again
         worker = Worker(worker_id, role, name, pid, host, gpu, registered_at=now, last_seen=now,
-                        token=secrets.token_hex(16), model=model_id)
+                        token=secrets.token_hex(16), model=model_id, node=node or host)
         if spec is not None:
             try:
                 self.groups.join(model_id, spec, worker_id, model_step)
@@ -167,7 +168,7 @@ class DispatcherCore(GroupOps):
         if role == "target" and self.options.num_target_queues:
             worker.queue = self._free_queue()
             extra["queue"] = worker.queue
-        self.journal.record("join", w=worker_id, role=role, name=name, pid=pid, host=host, **extra)
+        self.journal.record("join", w=worker_id, role=role, name=name, pid=pid, host=host, node=worker.node, **extra)
         if spec is not None:  # a rank's step matters only once a version names it (dispatcher/group_ops.py)
             self._maybe_open(self.groups.groups[model_id], now)
         elif model_id is not None:
@@ -216,7 +217,8 @@ class DispatcherCore(GroupOps):
         return worker
 
     def register_slots(self, worker_id: str, ipc_block: dict[str, Any], num_slots: int, now: float) -> None:
-        """A cuda_ipc target's own slots join the pool; drafters get ``ipc_block`` to open them."""
+        """A cuda_ipc or nixl target's own slots join the pool; drafters get ``ipc_block`` to open them.
+        nixl slots live on the target's node (cuda_ipc ones on the dispatcher's, as every worker)."""
         worker = self.worker(worker_id, now)
         if worker.role != "target" or worker.ipc_block is not None:
             raise LedgerError(f"{worker_id} cannot register slots (not a target, or registered them already)")
@@ -224,7 +226,8 @@ class DispatcherCore(GroupOps):
             raise LedgerError("num_slots must be positive")
         worker.ipc_block, worker.slot_base = ipc_block, self._next_slot_id
         self._next_slot_id += num_slots
-        self.pool.add_slots(range(worker.slot_base, worker.slot_base + num_slots), owner=worker_id)
+        self.pool.add_slots(range(worker.slot_base, worker.slot_base + num_slots), owner=worker_id,
+                            node=worker.node if ipc_block.get("kind") == "nixl" else None)
         if self.pool.effective_min_ready < self.pool.min_ready:
             log.warning("pool.min_ready=%d cannot be reached with the %d slot(s) live targets registered (and "
                         "pool.target_credits=%d): drafters are served from %d ready slot(s)", self.pool.min_ready,
@@ -407,7 +410,13 @@ class DispatcherCore(GroupOps):
         if not held:
             stepper.window_avail, stepper.window_mixed = len(eligible), True
         window = {job.bucket for job in held}
-        ready = self.pool.pick(epoch, eligible=eligible, window=window)
+        waited_s = now - worker.waiting_since if worker.waiting_since is not None else 0.0
+        ready = self.pool.pick(epoch, eligible=eligible, window=window, node=worker.node,
+                               servable=self.pool.servable_nodes(draining=serving[1]), waited_s=waited_s)
+        if ready is None:  # only other nodes' slots, and not waited long enough for one of them
+            self._wait(worker, "local_wait", now)
+            return None, False
+        self.counters.reads[worker.node, "local" if ready.local_to(worker.node) else "remote"] += 1
         if ready.bucket in window and any(b not in window for b in eligible):
             stepper.window_mixed = False
         self.pool.begin_read(ready)
@@ -420,8 +429,10 @@ class DispatcherCore(GroupOps):
         job = self.ledger.jobs.get(job_id)
         slot_id = job.slot if job is not None else None
         self.ledger.mark_consumed(job_id, worker_id)
+        slot = self.pool.slots.get(slot_id)
+        remote = {"remote": 1} if slot is not None and slot.node not in (None, self.workers[worker_id].node) else {}
         self.pool.release(slot_id)
-        self.journal.record("consumed", job=job_id, w=worker_id, bucket=job.bucket)
+        self.journal.record("consumed", job=job_id, w=worker_id, bucket=job.bucket, **remote)
 
     def read_failed(self, worker_id: str, job_id: int, reason: str, now: float) -> None:
         """The drafter found the slot stale: its data cannot be trusted, so the job is extracted again."""

@@ -53,6 +53,7 @@ class Worker:
     num_grants: int = 0  # jobs handed to this session so far: each grant carries its number
     queue: int | None = None  # target under schedule.assignment=per_target: the queue it takes from
     metrics: dict[str, float] = field(default_factory=dict)  # drafter: its latest step's figures (loss, lr, ...)
+    node: str = ""  # the node it runs on (register's ``node``, default its host)
 
 
 @dataclass
@@ -119,3 +120,4 @@ class Counters:
     requests: Counter = field(default_factory=Counter)
     errors: Counter = field(default_factory=Counter)
     given_back: Counter = field(default_factory=Counter)
+    reads: Counter = field(default_factory=Counter)  # (reader's node, "local" | "remote") -> slots handed out

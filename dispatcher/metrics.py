@@ -75,6 +75,12 @@ def snapshot_families(s: dict[str, Any]) -> Iterator[GaugeMetricFamily | Counter
         yield _gauge("hsd_pool_bytes", "Bytes of the hidden-state pool.", (), [((), usage[1])])
         yield _gauge("hsd_pool_used_bytes", "Bytes of the pool held by a job (writing, ready or reading).", (),
                      [((), usage[0])])
+    nodes = s.get("nodes") or {}
+    yield _gauge("hsd_node_slots", "Pool slots of each node by state.", ("node", "state"),
+                 [((node, state), n) for node, e in nodes.items() for state, n in e["slots"].items()])
+    yield _counter("hsd_node_reads", "Slots handed to each node's drafters, of their own node or another's.",
+                   ("node", "where"), [((node, where), e[f"reads_{where}"]) for node, e in nodes.items()
+                                       for where in ("local", "remote")])
     yield _counter("hsd_steps", "Committed optimizer steps.", (), [((), s.get("steps", 0))])
 
     epochs = s.get("epochs") or []

@@ -51,6 +51,7 @@ class _ReportPass:
         self.commits: dict[str, list[dict]] = defaultdict(list)  # model -> its live commits, in order
         self.consumed_at: dict[int, np.ndarray] = {}  # epoch -> position of each job's last consumed event
         self.num_consumed = 0
+        self.reads: Counter = Counter()  # "local" | "remote" -> slots read (nixl runs mark the remote ones)
         self.joined: dict[str, tuple[str, float]] = {}
         self.worker_names: dict[str, set[str]] = defaultdict(set)  # role -> names that ever joined
         self.alive: Counter = Counter()
@@ -77,6 +78,7 @@ class _ReportPass:
             if positions is not None and index < len(positions):
                 positions[index] = self.num_consumed
             self.num_consumed += 1
+            self.reads["remote" if e.get("remote") else "local"] += 1
         elif kind == "ready":
             self.busy_target += e.get("busy_s", 0.0)
             self.tokens_target += e.get("tokens", 0)
@@ -201,6 +203,7 @@ def build_report(run_dir: str | os.PathLike) -> dict[str, Any]:
         "stages": stages,
         "pipeline_efficiency": round(stages["drafter"]["tokens_per_s"] / slower, 4) if slower else 0.0,
         "restarts": run.num_starts - 1,
+        "reads": {"local": run.reads["local"], "remote": run.reads["remote"]},
         **_group_figures(commits),
     }
 
@@ -236,6 +239,11 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"{stage:<9} utilization {s['utilization']:.1%}  {s['tokens_per_s']:,.0f} tok/s "
                      f"(capacity {s['capacity_tokens_per_s']:,.0f} tok/s)")
     lines.append(f"pipeline efficiency {report['pipeline_efficiency']:.1%}")
+    reads = report.get("reads") or {}
+    if reads.get("remote"):
+        total = reads["local"] + reads["remote"]
+        lines.append(f"reads     local {reads['local']}  remote {reads['remote']} (from another node's slots, "
+                     f"{reads['remote'] / total:.1%})")
     if report.get("group_steps"):
         lines.append(f"group     {report['group_steps']} data-parallel steps over {report['memberships']} "
                      f"membership(s); rank 0 waited {report['allreduce_wait_s']:.1f}s at the all-reduce "

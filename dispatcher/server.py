@@ -35,6 +35,7 @@ from dispatcher.metrics import MetricsServer
 from dispatcher.pool import HSPool
 from dispatcher.rundir import STATE_FILE, check_endpoint, lock_run_dir, warn_about_changed_settings, write_state_file
 from dispatcher.snapshot import build_snapshot, worker_state
+from dispatcher.nodes import node_summary
 from dispatcher.stats_view import format_q_hsb
 from dispatcher.transport_setup import DataPlane
 
@@ -86,7 +87,8 @@ class DispatcherServer:
         self.data_plane = DataPlane.create(config, self.run_id)
         self.journal = Journal(self.run_dir, sync_in_background=True)
         pool = HSPool(min_ready=config.pool.min_ready, target_credits=config.pool.target_credits,
-                      pull=config.pool.pull, seed=config.run.seed, num_buckets=len(config.schedule.buckets))
+                      pull=config.pool.pull, seed=config.run.seed, num_buckets=len(config.schedule.buckets),
+                      locality=config.nodes.locality, remote_after_s=config.nodes.remote_after_s)
         now = time.monotonic()
         try:
             self.core = DispatcherCore(CoreOptions.from_config(config), run_dir=self.run_dir,
@@ -320,7 +322,7 @@ class DispatcherServer:
             core.job_ready(worker_id, field_of(f, "job_id", int), field_of(f, "generation", int),
                            float(field_of(f, "busy_s", (int, float))), now)
         elif op == "register_slots":
-            if self.data_plane.kind != "cuda_ipc":
+            if self.data_plane.kind not in ("cuda_ipc", "nixl"):
                 raise ProtocolError(ErrorCode.INCOMPATIBLE, f"this run uses the {self.data_plane.kind} transport")
             core.register_slots(worker_id, field_of(f, "ipc_block", dict), field_of(f, "num_slots", int), now)
         elif op == "job_failed":
@@ -376,13 +378,13 @@ class DispatcherServer:
             raise ProtocolError(ErrorCode.MALFORMED, "model must be a map {id, step}")
         worker = self.core.register(role=role, name=field_of(f, "name", str), pid=field_of(f, "pid", int),
                                     host=field_of(f, "host", str), gpu=f.get("gpu"), now=now, contract=contract,
-                                    model=model)
+                                    model=model, node=field_of(f, "node", str) if "node" in f else None)
         log.info("%s %s registered (%s pid %d on %s%s)", role, worker.id, worker.name, worker.pid, worker.host,
                  f", model {worker.model} at step {model.get('step', 0)}" if worker.model else "")
         c = self.config
         extra = {"model_step": self.core.ledger.model_step.get(worker.model, 0)} if worker.model else {}
         return {"worker_id": worker.id, "token": worker.token, "contract": self.core.contract, **extra,
-                "run_id": self.run_id, "transport": self.data_plane.info(role),
+                "run_id": self.run_id, "transport": self.data_plane.info(role, worker.node),
                 "heartbeat_s": c.dispatcher.heartbeat_s, "worker_timeout_s": c.dispatcher.worker_timeout_s,
                 "accum_steps": c.drafter.accum_steps, "buckets": list(c.schedule.buckets),
                 "epochs": c.run.epochs}
@@ -483,7 +485,9 @@ class DispatcherServer:
         snapshot = build_snapshot(self.core, time.monotonic())
         snapshot.update(run_dir=str(self.run_dir), run_id=self.run_id, pid=os.getpid(),
                         transport=self.data_plane.describe_dict(), waiters=len(self.waiters),
-                        auth=self._auth_stats())
+                        auth=self._auth_stats(),
+                        nodes=node_summary(self.core.pool, self.core.workers, self.core.counters.reads,
+                                           home=self.data_plane.node))
         return snapshot
 
     def _auth_stats(self) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from typing import Any
 from common.client import DispatcherClient, DispatcherUnavailable
 from common.config import ConfigError, load_run_config
 from common.curve import CurveClient, client_from_config
+from dispatcher.nodes import format_nodes
 
 DEFAULT_RUN_DIR = "runs/demo"
 
@@ -229,6 +230,7 @@ def format_stats(s: dict[str, Any], *, previous: dict[str, Any] | None = None, r
     usage = pool_usage(s)
     if usage is not None:
         lines.append(f"pool use  {_mib(usage[0])} of {_mib(usage[1])} ({usage[0] / max(1, usage[1]):.0%})")
+    lines.extend(format_nodes(s.get("nodes") or {}, t["slot_bytes"]))
     lines.append(f"steps     {s['steps']}   given back {s['given_back'] or 0}   errors {s['errors'] or 0}")
     for model, g in (s.get("groups") or {}).items():
         ranks = " ".join(f"{r}:{w}" for r, w in sorted(g.get("members", {}).items(), key=lambda m: int(m[0])))

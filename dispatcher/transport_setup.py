@@ -2,27 +2,32 @@
 
 With ``shm`` the dispatcher creates one shared-memory arena holding every slot and tells workers
 its name. With ``cuda_ipc`` each target allocates its own slots on its GPU and registers their IPC
-handle; the dispatcher only relays the handle to drafters. Either way no tensor byte passes here,
+handle; the dispatcher only relays the handle to drafters. ``nixl`` is the same across nodes: each
+target's slots live in its own node's memory, registered with the engine. Either way no tensor byte passes here,
 and nothing here imports torch: the dispatcher never maps the slots it accounts for.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 from typing import Any
 
 from common.config import Config
 from common.protocol import ErrorCode, ProtocolError
 from common.shm_segment import PoolSegment, check_fits, dead_segments, sweep_dead_segments
 from common.slot_layout import SlotLayout, format_bytes
-from common.transport_info import cuda_ipc_transport_info, resolve_transport, shm_transport_info
+from common.transport_info import cuda_ipc_transport_info, nixl_transport_info, resolve_transport, shm_transport_info
 
 log = logging.getLogger("hsd.dispatcher")
 
 
 class DataPlane:
-    def __init__(self, kind: str, layout: SlotLayout, num_slots: int, arena: PoolSegment | None):
+    def __init__(self, kind: str, layout: SlotLayout, num_slots: int, arena: PoolSegment | None, *,
+                 run_id: str = "", node: str = ""):
         self.kind = kind
+        self.run_id = run_id
+        self.node = node  # the dispatcher's own node: with shm and cuda_ipc every worker must be on it
         self.layout = layout
         self.num_slots = num_slots
         self.arena = arena
@@ -31,6 +36,7 @@ class DataPlane:
     def create(cls, config: Config, run_id: str) -> "DataPlane":
         layout = SlotLayout.from_config(config)
         kind = resolve_transport(config.pool.transport, same_node=True)
+        node = config.nodes.name or socket.gethostname()
         swept = sweep_dead_segments(run_id)  # this run's, left by a killed dispatcher of it
         if swept:
             log.info("removed %d shared-memory segment(s) a dead dispatcher of this run left: %s", len(swept),
@@ -43,22 +49,31 @@ class DataPlane:
         if kind == "shm":
             check_fits(config.pool.slots, layout.slot_bytes)
             arena = PoolSegment(run_id, layout, config.pool.slots)
-            return cls(kind, layout, config.pool.slots, arena)
+            return cls(kind, layout, config.pool.slots, arena, run_id=run_id, node=node)
         per_target = max(2, -(-config.pool.slots // max(1, config.target.count)))
-        return cls(kind, layout, per_target, None)
+        return cls(kind, layout, per_target, None, run_id=run_id, node=node)
 
     @property
     def shared_slots(self) -> int:
         """Slots in memory the dispatcher owns (the arena); cuda_ipc slots arrive with their targets."""
         return self.num_slots if self.arena is not None else 0
 
-    def info(self, role: str) -> dict[str, Any]:
+    def info(self, role: str, node: str) -> dict[str, Any]:
+        """The register reply's transport map for a worker of ``node``."""
         if self.arena is not None:
             return shm_transport_info(self.arena)
+        if self.kind == "nixl":
+            return {**nixl_transport_info(self.layout, self.num_slots, self.run_id), "node": node}
         return cuda_ipc_transport_info(self.layout, self.num_slots)
 
     def check_worker(self, role: str, fields: dict[str, Any]) -> None:
-        """Refuse a worker whose capture contract (slot layout) differs from the run's."""
+        """Refuse a worker whose capture contract (slot layout) differs from the run's, or one of another
+        node when the slots cannot leave the dispatcher's."""
+        node = fields.get("node")
+        if self.kind != "nixl" and isinstance(node, str) and node != self.node:
+            raise ProtocolError(ErrorCode.INCOMPATIBLE,
+                                f"{role} on node {node!r}, but pool.transport={self.kind} keeps every slot on the "
+                                f"dispatcher's node {self.node!r}: runs across nodes need pool.transport=nixl")
         layout = fields.get("layout")
         if layout is not None and layout != self.layout.to_dict():
             raise ProtocolError(ErrorCode.INCOMPATIBLE,
@@ -67,7 +82,7 @@ class DataPlane:
     def describe_dict(self) -> dict[str, Any]:
         total = self.layout.slot_bytes * self.num_slots
         return {"kind": self.kind, "slot_bytes": self.layout.slot_bytes, "num_slots": self.num_slots,
-                "pool_bytes": total, "per_target": self.kind == "cuda_ipc"}
+                "pool_bytes": total, "per_target": self.kind in ("cuda_ipc", "nixl")}
 
     def describe(self) -> str:
         d = self.describe_dict()

@@ -26,7 +26,11 @@ from common.config import ConfigError, load_config
 
 log = logging.getLogger("hsd.demo")
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "configs" / "demo-real.yaml"
+CONFIGS = Path(__file__).resolve().parent.parent / "deploy" / "configs"
+DEFAULT_CONFIG = CONFIGS / "demo-real.yaml"
+# Per drafter: its config, its run directory under --out (the two demos share the target and data)
+# and its name in the summary.
+OBJECTIVES = {"dflash": (DEFAULT_CONFIG, "run", "DFlash"), "eagle3": (CONFIGS / "demo-eagle3.yaml", "run-eagle3", "EAGLE-3")}
 DRAFTER_NAME = "drafter-0"  # the name hsd launch gives its first drafter
 STEP_LINE = re.compile(r"step\s+(\d+)\s+loss (\S+).*tok/s ([\d,]+)")
 
@@ -72,9 +76,6 @@ def prepare_inputs(out: Path, *, config_path: str | os.PathLike | None, override
     tiny = make_tiny(target_dir, seed=0, spec=TinySpec() if tiny_steps is None else TinySpec(steps=tiny_steps))
     timings["make_tiny"] = _done(started, f"greedy answer match on held-out turns {tiny['match_rate_trained']:.3f}")
 
-    if tiny.get("mask_token_id") is not None and not any(o.startswith("dflash.mask_token_id=") for o in overrides):
-        # The tiny tokenizer has a token of its own for the masked block positions.
-        overrides = [f"dflash.mask_token_id={tiny['mask_token_id']}", *overrides]
     config = load_config(config_path or DEFAULT_CONFIG,
                          [*overrides, f"run.dir={out / 'run'}", f"target.model={target_dir}", "data.path="])
     from target_worker.regenerate import regenerate_file
@@ -97,15 +98,20 @@ def prepare_inputs(out: Path, *, config_path: str | os.PathLike | None, override
 
 
 def run_demo(*, out: str | os.PathLike, config_path: str | os.PathLike | None, overrides: list[str], samples: int,
-             eval_prompts: int, max_new_tokens: int, tiny_steps: int | None = None) -> int:
+             eval_prompts: int, max_new_tokens: int, tiny_steps: int | None = None, objective: str = "dflash") -> int:
     if samples <= 0 or eval_prompts <= 0 or max_new_tokens <= 0:
         raise ConfigError("--samples, --eval-prompts and --max-new-tokens must be positive")
+    if objective not in OBJECTIVES:
+        raise ConfigError(f"--objective {objective!r} is not one of {', '.join(OBJECTIVES)}")
+    objective_config, run_name, drafter_kind = OBJECTIVES[objective]
+    config_path = config_path or objective_config
+    overrides = [f"drafter.objective={objective}", *overrides]
     import torch
 
     torch.set_num_threads(1)  # the demo's stages share the machine with each other's processes
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the launched workers
     out = Path(out).resolve()
-    run_dir = out / "run"
+    run_dir = out / run_name
     timings: dict[str, float] = {}
     began = time.perf_counter()
     inputs = prepare_inputs(out, config_path=config_path, overrides=overrides, samples=samples,
@@ -115,7 +121,7 @@ def run_demo(*, out: str | os.PathLike, config_path: str | os.PathLike | None, o
     import shutil
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run each time: the figures describe this one
     from dispatcher.launch import Launcher
-    started = _stage(4, f"launch: dispatcher + {config.target.count} target + {config.drafter.count} DFlash drafter "
+    started = _stage(4, f"launch: dispatcher + {config.target.count} target + {config.drafter.count} {drafter_kind} drafter "
                         f"process(es), {config.run.epochs} epoch(s), shm data plane")
     code = Launcher(config).run()
     timings["train"] = _done(started, f"hsd launch exited {code}")
@@ -123,19 +129,22 @@ def run_demo(*, out: str | os.PathLike, config_path: str | os.PathLike | None, o
         print(f"demo: the run failed (exit code {code}); logs in {run_dir / 'logs'}")
         return code
 
-    from common.witness import latest_checkpoint
+    from common.witness import latest_checkpoint, servable_dir
     from drafter_worker.dflash.eval import evaluate
     from drafter_worker.dflash.prompts import load_chat_prompts
-    from drafter_worker.dflash_backend import DFlashBackend
+    if objective == "eagle3":
+        from drafter_worker.eagle3_backend import Eagle3Backend as Backend
+    else:
+        from drafter_worker.dflash_backend import DFlashBackend as Backend
     from transformers import AutoModelForCausalLM, AutoTokenizer
     started = _stage(5, f"speculative decoding on {eval_prompts} held-out prompts, before and after training")
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     prompts = load_chat_prompts(target_dir / "heldout.jsonl", tokenizer, eval_prompts)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    untrained = DFlashBackend(config, "untrained", schedule_jobs=1).trainer.model.eval()  # the run's initial weights
+    untrained = Backend(config, "untrained", schedule_jobs=1).trainer.model.eval()  # the run's initial weights
     before = evaluate(target_dir, untrained, prompts, max_new_tokens, target=target)
-    checkpoint = latest_checkpoint(run_dir, DRAFTER_NAME)
-    after = evaluate(target_dir, checkpoint.path, prompts, max_new_tokens, target=target)
+    drafter_dir = servable_dir(latest_checkpoint(run_dir, DRAFTER_NAME))
+    after = evaluate(target_dir, drafter_dir, prompts, max_new_tokens, target=target)
     timings["eval"] = _done(started, f"tau {before['tau']:.2f} -> {after['tau']:.2f}")
 
     steps = _step_log(run_dir)
@@ -152,15 +161,16 @@ def run_demo(*, out: str | os.PathLike, config_path: str | os.PathLike | None, o
         "witness_duplicates": report["witness_duplicates"],
         "witness_missing": report["witness_missing"],
         "seconds": {k: round(v, 1) for k, v in timings.items()} | {"total": round(time.perf_counter() - began, 1)},
-        "drafter": str(checkpoint.path),
+        "drafter": str(drafter_dir),
         "run_dir": str(run_dir),
     }
-    print(f"\nDFlash drafter (block {after['block_size']}) trained online on {report['jobs_total']} jobs of the "
+    shape = (f"{after['block_size'] - 1} chained drafts" if objective == "eagle3" else f"block {after['block_size']}")
+    print(f"\n{drafter_kind} drafter ({shape}) trained online on {report['jobs_total']} jobs of the "
           f"target's hidden states in {len(steps)} steps: loss {summary['loss_first']} -> {summary['loss_last']}, "
           f"{summary['tokens_per_s']} tok/s per drafter step (median)")
     print(f"mean acceptance length tau on {len(prompts)} held-out prompts: {before['tau']:.2f} untrained -> "
           f"{after['tau']:.2f} trained (output equal to the target's greedy output)")
     print(f"exactly once: witness duplicates {report['witness_duplicates']}, missing {report['witness_missing']}; "
-          f"drafter exported to {checkpoint.path}; total {summary['seconds']['total']:.0f}s")
+          f"drafter exported to {drafter_dir} (serve it as it is); total {summary['seconds']['total']:.0f}s")
     print(json.dumps(summary))
     return 0

@@ -1,10 +1,11 @@
 """The DFlash drafter behind the worker loop: trains on the hidden states a real target captured.
 
-Each checkpoint is one step directory (:func:`common.witness.save_checkpoint`) that is at once
-an exported drafter — ``config.json`` + ``model.safetensors`` in the published DFlash layout, so
-``hsd eval --drafter`` and serving engines load it as is — and the training state beside it
-(``state.safetensors`` + ``state.json``: optimizer, scheduler, step, anchor RNG, the process RNG),
-plus the trained-jobs witness. Resuming from it continues the run exactly as if it had not stopped.
+Each checkpoint is one step directory (:func:`common.witness.save_checkpoint`) holding the
+exported drafter in its servable part (:func:`common.witness.servable_dir`: ``config.json`` +
+``model.safetensors`` in the published DFlash layout, which ``hsd eval --drafter`` and serving
+engines load as is), the training state in its training part (:func:`common.witness.training_dir`:
+``state.safetensors`` + ``state.json``: optimizer, scheduler, step, anchor RNG, the process RNG),
+and the trained-jobs witness. Resuming from it continues the run exactly as if it had not stopped.
 
 Gradients of a step accumulate unnormalised over its micro-batches (see
 :mod:`drafter_worker.dflash.trainer`); :meth:`DFlashBackend.sync_gradients` is where a
@@ -14,6 +15,7 @@ before the step is applied.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -27,10 +29,12 @@ from common.capture_contract import contract_from_config
 from common.config import Config, ConfigError
 from common.mix import splitmix64
 from common.slots import SlotBatch
-from common.witness import TrainedJobs, check_model_id, latest_checkpoint, save_checkpoint
-from drafter_worker.dflash.config import DFlashTrainConfig
-from drafter_worker.dflash.export import save_drafter
-from drafter_worker.dflash.state_io import load_state, save_state
+from common.host_staging import HostStaging
+from common.witness import CheckpointSnapshot, TrainedJobs, check_model_id, latest_checkpoint, training_dir
+from drafter_worker.dflash.config import DFlashTrainConfig, read_target_config
+from drafter_worker.dflash.export import export_config, write_drafter_files
+from drafter_worker.dflash.mask_token import resolve_mask_token_id
+from drafter_worker.dflash.state_io import flatten_state, load_state, write_state
 from drafter_worker.dflash.trainer import DFlashTrainer
 from drafter_worker.process_group import AllReduce, all_reduce_flat
 from drafter_worker.state_transfer import weights_checksum, witness_from_tensor, witness_tensor
@@ -51,14 +55,14 @@ def jobs_per_epoch(config: Config) -> int:
                          tokens_per_batch=config.schedule.tokens_per_batch, batching=config.schedule.batching)
 
 
-def derive_schedule_jobs(config: Config) -> int:
+def derive_schedule_jobs(config: Config, section: str = "dflash") -> int:
     """The learning-rate schedule's length in jobs trained (it advances by every step's job count,
     so its position follows what was trained whatever the world size of a group did): every job of
-    every epoch, shared among ``drafter.count`` independent drafters; or ``dflash.total_steps``
+    every epoch, shared among ``drafter.count`` independent drafters; or ``<section>.total_steps``
     steps of ``accum_steps x drafter.count`` jobs."""
     num_drafters = max(1, config.drafter.count)
-    if config.dflash.total_steps:
-        return config.dflash.total_steps * config.drafter.accum_steps * num_drafters
+    if getattr(config, section).total_steps:
+        return getattr(config, section).total_steps * config.drafter.accum_steps * num_drafters
     num_jobs = jobs_per_epoch(config) * config.run.epochs
     return max(1, math.ceil(num_jobs / (1 if config.drafter.grouped else num_drafters)))
 
@@ -76,7 +80,15 @@ def anchor_seed(run_seed: int, job_id: int) -> int:
 
 
 class DFlashBackend:
-    """A :class:`common.worker_backends.DrafterBackend` training a DFlash drafter with :class:`DFlashTrainer`."""
+    """A :class:`common.worker_backends.DrafterBackend` training a DFlash drafter with :class:`DFlashTrainer`.
+
+    What is not DFlash's own (checkpoints, the group's sums, metrics) serves every drafter trainer of
+    the same interface: :class:`drafter_worker.eagle3_backend.Eagle3Backend` overrides the rest.
+    """
+
+    section = "dflash"  # the config section of the drafter's keys
+    export_config = staticmethod(export_config)  # the servable config.json of a model config and dtype
+    log = log  # its step lines' logger
 
     def __init__(self, config: Config, model_id: str, *, device: str | torch.device | None = None,
                  schedule_jobs: int | None = None):
@@ -90,13 +102,17 @@ class DFlashBackend:
         self.target_dir = str(config.target.model)
         self.device = torch.device(device) if device is not None else default_device(config)
         self.seed = config.run.seed
-        self.train_config = DFlashTrainConfig.from_section(
-            config.dflash, total_steps=schedule_jobs or derive_schedule_jobs(config))
+        section = getattr(config, self.section)
+        if self.section == "dflash":  # chosen once, at start: the tokenizer's mask token or a reserved one, never a token of the data
+            section = dataclasses.replace(section, mask_token_id=resolve_mask_token_id(
+                config, vocab_size=read_target_config(self.target_dir)["vocab_size"]))
+        self.train_config = self._train_config(section, schedule_jobs or derive_schedule_jobs(config, self.section))
         self.train_config.validate()
         self.keep = config.drafter.checkpoint_keep
-        self.export_dtype = config.dflash.export_dtype
-        self.log_every = config.dflash.log_every
+        self.export_dtype = section.export_dtype
+        self.log_every = section.log_every
         self.trainer = self._new_trainer()
+        self.staging = HostStaging()  # a checkpoint's host copies, reused from one checkpoint to the next
         self.step = 0
         self.trained = TrainedJobs()
         self.window: list[int] = []
@@ -105,6 +121,10 @@ class DFlashBackend:
         self.tensorboard = TensorBoardLog(config.run_dir, self.model_id)
         self.exit_after_step = int(os.environ.get(EXIT_AFTER_STEP_ENV) or 0)
         self._synced_total: float | None = None  # the group's weight total, once sync_gradients ran
+
+    def _train_config(self, section, schedule_jobs: int) -> DFlashTrainConfig:
+        # The trainer's total_steps are the schedule's length in jobs (one scheduler step per job trained).
+        return DFlashTrainConfig.from_section(section, total_steps=schedule_jobs)
 
     def _new_trainer(self) -> DFlashTrainer:
         # The process RNG is seeded too: whatever draws from it (a kernel, a library) repeats on a rerun.
@@ -120,7 +140,7 @@ class DFlashBackend:
                 self.trainer = self._new_trainer()
             self.step, self.trained = 0, TrainedJobs()
         else:
-            state = load_state(checkpoint.path)
+            state = load_state(training_dir(checkpoint))
             self.trainer.load_state_dict(state["trainer"])
             torch.set_rng_state(state["torch_rng"])
             self.step, self.trained = checkpoint.step, checkpoint.trained_jobs()
@@ -151,14 +171,25 @@ class DFlashBackend:
             return self.export_dtype
         return str(self.trainer.compute_dtype).removeprefix("torch.")
 
-    def write_checkpoint_files(self, directory: Path) -> None:
-        """Exported drafter + training state into ``directory`` (a step directory being written)."""
-        save_drafter(self.trainer.model, directory, dtype=self._export_dtype())
-        save_state({"trainer": self.trainer.state_dict(), "torch_rng": torch.get_rng_state()}, directory)
+    def snapshot_checkpoint(self) -> CheckpointSnapshot:
+        """The checkpoint at this step, on host copies of the state (pinned buffers on a GPU): a
+        thread can write it while training goes on."""
+        tensors: dict[str, torch.Tensor] = {}
+        structure = flatten_state({"trainer": self.trainer.state_dict(), "torch_rng": torch.get_rng_state()}, tensors,
+                                  host=False)
+        draft = {f"servable/{name}": t for name, t in self.trainer.model.draft_state_dict().items()}
+        host = self.staging.copy({**tensors, **draft})
+        draft_tensors = {name.removeprefix("servable/"): host[name] for name in draft}
+        training_tensors = {name: host[name] for name in tensors}
+        dtype = self._export_dtype()
+        config_doc = self.export_config(self.trainer.model.config, dtype)
+        return CheckpointSnapshot(
+            self.model_id, self.step, self.trained.copy(), keep_last=self.keep,
+            write_servable=lambda directory: write_drafter_files(draft_tensors, config_doc, directory, dtype=dtype),
+            write_training=lambda directory: write_state(structure, training_tensors, directory))
 
     def save_checkpoint(self, run_dir: str | os.PathLike) -> None:
-        save_checkpoint(run_dir, self.model_id, self.step, self.trained, write_extra=self.write_checkpoint_files,
-                        keep_last=self.keep)
+        self.snapshot_checkpoint().write(run_dir)
 
     # -- a step -----------------------------------------------------------------------------
     def micro_batch(self, job: dict[str, Any], batch: SlotBatch) -> None:
@@ -208,10 +239,10 @@ class DFlashBackend:
         wall_s, compute_s, num_tokens = self.clock.finish()
         self.last_metrics = step_metrics(stats, wall_s=wall_s, compute_s=compute_s, num_tokens=num_tokens)
         if self.step % self.log_every == 0:
-            log.info("%s", format_metrics(self.model_id, self.step, self.last_metrics))
+            self.log.info("%s", format_metrics(self.model_id, self.step, self.last_metrics))
         self.tensorboard.write(self.step, self.last_metrics)
         if self.step == self.exit_after_step:
-            log.error("%s: exiting after step %d (%s)", self.model_id, self.step, EXIT_AFTER_STEP_ENV)
+            self.log.error("%s: exiting after step %d (%s)", self.model_id, self.step, EXIT_AFTER_STEP_ENV)
             os._exit(3)
         return self.last_metrics
 

@@ -149,7 +149,7 @@ class GroupDrafterLoop(DrafterLoop):
                 return reply["group"]
             if reply.get("reload") is not None:  # no live rank holds the state: a newer checkpoint does
                 held = self.backend.step
-                self.checkpointed_step = self.backend.load_latest(self.run_dir)
+                self._reload()  # the checkpoint being written, if any, is published first
                 log.info("%s: no live rank holds model %s's state; loaded its checkpoint at step %d (held %d)",
                          self.name, self.backend.model_id, self.backend.step, held)
             waited_s = time.monotonic() - started
@@ -256,6 +256,7 @@ class GroupDrafterLoop(DrafterLoop):
             if not leaving:
                 if not done:
                     poll = self._poll("get_hs")
+                self._report_durable()  # rank 0's checkpoint, once its writer has it on disk
                 reports = self._collect(reports)
                 if job is not None:
                     self._train_on(job, transport, reports)
@@ -388,9 +389,13 @@ class GroupDrafterLoop(DrafterLoop):
             request_id = self.session.submit("commit_step", **fields)
 
     def _group_checkpoint(self, *, all_leave: bool = False) -> None:
-        """Rank 0 saves (every rank holds the same weights); the others note the step as saved."""
+        """Rank 0 saves, off its training thread (every rank holds the same weights); the others
+        note the step as saved."""
         if self.rank == 0:
             self._checkpoint(best_effort=all_leave)
+            if all_leave:  # the group stops: its last checkpoint is on disk, and said, before the ranks go
+                self._wait_for_writer()
+                self._report_durable(best_effort=True)
         else:
             self.checkpointed_step = self.backend.step
 

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from common.config import Config
 from common.slots import SlotBatch
-from common.witness import TrainedJobs, check_model_id, latest_checkpoint, save_checkpoint
+from common.witness import CheckpointSnapshot, TrainedJobs, check_model_id, latest_checkpoint, training_dir
 from drafter_worker.process_group import all_reduce_flat
 from drafter_worker.state_transfer import weights_checksum, witness_from_tensor, witness_tensor
 
@@ -117,16 +117,22 @@ class LinearDrafter:
     def weights_checksum(self) -> int:
         return weights_checksum(self.state_dict())
 
-    def save_checkpoint(self, run_dir: str | os.PathLike) -> None:
+    def snapshot_checkpoint(self) -> CheckpointSnapshot:
+        weights = self.state_dict()  # copies
+
         def write_weights(directory: Path) -> None:
-            save_file(self.state_dict(), str(directory / WEIGHTS_FILE))
-        save_checkpoint(run_dir, self.model_id, self.step, self.trained, write_extra=write_weights,
-                        keep_last=self.keep)
+            save_file(weights, str(directory / WEIGHTS_FILE))
+        # Not a servable model: its weights are training state only.
+        return CheckpointSnapshot(self.model_id, self.step, self.trained.copy(), write_training=write_weights,
+                                  keep_last=self.keep)
+
+    def save_checkpoint(self, run_dir: str | os.PathLike) -> None:
+        self.snapshot_checkpoint().write(run_dir)
 
     def load_latest(self, run_dir: str | os.PathLike) -> int:
         checkpoint = latest_checkpoint(run_dir, self.model_id)
         self._reset()
-        tensors = load_file(str(checkpoint.path / WEIGHTS_FILE)) if checkpoint else self._initial
+        tensors = load_file(str(training_dir(checkpoint) / WEIGHTS_FILE)) if checkpoint else self._initial
         with torch.no_grad():
             self.weight.copy_(tensors["weight"])
             self.bias.copy_(tensors["bias"])

@@ -16,8 +16,11 @@ The handshake with the dispatcher (protocol v2), in the order the loop keeps:
   set, so the dispatcher gives them back. No answer → the same commit again (it is idempotent).
 - checkpoints: every ``drafter.checkpoint_every`` steps, and when the dispatcher says nothing more
   is coming (``flush`` with an empty window, or ``done``) while steps are not yet checkpointed:
-  the backend saves weights + witness, then ``checkpoint {model, step}``. The dispatcher says
-  ``done`` only once every model's last commit is checkpointed.
+  the backend snapshots its state (host copies) and a thread writes it while training goes on
+  (:mod:`common.checkpoint_writer`, at most one in flight: the next waits for it); once it is
+  durable the loop sends ``checkpoint {model, step}``. The dispatcher says ``done`` only once every
+  model's last commit is checkpointed; the process exits only once its last write is on disk, and
+  reloads a checkpoint only with no write in flight.
 - a slot rewritten before or under the copy (StaleSlotError, also when found once the copy's event
   completed): ``read_failed``, and on to the next job.
 - the dispatcher restarted (unknown worker): the pending step is dropped (its jobs were given back)
@@ -31,12 +34,14 @@ import math
 import time
 from typing import Any
 
+from common.checkpoint_writer import CheckpointWriteFailed, CheckpointWriter
 from common.config import Config
 from common.protocol import ErrorCode, ProtocolError
 from common.slots import SlotBatch, StaleSlotError
 from common.transport import DrafterTransport, open_drafter_transport
 from common.worker_backends import DrafterBackend
 from common.worker_loop import WorkerLoop
+from common.witness import Checkpoint, latest_checkpoint
 from common.worker_runtime import CALL_TIMEOUT_S, RECONNECT_S, DispatcherGone, NoReply, WorkerLost
 
 log = logging.getLogger("hsd.drafter")
@@ -49,13 +54,25 @@ class DrafterLoop(WorkerLoop):
         super().__init__(config, name, backend, **kwargs)
         self.run_dir = config.run_dir
         self.checkpoint_every = config.drafter.checkpoint_every
-        self.checkpointed_step = 0
+        self.checkpointed_step = 0  # the step of the latest checkpoint written or being written
+        self.writer = CheckpointWriter(config.run_dir, name=name)
+        self.unreported: Checkpoint | None = None  # durable, not yet acknowledged by the dispatcher
         self.window: list[int] = []  # job ids of the step being accumulated
         self.busy_s = 0.0
         self.commit: tuple[dict[str, Any], int] | None = None  # (fields, request id) of the commit in flight
         self.num_dropped_steps = 0
         self.num_read_failures = 0
         self.read_s = 0.0  # time spent copying slots out (benchmarks read it)
+
+    def run(self) -> int:
+        """The worker loop; it returns (and the process exits) only once no checkpoint is being written."""
+        try:
+            code = super().run()
+        except BaseException:
+            self._wait_for_writer(quiet=True)
+            raise
+        self._wait_for_writer()
+        return code
 
     # -- registration: the model's step ---------------------------------------------------------
     def _start(self) -> None:
@@ -75,7 +92,7 @@ class DrafterLoop(WorkerLoop):
                 # The model is ahead of the ledger (a commit it applied is not in the journal this
                 # dispatcher replayed): go back to the latest checkpoint and register from there.
                 ahead = backend.step
-                self.checkpointed_step = backend.load_latest(self.run_dir)
+                self._reload()
                 log.warning("%s: model %s at step %d refused (%s); reloaded its checkpoint at step %d",
                             self.name, backend.model_id, ahead, exc.message, backend.step)
                 if backend.step >= ahead:
@@ -117,6 +134,7 @@ class DrafterLoop(WorkerLoop):
             done, flush, job = reply["done"], reply.get("flush", False), reply["job"]
             if not done:
                 poll = self._poll("get_hs")  # prefetch: the next job is asked for before this one computes
+            self._report_durable()
             reports = self._collect(reports)
             if job is not None:
                 self._train_on(job, transport, reports)
@@ -217,9 +235,34 @@ class DrafterLoop(WorkerLoop):
             self._checkpoint()
 
     def _checkpoint(self, *, best_effort: bool = False) -> None:
-        """Save weights + witness, then tell the dispatcher that the model's state at this step is durable."""
-        step = self.backend.step
-        self.backend.save_checkpoint(self.run_dir)
+        """Start the checkpoint of the applied step: snapshot now, written on the writer's thread.
+        The dispatcher hears of it once it is durable (:meth:`_report_durable`)."""
+        self._wait_for_writer()  # at most one in flight: the previous one is written first
+        self._report_durable(best_effort=best_effort)
+        snapshot = getattr(self.backend, "snapshot_checkpoint", None)
+        if snapshot is not None:
+            self.writer.start(snapshot())
+        else:  # a backend that can only write on this thread
+            self.backend.save_checkpoint(self.run_dir)
+            self.unreported = latest_checkpoint(self.run_dir, self.backend.model_id)
+        self.checkpointed_step = self.backend.step
+
+    def _wait_for_writer(self, *, quiet: bool = False) -> None:
+        """Block until no checkpoint is being written (``quiet``: a failed write is logged, not raised)."""
+        try:
+            self.unreported = self.writer.wait() or self.unreported
+        except CheckpointWriteFailed:
+            if not quiet:
+                raise
+            log.exception("%s: the last checkpoint was not written", self.name)
+
+    def _report_durable(self, *, best_effort: bool = False) -> None:
+        """Send ``checkpoint {model, step}`` for a checkpoint that became durable (the witness rule:
+        never before its files are on disk)."""
+        self.unreported = self.writer.poll() or self.unreported
+        if self.unreported is None:
+            return
+        step = self.unreported.step
         try:
             if best_effort:
                 self.session.call("checkpoint", model=self.backend.model_id, step=step)
@@ -227,12 +270,16 @@ class DrafterLoop(WorkerLoop):
                 self.session.call_until_answered("checkpoint", model=self.backend.model_id, step=step)
         except (ProtocolError, WorkerLost, DispatcherGone) as exc:
             if not best_effort:
-                raise  # not checkpointed as far as the dispatcher knows: sent again after registering again
-            self.checkpointed_step = step
+                raise  # unreported stays: it is sent again once the drafter has registered again
             log.warning("%s: checkpoint at step %d saved, but not acknowledged: %s", self.name, step, exc)
             return
-        self.checkpointed_step = step  # acknowledged: the dispatcher's `done` may count on it
+        self.unreported = None
         log.info("%s: checkpoint of model %s at step %d", self.name, self.backend.model_id, step)
+
+    def _reload(self) -> None:
+        """Go back to the latest checkpoint, once the one being written (if any) is published."""
+        self._wait_for_writer()
+        self.checkpointed_step = self.backend.load_latest(self.run_dir)
 
     def _stop(self, reports: list[int]) -> None:
         """A clean stop: settle the commit in flight, drop the partial step, save what was applied."""
@@ -246,5 +293,11 @@ class DrafterLoop(WorkerLoop):
             self.backend.drop_step()
             self.session.held.discard(self.window)
             self.window, self.busy_s = [], 0.0
+        self._finish_checkpoints()
+
+    def _finish_checkpoints(self) -> None:
+        """On a stop: checkpoint what was applied, wait for it to be written, tell the dispatcher if it listens."""
         if self.backend.step > self.checkpointed_step:
             self._checkpoint(best_effort=True)
+        self._wait_for_writer()
+        self._report_durable(best_effort=True)

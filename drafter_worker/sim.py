@@ -15,7 +15,7 @@ from typing import Any
 from common.config import Config
 from common.slot_pattern import verify_against_dataset, verify_pattern
 from common.slots import SlotBatch
-from common.witness import TrainedJobs, check_model_id, latest_checkpoint, save_checkpoint
+from common.witness import CheckpointSnapshot, TrainedJobs, check_model_id, latest_checkpoint
 
 
 def _test_faults() -> tuple[int | None, int | None]:
@@ -78,5 +78,8 @@ class SimDrafter:
     def drop_step(self) -> None:
         self._window = []
 
+    def snapshot_checkpoint(self) -> CheckpointSnapshot:
+        return CheckpointSnapshot(self.model_id, self.step, self.trained.copy(), keep_last=self.keep)
+
     def save_checkpoint(self, run_dir: str | os.PathLike) -> None:
-        save_checkpoint(run_dir, self.model_id, self.step, self.trained, keep_last=self.keep)
+        self.snapshot_checkpoint().write(run_dir)

@@ -141,7 +141,9 @@ def drop_unused_modules(model: nn.Module, *, last_layer: int) -> None:
 
 
 class LayerCapture:
-    """Runs the decoder up to the last captured layer and returns ``[B, S, K × hidden]``.
+    """Runs the decoder up to the last captured layer and returns ``[B, S, K × hidden]``; with
+    ``final_norm`` it runs every layer and the final norm, whose output fills one more block
+    (``[B, S, (K + 1) × hidden]``: what an EAGLE-3 drafter turns into the target's logits).
 
     The returned tensor is a view of one of ``num_buffers`` buffers, used in turn: it stays valid for
     the next ``num_buffers - 1`` calls (on a GPU, a slot copy drains one while the next forward fills
@@ -149,7 +151,8 @@ class LayerCapture:
     ``B × S <= max_tokens``.
     """
 
-    def __init__(self, model: nn.Module, layer_ids: Sequence[int], *, max_tokens: int, num_buffers: int = 1):
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int], *, max_tokens: int, num_buffers: int = 1,
+                 final_norm: bool = False):
         decoder, layers_name = find_decoder(model)
         layers = decoder._modules[layers_name]
         ids = list(layer_ids)
@@ -157,17 +160,19 @@ class LayerCapture:
             raise ValueError(f"capture layers {ids} must be distinct, ascending and within 0..{len(layers) - 1}")
         self.layer_ids = ids
         self.hidden_size = text_config(model).hidden_size
-        self.row_width = len(ids) * self.hidden_size
+        self.final_norm = final_norm
+        self.row_width = (len(ids) + int(final_norm)) * self.hidden_size
         self.max_tokens = max_tokens
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         # hidden_states[N] of a Hugging Face forward is the final norm's output, not the last layer's:
         # keep the norm when the last layer is captured, so layer i is hidden_states[i + 1] for every i.
         self._last_from_norm = ids[-1] == len(layers) - 1
+        self.last_layer = len(layers) - 1 if final_norm else ids[-1]  # the last layer the forward runs
         self._truncated = copy.copy(decoder)
         self._truncated._modules = dict(decoder._modules)
-        self._truncated._modules[layers_name] = layers[:ids[-1] + 1]
-        if not self._last_from_norm:
+        self._truncated._modules[layers_name] = layers[:self.last_layer + 1]
+        if not self._last_from_norm and not final_norm:
             for name in _FINAL_NORM_NAMES:
                 if name in self._truncated._modules:
                     self._truncated._modules[name] = nn.Identity()
@@ -201,6 +206,9 @@ class LayerCapture:
         finally:
             self._out = None
         if self._last_from_norm:
+            column = (len(self.layer_ids) - 1) * self.hidden_size
+            out[..., column:column + self.hidden_size].copy_(result.last_hidden_state)
+        if self.final_norm:
             out[..., -self.hidden_size:].copy_(result.last_hidden_state)
         return out
 

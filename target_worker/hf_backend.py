@@ -117,17 +117,18 @@ class HFTargetBackend:
                                        attn_implementation=config.target.attn_implementation, device=device)
         architecture, num_layers, hidden_size = contract_shape_of(self.model)
         loaded = CaptureContract(architecture=architecture, num_layers=num_layers, hidden_size=hidden_size,
-                                 layer_ids=declared.layer_ids, dtype=str(self.model.dtype).removeprefix("torch."))
+                                 layer_ids=declared.layer_ids, dtype=str(self.model.dtype).removeprefix("torch."),
+                                 final_norm=declared.final_norm)
         check_same_contract(declared, loaded, ours_name="config.json", theirs_name="loaded model")
         self.contract: dict[str, Any] = declared.to_dict()
         on_gpu = device.type == "cuda"
         # Two capture buffers on a GPU: the next forward fills one while the other drains into its slot.
         self.capture = LayerCapture(self.model, declared.layer_ids, max_tokens=self.tokens_per_batch,
-                                    num_buffers=2 if on_gpu else 1)
+                                    num_buffers=2 if on_gpu else 1, final_norm=declared.final_norm)
         self._copy_streams = [torch.cuda.Stream(device) for _ in range(2)] if on_gpu else []
         self._copied = [torch.cuda.Event() for _ in range(2)] if on_gpu else []
         if not keep_full_model:
-            drop_unused_modules(self.model, last_layer=declared.layer_ids[-1])
+            drop_unused_modules(self.model, last_layer=self.capture.last_layer)
 
     def forward(self, batch: PaddedBatch) -> torch.Tensor:
         """``[num_seqs, seq_len, K × hidden]`` (a view of a capture buffer that a later call reuses)."""

@@ -11,9 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
-IM_START, IM_END, PAD = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
-# <|mask|> is the row of the embedding a DFlash drafter uses as its mask token.
-SPECIAL_TOKENS = (PAD, IM_START, IM_END, "<|mask|>")
+IM_START, IM_END, PAD, MASK = "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|mask|>"
+# The tokenizer's mask token: the row of the embedding a DFlash drafter uses for its masked
+# positions (it never occurs in the conversations).
+SPECIAL_TOKENS = (PAD, IM_START, IM_END, MASK)
 
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
@@ -34,8 +35,8 @@ def build_tokenizer(texts: Iterable[str], vocab_size: int = 1024):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     backend.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=IM_END, pad_token=PAD,
-                                   additional_special_tokens=[IM_START, "<|mask|>"], chat_template=CHAT_TEMPLATE,
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=IM_END, pad_token=PAD, mask_token=MASK,
+                                   additional_special_tokens=[IM_START], chat_template=CHAT_TEMPLATE,
                                    padding_side="left")
 
 

@@ -57,7 +57,9 @@ def tiny_run_args(root: Path, run_dir: Path, *, num_samples: int = 32, epochs: i
         "drafter.count=1", "drafter.accum_steps=2", "drafter.checkpoint_every=2",
         "schedule.buckets=[32,64]", "schedule.tokens_per_batch=128", "pool.slots=4", "pool.min_ready=1",
         "dflash.block_size=4", "dflash.gamma=2.0", "dflash.num_draft_layers=1", "dflash.num_anchors=8",
-        "dflash.lr=0.002", "dispatcher.heartbeat_s=0.2", "dispatcher.worker_timeout_s=5", *extra]
+        "dflash.lr=0.002", "dispatcher.heartbeat_s=0.2", "dispatcher.worker_timeout_s=5",
+        # The random target has no tokenizer of its own; the data's tokens are 1 .. VOCAB - 2.
+        f"dflash.mask_token_id={VOCAB - 1}", *extra]
 
 
 def tiny_run(root: Path, run_dir: Path, **kwargs) -> Config:

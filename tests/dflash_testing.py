@@ -55,7 +55,9 @@ def backend_config(target_dir, run_dir, *extra: str):
     return load_config(None, [f"run.dir={run_dir}", f"target.model={target_dir}",
                               "target.capture_layers=[" + ",".join(map(str, LAYER_IDS)) + "]",
                               "dflash.block_size=4", "dflash.gamma=2.0", "dflash.num_draft_layers=1",
-                              "dflash.num_anchors=8", "dflash.lr=0.003", "drafter.checkpoint_keep=2", *extra])
+                              "dflash.num_anchors=8", "dflash.lr=0.003", "drafter.checkpoint_keep=2",
+                              f"dflash.mask_token_id={VOCAB - 1}",  # random_batch never draws it
+                              *extra])
 
 
 def make_trainer(target_dir, *, seed: int = 0, **overrides) -> DFlashTrainer:

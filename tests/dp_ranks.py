@@ -1,8 +1,9 @@
 """The ranks of tests/drafter_worker/test_data_parallel_step.py: a module importable by name, so a
 spawned child process can find its entry point.
 
-Two backends train here: ``linear`` (:mod:`drafter_worker.linear_backend`) and ``dflash`` (the real
-DFlash drafter on the tiny target of :mod:`dflash_testing`). Every micro-batch is a fixed function
+Three backends train here: ``linear`` (:mod:`drafter_worker.linear_backend`), ``dflash`` (the real
+DFlash drafter on the tiny target of :mod:`dflash_testing`) and ``eagle3`` (the EAGLE-3 drafter on the
+same target, its draft vocabulary counted in a small prepared dataset under the test's directory). Every micro-batch is a fixed function
 of its job id, and so are the DFlash anchors drawn on it (the anchor generator is reseeded from the
 job id before each micro-batch): a rank and a single process that train on the same job draw the
 same blocks, whatever came before it.
@@ -23,7 +24,7 @@ from dflash_testing import LAYER_IDS, VOCAB, backend_config
 NUM_STEPS = 3
 PER_RANK = 2  # micro-batches one rank brings to a step
 WORLD = 2
-BACKENDS = ("linear", "dflash")
+BACKENDS = ("linear", "dflash", "eagle3")
 TARGET_HIDDEN = 64  # hidden size of dflash_testing.make_target's model
 
 
@@ -31,10 +32,20 @@ def config():
     return load_config(None, ["target.hidden_size=8", "target.num_capture_layers=2", "run.seed=7"])
 
 
+def data_dir(out: str) -> str:
+    """The prepared dataset an EAGLE-3 backend counts its vocabulary in (the test writes it first)."""
+    return os.path.join(out, "data")
+
+
 def make_backend(kind: str, target_dir: str | None, run_dir: str):
     if kind == "linear":
         from drafter_worker.linear_backend import LinearDrafter
         return LinearDrafter(config(), "m")
+    if kind == "eagle3":
+        from drafter_worker.eagle3_backend import Eagle3Backend
+        from eagle3_testing import backend_config as eagle3_config
+        return Eagle3Backend(eagle3_config(target_dir, run_dir, data_dir(os.path.dirname(run_dir)), "run.seed=7"),
+                             "m", device="cpu", schedule_jobs=NUM_STEPS * WORLD * PER_RANK)
     from drafter_worker.dflash_backend import DFlashBackend
     return DFlashBackend(backend_config(target_dir, run_dir, "run.seed=7"), "m", device="cpu",
                          schedule_jobs=NUM_STEPS * WORLD * PER_RANK)
@@ -60,7 +71,8 @@ def micro_batch(job_id: int, kind: str = "linear") -> SlotBatch:
         mask = (torch.rand(batch_size, seq_len, generator=g) < 0.7).to(torch.uint8)
     else:
         batch_size, seq_len, prompt_len = 2 + job_id % 2, 16 + 4 * (job_id % 3), 3
-        hs = torch.randn(batch_size, seq_len, len(LAYER_IDS) * TARGET_HIDDEN, generator=g)
+        width = (3 + 1 if kind == "eagle3" else len(LAYER_IDS)) * TARGET_HIDDEN  # EAGLE-3: 3 layers + final norm
+        hs = torch.randn(batch_size, seq_len, width, generator=g)
         ids = torch.randint(1, VOCAB - 1, (batch_size, seq_len), generator=g, dtype=torch.int32)
         lens = torch.randint(prompt_len + 8, seq_len + 1, (batch_size,), generator=g, dtype=torch.int32)
         mask = torch.zeros(batch_size, seq_len, dtype=torch.uint8)

@@ -99,6 +99,24 @@ def sim_args(run_dir: Path, *overrides: str) -> list[str]:
             "dispatcher.heartbeat_s=0.2", "dispatcher.worker_timeout_s=3", *overrides]
 
 
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def curve_args(keys: Path, control_port: int, stats_port: int, *, allowed: tuple[str, ...] = ("node-a",),
+               client: str = "node-a") -> list[str]:
+    """Overrides for a control plane over loopback TCP with CURVE, keys made by `hsd keys --out keys`."""
+    return [f"dispatcher.endpoint=tcp://127.0.0.1:{control_port}",
+            f"dispatcher.stats_endpoint=tcp://127.0.0.1:{stats_port}",
+            f"curve.server_public_key={keys / 'dispatcher.key'}",
+            f"curve.server_secret_key={keys / 'dispatcher.key_secret'}",
+            f"curve.allowed_client_keys=[{','.join(str(keys / f'{name}.key') for name in allowed)}]",
+            f"curve.client_secret_key={keys / f'{client}.key_secret'}"]
+
+
 def child_message(queue, child, timeout: float = 120.0):
     """A spawned child's next message, failing fast (not after the timeout) if the child died."""
     from queue import Empty

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import ConfigError, DFlashSection, opt
+from drafter_worker.recipe import validate_recipe
 
 # Loss decay gamma per block size, as published with the method; other block sizes need an explicit gamma.
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -28,6 +29,15 @@ def default_gamma(block_size: int) -> float:
     return DEFAULT_GAMMA[block_size]
 
 
+def read_target_config(target_dir: str | Path) -> dict:
+    """The target's language-model config (``config.json``; a multimodal wrapper's ``text_config``)."""
+    path = Path(target_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"target directory {target_dir} has no config.json")
+    target = json.loads(path.read_text())
+    return target.get("text_config", target)  # multimodal wrappers keep the language model's config inside
+
+
 @dataclass
 class DFlashConfig:
     block_size: int = opt(16, "Tokens per draft block: the anchor token plus block_size - 1 masked positions.")
@@ -36,6 +46,8 @@ class DFlashConfig:
     gamma: float = opt(0.0, "Loss decay: position k weighs exp(-(k-1)/gamma); 0 = the default for block_size.")
     target_layer_ids: list[int] = opt([], "Target layers whose outputs are fused (layer i = hidden_states[i+1]).")
     num_target_layers: int = opt(0, "Decoder layers of the target (exported for serving engines).")
+    # A run's default comes from the tokenizer (drafter_worker.dflash.mask_token); -1 here, for a
+    # model built directly (tests and benches on random tokens), is the embedding's last row.
     mask_token_id: int = opt(-1, "Token id of the masked block positions; -1 = the last row of the target embedding.")
     hidden_size: int = opt(0, "Hidden size (must equal the target's).")
     intermediate_size: int = opt(0, "SwiGLU inner size of the draft layers.")
@@ -82,11 +94,7 @@ class DFlashConfig:
     @classmethod
     def from_target(cls, target_dir: str | Path, *, layer_ids: list[int], **overrides) -> "DFlashConfig":
         """Draft dimensions from the target's ``config.json``; ``overrides`` set any field."""
-        path = Path(target_dir) / "config.json"
-        if not path.is_file():
-            raise ConfigError(f"target directory {target_dir} has no config.json")
-        target = json.loads(path.read_text())
-        target = target.get("text_config", target)  # multimodal wrappers keep the language model's config inside
+        target = read_target_config(target_dir)
         rope_theta = target.get("rope_theta") or (target.get("rope_parameters") or {}).get("rope_theta", 1e6)
         num_heads = target["num_attention_heads"]
         fields = dict(
@@ -123,23 +131,7 @@ class DFlashTrainConfig(DFlashSection):
         return cls(**{**dataclasses.asdict(section), "total_steps": total_steps})
 
     def validate(self) -> None:
-        if self.total_steps <= 0:
-            raise ConfigError(f"dflash total_steps must be positive (it sets the learning-rate schedule), "
-                              f"got {self.total_steps}")
-        if self.lr <= 0:
-            raise ConfigError(f"dflash lr must be positive, got {self.lr}")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ConfigError(f"dflash betas must be two numbers in [0, 1), got {self.betas}")
-        if not 0 <= self.warmup_ratio < 1:
-            raise ConfigError(f"dflash warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"dflash min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.loss_chunk_size <= 0:
-            raise ConfigError(f"dflash loss_chunk_size must be positive, got {self.loss_chunk_size}")
-        if self.grad_clip < 0:
-            raise ConfigError(f"dflash grad_clip must not be negative, got {self.grad_clip}")
-        if self.dtype not in ("auto", "bfloat16", "float32"):
-            raise ConfigError(f"dflash dtype {self.dtype!r} is not one of auto, bfloat16, float32")
+        validate_recipe("dflash", self)
         if self.attention not in ("auto", "flex", "sdpa"):
             raise ConfigError(f"dflash attention {self.attention!r} is not one of auto, flex, sdpa")
 

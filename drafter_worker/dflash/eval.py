@@ -119,11 +119,22 @@ def _eos_ids(target) -> set[int]:
 
 
 def _as_proposer(drafter, target_dir, device) -> Proposer:
+    from drafter_worker.eagle3.eval import Eagle3Proposer
+    from drafter_worker.eagle3.export import is_eagle3_export
+    from drafter_worker.eagle3.model import Eagle3DraftModel
+    if isinstance(drafter, (str, os.PathLike)):
+        from drafter_worker.dflash.export import find_drafter_dir
+        drafter = find_drafter_dir(drafter)  # an export, or a checkpoint's step directory
+    if isinstance(drafter, (str, os.PathLike)) and is_eagle3_export(drafter):
+        from drafter_worker.eagle3.export import load_drafter as load_eagle3
+        return Eagle3Proposer(load_eagle3(drafter, target_dir, device=device))
     if isinstance(drafter, (str, os.PathLike)):
         from drafter_worker.dflash.export import load_drafter
         return DFlashProposer(load_drafter(drafter, target_dir, device=device))
     if isinstance(drafter, DFlashDraftModel):
         return DFlashProposer(drafter)
+    if isinstance(drafter, Eagle3DraftModel):
+        return Eagle3Proposer(drafter)
     return drafter
 
 

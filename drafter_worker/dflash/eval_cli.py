@@ -13,8 +13,11 @@ def run_eval(config: Config, *, drafter: str, num_prompts: int, prompts_file: st
     target_dir = config.target.model
     if not target_dir or not (Path(target_dir) / "config.json").is_file():
         raise ConfigError(f"target.model: {target_dir or '(empty)'} is not a model directory with a config.json")
-    if not (Path(drafter) / "config.json").is_file():
-        raise ConfigError(f"--drafter: {drafter} has no config.json (expected an exported drafter directory)")
+    from drafter_worker.dflash.export import find_drafter_dir
+    try:
+        drafter = str(find_drafter_dir(drafter))
+    except FileNotFoundError as exc:
+        raise ConfigError(f"--drafter: {exc}") from None
     if num_prompts <= 0:
         raise ConfigError(f"--prompts must be positive, got {num_prompts}")
     from transformers import AutoTokenizer

@@ -4,7 +4,8 @@ Layout (that of the published DFlash checkpoints): ``config.json`` is a Qwen3 co
 layers plus ``architectures: ["DFlashDraftModel"]``, ``block_size``, ``num_target_layers`` and
 ``dflash_config: {target_layer_ids, mask_token_id}``; ``model.safetensors`` holds the draft tensors
 only (``fc``, ``hidden_norm``, ``layers.{i}.*``, ``norm``) — the embedding and the LM head are the
-target's. Optimizer, scheduler and data position are training state, saved elsewhere.
+target's. Optimizer, scheduler and data position are training state, saved elsewhere (a run's
+checkpoint keeps them beside this directory, never inside it: see :mod:`common.witness`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from common.witness import servable_dir
 from drafter_worker.dflash.config import DFlashConfig
 from drafter_worker.dflash.model import DFlashDraftModel, build_drafter
 
@@ -59,20 +61,28 @@ def export_config(config: DFlashConfig, dtype: str) -> dict:
     }
 
 
-def save_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, *, dtype: str = "bfloat16") -> Path:
-    """Write ``config.json`` + ``model.safetensors`` into ``out_dir`` (files replaced atomically)."""
+def write_drafter_files(tensors: dict[str, torch.Tensor], config_doc: dict, out_dir: str | os.PathLike, *,
+                        dtype: str) -> Path:
+    """``config.json`` + ``model.safetensors`` (floating tensors cast to ``dtype``, integer and bool
+    tensors as they are) into ``out_dir``, each file replaced atomically."""
     if dtype not in _DTYPES:
         raise ValueError(f"export dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().to("cpu", _DTYPES[dtype]).contiguous() for name, t in model.draft_state_dict().items()}
+    tensors = {name: t.detach().to("cpu", _DTYPES[dtype] if t.is_floating_point() else t.dtype).contiguous()
+               for name, t in tensors.items()}
     tmp = out_dir / (WEIGHTS_NAME + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, out_dir / WEIGHTS_NAME)
     tmp = out_dir / (CONFIG_NAME + ".tmp")
-    tmp.write_text(json.dumps(export_config(model.config, dtype), indent=2) + "\n")
+    tmp.write_text(json.dumps(config_doc, indent=2) + "\n")
     os.replace(tmp, out_dir / CONFIG_NAME)
     return out_dir
+
+
+def save_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, *, dtype: str = "bfloat16") -> Path:
+    """Write ``config.json`` + ``model.safetensors`` into ``out_dir`` (files replaced atomically)."""
+    return write_drafter_files(model.draft_state_dict(), export_config(model.config, dtype), out_dir, dtype=dtype)
 
 
 def config_from_export(doc: dict) -> DFlashConfig:
@@ -94,13 +104,24 @@ def config_from_export(doc: dict) -> DFlashConfig:
         max_position_embeddings=doc.get("max_position_embeddings", 40960), vocab_size=doc["vocab_size"])
 
 
+def find_drafter_dir(path: str | os.PathLike) -> Path:
+    """The exported drafter at ``path``: the directory itself, or the servable part of a run's
+    step directory (``step-NNNNNNNN/model``)."""
+    path = Path(path)
+    if not (path / CONFIG_NAME).is_file() and (servable_dir(path) / CONFIG_NAME).is_file():
+        return servable_dir(path)
+    if not (path / CONFIG_NAME).is_file():
+        raise FileNotFoundError(f"drafter directory {path} has no {CONFIG_NAME} (give an exported drafter "
+                                f"directory or a checkpoint's step directory)")
+    return path
+
+
 def load_drafter(drafter_dir: str | os.PathLike, target_dir: str | os.PathLike, *,
                  dtype: torch.dtype = torch.float32, device="cpu") -> DFlashDraftModel:
-    """An exported drafter with the target's embedding and LM head, in ``dtype`` on ``device``."""
-    drafter_dir = Path(drafter_dir)
+    """An exported drafter (or a checkpoint's step directory) with the target's embedding and LM
+    head, in ``dtype`` on ``device``."""
+    drafter_dir = find_drafter_dir(drafter_dir)
     config_path = drafter_dir / CONFIG_NAME
-    if not config_path.is_file():
-        raise FileNotFoundError(f"drafter directory {drafter_dir} has no {CONFIG_NAME}")
     config = config_from_export(json.loads(config_path.read_text()))
     model = build_drafter(config, target_dir, dtype=dtype)
     with safe_open(str(drafter_dir / WEIGHTS_NAME), framework="pt") as f:

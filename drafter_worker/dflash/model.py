@@ -26,6 +26,7 @@ from torch import nn
 
 from drafter_worker.dflash.config import DFlashConfig
 from drafter_worker.dflash.mask import block_positions, dense_block_mask, flex_block_mask
+from drafter_worker.draft_tensors import DraftTensors
 
 SHARED_PREFIXES = ("embed_tokens.", "lm_head.")  # the target's tensors: never trained, never exported
 
@@ -130,7 +131,9 @@ class DFlashDecoderLayer(nn.Module):
         return x_BQH + self.mlp(self.post_attention_layernorm(x_BQH))
 
 
-class DFlashDraftModel(nn.Module):
+class DFlashDraftModel(DraftTensors):
+    SHARED_PREFIXES = SHARED_PREFIXES
+
     def __init__(self, config: DFlashConfig, *, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor):
         super().__init__()
         self.config = config
@@ -150,31 +153,6 @@ class DFlashDraftModel(nn.Module):
         else:
             self.lm_head.weight = nn.Parameter(lm_head_weight, requires_grad=False)
         self.attention = "sdpa"  # or "flex": set by whoever places the model on a device
-
-    def init_weights(self, seed: int) -> None:
-        """Deterministic initialisation of the trainable tensors (normal 0.02, norms at 1)."""
-        generator = torch.Generator().manual_seed(seed)
-        for name, param in self.draft_named_parameters():
-            with torch.no_grad():
-                if name.endswith("norm.weight"):
-                    param.fill_(1.0)
-                else:
-                    param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
-
-    def draft_named_parameters(self):
-        return [(n, p) for n, p in self.named_parameters() if not n.startswith(SHARED_PREFIXES)]
-
-    def draft_state_dict(self) -> dict[str, torch.Tensor]:
-        """The trained tensors only, named as in the exported checkpoint."""
-        return {n: t for n, t in self.state_dict().items() if not n.startswith(SHARED_PREFIXES)}
-
-    def load_draft_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        expected = set(self.draft_state_dict())
-        missing, unexpected = expected - set(state), set(state) - expected
-        if missing or unexpected:
-            raise ValueError(f"drafter tensors do not match the model: missing {sorted(missing)[:5]}, "
-                             f"unexpected {sorted(unexpected)[:5]}")
-        self.load_state_dict(state, strict=False)
 
     def forward(self, hs_BSD: torch.Tensor, input_ids_BS: torch.Tensor, anchors_BN: torch.Tensor) -> torch.Tensor:
         """Final hidden states of every block position ``[B, N, block_size, H]``.

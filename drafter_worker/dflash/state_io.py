@@ -19,19 +19,21 @@ TENSORS_NAME = "state.safetensors"
 STRUCTURE_NAME = "state.json"
 
 
-def flatten_state(value, tensors: dict[str, torch.Tensor]):
+def flatten_state(value, tensors: dict[str, torch.Tensor], *, host: bool = True):
+    """``value``'s structure, its tensors moved to ``tensors`` (named ``t0``, ``t1``, ...): contiguous
+    on the host, or with ``host=False`` the state's own tensors where they are (the caller copies them)."""
     if isinstance(value, torch.Tensor):
         name = f"t{len(tensors)}"
-        tensors[name] = value.detach().to("cpu").contiguous()
+        tensors[name] = value.detach().to("cpu").contiguous() if host else value.detach()
         return {"__tensor__": name}
     if isinstance(value, dict):
         if all(isinstance(k, str) and not k.startswith("__") for k in value):
-            return {k: flatten_state(v, tensors) for k, v in value.items()}
-        return {"__items__": [[k, flatten_state(v, tensors)] for k, v in value.items()]}
+            return {k: flatten_state(v, tensors, host=host) for k, v in value.items()}
+        return {"__items__": [[k, flatten_state(v, tensors, host=host)] for k, v in value.items()]}
     if isinstance(value, tuple):
-        return {"__tuple__": [flatten_state(v, tensors) for v in value]}
+        return {"__tuple__": [flatten_state(v, tensors, host=host) for v in value]}
     if isinstance(value, list):
-        return [flatten_state(v, tensors) for v in value]
+        return [flatten_state(v, tensors, host=host) for v in value]
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     raise TypeError(f"cannot save a value of type {type(value).__name__} in a training state")
@@ -53,12 +55,16 @@ def unflatten_state(value, tensors: dict[str, torch.Tensor]):
 
 def save_state(state: dict, out_dir: str | os.PathLike) -> Path:
     """Write ``state`` into ``out_dir`` (both files replaced atomically, structure last)."""
+    tensors: dict[str, torch.Tensor] = {}
+    return write_state(flatten_state(state, tensors), tensors, out_dir)
+
+
+def write_state(structure, tensors: dict[str, torch.Tensor], out_dir: str | os.PathLike) -> Path:
+    """Write a flattened state (:func:`flatten_state`) into ``out_dir``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, torch.Tensor] = {}
-    structure = flatten_state(state, tensors)
     tmp = out_dir / (TENSORS_NAME + ".tmp")
-    save_file(tensors, str(tmp))
+    save_file({name: t.to("cpu").contiguous() for name, t in tensors.items()}, str(tmp))
     os.replace(tmp, out_dir / TENSORS_NAME)
     tmp = out_dir / (STRUCTURE_NAME + ".tmp")
     tmp.write_text(json.dumps(structure))

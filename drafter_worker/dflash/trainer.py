@@ -13,9 +13,7 @@ supervised positions, not one each, and the step's loss and accuracy are the who
 
 from __future__ import annotations
 
-import contextlib
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +21,8 @@ from drafter_worker.dflash.anchors import IGNORE, check_anchors, block_labels, s
 from drafter_worker.dflash.config import DFlashTrainConfig
 from drafter_worker.dflash.loss import position_weights, weighted_ce_chunked
 from drafter_worker.dflash.model import DFlashDraftModel, build_drafter
+from drafter_worker.recipe import AccumulatingTrainer, build_optimizer, resolve_dtype
+from drafter_worker.recipe import StepStats, warmup_cosine  # noqa: F401  (re-exported: callers import them from here)
 
 
 @dataclass
@@ -36,36 +36,6 @@ class MicroStats:
     count: list[int]       # supervised positions per block position k
 
 
-@dataclass
-class StepStats:
-    step: int              # steps applied, this one included
-    loss: float            # the step's weighted CE (sum over its micro-batches / total weight)
-    grad_norm: float       # global gradient norm before clipping
-    lr: float              # learning rate this step was applied with
-    weight: float          # total weight the gradients were divided by
-    num_micro_batches: int
-    accuracy: list[float] = field(default_factory=list)  # top-1 accuracy per block position 1..B-1
-
-
-def warmup_cosine(total_steps: int, warmup_ratio: float, min_lr_ratio: float):
-    """LR factor of step s (0-based): linear warmup over ``ceil(ratio * total)`` steps, then cosine."""
-    warmup = math.ceil(warmup_ratio * total_steps)
-
-    def factor(s: int) -> float:
-        if s < warmup:
-            return (s + 1) / warmup
-        progress = min(1.0, (s - warmup) / max(1, total_steps - warmup))
-        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
-
-
-def _resolve_dtype(config: DFlashTrainConfig, device: torch.device) -> torch.dtype:
-    if config.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, config.dtype)
-
-
 def _resolve_attention(config: DFlashTrainConfig, device: torch.device) -> str:
     if config.attention != "auto":
         return config.attention
@@ -76,12 +46,14 @@ def _resolve_attention(config: DFlashTrainConfig, device: torch.device) -> str:
     return "flex" if device.type == "cuda" else "sdpa"
 
 
-class DFlashTrainer:
+class DFlashTrainer(AccumulatingTrainer):
+    first_reported = 1  # block position 0 is the anchor: never predicted
+
     def __init__(self, config: DFlashTrainConfig, *, target_dir: str, layer_ids: list[int], device, seed: int):
         config.validate()
         self.config = config
         self.device = torch.device(device)
-        self.compute_dtype = _resolve_dtype(config, self.device)
+        self.compute_dtype = resolve_dtype(config, self.device)
         self.model_config = config.model_config(target_dir, layer_ids)
         # Trainable tensors stay float32 (master weights); the frozen shared ones take the compute dtype.
         self.model: DFlashDraftModel = build_drafter(self.model_config, target_dir, dtype=self.compute_dtype)
@@ -89,10 +61,7 @@ class DFlashTrainer:
         self.model.to(self.device)
         self.model.attention = _resolve_attention(config, self.device)
         self.params = [p for _, p in self.model.draft_named_parameters()]
-        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=tuple(config.betas),
-                                           weight_decay=config.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, warmup_cosine(config.total_steps, config.warmup_ratio, config.min_lr_ratio))
+        self.optimizer, self.scheduler = build_optimizer(self.params, config)
         # Anchors are drawn on the CPU from a generator of the trainer's own: checkpointed, and
         # independent of whatever else uses the global RNG in the process.
         self.anchor_generator = torch.Generator().manual_seed(seed)
@@ -100,44 +69,9 @@ class DFlashTrainer:
         self.step = 0
         self._reset_accumulators()
 
-    def _reset_accumulators(self) -> None:
-        self._weighted_sum = 0.0
-        self._weight_total = 0.0
-        self._num_micro_batches = 0
-        block = self.model_config.block_size
-        self._correct = torch.zeros(block, dtype=torch.long)
-        self._count = torch.zeros(block, dtype=torch.long)
-
     @property
-    def local_weight_total(self) -> float:
-        """Total position weight of this rank's micro-batches since the last step (to all-reduce)."""
-        return self._weight_total
-
-    def step_sums(self) -> torch.Tensor:
-        """What a data-parallel group sums besides the gradients, float64 on the trainer's device:
-        ``[weight total, weighted CE sum, top-1 hits per block position..., counts per block position...]``
-        of this rank's micro-batches since the last step."""
-        local = torch.cat([torch.tensor([self._weight_total, self._weighted_sum], dtype=torch.float64),
-                           self._correct.double(), self._count.double()])
-        return local.to(self.device)
-
-    def adopt_group_sums(self, sums: torch.Tensor) -> float:
-        """Take :meth:`step_sums` summed over the group as this step's own: the gradients are divided
-        by the group's weight, and the step's loss and accuracy are the group's, not this rank's
-        share of them. Returns the group's weight total."""
-        sums = sums.detach().to("cpu", torch.float64)
-        block = self.model_config.block_size
-        if sums.numel() != 2 + 2 * block:
-            raise ValueError(f"group sums of {sums.numel()} values, expected {2 + 2 * block}")
-        self._weight_total, self._weighted_sum = float(sums[0]), float(sums[1])
-        self._correct = sums[2:2 + block].round().long()
-        self._count = sums[2 + block:].round().long()
-        return self._weight_total
-
-    def _autocast(self):
-        if self.compute_dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+    def num_positions(self) -> int:
+        return self.model_config.block_size
 
     def micro_batch(self, hs, input_ids, loss_mask, seq_lens, *, anchors=None) -> MicroStats:
         """Forward + backward of one micro-batch; gradients accumulate.
@@ -179,43 +113,6 @@ class DFlashTrainer:
                           num_blocks=int((anchors >= 0).sum()), num_positions=int(supervised.sum()),
                           num_tokens=int(seq_lens.sum()), correct=result.correct_K.tolist(),
                           count=result.count_K.tolist())
-
-    def scale_gradients(self, total_weight: float) -> None:
-        """Divide the accumulated gradients by the step's total position weight (all ranks summed)."""
-        if total_weight <= 0:
-            return  # nothing was supervised: the gradients are zero already
-        for p in self.params:
-            if p.grad is not None:
-                p.grad.div_(total_weight)
-
-    def apply_step(self, *, total_weight: float | None = None, num_jobs: int = 1) -> StepStats:
-        """Scale, clip, optimizer and scheduler step, zero the gradients; ``step += 1``.
-
-        ``total_weight`` defaults to this trainer's own total; a data-parallel group passes the sum
-        over its ranks. The schedule advances by ``num_jobs``, the micro-batches the step trained
-        (the drafter backend's schedule counts jobs, so a group's world size cannot shift it).
-        """
-        total = self._weight_total if total_weight is None else float(total_weight)
-        self.scale_gradients(total)
-        clip = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        for _ in range(num_jobs):
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        count = self._count[1:].clamp(min=1)
-        stats = StepStats(step=self.step, loss=self._weighted_sum / total if total > 0 else math.nan,
-                          grad_norm=grad_norm, lr=lr, weight=total, num_micro_batches=self._num_micro_batches,
-                          accuracy=(self._correct[1:] / count).tolist())
-        self._reset_accumulators()
-        return stats
-
-    def drop_step(self) -> None:
-        """Forget the accumulated micro-batches (the dispatcher refused the step)."""
-        self.optimizer.zero_grad(set_to_none=True)
-        self._reset_accumulators()
 
     def state_dict(self) -> dict:
         """Model (draft tensors only) + optimizer + scheduler + step + the anchor RNG."""

@@ -38,13 +38,25 @@ def test_default_layers_are_the_dflash_choice():
 def test_contract_from_config_json_needs_no_torch(tmp_path):
     contract = contract_from_model_dir(_model_dir(tmp_path), dtype="bfloat16")
     assert contract.to_dict() == {"architecture": "Qwen3ForCausalLM", "num_layers": 36, "hidden_size": 4096,
-                                  "layer_ids": [1, 9, 17, 25, 33], "dtype": "bfloat16"}
+                                  "layer_ids": [1, 9, 17, 25, 33], "dtype": "bfloat16", "final_norm": False}
     assert contract.row_width == 5 * 4096
     assert CaptureContract.from_dict(contract.to_dict()) == contract
     # The dispatcher derives it and imports no model code: the module must not pull torch in.
     probe = "import sys, common.capture_contract; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
                           cwd=Path(__file__).resolve().parents[2]).stdout.strip() == "False"
+
+
+def test_eagle3_contract_takes_three_layers_and_the_final_norm_state():
+    contract = build_contract(QWEN3_8B, dtype="bfloat16", objective="eagle3")
+    # Layers 1, N/2-1, N-4 of Qwen3-8B: hidden_states indices 2, 18, 33.
+    assert (contract.layer_ids, contract.final_norm) == ((1, 17, 32), True)
+    assert contract.row_width == 4 * 4096
+    assert CaptureContract.from_dict(contract.to_dict()) == contract
+    with pytest.raises(ValueError, match="capture_layers"):
+        build_contract({**QWEN3_8B, "num_hidden_layers": 4}, dtype="bfloat16", objective="eagle3")
+    with pytest.raises(ValueError, match="final_norm"):
+        check_same_contract(contract, build_contract(QWEN3_8B, layer_ids=[1, 17, 32], dtype="bfloat16"))
 
 
 def test_multimodal_config_reads_the_text_model():

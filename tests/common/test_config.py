@@ -1,5 +1,6 @@
 """common/config.py: defaults, YAML + overrides, validation errors naming the key, resolved round trip."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -137,6 +138,11 @@ def test_parse_override_rejects(text):
     (["target.count=2", "target.gpus=[0]"], "target.gpus"),
     (["data.lengths=missing.txt"], "data.lengths"),
     (["data.path=nowhere"], "data.path"),
+    (["drafter.objective=medusa"], "drafter.objective"),
+    (["eagle3.ttt_steps=0"], "eagle3.ttt_steps"),
+    (["eagle3.draft_vocab=0"], "eagle3.draft_vocab"),
+    (["eagle3.loss_decay=0"], "eagle3.loss_decay"),
+    (["eagle3.dtype=float16"], "eagle3.dtype"),
 ])
 def test_bad_values_raise_config_error_naming_the_key(overrides, key):
     with pytest.raises(ConfigError) as info:
@@ -285,3 +291,16 @@ def test_nan_durations_are_rejected(override, key):
     with pytest.raises(ConfigError) as info:
         load_config(None, [override])
     assert key in str(info.value)
+
+
+def test_eagle3_capture_layers_are_three_and_a_short_target_needs_them_listed(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 4,
+                                                  "hidden_size": 64}))
+    base = [f"target.model={model}", "drafter.objective=eagle3"]
+    with pytest.raises(ConfigError, match="target.capture_layers.*1, 1, 0"):
+        load_config(None, base)  # the default 1, N/2-1, N-4 of 4 layers is not three layers
+    with pytest.raises(ConfigError, match="target.capture_layers: an EAGLE-3 drafter fuses exactly 3"):
+        load_config(None, [*base, "target.capture_layers=[0, 1]"])
+    assert load_config(None, [*base, "target.capture_layers=[0, 1, 2]"]).drafter.objective == "eagle3"

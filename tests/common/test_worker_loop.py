@@ -211,6 +211,37 @@ def test_held_jobs_is_consistent_under_concurrent_writers():
     assert held.snapshot() == expected and len(held) == len(expected) and 1999 in held
 
 
+def test_a_checkpoint_is_written_while_the_next_step_trains_and_reported_once_durable(tmp_path, fake):
+    """The writer is held with step 1's files on disk, not yet published: the drafter trains and
+    commits step 2 meanwhile, and the dispatcher hears of step 1 only once it is published."""
+    for job_id in (1, 2, 3):
+        fake.add_ready_job(job_id, slot=job_id - 1)
+    fake.accum_steps = 1
+    loop = drafter(tmp_path, fake, "drafter.checkpoint_every=1")
+    release, held = threading.Event(), []
+
+    def slow_writer(tmp, step):
+        held.append(step)
+        assert release.wait(30)
+    loop.writer.before_publish = slow_writer
+    with running(loop) as thread:
+        try:
+            fake.wait_for(lambda f: len(f.ops("commit_step")) == 2 and held == [1],
+                          what="the commit of the step after the checkpoint, that checkpoint held")
+            assert not fake.ops("checkpoint")
+            assert latest_checkpoint(tmp_path / "run", "drafter-0") is None  # a crash now would keep no checkpoint
+        finally:
+            release.set()
+        fake.wait_for(lambda f: [c.fields["step"] for c in f.ops("checkpoint")][:2] == [1, 2], what="both checkpoints")
+        fake.flush = True
+        fake.wait_for(lambda f: f.ops("checkpoint")[-1].fields["step"] == 3, what="the last checkpoint")
+        fake.done = True
+        thread.join(10)
+    assert fake.ops("commit_step")[1].at < fake.ops("checkpoint")[0].at
+    checkpoint = latest_checkpoint(tmp_path / "run", "drafter-0")
+    assert checkpoint.step == 3 and list(checkpoint.trained_jobs()) == [1, 2, 3]
+
+
 class DeferredSimTarget(SimTarget):
     """The sim target with its header published only by the returned write's ``wait()``: the shape of a GPU
     target whose slot copy is still on its side stream when ``extract`` returns."""

@@ -191,3 +191,44 @@ def test_k8s_job_reads_the_config_its_configmap_mounts():
             assert "configMap" in volume, f"{config_path} is not on a ConfigMap volume"
             key = config_path[len(mounts[0]["mountPath"].rstrip("/")) + 1:]
             assert key in maps[volume["configMap"]["name"]]["data"], f"ConfigMap has no {key}"
+
+
+SRUN_STUB = """#!/bin/bash
+while [[ "$1" == --* ]]; do shift; done
+exec "$@"
+"""
+# As STUB, but `hsd launch` lasts a moment, as the run would: the drafters start while it is up.
+LASTING_STUB = STUB + """[[ "$1" == launch ]] && sleep 3
+exit 0
+"""
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+def test_two_node_sbatch_puts_targets_and_drafters_on_their_nodes(tmp_path):
+    """The heterogeneous job: launch with the targets and the dispatcher on the first node, a drafter per
+    GPU on the others naming their node, all over TCP with CURVE and pool.transport=nixl."""
+    import os
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(SRUN_STUB)
+    (bin_dir / "srun").chmod(0o755)
+    (bin_dir / "hsd").write_text(LASTING_STUB)
+    (bin_dir / "hsd").chmod(0o755)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text((DEPLOY / "configs" / "8gpu-qwen3-8b.yaml").read_text())  # as launch leaves it
+    calls = _run_with_stub(tmp_path, DEPLOY / "slurm" / "hsd-2node.sbatch", "pool.slots=24",
+                           env_extra={"HSD_CONFIG": str(DEPLOY / "configs" / "8gpu-qwen3-8b.yaml"),
+                                      "HSD_RUN_DIR": str(run), "NUM_TARGETS": "6", "NUM_DRAFTERS": "2",
+                                      "PATH": f"{bin_dir}:{os.environ['PATH']}", "HSD_BIN": str(bin_dir / "hsd")})
+    assert calls["keys"][calls["keys"].index("--out") + 1] == str(run / "keys")
+    head = _resolved(calls["launch"])
+    assert head.pool.transport == "nixl" and head.nodes.name and head.pool.slots == 24
+    assert head.target.gpus == list(range(6)) and head.drafter.count == 0
+    assert head.dispatcher.endpoint.startswith("tcp://") and head.curve.enabled
+    assert len(head.curve.allowed_client_keys) == 2
+    drafter = calls["drafter"]
+    assert drafter[drafter.index("--node") + 1] and drafter[drafter.index("--config") + 1] == str(run / "config.yaml")
+    resolved = _resolved(drafter)
+    assert resolved.curve.client_secret_key == str(run / "keys" / "drafters.key_secret")
+    assert resolved.drafter.gpus == [0]

@@ -1,7 +1,7 @@
 """Two ranks over gloo train exactly what one process accumulating the same micro-batches trains.
 
 Real processes (spawn), a real FileStore rendezvous and gloo collectives, for the linear test model
-and for the real DFlash drafter on a tiny target. Each step, rank r trains on its own micro-batches;
+and for the real DFlash and EAGLE-3 drafters on a tiny target. Each step, rank r trains on its own micro-batches;
 the ranks exchange job ids (int64 rows, no pickle), sum gradients and the supervised-position total,
 and divide once. After every step both ranks hold identical weights, equal to those of one process
 that accumulated all of the step's micro-batches, and report the step's loss over all of them.
@@ -17,11 +17,14 @@ import torch
 from safetensors.torch import load_file
 
 from dp_ranks import BACKENDS, NUM_STEPS, WORLD, jobs, make_backend, rank_main, train_on, weights
+from eagle3_testing import random_prepared
 
 
 @pytest.mark.parametrize("kind", BACKENDS)
 def test_two_ranks_match_one_process_accumulating_the_same_micro_batches(kind, request, tmp_path):
-    target_dir = str(request.getfixturevalue("tiny_target")) if kind == "dflash" else None
+    target_dir = str(request.getfixturevalue("tiny_target")) if kind != "linear" else None
+    if kind == "eagle3":
+        random_prepared(tmp_path / "data")
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=rank_main, args=(kind, rank, str(tmp_path / "store"), str(tmp_path), target_dir))
              for rank in range(WORLD)]
@@ -54,4 +57,6 @@ def test_two_ranks_match_one_process_accumulating_the_same_micro_batches(kind, r
             reported = json.loads((tmp_path / f"rank{rank}-step{step}.json").read_text())["loss"]
             assert reported == pytest.approx(loss, rel=1e-6)
     final = weights(single)
-    assert all(not torch.equal(final[name], initial[name]) for name in final), "some weights never moved"
+    # (EAGLE-3's d2t/t2d are the vocabulary, not weights: they must stay put.)
+    assert all(not torch.equal(final[name], initial[name]) for name in final if final[name].is_floating_point()), \
+        "some weights never moved"

@@ -11,10 +11,12 @@ from safetensors.torch import load_file
 from common.capture_contract import contract_from_config
 from common.config import load_config
 from common.slots import SlotBatch, SlotHeader
-from common.witness import latest_checkpoint
+from common.servable import weights_files
+from common.witness import latest_checkpoint, servable_dir, training_dir
 from dflash_run import tiny_run, write_dataset
 from dflash_testing import LAYER_IDS, backend_config, random_batch
 from drafter_worker.dflash.export import load_drafter
+from dispatcher.cli import main as cli_main
 from dispatcher.schedule import build_epoch_schedule
 from drafter_worker.dflash_backend import DFlashBackend, derive_schedule_jobs, jobs_per_epoch
 
@@ -62,6 +64,24 @@ def test_checkpoint_then_load_latest_continues_identically(tiny_target, tiny_tar
         assert torch.equal(tensor, resumed.trainer.model.draft_state_dict()[name]), name
 
 
+def test_a_snapshot_written_after_later_steps_holds_its_own_step(tiny_target, tiny_target_model, tmp_path):
+    """A checkpoint is written on a thread while training goes on: what it writes is the state at
+    its snapshot, whatever the steps trained meanwhile changed in place (weights, AdamW moments)."""
+    config = backend_config(tiny_target, tmp_path / "run")
+    jobs = _jobs(tiny_target_model, 8)
+    straight = DFlashBackend(config, "drafter-0", schedule_jobs=16)
+    _train(straight, jobs, range(2))
+    snapshot = straight.snapshot_checkpoint()
+    at_step_2 = {k: v.clone() for k, v in straight.trainer.model.draft_state_dict().items()}
+    later = _train(straight, jobs, range(2, 4))  # before the snapshot is written
+    snapshot.write(config.run_dir)
+    resumed = DFlashBackend(config, "drafter-0", schedule_jobs=16)
+    assert resumed.load_latest(config.run_dir) == 2
+    for name, tensor in resumed.trainer.model.draft_state_dict().items():
+        assert torch.equal(tensor, at_step_2[name]), name
+    assert _train(resumed, jobs, range(2, 4)) == later
+
+
 def test_load_latest_without_checkpoint_starts_afresh(tiny_target, tiny_target_model, tmp_path):
     config = backend_config(tiny_target, tmp_path / "run")
     jobs = _jobs(tiny_target_model, 4)
@@ -72,25 +92,37 @@ def test_load_latest_without_checkpoint_starts_afresh(tiny_target, tiny_target_m
     assert _train(backend, jobs, range(2)) == first
 
 
-def test_checkpoint_is_an_exported_drafter_with_the_same_logits(tiny_target, tiny_target_model, tmp_path):
+def test_checkpoint_holds_a_servable_drafter_and_hsd_export_copies_it(tiny_target, tiny_target_model, tmp_path):
+    """The servable part of a step directory, and what ``hsd export`` writes, hold config.json and
+    one weights file (nothing else a serving engine would load) and reload with identical logits;
+    the training state lives beside them."""
     config = backend_config(tiny_target, tmp_path / "run")
     jobs = _jobs(tiny_target_model, 4)
     backend = DFlashBackend(config, "drafter-0", schedule_jobs=8)
     _train(backend, jobs, range(2))
     backend.save_checkpoint(config.run_dir)
-    path = latest_checkpoint(config.run_dir, "drafter-0").path
-    doc = json.loads((path / "config.json").read_text())
+    checkpoint = latest_checkpoint(config.run_dir, "drafter-0")
+    servable = servable_dir(checkpoint)
+    assert sorted(p.name for p in servable.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in training_dir(checkpoint).iterdir()) == ["state.json", "state.safetensors"]
+    out = tmp_path / "served"
+    assert cli_main(["export", "--run-dir", str(config.run_dir), "--out", str(out)]) == 0
+    assert weights_files(servable) == [servable / "model.safetensors"]
+    assert weights_files(out) == [out / "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    doc = json.loads((out / "config.json").read_text())
     assert doc["architectures"] == ["DFlashDraftModel"] and doc["block_size"] == 4
     assert doc["dflash_config"]["target_layer_ids"] == LAYER_IDS
-    assert not any(name.startswith(("embed", "lm_head")) for name in load_file(path / "model.safetensors"))
-    loaded = load_drafter(path, tiny_target)
+    assert not any(name.startswith(("embed", "lm_head")) for name in load_file(out / "model.safetensors"))
     _, batch = jobs[0]
     anchors = torch.tensor([[5, 9, 14], [4, 10, -1]])
     model = backend.trainer.model.eval()
     with torch.no_grad():
-        expected = model(batch.hs, batch.input_ids.long(), anchors)
-        got = loaded(batch.hs, batch.input_ids.long(), anchors)
-    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        expected = model.logits(model(batch.hs, batch.input_ids.long(), anchors))
+        for path in (out, checkpoint.path):  # hsd eval --drafter takes a step directory too
+            loaded = load_drafter(path, tiny_target)
+            got = loaded.logits(loaded(batch.hs, batch.input_ids.long(), anchors))
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
 def test_sync_gradients_sums_over_ranks(tiny_target, tiny_target_model, tmp_path):

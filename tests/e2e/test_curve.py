@@ -3,20 +3,13 @@ clients the dispatcher refuses at the handshake (a key it does not allow, no CUR
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
 from common.client import DispatcherClient, DispatcherUnavailable
 from common.config import Config, ConfigError
 from common.curve import CurveClient, client_from_config, key_pair, public_key, server_from_config
-from hsd_testing import assert_exactly_once, hsd, report, running_hsd, sim_args, wait_for_stats
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from hsd_testing import (assert_exactly_once, curve_args, free_port, hsd, report, running_hsd, sim_args,
+                         wait_for_stats)
 
 
 @pytest.fixture
@@ -25,15 +18,6 @@ def keys(tmp_path):
     printed = hsd("keys", "--out", str(out), "--name", "node-a", "--name", "intruder").stdout
     assert "server_public_key: " in printed and str(out / "node-a.key") in printed
     return out
-
-
-def curve_args(keys, control_port: int, stats_port: int) -> list[str]:
-    return [f"dispatcher.endpoint=tcp://127.0.0.1:{control_port}",
-            f"dispatcher.stats_endpoint=tcp://127.0.0.1:{stats_port}",
-            f"curve.server_public_key={keys / 'dispatcher.key'}",
-            f"curve.server_secret_key={keys / 'dispatcher.key_secret'}",
-            f"curve.allowed_client_keys=[{keys / 'node-a.key'}]",
-            f"curve.client_secret_key={keys / 'node-a.key_secret'}"]
 
 
 def test_key_config_errors_name_the_key(keys):

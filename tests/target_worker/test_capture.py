@@ -51,6 +51,26 @@ def test_capture_equals_output_hidden_states(model_dir, layer_ids):
     assert [len(layer._forward_hooks) for layer in model.model.layers] == hooks_before
 
 
+def test_final_norm_capture_adds_the_last_hidden_state_after_the_norm(model_dir):
+    """The EAGLE-3 contract: the layers, then hidden_states[-1] (the final norm's output) as one more
+    block, also when the last layer is one of the captured ones (its block is then the norm's output too)."""
+    layer_ids = [0, 6, 7]
+    model = load_target_model(model_dir, dtype=torch.float32, attn_implementation="sdpa", device=CPU)
+    torch.manual_seed(3)
+    ids = torch.randint(1, 97, (2, 16))
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    with torch.inference_mode():
+        out = model(ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
+    expected = torch.cat([out.hidden_states[i + 1] for i in layer_ids] + [out.hidden_states[-1]], dim=-1)
+    capture = LayerCapture(model, layer_ids, max_tokens=32, final_norm=True)
+    assert capture.row_width == 4 * model.config.hidden_size and capture.last_layer == 7
+    captured = capture(ids, mask).clone()
+    for row, length in enumerate((16, 9)):
+        torch.testing.assert_close(captured[row, :length], expected[row, :length], atol=1e-5, rtol=0)
+    capture.close()
+
+
 @pytest.mark.parametrize("kind", ["mistral", "gemma3"])
 def test_capture_finds_other_decoder_only_architectures(kind, tmp_path):
     model_dir = save_tiny_model(kind, tmp_path / kind)
@@ -167,6 +187,28 @@ def test_extract_fills_the_slot_as_readers_expect(model_dir, tmp_path):
     full.extract(job, again)
     assert torch.equal(again.buffer, slot.buffer)
     full.close()
+
+
+def test_eagle3_contract_puts_the_final_norm_state_in_the_slot(model_dir, tmp_path):
+    """drafter.objective=eagle3: the default layers 1, N/2-1, N-4 and the final-norm state, 4 blocks a row."""
+    config = tiny_config(tmp_path, model_dir, "drafter.objective=eagle3")
+    lengths = [10, 16]
+    dataset = random_samples(lengths, seed=4)
+    backend = HFTargetBackend(config, device="cpu", dataset=dataset)
+    assert (backend.contract["layer_ids"], backend.contract["final_norm"]) == ([1, 3, 4], True)
+    assert len(backend.model.model.layers) == 8  # the final norm needs every layer
+    slot = _slot(backend, config)
+    assert slot.layout.row_width == 4 * backend.capture.hidden_size
+    backend.extract(_job(7, [0, 1], lengths, 16, 0), slot)
+    batch = copy_out(slot, 8, CPU)
+    full = load_target_model(model_dir, dtype=torch.float32, attn_implementation="sdpa", device=CPU)
+    for row, n in enumerate(lengths):
+        ids = torch.from_numpy(dataset.sample(row)[0].astype(np.int64)).unsqueeze(0)
+        with torch.inference_mode():
+            out = full(ids, output_hidden_states=True, use_cache=False)
+        expected = torch.cat([out.hidden_states[i + 1] for i in (1, 3, 4)] + [out.hidden_states[-1]], dim=-1)
+        torch.testing.assert_close(batch.hs[row, :n], expected[0], atol=1e-5, rtol=0)
+    backend.close()
 
 
 def test_extract_refuses_a_dataset_that_is_not_the_scheduled_one(model_dir, tmp_path):

@@ -1,0 +1,84 @@
+"""``hsd export``: a servable copy of a model's checkpoint, for a serving engine to load.
+
+A run's checkpoint already holds its servable drafter (:func:`common.witness.servable_dir`); this
+copies that directory out of the run, so that a model can be served (or shipped) while the run
+keeps its own checkpoints — which it removes past ``drafter.checkpoint_keep``. The copy is written
+beside its destination under a temporary name, fsynced, and renamed: a reader never sees half of
+it. The copy holds exactly what the checkpoint's servable part holds, and that must be one set of
+weights: engines load every ``*.safetensors`` of a directory without an index.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from common.durable import fsync_dir, fsync_tree
+from common.witness import (MODELS_DIR, Checkpoint, latest_checkpoint, list_models, model_dir, servable_dir,
+                            step_dir_name)
+
+WEIGHTS_SUFFIX = ".safetensors"
+
+
+class ExportError(ValueError):
+    """What a user asked for is not there (run, model, step) or would overwrite something."""
+
+
+def find_checkpoint(run_dir: str | os.PathLike, *, model: str | None = None, step: int | None = None) -> Checkpoint:
+    """The checkpoint of ``model`` (the run's only model when None) at ``step`` (the latest when None)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ExportError(f"run directory {run_dir} does not exist")
+    models = list_models(run_dir)
+    if not models:
+        raise ExportError(f"run directory {run_dir} holds no checkpoint ({run_dir / MODELS_DIR} has no model "
+                          f"with a latest checkpoint)")
+    if model is None:
+        if len(models) > 1:
+            raise ExportError(f"run directory {run_dir} holds {len(models)} models ({', '.join(models)}): "
+                              f"choose one with --model")
+        model = models[0]
+    elif model not in models:
+        raise ExportError(f"model {model!r} has no checkpoint in {run_dir} (models: {', '.join(models)})")
+    latest = latest_checkpoint(run_dir, model)
+    assert latest is not None  # list_models lists only models with a latest checkpoint
+    if step is None or step == latest.step:
+        return latest
+    path = model_dir(run_dir, model) / step_dir_name(step)
+    if not path.is_dir():
+        kept = sorted(int(p.name.removeprefix("step-")) for p in model_dir(run_dir, model).glob("step-*"))
+        raise ExportError(f"model {model!r} has no checkpoint at step {step} (kept: {', '.join(map(str, kept))})")
+    return Checkpoint(model, step, path)
+
+
+def weights_files(directory: Path) -> list[Path]:
+    """Every ``*.safetensors`` under ``directory``, at any depth."""
+    return sorted(directory.rglob(f"*{WEIGHTS_SUFFIX}"))
+
+
+def export_servable(checkpoint: Checkpoint, out: str | os.PathLike, *, force: bool = False) -> Path:
+    """Copy ``checkpoint``'s servable model to ``out``; a non-empty ``out`` is replaced only with ``force``."""
+    source = servable_dir(checkpoint)
+    if not source.is_dir():
+        raise ExportError(f"checkpoint {checkpoint.path} has no servable model ({source} is missing: "
+                          f"this backend trains no model a serving engine loads)")
+    weights = weights_files(source)
+    if len(weights) != 1:
+        raise ExportError(f"{source} holds {len(weights)} *{WEIGHTS_SUFFIX} files, not one: "
+                          f"{', '.join(str(p.relative_to(source)) for p in weights)}")
+    out = Path(out).resolve()
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ExportError(f"--out {out} is not empty: choose an empty directory, or --force to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp)
+    fsync_tree(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    fsync_dir(out.parent)
+    return out

@@ -1,0 +1,99 @@
+"""The token a DFlash drafter puts at the masked positions of a block, when the config names none.
+
+Every drafted position of a block enters the drafter as this token's embedding, so the token must
+mean nothing in the training data: a token that also occurs there (the target embedding's last
+row was a frequent word on the project's own tiny target) gives the drafter the same input for
+"a masked position" and "this word", and at serving time the engine uses the id the export names.
+
+With ``dflash.mask_token_id`` unset (-1) the default is, in order:
+
+1. the tokenizer's own mask token (``tokenizer.mask_token``, or an added special token named as
+   one: ``<mask>``, ``[MASK]``, ``<|mask|>``), when it has one;
+2. else a special token the tokenizer reserves for later use — an added special token whose name
+   says so (``reserved`` or ``unused``: Llama 3's ``<|reserved_special_token_0|>``, Gemma's
+   ``<unused0>``), lowest id first;
+
+skipping any candidate that occurs in the prepared training data (``data.path``) or is not a row
+of the target's embedding. With none left the drafter fails at start, naming
+``dflash.mask_token_id``. An explicit id is used as given.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from common.config import Config, ConfigError
+
+log = logging.getLogger("hsd.dflash")
+
+KEY = "dflash.mask_token_id"
+UNSET = -1
+_RESERVED_NAME = re.compile(r"reserved|unused", re.IGNORECASE)
+_MASK_NAME = re.compile(r"^(<\|?mask\|?>|\[mask\])$", re.IGNORECASE)
+_SCAN_CHUNK = 1 << 24  # tokens compared at once when the data is searched for a candidate
+
+
+@dataclass(frozen=True)
+class MaskToken:
+    token_id: int
+    token: str
+    why: str  # which rule chose it, for the log line
+
+
+def candidate_tokens(tokenizer) -> list[tuple[int, str, str]]:
+    """(id, token, rule) in the order the default prefers them: the mask token, then reserved tokens."""
+    special = sorted((int(token_id), added.content)
+                     for token_id, added in getattr(tokenizer, "added_tokens_decoder", {}).items() if added.special)
+    candidates: list[tuple[int, str, str]] = []
+    if getattr(tokenizer, "mask_token", None):
+        candidates.append((int(tokenizer.mask_token_id), str(tokenizer.mask_token), "the tokenizer's mask token"))
+    candidates += [(token_id, token, "the tokenizer's mask token") for token_id, token in special
+                   if _MASK_NAME.match(token)]
+    candidates += [(token_id, token, "a reserved special token of the tokenizer") for token_id, token in special
+                   if _RESERVED_NAME.search(token)]
+    unique: dict[int, tuple[int, str, str]] = {}
+    for candidate in candidates:
+        unique.setdefault(candidate[0], candidate)
+    return list(unique.values())
+
+
+def choose_mask_token(tokenizer, *, vocab_size: int, occurs_in_data: Callable[[int], bool]) -> MaskToken:
+    """The default mask token (the module's rules), or a ConfigError naming ``dflash.mask_token_id``."""
+    rejected = []
+    for token_id, token, why in candidate_tokens(tokenizer):
+        if not 0 <= token_id < vocab_size:
+            rejected.append(f"{token!r} (id {token_id}) is not a row of the target's embedding ({vocab_size} rows)")
+        elif occurs_in_data(token_id):
+            rejected.append(f"{token!r} (id {token_id}) occurs in the training data")
+        else:
+            return MaskToken(token_id, token, why)
+    tried = f"; tried: {'; '.join(rejected)}" if rejected else ""
+    raise ConfigError(f"{KEY}: the target's tokenizer has no mask token and no reserved special token that never "
+                      f"occurs in the training data{tried}. Set {KEY} to the id of a token that never occurs in "
+                      f"the data (e.g. one added to the tokenizer for this purpose)")
+
+
+def token_occurs(tokens: np.ndarray, token_id: int) -> bool:
+    """Whether ``token_id`` occurs in ``tokens`` (a memory-mapped token file, read in chunks)."""
+    for start in range(0, len(tokens), _SCAN_CHUNK):
+        if (tokens[start:start + _SCAN_CHUNK] == token_id).any():
+            return True
+    return False
+
+
+def resolve_mask_token_id(config: Config, *, vocab_size: int) -> int:
+    """``dflash.mask_token_id``, or its default from ``target.model``'s tokenizer and ``data.path``."""
+    if config.dflash.mask_token_id != UNSET:
+        return config.dflash.mask_token_id
+    from common.prepared import PreparedDataset, load_tokenizer
+    tokenizer = load_tokenizer(config.target.model)
+    tokens = PreparedDataset(config.data.path).tokens if config.data.path else np.zeros(0, dtype=np.int32)
+    chosen = choose_mask_token(tokenizer, vocab_size=vocab_size, occurs_in_data=lambda i: token_occurs(tokens, i))
+    log.info("%s unset: the mask token is %r (id %d), %s, absent from the training data", KEY, chosen.token,
+             chosen.token_id, chosen.why)
+    return chosen.token_id

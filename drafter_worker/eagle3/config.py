@@ -1,0 +1,97 @@
+"""Configs of the EAGLE-3 drafter: the model's shape (:class:`Eagle3Config`) and how it trains
+(:class:`Eagle3TrainConfig`, the run's ``eagle3`` section with its total steps resolved).
+
+The one decoder layer is Llama-shaped with the target's dimensions (read from the target's
+``config.json``): its attention reads ``2 × hidden`` features (the token embedding beside the fused
+hidden state), the target's embedding is shared and frozen, and the LM head is the drafter's own,
+over the draft vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.config import ConfigError, Eagle3Section, opt
+from drafter_worker.recipe import validate_recipe
+
+NUM_FUSED_LAYERS = 3  # serving engines build fc as 3 x hidden -> hidden
+
+
+@dataclass
+class Eagle3Config:
+    target_layer_ids: list[int] = opt([], "Target layers whose outputs are fused (layer i = hidden_states[i+1]).")
+    num_target_layers: int = opt(0, "Decoder layers of the target.")
+    ttt_steps: int = opt(7, "Training-time test steps (tokens drafted per verify step at evaluation).")
+    loss_decay: float = opt(0.8, "TTT step k weighs loss_decay ** k.")
+    hidden_size: int = opt(0, "Hidden size (the target's).")
+    intermediate_size: int = opt(0, "SwiGLU inner size.")
+    num_attention_heads: int = opt(0, "Query heads.")
+    num_key_value_heads: int = opt(0, "Key/value heads (grouped-query attention).")
+    head_dim: int = opt(0, "Size of one attention head.")
+    rms_norm_eps: float = opt(1e-6, "Epsilon of every RMSNorm.")
+    rope_theta: float = opt(1e6, "RoPE base.")
+    max_position_embeddings: int = opt(40960, "Longest position the model is configured for (exported as is).")
+    vocab_size: int = opt(0, "The target's vocabulary size.")
+    draft_vocab_size: int = opt(0, "Tokens the drafter's LM head scores (a subset of the target's vocabulary).")
+
+    def __post_init__(self) -> None:
+        for key in ("num_target_layers", "ttt_steps", "hidden_size", "intermediate_size", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "vocab_size", "draft_vocab_size"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"eagle3 {key} must be positive, got {getattr(self, key)}")
+        if len(self.target_layer_ids) != NUM_FUSED_LAYERS:
+            raise ConfigError(f"an EAGLE-3 drafter fuses {NUM_FUSED_LAYERS} target layers, got {self.target_layer_ids}")
+        if not all(0 <= i < self.num_target_layers for i in self.target_layer_ids):
+            raise ConfigError(f"target_layer_ids {self.target_layer_ids} out of range for a target with "
+                              f"{self.num_target_layers} layers")
+        if self.draft_vocab_size > self.vocab_size:
+            raise ConfigError(f"draft_vocab_size {self.draft_vocab_size} exceeds the target's vocabulary {self.vocab_size}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                              f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.loss_decay <= 0:
+            raise ConfigError(f"eagle3 loss_decay must be positive, got {self.loss_decay}")
+
+    @classmethod
+    def from_target(cls, target_dir: str | Path, *, layer_ids: list[int], **overrides) -> "Eagle3Config":
+        """Dimensions from the target's ``config.json``; ``overrides`` set any field."""
+        path = Path(target_dir) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"target directory {target_dir} has no config.json")
+        target = json.loads(path.read_text())
+        target = target.get("text_config", target)
+        rope_theta = target.get("rope_theta") or (target.get("rope_parameters") or {}).get("rope_theta", 1e6)
+        num_heads = target["num_attention_heads"]
+        fields = dict(
+            target_layer_ids=list(layer_ids), num_target_layers=target["num_hidden_layers"],
+            hidden_size=target["hidden_size"], intermediate_size=target["intermediate_size"],
+            num_attention_heads=num_heads, num_key_value_heads=target.get("num_key_value_heads") or num_heads,
+            head_dim=target.get("head_dim") or target["hidden_size"] // num_heads,
+            rms_norm_eps=target.get("rms_norm_eps", 1e-6), rope_theta=float(rope_theta),
+            max_position_embeddings=target.get("max_position_embeddings", 40960), vocab_size=target["vocab_size"],
+        )
+        fields["draft_vocab_size"] = min(int(overrides.pop("draft_vocab", 32000)), fields["vocab_size"])
+        unknown = set(overrides) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ConfigError(f"unknown EAGLE-3 config keys: {', '.join(sorted(unknown))}")
+        fields.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**fields)
+
+
+@dataclass
+class Eagle3TrainConfig(Eagle3Section):
+    """The ``eagle3`` config section as the trainer takes it: ``total_steps`` resolved to a positive count."""
+
+    @classmethod
+    def from_section(cls, section: Eagle3Section, *, total_steps: int) -> "Eagle3TrainConfig":
+        return cls(**{**dataclasses.asdict(section), "total_steps": total_steps})
+
+    def validate(self) -> None:
+        validate_recipe("eagle3", self)
+
+    def model_config(self, target_dir: str | Path, layer_ids: list[int]) -> Eagle3Config:
+        return Eagle3Config.from_target(target_dir, layer_ids=layer_ids, ttt_steps=self.ttt_steps,
+                                        loss_decay=self.loss_decay, draft_vocab=self.draft_vocab)

@@ -1,0 +1,80 @@
+"""The EAGLE-3 drafter behind the worker loop (``drafter.objective: eagle3``).
+
+Everything but the model is :class:`drafter_worker.dflash_backend.DFlashBackend`'s: checkpoints
+and the witness, the data-parallel group's sums (:meth:`sync_gradients`), commit-then-apply, the
+step metrics. What differs: the capture contract must carry the target's final-norm state (the
+drafter computes the target's distribution from it), the draft vocabulary is counted from the
+prepared dataset at start-up (every rank and every resume counts the same), and each checkpoint
+holds an EAGLE-3 export (:mod:`drafter_worker.eagle3.export`) beside the training state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common.config import Config, ConfigError
+from common.prepared import PreparedDataset
+from common.slots import SlotBatch
+from drafter_worker.dflash_backend import DFlashBackend
+from drafter_worker.eagle3.config import Eagle3TrainConfig
+from drafter_worker.eagle3.export import export_config
+from drafter_worker.eagle3.trainer import Eagle3Trainer
+from drafter_worker.eagle3.vocab import count_response_tokens, draft_vocab_from_counts
+
+log = logging.getLogger("hsd.eagle3")
+
+
+def draft_vocab_of_dataset(data_path: str, vocab_size: int, draft_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d2t, t2d)`` of the prepared dataset's response tokens; logs the share of them it covers."""
+    if not data_path:
+        raise ConfigError("data.path: an EAGLE-3 drafter counts its draft vocabulary in the prepared dataset; "
+                          "set data.path")
+    dataset = PreparedDataset(data_path)
+    counts = count_response_tokens(dataset.tokens, dataset.loss_mask, vocab_size)
+    size = min(draft_vocab, vocab_size)
+    d2t, t2d = draft_vocab_from_counts(counts, size)
+    total = int(counts.sum())
+    covered = int(counts[t2d.numpy()].sum())
+    log.info("draft vocabulary: %d of %d target tokens, %.4f of the %d response tokens", size, vocab_size,
+             covered / total if total else 1.0, total)
+    return d2t, t2d
+
+
+class Eagle3Backend(DFlashBackend):
+    """A :class:`common.worker_backends.DrafterBackend` training an EAGLE-3 drafter with :class:`Eagle3Trainer`."""
+
+    section = "eagle3"
+    export_config = staticmethod(export_config)
+    log = log
+
+    def __init__(self, config: Config, model_id: str, **kwargs: Any):
+        if not config.target.model:
+            raise ConfigError("target.model: the EAGLE-3 drafter reads the target's config.json and uses its "
+                              "embedding and LM head; set the target model directory")
+        if config.drafter.objective != "eagle3":
+            raise ConfigError(f"drafter.objective is {config.drafter.objective!r}: an EAGLE-3 drafter needs eagle3 "
+                              f"(the capture contract then carries the target's final-norm state)")
+        from common.capture_contract import read_model_config
+        doc = read_model_config(config.target.model)
+        vocab_size = int(doc.get("text_config", doc).get("vocab_size") or 0)  # multimodal: the language model's
+        self.d2t, self.t2d = draft_vocab_of_dataset(config.data.path, vocab_size, config.eagle3.draft_vocab)
+        super().__init__(config, model_id, **kwargs)
+
+    def _train_config(self, section, schedule_jobs: int) -> Eagle3TrainConfig:
+        return Eagle3TrainConfig.from_section(section, total_steps=schedule_jobs)
+
+    def _new_trainer(self) -> Eagle3Trainer:
+        torch.manual_seed(self.seed)
+        return Eagle3Trainer(self.train_config, target_dir=self.target_dir, layer_ids=self.layer_ids,
+                             device=self.device, seed=self.seed, d2t=self.d2t, t2d=self.t2d)
+
+    def micro_batch(self, job: dict[str, Any], batch: SlotBatch) -> None:
+        started = time.perf_counter()
+        self.trainer.micro_batch(batch.hs, batch.input_ids, batch.loss_mask, batch.seq_lens)
+        self.window.append(int(job["job_id"]))
+        self.clock.add_compute(time.perf_counter() - started, int(batch.seq_lens.sum()))

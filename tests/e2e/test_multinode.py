@@ -1,0 +1,104 @@
+"""Two "nodes" on one machine: separate node names and shared-memory segments, hidden states through
+NIXL over loopback TCP, the control plane over loopback TCP with CURVE (a key pair per node).
+
+Node a runs ``hsd launch`` (the dispatcher and its node's workers); node b's workers are started
+on their own with ``--node b`` and node b's key, as on a second host. The sim drafters verify every
+slot's bytes, and the witness (the jobs the models' checkpoints say they trained) judges exactly-once.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hsd_testing import (assert_exactly_once, curve_args, free_port, hsd, kill_tree, report, running_hsd, sim_args,
+                         start_hsd, wait_for_stats)
+
+from common.transport_info import engine_missing
+
+needs_engine = pytest.mark.skipif(engine_missing() is not None, reason="NIXL is not installed (make install adds it)")
+
+# The dispatcher as on a host without NIXL: its modules cannot be found (find_spec answers None).
+_WITHOUT_ENGINE = ("import sys\nfor name in ('nixl', 'nixl_cu12', 'nixl_cu13'): sys.modules[name] = None\n"
+                   "from dispatcher.cli import main\nsys.exit(main(sys.argv[1:]))")
+
+
+@pytest.fixture
+def keys(tmp_path):
+    out = tmp_path / "keys"
+    hsd("keys", "--out", str(out), "--name", "node-a", "--name", "node-b")
+    return out
+
+
+@pytest.fixture
+def loopback_tcp(monkeypatch):
+    """UCX between the processes over TCP, as between two plain hosts (not shared memory)."""
+    monkeypatch.setenv("UCX_TLS", "tcp,self")
+
+
+def _node_a(run_dir, keys, *overrides: str) -> list[str]:
+    return sim_args(run_dir, "run.epochs=1", "data.synthetic_samples=60", "pool.transport=nixl", "pool.slots=6", "pool.min_ready=3",
+                    "nodes.name=a", "target.sim_cost_per_token=1e-5",
+                    *curve_args(keys, free_port(), free_port(), allowed=("node-a", "node-b")), *overrides)
+
+
+def _start_on_b(run_dir, keys, tmp_path, role: str, name: str):
+    return start_hsd(role, "--config", str(run_dir / "config.yaml"), "--sim", "--node", "b", "--name", name,
+                     f"curve.client_secret_key={keys / 'node-b.key_secret'}", log_path=tmp_path / f"{name}.log")
+
+
+def _run(run_dir, keys, tmp_path, node_a: list[str], on_b: list[tuple[str, str]]) -> dict:
+    with running_hsd("launch", *_node_a(run_dir, keys, *node_a), log_path=tmp_path / "launch.log") as launch:
+        wait_for_stats(run_dir, lambda s: s["transport"]["kind"] == "nixl", 120, what="the dispatcher up")
+        workers = [_start_on_b(run_dir, keys, tmp_path, role, name) for role, name in on_b]
+        try:
+            nodes = wait_for_stats(run_dir, lambda s: s["nodes"] if s["nodes"].get("b", {}).get("drafters")
+                                   and s["nodes"].get("a", {}).get("targets") else None, 120,
+                                   what="node a's target and node b's drafters registered")
+            assert set(nodes) == {"a", "b"}
+            assert "node b:" in hsd("stats", "--run-dir", str(run_dir)).stdout
+            assert launch.wait(timeout=240) == 0, (tmp_path / "launch.log").read_text()[-3000:]
+            for worker in workers:
+                assert worker.wait(timeout=60) == 0, worker.args
+        finally:
+            for worker in workers:
+                kill_tree(worker)
+    r = report(run_dir)
+    assert_exactly_once(r)
+    assert r["slots_verified"] == r["jobs_total"]  # every slot's bytes checked by the drafter that read it
+    return r
+
+
+def test_without_the_engine_a_multinode_run_fails_at_start(run_dir):
+    args = ["dispatcher", *sim_args(run_dir, "pool.transport=nixl")]
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT_ENGINE, *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "pool.transport=nixl (runs across nodes) needs NIXL" in proc.stderr
+    assert "pip install 'hsdispatch[multinode]'" in proc.stderr
+    # a one-node worker never imports the engine (an import of it would fail here)
+    imports = _WITHOUT_ENGINE.split("from dispatcher")[0] + "import common.transport, target_worker.loop, drafter_worker.loop"
+    proc = subprocess.run([sys.executable, "-c", imports], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@needs_engine
+def test_targets_on_node_a_drafters_on_node_b(run_dir, tmp_path, keys, loopback_tcp):
+    r = _run(run_dir, keys, tmp_path, ["target.count=1", "drafter.count=0"],
+             [("drafter", "drafter-b0"), ("drafter", "drafter-b1")])
+    assert r["reads"] == {"local": 0, "remote": r["jobs_total"]}  # every slot crossed the engine
+
+
+@needs_engine
+def test_drafters_on_both_nodes_read_mostly_locally(run_dir, tmp_path, keys, loopback_tcp):
+    r = _run(run_dir, keys, tmp_path, ["target.count=1", "drafter.count=1", "nodes.remote_after_s=0.2"],
+             [("target", "target-b0"), ("drafter", "drafter-b0")])
+    reads = r["reads"]
+    # 15-17 of 21 local here. Drafters outrun the sim targets, so a node often has no ready slot: with
+    # remote_after_s=0 the drafter would read the other node's at once (10-18 local). Turn by turn
+    # through the core, with the same data as one node: tests/dispatcher/test_pool_nodes.py (92% local).
+    assert reads["local"] > reads["remote"], reads
+    # Timing decides a 21-job run's figures (its 6 steps' mix ranged from 0.67 to 1.0 on a loaded host):
+    # the consumed stream is held to the one-node launch test's bound, the step mix is left to
+    # tests/dispatcher/test_pool_nodes.py, where it is not timing's.
+    assert r["prefix_deviation"]["consumed"] <= 3, r["prefix_deviation"]
