@@ -25,9 +25,10 @@ def rollbacks_from_journal(events: Iterable[dict]) -> dict[str, int]:
     """Committed steps the ledger rolled back, per cause, from a journal's ``commit`` and ``rollback``
     records. A rollback takes a model from its latest committed step back to the record's step.
 
-    The cause is the record's own ``cause`` when it names one; otherwise ``membership`` when a
-    membership record of the model came after its last commit (its group changed and the ranks went
-    back to a checkpoint), else ``restart`` (a drafter started again from its checkpoint)."""
+    The cause is the record's own ``cause`` (the dispatcher names ``restart``: a drafter, or a
+    group none of whose live ranks held the committed step, came back from its checkpoint); for a
+    journal written before records named it, ``membership`` when a membership record of the model
+    came after its last commit (a fixed-size group went back to a checkpoint), else ``restart``."""
     latest: dict[str, int] = {}
     regrouped: set[str] = set()
     rolled: Counter = Counter()

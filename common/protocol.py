@@ -45,6 +45,9 @@ REQUESTS: dict[str, tuple[str, ...]] = {
     #   collective of version ``after`` failed on this rank, which ends that version at once. A rank
     #   at a rendezvous asks with wait_ms=0 between waits, so it learns at once that its version ended
     #   (membership: the version that names the rank now, 0 while it waits for one).
+    #   reload (only in a reply without a group): no live rank holds the committed step and the
+    #   model's durable checkpoint at step ``reload`` is newer than this rank's state: load the
+    #   latest checkpoint and ask again with its step (the group opens from it, not from older state).
     #   transfer: some rank holds another step than the version's; rank ``source`` sends its state
     #   (model, optimizer, scheduler, RNG, witness) to the others over the new group before any step.
     "join_group": ("worker_id", "token", "wait_ms", "after", "step"),

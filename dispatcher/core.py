@@ -60,7 +60,8 @@ class DispatcherCore(GroupOps):
         """The ledger as the latest snapshot and the journal after it left it."""
         recovered = recover(self.run_dir)
         self.incarnation = recovered.num_starts
-        self.groups = DrafterGroups(self.run_dir, self.incarnation)
+        self.groups = DrafterGroups(self.run_dir, self.incarnation, started_at=self.started_at,
+                                    live_wait_s=self.options.worker_timeout_s)
         snapshot = recovered.snapshot
         if snapshot is not None:
             for model, record in sorted(snapshot.models.items(), key=lambda item: item[1].index):
@@ -146,7 +147,7 @@ class DispatcherCore(GroupOps):
                 raise LedgerError("model must be {id: non-empty string, step: integer >= 0}")
             spec = self._group_spec(model.get("group"))
             held = self.ledger.model_step.get(model_id, 0)
-            if model_step > held:
+            if model_step > held and spec is None:  # a group's joiner takes a live rank's state instead
                 raise LedgerError(f"model {model_id} holds step {model_step}, ahead of the ledger's {held}: its last "
                                   f"commit never became durable; reload its latest checkpoint and register again")
         # The incarnation keeps ids unique across dispatcher restarts: a worker still speaking for
@@ -169,7 +170,7 @@ class DispatcherCore(GroupOps):
             extra["queue"] = worker.queue
         self.journal.record("join", w=worker_id, role=role, name=name, pid=pid, host=host, node=worker.node, **extra)
         if spec is not None:  # a rank's step matters only once a version names it (dispatcher/group_ops.py)
-            self._maybe_open(self.groups.groups[model_id])
+            self._maybe_open(self.groups.groups[model_id], now)
         elif model_id is not None:
             self._rollback(model_id, model_step)
         return worker
@@ -201,7 +202,9 @@ class DispatcherCore(GroupOps):
         reverted = self.ledger.rollback(model, step)
         if step < self.checkpoints.get(model, 0):
             self.checkpoints[model] = step
-        self.journal.record("rollback", durable=True, model=model, step=step, jobs=len(reverted))
+        # Every rollback is a restart from a checkpoint: a lone drafter's, or a group's none of whose
+        # live ranks held the committed step (a membership change itself never rolls back).
+        self.journal.record("rollback", durable=True, model=model, step=step, jobs=len(reverted), cause="restart")
         if reverted:
             log.info("model %s registered at step %d: %d job(s) committed after it go back to pending",
                      model, step, len(reverted))
@@ -270,7 +273,7 @@ class DispatcherCore(GroupOps):
         del self.workers[worker_id]
         self.journal.record("leave", w=worker_id, reason=reason)
         if worker.model is not None:
-            self._rank_left(worker_id)
+            self._rank_left(worker_id, now)
 
     def sweep(self, now: float, is_alive: Callable[[Worker], bool]) -> list[str]:
         """Declare silent or vanished workers dead and give back expired leases; returns the dead."""
@@ -388,7 +391,7 @@ class DispatcherCore(GroupOps):
     def get_hs(self, worker_id: str, now: float, *, membership: int | None = None) -> tuple[JobGrant | str | None, bool]:
         """(grant, flush): flush tells a waiting drafter to commit its partial step, nothing more is coming."""
         worker = self.worker(worker_id, now)
-        self._step_boundary(worker_id)
+        self._step_boundary(worker_id, now)
         self.groups.check_current(worker_id, membership)
         if self.done:
             self._end_wait(worker, now)
@@ -489,7 +492,7 @@ class DispatcherCore(GroupOps):
                 self.journal.record("epoch_committed", durable=True, epoch=epoch)
                 self.store.finish_if_complete(epoch)
         if group is not None:
-            self._maybe_open(group)  # the step boundary waiting ranks wait for
+            self._maybe_open(group, now)  # the step boundary waiting ranks wait for
         return step
 
     def checkpoint(self, worker_id: str, step: int, now: float, *, model: str | None = None) -> None:

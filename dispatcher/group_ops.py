@@ -34,10 +34,11 @@ class GroupOps:
     def _busy(self, group: DrafterGroup) -> bool:
         return any(self.ledger.held_by(w) for w in group.members)
 
-    def _maybe_open(self, group: DrafterGroup) -> None:
+    def _maybe_open(self, group: DrafterGroup, now: float) -> None:
         """Open the group's next version when its rules allow it now."""
         ledger_step = self.ledger.model_step.get(group.model, 0)
-        if not self.groups.may_open(group, busy=self._busy(group), ledger_step=ledger_step):
+        if not self.groups.may_open(group, busy=self._busy(group), ledger_step=ledger_step,
+                                    checkpoint_step=self.checkpoints.get(group.model, 0), now=now):
             return
         opened = self.groups.open(group, ledger_step)
         for worker_id in opened.previous_members:  # what they hold belongs to a step that will not complete
@@ -56,14 +57,14 @@ class GroupOps:
         self.journal.record("membership", model=group.model, version=group.version, step=group.step,
                             ranks=list(group.members), transfer=transfer)
 
-    def _rank_left(self, worker_id: str) -> None:
+    def _rank_left(self, worker_id: str, now: float) -> None:
         """A rank deregistered or died: when it was a member its version ends, and the next one opens
         with the others (when they are enough) at once."""
         group = self.groups.leave(worker_id)
         if group is not None:
-            self._end_version(group)
+            self._end_version(group, now)
 
-    def _end_version(self, group: DrafterGroup, *, reopen: bool = True) -> None:
+    def _end_version(self, group: DrafterGroup, now: float, *, reopen: bool = True) -> None:
         ended = group.version
         for other in self.groups.end_version(group, self.ledger.model_step.get(group.model, 0)):
             self.workers[other].group = None
@@ -71,13 +72,13 @@ class GroupOps:
                 self._give_back(job, "membership_changed")
         log.info("model %s: membership %d ended", group.model, ended)
         if reopen:
-            self._maybe_open(group)
+            self._maybe_open(group, now)
 
-    def _step_boundary(self, worker_id: str) -> None:
+    def _step_boundary(self, worker_id: str, now: float) -> None:
         """Before a member's next pull: waiting ranks join once no member holds a job."""
         group = self.groups.group_of(worker_id)
         if group is not None and group.waiting:
-            self._maybe_open(group)
+            self._maybe_open(group, now)
 
     def join_group(self, worker_id: str, now: float, *, after: int, step: int,
                    failed: bool = False) -> Membership | None:
@@ -89,9 +90,6 @@ class GroupOps:
         group = self.groups.group_of_rank(worker_id)
         if group is None:
             raise LedgerError(f"{worker_id} did not register as a rank of a data-parallel group")
-        if step > self.ledger.model_step.get(group.model, 0):
-            raise LedgerError(f"model {group.model}: a rank at step {step} is ahead of the ledger's "
-                              f"{self.ledger.model_step.get(group.model, 0)}")
         membership = group.memberships.get(worker_id)
         if membership is not None:
             if group.version > after and (step == group.step or membership.transfer):
@@ -99,10 +97,19 @@ class GroupOps:
             if group.version > after or failed:  # it holds another step than the version's, or the version broke
                 log.info("model %s: rank %d of membership %d %s", group.model, membership.rank, group.version,
                          "reports a failed collective" if failed else f"holds step {step}, not {group.step}")
-                self._end_version(group, reopen=False)
+                self._end_version(group, now, reopen=False)
             else:
                 return None  # the version ends when the member that is leaving it deregisters
         self.groups.report_step(worker_id, step)
-        self._maybe_open(group)
+        self._maybe_open(group, now)
         membership = group.memberships.get(worker_id)
         return membership if membership is not None and group.version > after else None
+
+    def checkpoint_to_load(self, worker_id: str) -> int | None:
+        """For a waiting rank's empty ``join_group`` reply: the checkpoint it must load first (see
+        :meth:`dispatcher.groups.DrafterGroups.checkpoint_to_load`)."""
+        group = self.groups.group_of_rank(worker_id)
+        if group is None:
+            return None
+        return self.groups.checkpoint_to_load(worker_id, self.ledger.model_step.get(group.model, 0),
+                                              self.checkpoints.get(group.model, 0))

@@ -23,11 +23,18 @@ Invariants this module keeps:
   highest any of its ranks holds. Under commit-then-apply every member holds the ledger's step, so
   a membership change needs no rollback; the ledger rolls back (to the source's step) only when no
   rank holds the committed step any more — the whole group crashed and its ranks came back from a
-  checkpoint. A rank whose step differs from the source's receives the state over the new group.
+  checkpoint. A rank whose step differs from the source's receives the state over the new group,
+  a joiner's checkpoint ahead of the ledger included (it never is a source: its steps are not the
+  ledger's);
+- after a dispatcher restart no rank is known to be alive: the live ones register again with the
+  step they hold. A group this incarnation never formed rolls back to a checkpoint only once
+  ``live_wait_s`` (the dispatcher's ``worker_timeout_s``) from the start passed with no rank
+  holding the committed step — a restarted rank that comes first must not roll the live ones back.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -106,10 +113,16 @@ class Opened:
     rollback_to: int | None
 
 
+def source_step(steps: Iterable[int], ledger_step: int) -> int | None:
+    """The step a version can start from: the highest held that the ledger has (None: none)."""
+    return max((s for s in steps if s <= ledger_step), default=None)
+
+
 class DrafterGroups:
-    def __init__(self, run_dir: str | Path, incarnation: int):
+    def __init__(self, run_dir: str | Path, incarnation: int, *, started_at: float = 0.0, live_wait_s: float = 0.0):
         self.run_dir = Path(run_dir)
         self.incarnation = incarnation  # in the store path: a restarted dispatcher never reuses a store file
+        self.live_wait_until = started_at + live_wait_s  # live ranks of the last incarnation are back by then
         self.groups: dict[str, DrafterGroup] = {}
         self._joined: dict[str, str] = {}  # worker id -> model, for every rank (waiting or member)
 
@@ -171,12 +184,23 @@ class DrafterGroups:
         group.survivors = set(members)
         return members
 
-    def may_open(self, group: DrafterGroup, *, busy: bool, ledger_step: int) -> bool:
-        """Whether the next version opens now. ``busy``: a member holds a job (a step is in flight)."""
+    def may_open(self, group: DrafterGroup, *, busy: bool, ledger_step: int, checkpoint_step: int,
+                 now: float) -> bool:
+        """Whether the next version opens now. ``busy``: a member holds a job (a step is in flight);
+        ``checkpoint_step``: the model's latest durable checkpoint."""
         if not group.waiting:
             return False
-        if group.unconfirmed and not group.members and max(group.waiting.values()) < ledger_step:
-            return False  # a guessed step would roll the ledger back: wait for the ranks to say theirs
+        if not group.members:
+            start = source_step(group.waiting.values(), ledger_step)
+            if start is None:
+                return False  # every waiting rank is ahead of the ledger: none can be the source
+            if start < ledger_step:  # opening now would roll the ledger back
+                if group.unconfirmed:
+                    return False  # a guessed step: wait for the ranks to say theirs
+                if not group.version and not group.survivors and now < self.live_wait_until:
+                    return False  # after a restart: a rank holding the committed step may still register
+                if start < min(checkpoint_step, ledger_step):
+                    return False  # a newer checkpoint than any rank holds: they load it first (checkpoint_to_load)
         if group.members:  # joiners wait for the step boundary and for room
             room = group.spec.max_ranks - len(group.members) if group.spec.max_ranks else len(group.waiting)
             return not busy and room > 0
@@ -185,6 +209,20 @@ class DrafterGroups:
         needed = group.spec.min_ranks if group.survivors else group.spec.size
         return len(group.waiting) >= needed
 
+    def checkpoint_to_load(self, worker_id: str, ledger_step: int, checkpoint_step: int) -> int | None:
+        """The checkpoint step a waiting rank must load before its group can open (None: none).
+
+        When no live rank holds the committed step (the last one left or died before its state went
+        out), a durable checkpoint newer than what the waiting ranks hold is the state to start from:
+        going back to an older one would throw away the steps in between."""
+        group = self.group_of_rank(worker_id)
+        if group is None or group.members or worker_id not in group.waiting or worker_id in group.unconfirmed:
+            return None
+        target = min(checkpoint_step, ledger_step)
+        start = source_step(group.waiting.values(), ledger_step)
+        held = group.waiting[worker_id]
+        return target if start is not None and start < target and held < target else None
+
     def open(self, group: DrafterGroup, ledger_step: int) -> Opened:
         """The next version: the current members plus every waiting rank (up to max_ranks)."""
         previous = sorted(group.members, key=group.members.get)
@@ -192,7 +230,7 @@ class DrafterGroups:
         room = (group.spec.max_ranks - len(carried)) if group.spec.max_ranks else len(group.waiting)
         newcomers = dict(list(group.waiting.items())[:max(0, room)])
         ranks = carried | newcomers
-        step = max(ranks.values())
+        step = source_step(ranks.values(), ledger_step)  # may_open saw that one rank can be the source
         source = next(w for w, s in ranks.items() if s == step)  # a survivor when one holds the step
         order = [source] + [w for w in ranks if w != source]
         # The old store stays: a rank may still be in a wait on it (a FileStore whose file is deleted

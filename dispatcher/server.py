@@ -416,8 +416,10 @@ class DispatcherServer:
     def _empty_reply(self, op: str, request_id: int, worker_id: str) -> dict:
         if op == "join_group":  # membership: the version naming this rank now (0: it waits for one)
             named = self.core.workers[worker_id].group if worker_id in self.core.workers else None
+            reload = self.core.checkpoint_to_load(worker_id) if worker_id in self.core.workers else None
             return protocol.ok_reply(request_id, group=None, model_step=self._model_step(worker_id),
-                                     membership=named.version if named is not None else 0)
+                                     membership=named.version if named is not None else 0,
+                                     **({"reload": reload} if reload is not None else {}))
         self.core.end_wait(worker_id, time.monotonic())
         flush = op == "get_hs" and self.core.nothing_left_to_hand_out()
         return protocol.ok_reply(request_id, job=None, done=self.core.done, flush=flush)

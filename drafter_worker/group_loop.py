@@ -147,6 +147,11 @@ class GroupDrafterLoop(DrafterLoop):
             failed = False  # said once is enough
             if reply["group"] is not None:
                 return reply["group"]
+            if reply.get("reload") is not None:  # no live rank holds the state: a newer checkpoint does
+                held = self.backend.step
+                self._reload()  # the checkpoint being written, if any, is published first
+                log.info("%s: no live rank holds model %s's state; loaded its checkpoint at step %d (held %d)",
+                         self.name, self.backend.model_id, self.backend.step, held)
             waited_s = time.monotonic() - started
             if waited_s > self.group_wait_s:
                 raise GroupNeverFormed(

@@ -71,6 +71,7 @@ class FakeDispatcher:
         self.jobs: deque[dict[str, Any]] = deque()
         self.events: list[Event] = []
         self.commit_faults: deque[str] = deque()  # per commit_step: ok | refuse | silent | forget
+        self.checkpoint_faults: deque[str] = deque()  # per checkpoint: ok | forget (the dispatcher restarted)
         self.model_steps: dict[str, int] = {}
         self.silent_polls = 0  # leave this many get_job/get_hs unanswered (a lost reply)
         self.flush = False  # answer a get_hs that found nothing with flush
@@ -187,6 +188,9 @@ class FakeDispatcher:
             if m["step"] == self.model_steps.get(model, 0) + 1:
                 self.model_steps[model] = m["step"]
             return protocol.ok_reply(rid, step=m["step"], done=self.done)
+        if op == "checkpoint" and self.checkpoint_faults and self.checkpoint_faults.popleft() == "forget":
+            self.workers.clear()
+            return protocol.error_reply(rid, ErrorCode.UNKNOWN_WORKER, "the dispatcher restarted")
         if op == "deregister":
             self.workers.pop(m["worker_id"], None)
         return protocol.ok_reply(rid, done=self.done)

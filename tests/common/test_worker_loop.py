@@ -141,6 +141,19 @@ def test_flush_checkpoints_the_witness_and_a_restart_resumes_from_it(tmp_path, f
     assert list(again.backend.trained) == [1, 2, 3]
 
 
+def test_a_checkpoint_the_dispatcher_never_acknowledged_is_sent_again_after_registering_again(tmp_path, fake):
+    fake.add_ready_job(1, slot=0)
+    fake.flush = True  # nothing more is coming: the drafter checkpoints step 1
+    fake.checkpoint_faults.append("forget")  # ... and the dispatcher restarts before acknowledging it
+    loop = drafter(tmp_path, fake)
+    with running(loop) as thread:
+        fake.wait_for(lambda f: len(f.ops("checkpoint")) == 2, what="the checkpoint sent again")
+        fake.done = True
+        thread.join(10)
+    assert fake.ops("register")[1].fields["model"] == {"id": "drafter-0", "step": 1}
+    assert [c.fields["step"] for c in fake.ops("checkpoint")] == [1, 1]  # else no `done` would ever come
+
+
 def test_stale_slot_is_reported_and_the_drafter_carries_on(tmp_path, fake, monkeypatch):
     fake.add_ready_job(1, slot=0, generation=1)
     job = make_job(2, slot=0, generation=7)  # the slot holds generation 1: a rewritten slot

@@ -136,7 +136,7 @@ def test_a_group_back_from_its_checkpoint_rolls_the_ledger_back_to_it(tmp_path):
     core.deregister(a.id, 4.0, reason="dead")
     again = _rank(core, "a", size=1, step=1, now=5.0)  # its checkpoint holds step 1
     assert _join(core, again, step=1).step == 1
-    assert core.ledger.model_step["m"] == 1 and len(_rollbacks(tmp_path)) == 1
+    assert core.ledger.model_step["m"] == 1 and [r["cause"] for r in _rollbacks(tmp_path)] == ["restart"]
 
 
 def test_a_joiner_whose_source_died_before_any_step_says_its_step_before_the_ledger_moves(tmp_path):
@@ -165,3 +165,51 @@ def test_the_stats_and_metrics_show_the_group(tmp_path):
     served = {**s, "run_dir": str(tmp_path), "run_id": "r", "pid": 1, "waiters": 0,
               "transport": {"kind": "shm", "num_slots": 8, "per_target": False, "slot_bytes": 1, "pool_bytes": 8}}
     assert "group     m: 1 rank(s) [0:d0.0]  membership 1  1 waiting  2 steps since change" in format_stats(served)
+
+
+def test_a_restarted_rank_joins_a_live_group_from_an_older_or_a_newer_checkpoint_without_a_rollback(tmp_path):
+    core, a, v1 = _lone_rank_stepping(tmp_path, 3)
+    old = _rank(core, "b", size=1, step=1, now=4.0)  # restarted from its checkpoint at step 1
+    m_old = _join(core, old, step=1, now=4.0)
+    assert (m_old.step, m_old.transfer) == (3, True)  # it takes the live step from rank 0
+    ahead = _rank(core, "c", size=1, step=5, now=5.0)  # a checkpoint ahead of the ledger a live group holds
+    m_ahead = _join(core, ahead, after=m_old.version, step=5, now=5.0)
+    assert (m_ahead.step, m_ahead.transfer, m_ahead.world_size) == (3, True, 3)
+    assert core.ledger.model_step["m"] == 3 and not _rollbacks(tmp_path)
+
+
+def test_after_a_dispatcher_restart_the_ranks_holding_the_committed_step_are_waited_for(tmp_path):
+    core, a, _ = _lone_rank_stepping(tmp_path, 3)
+    core.journal.close()
+    core.close()
+    core = make_core(tmp_path, worker_timeout_s=5.0, now=10.0)  # the dispatcher restarted: nobody is registered
+    assert core.ledger.model_step["m"] == 3
+    old = _rank(core, "b", size=1, step=1, now=10.0)  # a restarted rank, from its checkpoint: a live one may come
+    assert _join(core, old, step=1, now=11.0) is None and not _rollbacks(tmp_path)
+    live = _rank(core, "a", size=1, step=3, now=12.0)  # the live rank registers again with the step it holds
+    m = _join(core, live, step=3, now=12.0)
+    assert (m.step, m.world_size, m.transfer) == (3, 2, True) and not _rollbacks(tmp_path)
+    assert core.ledger.model_step["m"] == 3
+
+
+def test_after_a_dispatcher_restart_that_finds_no_live_rank_the_group_rolls_back_to_its_checkpoint(tmp_path):
+    core, a, _ = _lone_rank_stepping(tmp_path, 3)
+    core.journal.close()
+    core.close()
+    core = make_core(tmp_path, worker_timeout_s=5.0, now=10.0)
+    old = _rank(core, "a", size=1, step=1, now=10.0)
+    assert _join(core, old, step=1, now=14.0) is None  # within worker_timeout_s a live rank may still come
+    m = _join(core, old, step=1, now=15.5)  # none came: the whole group crashed, its checkpoint is the state
+    assert m.step == 1 and core.ledger.model_step["m"] == 1 and len(_rollbacks(tmp_path)) == 1
+
+
+def test_when_the_last_live_rank_leaves_before_its_state_went_out_the_joiner_loads_the_newer_checkpoint(tmp_path):
+    core, a, v1 = _lone_rank_stepping(tmp_path, 3)
+    core.checkpoint(a.id, 3, 3.5, model="m")
+    b = _rank(core, "b", size=1, step=1, now=4.0)  # its checkpoint then was step 1
+    assert _join(core, b, step=1, now=4.0).transfer
+    core.deregister(a.id, 4.5)  # a detaches before any step of the new version: b never got the state
+    assert _join(core, b, after=v1 + 1, step=1, failed=True, now=5.0) is None  # no rollback to step 1 ...
+    assert core.checkpoint_to_load(b.id) == 3  # ... b loads the checkpoint of step 3 first
+    m = _join(core, b, after=v1 + 1, step=3, now=6.0)
+    assert (m.step, m.transfer) == (3, False) and core.ledger.model_step["m"] == 3 and not _rollbacks(tmp_path)
