@@ -13,8 +13,8 @@ in one of three ways:
   log-sum-exp of its scores; combined by it, they are the softmax over both parts. The keys of
   other blocks are never touched.
 * ``flex`` (GPUs): one flex attention call over ``[context, blocks]`` with a ``BlockMask``; its
-  kernel skips the tiles the mask leaves empty. Compiled per shape (a bucket's shapes are fixed),
-  as is the building of the block mask.
+  kernel skips the tiles the mask leaves empty. Compiled, with automatic dynamic shapes (a job's
+  batch shape follows its sorted lengths), as is the building of the block mask.
 * ``dense``: one SDPA call over every key with the boolean mask. The reference the others are
   tested against, and the path of a device that has neither kernel.
 """
@@ -97,17 +97,20 @@ MAX_COMPILED_SHAPES = 64  # shapes flex attention is compiled for before dynamo 
 
 
 def _flex_attention(q, k, v, block_mask):
-    """Flex attention; on GPU compiled, once per shape (the eager version materialises the scores)."""
+    """Flex attention; compiled on GPU (the eager version materialises the scores)."""
     global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention
     if q.device.type != "cuda":
         return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
     if _compiled_flex is None:
-        # Static shapes: one kernel per bucket shape, specialised to it, instead of one dynamic one.
-        # A run has as many shapes as buckets (times anchor widths); past dynamo's recompile limit
-        # (8 by default) a new shape would run eagerly, materialising every score.
+        # Batches of sorted lengths (schedule.batching=sorted) give a job its own [sequences, length]
+        # shape, so static shapes would compile for nearly every job. Automatic dynamic shapes
+        # (dynamic=None): the first shape is compiled as it is, and a dimension seen to change is
+        # made symbolic on the one recompile that follows. The raised recompile limit covers what
+        # is left (anchor widths, dtypes): past it a new shape would run eagerly, materialising
+        # every score.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MAX_COMPILED_SHAPES)
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        _compiled_flex = torch.compile(flex_attention, dynamic=None)
     return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True)
 
 

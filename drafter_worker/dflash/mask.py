@@ -61,7 +61,7 @@ def flex_block_mask(anchors_BN: torch.Tensor, *, ctx_len: int, block_size: int):
     """The same pattern as a flex-attention ``BlockMask`` (built on the anchors' device).
 
     The anchors differ in every micro-batch, so the mask is built for each; on GPU its building is
-    compiled (once per shape), so that it neither materialises the dense mask nor runs eagerly."""
+    compiled, so that it neither materialises the dense mask nor runs eagerly."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     batch, num_blocks = anchors_BN.shape
