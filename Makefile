@@ -24,8 +24,11 @@ demo-sim: install
 	rm -rf runs/demo-sim
 	$(BIN)/hsd launch --config deploy/configs/demo-sim.yaml run.dir=runs/demo-sim
 
+# Two workers (pytest-xdist): most tests wait on real processes and sockets, so two at a time
+# keep the 2 cores busy. A short temporary root keeps the tests' ipc:// socket paths under the
+# 100-byte limit of a Unix socket.
 test: install
-	$(BIN)/pytest -q --durations=15
+	@tmp=$$(mktemp -d /tmp/hsdt-XXXXXX); $(BIN)/pytest -q -n 2 --durations=15 --basetemp=$$tmp/t; rc=$$?; rm -rf $$tmp; exit $$rc
 
 bench: install
 	$(BIN)/hsd bench transport
