@@ -187,7 +187,9 @@ def test_unanswered_poll_is_asked_again_on_a_fresh_socket(tmp_path, fake, monkey
     with running(loop):
         fake.wait_for(lambda f: len(f.ops("commit_step")) == 1, what="step 1")
     polls = fake.ops("get_hs")
-    assert polls[1].at - polls[0].at >= 0.3  # the first poll's wait, then its timeout
+    # asked again only once the first poll timed out (CALL_TIMEOUT_S after it was sent; the fake
+    # records it a moment after the send, so the gap it sees can be a little shorter than the wait)
+    assert polls[1].at - polls[0].at >= 0.2
     assert list(loop.backend.trained) == [1]
     assert len(fake.ops("deregister")) == 1  # a clean stop leaves through deregister
 
