@@ -191,3 +191,23 @@ class AccumulatingTrainer:
         """Forget the accumulated micro-batches (the dispatcher refused the step)."""
         self.optimizer.zero_grad(set_to_none=True)
         self._reset_accumulators()
+
+    # -- training state (a subclass names what must match for a state to load: ``shape_keys``) ----
+    def _state(self, **shape_keys) -> dict:
+        """Draft tensors, optimizer, scheduler and step, plus the settings a reload must match."""
+        return {"model": {k: v.detach().clone() for k, v in self.model.draft_state_dict().items()},
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "step": self.step, **shape_keys}
+
+    def _load_state(self, state: dict, **shape_keys) -> None:
+        """The inverse of :meth:`_state`; a state saved for other ``shape_keys`` is refused."""
+        names = tuple(shape_keys)
+        mine = tuple(shape_keys[n] for n in names)
+        theirs = tuple(state[n] for n in names)
+        if mine != theirs:
+            raise ValueError(f"training state was saved for ({', '.join(names)}) = {theirs}, this trainer has {mine}")
+        self.model.load_draft_state_dict({k: v.to(self.device) for k, v in state["model"].items()})
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+        self.drop_step()

@@ -130,25 +130,11 @@ class DFlashTrainer(AccumulatingTrainer):
 
     def state_dict(self) -> dict:
         """Model (draft tensors only) + optimizer + scheduler + step + the anchor RNG."""
-        return {
-            "model": {k: v.detach().clone() for k, v in self.model.draft_state_dict().items()},
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "step": self.step,
-            "anchor_rng": self.anchor_generator.get_state(),
-            "block_size": self.model_config.block_size,
-            "target_layer_ids": list(self.model_config.target_layer_ids),
-        }
+        return {**self._state(block_size=self.model_config.block_size,
+                              target_layer_ids=list(self.model_config.target_layer_ids)),
+                "anchor_rng": self.anchor_generator.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
-        mine = (self.model_config.block_size, list(self.model_config.target_layer_ids))
-        theirs = (state["block_size"], list(state["target_layer_ids"]))
-        if mine != theirs:
-            raise ValueError(f"training state was saved for (block_size, target_layer_ids) = {theirs}, "
-                             f"this trainer has {mine}")
-        self.model.load_draft_state_dict({k: v.to(self.device) for k, v in state["model"].items()})
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.step = int(state["step"])
+        self._load_state(state, block_size=self.model_config.block_size,
+                         target_layer_ids=list(self.model_config.target_layer_ids))
         self.anchor_generator.set_state(state["anchor_rng"])
-        self.drop_step()

@@ -111,27 +111,12 @@ class Eagle3Trainer(AccumulatingTrainer):
 
     def state_dict(self) -> dict:
         """Model (draft tensors and vocabulary) + optimizer + scheduler + step."""
-        return {
-            "model": {k: v.detach().clone() for k, v in self.model.draft_state_dict().items()},
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "step": self.step,
-            "ttt_steps": self.model_config.ttt_steps,
-            "target_layer_ids": list(self.model_config.target_layer_ids),
-        }
+        return self._state(ttt_steps=self.model_config.ttt_steps,
+                           target_layer_ids=list(self.model_config.target_layer_ids))
 
     def load_state_dict(self, state: dict) -> None:
-        mine = (self.model_config.ttt_steps, list(self.model_config.target_layer_ids))
-        theirs = (state["ttt_steps"], list(state["target_layer_ids"]))
-        if mine != theirs:
-            raise ValueError(f"training state was saved for (ttt_steps, target_layer_ids) = {theirs}, "
-                             f"this trainer has {mine}")
-        model = state["model"]
-        if not torch.equal(model["d2t"].cpu(), self.model.d2t.cpu()):
+        if not torch.equal(state["model"]["d2t"].cpu(), self.model.d2t.cpu()):
             raise ValueError("training state was saved with another draft vocabulary (d2t differs): "
                              "the dataset it was counted on changed")
-        self.model.load_draft_state_dict({k: v.to(self.device) for k, v in model.items()})
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.step = int(state["step"])
-        self.drop_step()
+        self._load_state(state, ttt_steps=self.model_config.ttt_steps,
+                         target_layer_ids=list(self.model_config.target_layer_ids))
