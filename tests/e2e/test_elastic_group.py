@@ -29,6 +29,14 @@ CRC_LINE = re.compile(r"(drafter-\d+): weights crc32 ([0-9a-f]{8}) at step (\d+)
 FIRST_STEP = re.compile(r"(drafter-\d+): first step \d+ applied ([\d.]+)s after the process started")
 
 
+def _cmdline(p: psutil.Process) -> list[str]:
+    """A process's command line; empty for one that exited meanwhile (a schedule builder's child, say)."""
+    try:
+        return p.cmdline()
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return []
+
+
 def _group(s):
     return s.get("groups", {}).get("drafter") or {}
 
@@ -95,7 +103,7 @@ def test_drafters_attach_and_leave_a_running_run(tmp_path, monkeypatch):
         v2 = _await_group(run_dir, lambda g: g["world_size"] == 2 and g["steps_since_change"] >= 2, 240,
                           "2 ranks stepping")["version"]
         launched_rank = psutil.Process(launch.pid).children(recursive=True)
-        ranks = [procs[1]] + [p for p in launched_rank if p.cmdline()[3:4] == ["drafter"]]
+        ranks = [procs[1]] + [p for p in launched_rank if _cmdline(p)[3:4] == ["drafter"]]
         wait_for(lambda: _frozen_mid_step(ranks, run_dir), 60, interval=0.05, what="the ranks frozen mid-step")
         try:
             for name in ("drafter-2", "drafter-3"):
