@@ -36,8 +36,9 @@ def target_states(target, input_ids: torch.Tensor, layer_ids=LAYER_IDS) -> torch
     return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
-def random_batch(target, *, batch: int, seq_len: int, seed: int, prompt_len: int = 4):
-    """Random tokens, the target's states, a loss mask after a short prompt, decreasing lengths."""
+def random_batch(target, *, batch: int, seq_len: int, seed: int, prompt_len: int = 4, states=None):
+    """Random tokens, the target's states (``states(target, ids)``, DFlash's capture by default), a
+    loss mask after a short prompt, decreasing lengths."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB - 1, (batch, seq_len), generator=g)
     seq_lens = torch.tensor([seq_len - 3 * i for i in range(batch)])
@@ -45,7 +46,7 @@ def random_batch(target, *, batch: int, seq_len: int, seed: int, prompt_len: int
     for i, n in enumerate(seq_lens.tolist()):
         loss_mask[i, prompt_len:n] = True
         ids[i, n:] = 0  # padding
-    return target_states(target, ids), ids, loss_mask, seq_lens
+    return (states or target_states)(target, ids), ids, loss_mask, seq_lens
 
 
 def backend_config(target_dir, run_dir, *extra: str):

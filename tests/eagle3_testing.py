@@ -10,6 +10,7 @@ import torch
 
 from common.prepared import FORMAT, LENGTHS_FILE, LOSS_MASK_FILE, MANIFEST_FILE, OFFSETS_FILE, TOKENS_FILE
 from dflash_testing import VOCAB
+from dflash_testing import random_batch as dflash_random_batch
 
 LAYER_IDS = [0, 1, 2]  # three layers of the 4-layer tiny target (its default 1, 1, 0 is not three layers)
 DRAFT_VOCAB = 200
@@ -23,14 +24,8 @@ def eagle3_states(target, input_ids: torch.Tensor, layer_ids=LAYER_IDS) -> torch
 
 
 def random_batch(target, *, batch: int, seq_len: int, seed: int, prompt_len: int = 4):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB - 1, (batch, seq_len), generator=g)
-    seq_lens = torch.tensor([seq_len - 3 * i for i in range(batch)])
-    loss_mask = torch.zeros(batch, seq_len, dtype=torch.bool)
-    for i, n in enumerate(seq_lens.tolist()):
-        loss_mask[i, prompt_len:n] = True
-        ids[i, n:] = 0
-    return eagle3_states(target, ids), ids, loss_mask, seq_lens
+    return dflash_random_batch(target, batch=batch, seq_len=seq_len, seed=seed, prompt_len=prompt_len,
+                               states=eagle3_states)
 
 
 def write_prepared(path, samples: list[tuple[list[int], list[int]]]):
