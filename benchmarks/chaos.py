@@ -362,7 +362,7 @@ def drive(setup: ChaosSetup, plan: list[ChaosEvent], run_dir: Path, *, window_s:
             log.event("not run", event.role, event.action, None, f"(planned at {event.at_s:.1f}s)")
 
 
-def _real_inputs(inputs_dir: Path) -> tuple[list[str], Path]:
+def real_inputs(inputs_dir: Path) -> tuple[list[str], Path]:
     """The demo's config, tiny target and prepared data under ``inputs_dir`` (made once, then reused)."""
     from drafter_worker.demo import DEFAULT_CONFIG, prepare_inputs
     with contextlib.redirect_stdout(sys.stderr):  # stdout is the figures' (--json)
@@ -380,7 +380,7 @@ def run_chaos_bench(*, minutes: float, seed: int, real: bool, as_json: bool, wor
     window_s = minutes * 60
     if real:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # the workers share the machine's cores
-        inputs, config_file = _real_inputs(Path(inputs_dir))
+        inputs, config_file = real_inputs(Path(inputs_dir))
         setup = real_setup(run_dir, minutes, seed, inputs, config_file)
     else:
         setup = sim_setup(run_dir, minutes, seed)

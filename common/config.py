@@ -121,7 +121,7 @@ class DrafterSection:
     gpus: list[int] = opt([], "GPU ids for the drafters (one per worker); empty = CPU.")
     sim: bool = opt(False, "Start simulated drafters (modeled cost, real protocol and data plane).")
     sim_cost_per_token: float = opt(1e-6, "Seconds a sim drafter spends per token.")
-    sim_cost_per_sequence: float = opt(0.0, "Seconds a sim drafter spends per sequence (its anchors' blocks).")
+    sim_cost_per_sequence: float = opt(0.0, "Seconds a sim drafter spends per sequence (its anchors' blocks); a drafter.backend=linear drafter spends them too, on top of its own compute (a modeled DFlash cost for benchmarks).")
     accum_steps: int = opt(4, "Micro-batches per optimizer step (gradient accumulation).")
     checkpoint_every: int = opt(50, "Optimizer steps between checkpoints (one is also saved when the run drains).")
     checkpoint_keep: int = opt(3, "Checkpoints kept per model; older step directories are removed.")
@@ -135,6 +135,7 @@ class DrafterSection:
     min_ranks: int = opt(1, "Fewest ranks a data-parallel group trains with once it started; below it the survivors wait (at most group_wait_s) for ranks to join.")
     max_ranks: int = opt(0, "Most ranks a data-parallel group takes (drafters attached beyond it wait for room); 0 = no bound. With count=1, max_ranks > 1 makes the one drafter a group that others can attach to.")
     elastic_batch: str = opt("tokens", "A step's size when the world size changes: tokens = accum_steps x count micro-batches a step, shared among the ranks (each takes at least one); ranks = accum_steps per rank, the step grows with the group.")
+    step_balance: str = opt("cost", "How a group step's micro-batches are shared among its ranks: cost = each rank takes micro-batches until it holds its share of the step's estimated cost (the dispatcher fits a cost per job from the ranks' measured compute times), so no rank waits long for a slower one at the all-reduce; count = each rank takes the same number.")
 
     @property
     def grouped(self) -> bool:
@@ -147,11 +148,23 @@ class DrafterSection:
         return max(1, self.count) if self.grouped else 1
 
     def rank_accum_steps(self, *, rank: int, world_size: int) -> int:
-        """Micro-batches ``rank`` brings to a step of a ``world_size``-rank group (``elastic_batch``)."""
+        """Micro-batches ``rank`` brings to a step of a ``world_size``-rank group: its count-balanced
+        share (``elastic_batch``), or with ``step_balance=cost`` as many as the whole step holds (the
+        dispatcher says when the rank has its share)."""
+        total = step_jobs(self.accum_steps, self.count, world_size, self.elastic_batch)
+        if self.step_balance == "cost":
+            return total
         if self.elastic_batch == "ranks":
             return self.accum_steps
-        total = self.accum_steps * max(1, self.count)
         return max(1, total // world_size + (rank < total % world_size))
+
+
+def step_jobs(accum_steps: int, count: int, world_size: int, elastic_batch: str) -> int:
+    """Micro-batches of one step of a ``world_size``-rank group: ``accum_steps x count`` shared
+    among the ranks (``tokens``; each rank takes at least one) or ``accum_steps`` per rank (``ranks``)."""
+    if elastic_batch == "ranks":
+        return accum_steps * world_size
+    return max(accum_steps * max(1, count), world_size)
 
 
 @dataclass
@@ -364,6 +377,8 @@ def validate(config: Config) -> None:
                           f"({drafter.count})")
     if drafter.elastic_batch not in ("tokens", "ranks"):
         raise ConfigError(f"drafter.elastic_batch must be tokens or ranks, not {drafter.elastic_batch!r}")
+    if drafter.step_balance not in ("cost", "count"):
+        raise ConfigError(f"drafter.step_balance must be cost or count, not {drafter.step_balance!r}")
     if config.drafter.model:
         try:
             check_model_id(config.drafter.model)

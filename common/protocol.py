@@ -67,9 +67,11 @@ REQUESTS: dict[str, tuple[str, ...]] = {
     "job_ready": ("worker_id", "token", "job_id", "generation", "busy_s"),
     # {job_id, reason} -> {}; the target could not extract the job: it goes back to pending
     "job_failed": ("worker_id", "token", "job_id", "reason"),
-    # {wait_ms, membership?} -> {job: {...} | None, done: bool, flush: bool}; long-poll for a ready slot
-    # (flush: nothing more is coming for now, commit a partial step). membership: a group rank's
-    # version; a version that ended answers group_changed (so a poll sent before a change is void)
+    # {wait_ms, membership?} -> {job: {...} | None, done: bool, flush: bool, step_full?: int};
+    # long-poll for a ready slot (flush: nothing more is coming for now, commit a partial step;
+    # step_full: a rank of a drafter.step_balance=cost group holds its share of this model step, it
+    # goes to the all-reduce). membership: a group rank's version; a version that ended answers
+    # group_changed (so a poll sent before a change is void)
     "get_hs": ("worker_id", "token", "wait_ms"),
     # {job_id} -> {}; the drafter copied the slot out: the slot is free again
     "consumed": ("worker_id", "token", "job_id"),
@@ -84,7 +86,8 @@ REQUESTS: dict[str, tuple[str, ...]] = {
     # A data-parallel group commits once per step (its rank 0, with membership: its version), naming
     # every rank's jobs; any jobs consumed by a current member count. The reply's membership is the
     # group's version after the commit: a newer one means waiting ranks join at this step boundary.
-    # (sync_wait_s: rank 0's wait at the gradient all-reduce)
+    # (sync_wait_s: rank 0's wait at the gradient all-reduce; rank_jobs, rank_busy_s: how many of
+    # job_ids, in order, each rank trained and its busy seconds, which the step-cost model learns from)
     "commit_step": ("worker_id", "token", "model", "step", "job_ids", "busy_s"),
     # {model, step} -> {}; the model's state at ``step`` (witness included) is durable on disk
     "checkpoint": ("worker_id", "token", "model", "step"),

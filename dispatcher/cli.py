@@ -209,6 +209,13 @@ def cmd_bench_chaos(args) -> int:
                            work_dir=args.dir, inputs_dir=args.inputs, keep=args.keep)
 
 
+def cmd_bench_balance(args) -> int:
+    from benchmarks.step_balance import SETUPS, run_balance_bench
+    return run_balance_bench(setups=tuple(args.setup or SETUPS), ranks=args.ranks, epochs=args.epochs, accum_steps=args.accum_steps, seed=args.seed,
+                             inputs_dir=args.inputs,
+                             work_dir=args.dir, as_json=args.json)
+
+
 def _require_model(config, command: str) -> None:
     if not config.target.model:
         raise ConfigError(f"hsd {command} needs target.model (a local Hugging Face model directory)")
@@ -507,6 +514,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--keep", action="store_true", help="keep the temporary work directory")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_chaos)
+    b = bench.add_parser("balance", help="all-reduce wait of a DFlash group, count- vs cost-balanced steps")
+    b.add_argument("--setup", action="append", choices=("modeled", "dflash"),
+                   help="modeled (sim targets, linear ranks with a modeled DFlash cost) or dflash (the demo's "
+                        "tiny target and DFlash ranks); repeatable; default both")
+    b.add_argument("--ranks", type=int, default=2, help="drafter ranks of the group (default 2)")
+    b.add_argument("--epochs", type=int, default=3, help="epochs of each run (default 3)")
+    b.add_argument("--accum-steps", type=int, default=4, help="drafter.accum_steps: a step is this x --ranks jobs")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--inputs", default="runs/demo", help="where the demo's tiny target and data are (made once)")
+    b.add_argument("--dir", help="work directory (kept); default a temporary one, removed")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_balance)
     return parser
 
 

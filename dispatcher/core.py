@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from dispatcher.core_types import (DONE, CoreOptions, Counters, Incompatible, JobGrant, Unauthorized,
+from dispatcher.core_types import (DONE, STEP_FULL, CoreOptions, Counters, Incompatible, JobGrant, Unauthorized,
                                    UnknownWorker, Worker)
 from dispatcher.group_ops import GroupOps
 from dispatcher.groups import DrafterGroup, DrafterGroups
@@ -27,6 +27,7 @@ from dispatcher.pool import HSPool
 from dispatcher.recovery import ModelRecord, recover
 from dispatcher.schedule import EpochSchedule
 from dispatcher.schedule_builder import ScheduleSpec
+from dispatcher.step_balance import CostModel
 
 log = logging.getLogger("hsd.dispatcher")
 
@@ -45,6 +46,7 @@ class DispatcherCore(GroupOps):
         self.counters = Counters()
         self.started_at = now
         self.checkpoints: dict[str, int] = {}  # model -> step of its latest durable checkpoint
+        self.step_costs: dict[str, CostModel] = {}  # model -> its group's cost per job (dispatcher.step_balance)
         self.contract = options.contract
         self._next_worker = Counter()
         self._next_slot_id = shared_slots
@@ -389,13 +391,18 @@ class DispatcherCore(GroupOps):
                    for e in self.epoch_jobs)
 
     def get_hs(self, worker_id: str, now: float, *, membership: int | None = None) -> tuple[JobGrant | str | None, bool]:
-        """(grant, flush): flush tells a waiting drafter to commit its partial step, nothing more is coming."""
+        """(grant, flush): flush tells a waiting drafter to commit its partial step, nothing more is
+        coming. STEP_FULL: a rank of a cost-balanced group holds its share of the step in flight."""
         worker = self.worker(worker_id, now)
         self._step_boundary(worker_id, now)
         self.groups.check_current(worker_id, membership)
         if self.done:
             self._end_wait(worker, now)
             return DONE, False
+        group = self.groups.group_of(worker_id)
+        if group is not None and group.spec.balance == "cost" and self.has_its_share(group, worker_id):
+            self._end_wait(worker, now)
+            return STEP_FULL, False
         serving = self._serving_epoch()
         if serving is None or not self.pool.may_serve(draining=serving[1]):
             self._wait(worker, "starved", now)
@@ -403,7 +410,6 @@ class DispatcherCore(GroupOps):
         epoch = serving[0]
         progress = self.ledger.epochs[epoch]
         # A group's step spans every rank's micro-batches: its window is what all of them hold.
-        group = self.groups.group_of(worker_id)
         stepper: Worker | DrafterGroup = group or worker
         held = [job for member in (group.members if group else [worker_id]) for job in self.ledger.held_by(member)]
         eligible = self.pool.eligible(epoch, totals=progress.bucket_totals, taken=progress.taken)
@@ -448,7 +454,8 @@ class DispatcherCore(GroupOps):
 
     def commit_step(self, worker_id: str, job_ids: list[int], busy_s: float, now: float, *, model: str | None = None,
                     step: int | None = None, verified: int = 0, metrics: dict[str, float] | None = None,
-                    sync_wait_s: float = 0.0, step_s: float = 0.0, membership: int | None = None) -> int:
+                    sync_wait_s: float = 0.0, step_s: float = 0.0, membership: int | None = None,
+                    rank_jobs: list[int] | None = None, rank_busy_s: list[float] | None = None) -> int:
         """The drafter's model takes optimizer step ``step`` on ``job_ids``. Idempotent: the same
         (model, step, jobs) again gets the same answer. Refused (all or nothing) otherwise when a
         job is not consumed by this drafter or the step does not follow the model's last."""
@@ -481,8 +488,14 @@ class DispatcherCore(GroupOps):
                             buckets=sorted({j.bucket for j in jobs}), avail=stepper.window_avail,
                             mixed=stepper.window_mixed, tokens=num_tokens, busy_s=round(busy_s, 6), verified=verified,
                             **({"membership": group.version, "sync_wait_s": round(sync_wait_s, 6),
-                                "step_s": round(step_s, 6)} if group else {}))
+                                "step_s": round(step_s, 6),
+                                **({"rank_jobs": list(rank_jobs), "rank_busy_s": [round(b, 6) for b in rank_busy_s]}
+                                   if rank_busy_s and rank_jobs else {})}
+                               if group else {}))
         stepper.window_avail, stepper.window_mixed = None, True
+        if group is not None:
+            group.full = set()
+            self._observe_step_costs(model, list(job_ids), rank_jobs, rank_busy_s)
         if metrics:
             worker.metrics = dict(metrics)
         worker.num_jobs += len(jobs)

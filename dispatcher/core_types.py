@@ -26,6 +26,7 @@ class Incompatible(ValueError):
 
 
 DONE = "done"  # get_job / get_hs result once every epoch is committed
+STEP_FULL = "step_full"  # get_hs result for a group rank that holds its share of the step (step_balance=cost)
 
 
 @dataclass

@@ -8,23 +8,32 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
+
 from dispatcher.groups import DrafterGroup, GroupSpec, Membership
-from dispatcher.ledger import LedgerError
+from dispatcher.ledger import LedgerError, split_job_id
+from dispatcher.step_balance import CostModel, has_its_share, job_features
 
 log = logging.getLogger("hsd.dispatcher")
 
 
 class GroupOps:
     def _group_spec(self, fields: Any) -> GroupSpec | None:
-        """``model.group`` of a register request: {size, min_ranks?, max_ranks?} (None: a lone drafter)."""
+        """``model.group`` of a register request: {size, min_ranks?, max_ranks?, balance?, accum_steps?,
+        elastic_batch?} (None: a lone drafter)."""
         if fields is None:
             return None
         if not isinstance(fields, dict):
-            raise LedgerError("model.group must be a map {size, min_ranks, max_ranks}")
-        values = {key: fields.get(key, default) for key, default in (("size", None), ("min_ranks", 1), ("max_ranks", 0))}
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values.values()):
-            raise LedgerError("model.group: size, min_ranks and max_ranks must be integers")
-        spec = GroupSpec(**values)
+            raise LedgerError("model.group must be a map {size, min_ranks, max_ranks, balance, accum_steps, "
+                              "elastic_batch}")
+        sizes = {key: fields.get(key, default) for key, default in
+                 (("size", None), ("min_ranks", 1), ("max_ranks", 0), ("accum_steps", 1))}
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in sizes.values()):
+            raise LedgerError("model.group: size, min_ranks, max_ranks and accum_steps must be integers")
+        names = {key: fields.get(key, default) for key, default in (("balance", "count"), ("elastic_batch", "tokens"))}
+        if not all(isinstance(v, str) for v in names.values()):
+            raise LedgerError("model.group: balance and elastic_batch must be strings")
+        spec = GroupSpec(**sizes, **names)
         try:
             spec.check()
         except ValueError as exc:
@@ -104,6 +113,48 @@ class GroupOps:
         self._maybe_open(group, now)
         membership = group.memberships.get(worker_id)
         return membership if membership is not None and group.version > after else None
+
+    # -- steps balanced by cost (dispatcher.step_balance) ------------------------------------------
+    def _job_features(self, job_id: int) -> np.ndarray:
+        epoch, index = split_job_id(job_id)
+        return job_features(self.lengths[self.schedule(epoch).samples_of(index)])
+
+    def _step_costs(self, model: str) -> CostModel:
+        costs = self.step_costs.get(model)
+        if costs is None:
+            costs = self.step_costs[model] = CostModel()
+        return costs
+
+    def has_its_share(self, group: DrafterGroup, worker_id: str) -> bool:
+        """Whether member ``worker_id`` of a cost-balanced group holds its share of the step in
+        flight (it is then told so until the step commits)."""
+        if worker_id in group.full:
+            return True
+        held = {member: self.ledger.held_by(member) for member in group.members}
+        remaining = group.step_jobs - sum(len(jobs) for jobs in held.values())
+        costs = self._step_costs(group.model)
+        loads = {member: sum(costs.estimate(self._job_features(job.job_id)) for job in jobs)
+                 for member, jobs in held.items()}
+        granted = sum(len(jobs) for jobs in held.values())
+        job_cost = sum(loads.values()) / granted if granted else 1.0
+        if not has_its_share(loads, worker_id, remaining=remaining, job_cost=job_cost,
+                             open_ranks=len(group.members) - len(group.full)):
+            return False
+        group.full.add(worker_id)
+        return True
+
+    def _observe_step_costs(self, model: str, job_ids: list[int], rank_jobs: list[int] | None,
+                            rank_busy_s: list[float] | None) -> None:
+        """Rank 0 committed every rank's micro-batches (``rank_jobs`` of ``job_ids`` each, in rank
+        order) with each rank's busy seconds: observations of the cost model."""
+        if not rank_jobs or not rank_busy_s or len(rank_jobs) != len(rank_busy_s) or sum(rank_jobs) != len(job_ids):
+            return
+        costs = self._step_costs(model)
+        start = 0
+        for count, busy_s in zip(rank_jobs, rank_busy_s):
+            if count:
+                costs.observe(sum(self._job_features(j) for j in job_ids[start:start + count]), busy_s)
+            start += count
 
     def checkpoint_to_load(self, worker_id: str) -> int | None:
         """For a waiting rank's empty ``join_group`` reply: the checkpoint it must load first (see

@@ -38,6 +38,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.config import step_jobs
+
 GROUPS_DIR = "groups"
 
 
@@ -52,10 +54,22 @@ class GroupSpec:
     size: int  # drafter.count: the ranks a new group waits for before its first step
     min_ranks: int = 1
     max_ranks: int = 0  # 0: no bound
+    # drafter.step_balance=cost: the dispatcher shares each step's micro-batches among the ranks by
+    # estimated cost (dispatcher.step_balance), out of step_jobs(accum_steps, size, world, elastic_batch)
+    balance: str = "count"
+    accum_steps: int = 1
+    elastic_batch: str = "tokens"
 
     def check(self) -> None:
         if self.size < 1 or self.min_ranks < 1 or self.max_ranks < 0:
             raise ValueError("a group needs size >= 1, min_ranks >= 1 and max_ranks >= 0")
+        if self.balance not in ("cost", "count") or self.elastic_batch not in ("tokens", "ranks") or self.accum_steps < 1:
+            raise ValueError("a group needs balance cost or count, elastic_batch tokens or ranks, and accum_steps >= 1")
+
+    def describe(self) -> str:
+        """The drafter config keys this spec comes from, as a user would set them."""
+        return (f"drafter.count={self.size}, min_ranks={self.min_ranks}, max_ranks={self.max_ranks}, "
+                f"accum_steps={self.accum_steps}, elastic_batch={self.elastic_batch}, step_balance={self.balance}")
         if self.max_ranks and not self.min_ranks <= self.size <= self.max_ranks:
             raise ValueError(f"a group needs min_ranks <= size <= max_ranks, got {self.min_ranks}, {self.size}, "
                              f"{self.max_ranks}")
@@ -93,6 +107,7 @@ class DrafterGroup:
     opened_at_steps: int = 0  # the ledger's step for the model when this version opened
     window_avail: int | None = None  # buckets eligible when the group's step window opened
     window_mixed: bool = True  # every pull of the step took a new bucket when one was eligible
+    full: set[str] = field(default_factory=set)  # members told they hold their share of the step in flight
 
     @property
     def formed(self) -> bool:
@@ -101,6 +116,11 @@ class DrafterGroup:
     @property
     def world_size(self) -> int:
         return len(self.members)
+
+    @property
+    def step_jobs(self) -> int:
+        """Micro-batches of one step of the current version."""
+        return step_jobs(self.spec.accum_steps, self.spec.size, self.world_size, self.spec.elastic_batch)
 
 
 @dataclass(frozen=True)
@@ -137,9 +157,8 @@ class DrafterGroups:
         if group is None:
             group = self.groups[model] = DrafterGroup(model, spec)
         elif group.spec != spec:
-            raise ValueError(f"model {model} trains in a group of drafter.count={group.spec.size}, min_ranks="
-                             f"{group.spec.min_ranks}, max_ranks={group.spec.max_ranks}; a drafter asked for "
-                             f"{spec.size}, {spec.min_ranks}, {spec.max_ranks} (every drafter of the model must agree)")
+            raise ValueError(f"model {model} trains in a group of {group.spec.describe()}; a drafter asked for "
+                             f"{spec.describe()} (every drafter of the model must agree)")
         group.waiting[worker_id] = step
         self._joined[worker_id] = model
 
@@ -181,6 +200,7 @@ class DrafterGroups:
         group.waiting = {w: group.waiting[w] for w in members} | {w: s for w, s in group.waiting.items()
                                                                      if w not in group.members}
         group.members, group.memberships = {}, {}
+        group.full = set()
         group.survivors = set(members)
         return members
 
@@ -250,6 +270,7 @@ class DrafterGroups:
         group.step = step
         group.opened_at_steps = step
         group.window_avail, group.window_mixed = None, True
+        group.full = set()
         return Opened(group.version, previous, step if step < ledger_step else None)
 
     def remove_stores(self) -> None:

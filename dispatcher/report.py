@@ -69,7 +69,7 @@ class _ReportPass:
         if kind == "commit":
             self.commits[e.get("model", e.get("w", ""))].append(
                 {k: e.get(k) for k in ("step", "jobs", "buckets", "avail", "mixed", "tokens", "busy_s", "verified",
-                                    "membership", "sync_wait_s", "step_s")})
+                                    "membership", "sync_wait_s", "step_s", "rank_busy_s")})
         elif kind == "rollback":
             self.commits[e["model"]] = [c for c in self.commits[e["model"]] if c["step"] <= e["step"]]
         elif kind == "consumed":
@@ -215,8 +215,13 @@ def _group_figures(commits: list[dict[str, Any]]) -> dict[str, Any]:
         return {}
     wait_s = sum(c.get("sync_wait_s") or 0.0 for c in group_steps)
     step_s = sum(c.get("step_s") or 0.0 for c in group_steps)
+    # every rank's wait for the step's slowest rank: its compute time short of the slowest's
+    measured = [c for c in group_steps if len(c.get("rank_busy_s") or ()) > 1]
+    behind_s = sum(max(c["rank_busy_s"]) - b for c in measured for b in c["rank_busy_s"])
+    rank_s = sum(len(c["rank_busy_s"]) * (c.get("step_s") or 0.0) for c in measured)
     return {"group_steps": len(group_steps), "allreduce_wait_s": round(wait_s, 3),
             "allreduce_wait_share": round(wait_s / step_s, 4) if step_s else 0.0,
+            "rank_wait_share": round(behind_s / rank_s, 4) if rank_s else 0.0,
             "memberships": len({c["membership"] for c in group_steps})}
 
 
@@ -247,5 +252,6 @@ def format_report(report: dict[str, Any]) -> str:
     if report.get("group_steps"):
         lines.append(f"group     {report['group_steps']} data-parallel steps over {report['memberships']} "
                      f"membership(s); rank 0 waited {report['allreduce_wait_s']:.1f}s at the all-reduce "
-                     f"({report['allreduce_wait_share']:.1%} of its step time)")
+                     f"({report['allreduce_wait_share']:.1%} of its step time); the ranks waited for the "
+                     f"step's slowest {report['rank_wait_share']:.1%} of their step time")
     return "\n".join(lines)

@@ -26,7 +26,7 @@ from common.config import Config, write_resolved
 from common.protocol import ErrorCode, ProtocolError, field_of
 from dispatcher.core import DispatcherCore
 from common.curve import HandshakeMonitor, ZapAuthorizer, server_from_config
-from dispatcher.core_types import DONE, CoreOptions, Incompatible, Unauthorized, UnknownWorker, Worker
+from dispatcher.core_types import DONE, STEP_FULL, CoreOptions, Incompatible, Unauthorized, UnknownWorker, Worker
 from dispatcher.groups import GroupChanged
 from dispatcher.dataset import load_lengths
 from dispatcher.journal import Journal, JournalFailed
@@ -339,7 +339,8 @@ class DispatcherServer:
                                     model=field_of(f, "model", str), step=field_of(f, "step", int),
                                     verified=int(f.get("verified") or 0), metrics=_step_metrics(f.get("metrics")),
                                     sync_wait_s=float(f.get("sync_wait_s") or 0.0),
-                                    step_s=float(f.get("step_s") or 0.0), membership=_membership_of(f))
+                                    step_s=float(f.get("step_s") or 0.0), membership=_membership_of(f),
+                                    **_rank_costs(f))
             group = core.groups.group_of_rank(worker_id)
             extra = {"membership": group.version} if group is not None else {}
             return self._when_durable(identity, protocol.ok_reply(request.id, step=step, done=core.done, **extra)), True
@@ -405,6 +406,10 @@ class DispatcherServer:
             return None
         if grant == DONE:
             return protocol.ok_reply(request_id, job=None, done=True, flush=True)
+        if grant == STEP_FULL:
+            # the step it speaks of: a reply that arrives once that step committed is stale
+            return protocol.ok_reply(request_id, job=None, done=False, flush=False,
+                                     step_full=self._model_step(worker_id) + 1)
         ipc = self.core.workers[grant.owner].ipc_block if grant.owner else None
         return protocol.ok_reply(request_id, job=grant.to_wire(ipc_block=ipc if op == "get_hs" else None),
                                  done=False, flush=flush)
@@ -539,6 +544,19 @@ def _membership_of(fields: dict) -> int | None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
         raise ProtocolError(ErrorCode.MALFORMED, "field 'membership' must be an integer")
     return value
+
+
+def _rank_costs(fields: dict) -> dict:
+    """commit_step's optional per-rank figures of a group: {rank_jobs: [int], rank_busy_s: [float]}."""
+    jobs, busy = fields.get("rank_jobs"), fields.get("rank_busy_s")
+    if jobs is None and busy is None:
+        return {}
+    if (not isinstance(jobs, list) or not isinstance(busy, list) or len(jobs) != len(busy)
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in jobs)
+            or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in busy)):
+        raise ProtocolError(ErrorCode.MALFORMED, "rank_jobs and rank_busy_s must be lists of equal length of "
+                                                 "counts and seconds")
+    return {"rank_jobs": jobs, "rank_busy_s": [float(b) for b in busy]}
 
 
 def _poll_fields(op: str, fields: dict) -> dict:

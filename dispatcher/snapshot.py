@@ -11,6 +11,7 @@ from typing import Any
 
 from dispatcher.core import DispatcherCore
 from dispatcher.core_types import Worker
+from dispatcher.step_balance import FEATURES
 
 
 def worker_state(core: DispatcherCore, worker: Worker) -> str:
@@ -60,8 +61,14 @@ def build_snapshot(core: DispatcherCore, now: float) -> dict[str, Any]:
 
 def group_view(core, group) -> dict[str, Any]:
     """A data-parallel group as a watcher sees it: its ranks, membership version, the ranks waiting
-    to join, and the steps it committed since its membership last changed."""
-    return {"version": group.version, "world_size": group.world_size, "formed": group.formed,
+    to join, the steps it committed since its membership last changed, and how its steps are
+    balanced (with cost: the fitted cost model's seconds per job, sequence and padded token)."""
+    costs = core.step_costs.get(group.model)
+    balance = {"step_balance": group.spec.balance, "step_jobs": group.step_jobs if group.formed else 0}
+    if costs is not None and costs.observations and group.spec.balance == "cost":
+        balance["step_cost"] = {**{name: float(w) for name, w in zip(FEATURES, costs.weights())},
+                                "observations": costs.observations}
+    return {"version": group.version, "world_size": group.world_size, "formed": group.formed, **balance,
             "members": {str(r): w for w, r in group.members.items()}, "waiting": len(group.waiting),
             "steps_since_change": max(0, core.ledger.model_step.get(group.model, 0) - group.opened_at_steps)
             if group.formed else 0}

@@ -235,7 +235,13 @@ def format_stats(s: dict[str, Any], *, previous: dict[str, Any] | None = None, r
     for model, g in (s.get("groups") or {}).items():
         ranks = " ".join(f"{r}:{w}" for r, w in sorted(g.get("members", {}).items(), key=lambda m: int(m[0])))
         lines.append(f"group     {model}: {g['world_size']} rank(s) [{ranks}]  membership {g['version']}  "
-                     f"{g.get('waiting', 0)} waiting  {g.get('steps_since_change', 0)} steps since change")
+                     f"{g.get('waiting', 0)} waiting  {g.get('steps_since_change', 0)} steps since change  "
+                     f"{g.get('step_jobs', 0)} jobs/step balanced by {g.get('step_balance', 'count')}")
+        cost = g.get("step_cost")
+        if cost:
+            lines.append(f"          step cost model: {cost['jobs'] * 1e3:.2f} ms/job + {cost['sequences'] * 1e3:.3f} ms/"
+                         f"sequence + {cost['padded_tokens'] * 1e6:.2f} us/padded token "
+                         f"({cost['observations']} observations)")
     auth = s.get("auth") or {}
     if auth.get("mechanism") == "curve":
         lines.append(f"auth      curve: {auth['accepted']} accepted, {auth['refused']} keys refused, "

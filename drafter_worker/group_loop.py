@@ -19,9 +19,11 @@ A step, in the order every rank keeps:
 1. each rank pulls and trains on its own micro-batches (``get_hs`` naming its version; the
    dispatcher's accumulation window spans the whole group, so lengths mix across ranks), and reports
    them ``consumed``;
-2. once it holds its share of the step (``drafter.elastic_batch``: ``tokens`` splits
-   ``accum_steps x count`` micro-batches among the ranks, ``ranks`` gives each ``accum_steps``), or
-   the dispatcher says ``flush``/``done``, or it was asked to stop, it enters the **round**: the
+2. once it holds its share of the step, or the dispatcher says ``flush``/``done``, or it was asked
+   to stop, it enters the **round**. A step has ``accum_steps x count`` micro-batches
+   (``drafter.elastic_batch=tokens``) or ``accum_steps`` per rank (``ranks``); with
+   ``drafter.step_balance=cost`` the dispatcher says when a rank holds its share of the step's
+   estimated cost (``step_full``), with ``count`` each rank takes an even count. In the round the
    ranks exchange their job ids and flags as fixed-size int64 rows (no pickle), then all-reduce the
    gradients (the backend's ``sync_gradients``);
 3. rank 0 alone commits the step, naming every rank's jobs, and broadcasts the outcome and whether
@@ -91,7 +93,9 @@ class GroupDrafterLoop(DrafterLoop):
             raise ValueError("a data-parallel drafter needs drafter.data_parallel=true and drafter.count > 1 "
                              "or drafter.max_ranks > 1")
         section = config.drafter
-        self.spec = {"size": section.group_size, "min_ranks": section.min_ranks, "max_ranks": section.max_ranks}
+        self.spec = {"size": section.group_size, "min_ranks": section.min_ranks, "max_ranks": section.max_ranks,
+                     "balance": section.step_balance, "accum_steps": section.accum_steps,
+                     "elastic_batch": section.elastic_batch}
         self.timeout_s = section.collective_timeout_s
         self.group_wait_s = section.group_wait_s
         self.group: StepGroup | None = None
@@ -248,19 +252,23 @@ class GroupDrafterLoop(DrafterLoop):
         self.window, self.busy_s, self.commit = [], 0.0, None
         self._step_started = time.perf_counter()
         reports: list[int] = []
-        poll = self._poll("get_hs")
+        poll: int | None = self._poll("get_hs")
         while True:
             reply = self._await_poll(poll, "get_hs")
+            poll = None
             leaving = self.stopping
             done, flush, job = reply["done"], reply.get("flush", False), reply["job"]
+            # step_balance=cost: the dispatcher says when this rank holds its share of the step (a
+            # reply about a step that has committed since is stale)
+            full = reply.get("step_full") == self.backend.step + 1
             if not leaving:
-                if not done:
+                if not done and not full:
                     poll = self._poll("get_hs")
                 self._report_durable()  # rank 0's checkpoint, once its writer has it on disk
                 reports = self._collect(reports)
                 if job is not None:
                     self._train_on(job, transport, reports)
-            if leaving or len(self.window) >= self.accum or flush or done:
+            if leaving or full or len(self.window) >= self.accum or flush or done:
                 # Rank 0 commits these jobs: they must be consumed at the dispatcher before it does.
                 reports = self._collect(reports, wait=True)
                 ended = self._round(done=done and not leaving, flush=flush, leaving=leaving)
@@ -271,6 +279,8 @@ class GroupDrafterLoop(DrafterLoop):
                                  self.backend.step, self.num_versions, self.num_dropped_steps,
                                  100 * self.sync_wait_share)
                     return ended
+            if poll is None:
+                poll = self._poll("get_hs")
 
     def _train_on(self, job: dict[str, Any], transport: DrafterTransport, reports: list[int]) -> None:
         if len(self.window) == 1:
@@ -301,7 +311,9 @@ class GroupDrafterLoop(DrafterLoop):
         if self.rank == 0:
             busy_s = sum(r.busy_us for r in rounds) / 1e6
             step_s = time.perf_counter() - self._step_started
-            outcome, after = self._commit_as_rank0(job_ids, busy_s=busy_s, wait_s=wait_s, step_s=step_s)
+            outcome, after = self._commit_as_rank0(job_ids, busy_s=busy_s, wait_s=wait_s, step_s=step_s,
+                                                   rank_jobs=[len(r.job_ids) for r in rounds],
+                                                   rank_busy_s=[r.busy_us / 1e6 for r in rounds])
             try:
                 outcome, after = self.group.broadcast(outcome, after)
             except CollectiveFailed:
@@ -357,15 +369,17 @@ class GroupDrafterLoop(DrafterLoop):
             log.info("%s: weights crc32 %08x at step %d", self.name, self.backend.weights_checksum(),
                      self.backend.step)
 
-    def _commit_as_rank0(self, job_ids: list[int], *, busy_s: float, wait_s: float,
-                         step_s: float) -> tuple[int, int]:
+    def _commit_as_rank0(self, job_ids: list[int], *, busy_s: float, wait_s: float, step_s: float,
+                         rank_jobs: list[int], rank_busy_s: list[float]) -> tuple[int, int]:
         """Commit the step for the whole group: (the outcome every rank then follows, the group's
         version after it). ``busy_s`` is every rank's compute time; ``wait_s`` and ``step_s`` are
         rank 0's all-reduce wait and step wall time so far (``hsd report`` turns them into the
-        group's wait share)."""
+        group's wait share); ``rank_jobs`` and ``rank_busy_s``, each rank's share of ``job_ids``
+        and its compute time, are what the dispatcher's step-cost model learns from."""
         version = self.membership["membership"]
         fields = {"model": self.backend.model_id, "step": self.backend.step + 1, "job_ids": job_ids,
-                  "busy_s": busy_s, "sync_wait_s": wait_s, "step_s": step_s, "membership": version}
+                  "busy_s": busy_s, "sync_wait_s": wait_s, "step_s": step_s, "membership": version,
+                  "rank_jobs": rank_jobs, "rank_busy_s": rank_busy_s}
         deadline = time.monotonic() + RECONNECT_S
         request_id = self.session.submit("commit_step", **fields)
         while True:

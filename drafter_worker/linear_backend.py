@@ -13,6 +13,7 @@ so a checkpoint is exactly the weights plus the witness.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -44,6 +45,8 @@ class LinearDrafter:
         self._initial = self.state_dict()  # what a model without a checkpoint goes back to
         self.step = 0
         self.trained = TrainedJobs()
+        # a modeled per-sequence cost on top of its own (DFlash's anchor blocks), for benchmarks
+        self.cost_per_sequence = config.drafter.sim_cost_per_sequence
         self.local_weight_total = 0.0  # supervised positions of the micro-batches since the last step
         self.local_loss_sum = 0.0
         self._step_total: float | None = None  # the group's weight total, once gradients were all-reduced
@@ -66,6 +69,8 @@ class LinearDrafter:
         loss_sum.backward()  # unnormalised: the step divides once by the total weight
         self.local_weight_total += float(supervised.sum())
         self.local_loss_sum += float(loss_sum.detach())
+        if self.cost_per_sequence > 0:
+            time.sleep(self.cost_per_sequence * batch_size)
 
     def sync_gradients(self, all_reduce: Callable[[torch.Tensor], None]) -> float:
         """Sum gradients, weight and loss over the group with one ``all_reduce`` (in place, sum);
