@@ -94,16 +94,28 @@ def matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
 
 
+def kubelet_expand(text: str, env: dict[str, str]) -> str:
+    """``$(VAR)`` of a defined variable replaced, ``$$`` made ``$``, anything else (``$(seq 3)``) kept,
+    as the kubelet does in env values, ``command`` and ``args``."""
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+                  lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)
+
+
 def container_env(container: dict, downward: dict[str, str]) -> dict[str, str]:
-    """The container's environment as the kubelet sets it: ``$(VAR)`` of earlier variables expanded,
+    """The container's environment as the kubelet sets it: references to earlier variables expanded,
     ``fieldRef`` values taken from ``downward`` (field path -> value)."""
     env: dict[str, str] = {}
     for item in container.get("env", []):
         if "value" in item:
-            env[item["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), str(item["value"]))
+            env[item["name"]] = kubelet_expand(str(item["value"]), env)
         elif "fieldRef" in item.get("valueFrom", {}):
             env[item["name"]] = downward[item["valueFrom"]["fieldRef"]["fieldPath"]]
     return env
+
+
+def kubelet_argv(container: dict, env: dict[str, str]) -> list[str]:
+    """The argv the container's process gets: ``command`` + ``args``, references expanded."""
+    return [kubelet_expand(a, env) for a in container.get("command", []) + container.get("args", [])]
 
 
 def shell_script(container: dict) -> str | None:

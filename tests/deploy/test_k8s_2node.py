@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from k8s_recipe import Pod, container_env, hsd_invocations, load_objects, pods, shell_script
+from k8s_recipe import Pod, container_env, hsd_invocations, kubelet_argv, load_objects, pods, shell_script
 from k8s_two_node import DOWNWARD, RECIPE, documented, keys_command, two_node_problems
 
 from dispatcher.cli import build_parser
@@ -143,10 +143,10 @@ def _pod(name: str) -> tuple[Pod, dict]:
 def _running(container: dict, tmp_path: Path, **env: str):
     """The container's script under bash, as the kubelet starts it; its whole process group is
     killed on the way out, whatever the test saw."""
-    argv = container.get("command", []) + container.get("args", [])
-    argv = [argv[0], "-c", shell_script(container), *argv[3:]]
-    environ = {"PATH": f"{_stubs(tmp_path)}:{os.environ['PATH']}", "HSD_STUB_DIR": str(tmp_path),
-               **container_env(container, DOWNWARD), **env}
+    pod_env = container_env(container, DOWNWARD)
+    argv = kubelet_argv(container, pod_env)
+    assert Path(argv[0]).name == "bash" and argv[1] == "-c" and shell_script(container)
+    environ = {"PATH": f"{_stubs(tmp_path)}:{os.environ['PATH']}", "HSD_STUB_DIR": str(tmp_path), **pod_env, **env}
     proc = subprocess.Popen(argv, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
@@ -193,7 +193,7 @@ def test_drafter_container_runs_a_drafter_per_gpu_and_restarts_a_crash(tmp_path,
     gpus = int(container_env(container, DOWNWARD)["HSD_GPUS"])
     assert sorted(calls) == [str(g) for g in range(gpus)]
     assert [len(calls[str(g)]) for g in range(gpus)] == [2 if g == 3 else 1 for g in range(gpus)]
-    assert "drafter-drafters-0-3 exited with code 3: restart 1 of 3" in output
+    assert "drafters-0-gpu3 exited with code 3: restart 1 of 3" in output
     names = set()
     for gpu, (argv, *_) in calls.items():
         args = build_parser().parse_args(argv)
