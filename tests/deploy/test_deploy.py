@@ -97,6 +97,15 @@ def test_k8s_references_resolve(recipe):
             assert any(matches(o["spec"]["podSelector"]["matchLabels"], pod.labels) for pod in workloads)
 
 
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="no kubectl")
+@pytest.mark.parametrize("recipe", K8S_RECIPES)
+def test_kustomize_builds_the_objects_the_tests_read(recipe):
+    proc = subprocess.run(["kubectl", "kustomize", str(DEPLOY / recipe)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    built = {(o["kind"], o["metadata"]["name"]) for o in yaml.safe_load_all(proc.stdout) if o}
+    assert built == {(o["kind"], o["metadata"]["name"]) for o in _k8s_objects(recipe) if o["kind"] != "Kustomization"}
+
+
 def test_systemd_units_use_only_variables_the_env_file_sets():
     env = (DEPLOY / "systemd" / "env.example").read_text()
     defined = set(re.findall(r"^#?\s*([A-Z_][A-Z0-9_]*)=", env, flags=re.M))
