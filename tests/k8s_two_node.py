@@ -11,6 +11,7 @@ network policy.
 from __future__ import annotations
 
 import copy
+import functools
 import re
 import shutil
 from pathlib import Path
@@ -42,11 +43,16 @@ def keys_command() -> list[str]:
     return documented(r"hsd (keys [^\n]+)").group(1).split()
 
 
-def _make_keys(out: Path) -> None:
+def make_keys(out: Path) -> None:
     """Run the documented `hsd keys` (in this process), writing into ``out`` instead."""
     argv = keys_command()
     argv[argv.index("--out") + 1] = str(out)
     assert cli_main(argv) == 0
+
+
+@functools.lru_cache(maxsize=1)
+def _parser():
+    return build_parser()
 
 
 def _invocations(pod: Pod) -> list[tuple[dict, list[str]]]:
@@ -56,7 +62,7 @@ def _invocations(pod: Pod) -> list[tuple[dict, list[str]]]:
 def _resolve(pod: Pod, container: dict, argv: list[str], objects: list[dict], tmp_path: Path, *, index: str = "0"):
     """The config `argv` runs with: its --config read from the ConfigMap the pod mounts there."""
     env = container_env(container, {**DOWNWARD, INDEX_FIELD: index})
-    args = build_parser().parse_args(expand(argv, env)[1:])
+    args = _parser().parse_args(expand(argv, env)[1:])
     held = pod.mounted_volume(container, args.config)
     if held is None or "configMap" not in held[0]:
         raise ConfigError(f"{pod.name}: {args.config} is on no ConfigMap volume")
@@ -111,12 +117,13 @@ def _curve_problems(pod: Pod, container: dict, config, role: str, keys: Path, ro
     return problems
 
 
-def two_node_problems(objects: list[dict], tmp_path: Path) -> list[str]:
-    """Everything that keeps the recipe from running targets on one node and drafters on another."""
+def two_node_problems(objects: list[dict], tmp_path: Path, *, keys: Path | None = None) -> list[str]:
+    """Everything that keeps the recipe from running targets on one node and drafters on another.
+    ``keys``: what the documented `hsd keys` wrote, made into ``tmp_path`` when not given."""
     problems: list[str] = []
-    keys = tmp_path / "keys"
-    if not keys.exists():
-        _make_keys(keys)
+    if keys is None:
+        keys = tmp_path / "keys"
+        make_keys(keys)
     heads, drafters, configs = [], [], {}
     for pod in pods(objects):
         for container, argv in _invocations(pod):

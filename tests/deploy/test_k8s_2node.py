@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from k8s_recipe import Pod, container_env, hsd_invocations, kubelet_argv, load_objects, pods, shell_script
-from k8s_two_node import DOWNWARD, RECIPE, documented, keys_command, two_node_problems
+from k8s_two_node import DOWNWARD, RECIPE, documented, keys_command, make_keys, two_node_problems
 
 from dispatcher.cli import build_parser
 
@@ -85,8 +86,11 @@ MISTAKES = {
 
 def test_the_two_node_check_sees_mistakes(tmp_path):
     objects = load_objects(RECIPE)
+    make_keys(tmp_path / "keys")
     for what, (kind, name, change, expected) in MISTAKES.items():
-        problems = two_node_problems(_breaks(objects, kind, name, change), tmp_path / what.replace(" ", "-"))
+        checked = tmp_path / re.sub(r"\W+", "-", what)
+        checked.mkdir()
+        problems = two_node_problems(_breaks(objects, kind, name, change), checked, keys=tmp_path / "keys")
         assert any(expected in p for p in problems), f"{what}: {problems}"
 
 
