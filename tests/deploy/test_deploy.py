@@ -11,6 +11,7 @@ import yaml
 
 from common.config import load_config
 from deploy_scan import DEPLOY, REPO, deploy_files, invocation_problems, is_shell, key_problems, snippets
+from k8s_recipe import hsd_invocations, load_file, load_objects, matches, pods
 
 MANIFESTS = sorted(p for p in deploy_files() if p.suffix in (".yaml", ".yml"))
 SCRIPTS = sorted(p for p in deploy_files() if is_shell(p))
@@ -43,9 +44,11 @@ def test_shell_syntax(path):
     assert proc.returncode == 0, proc.stderr
 
 
-def _k8s_objects() -> list[dict]:
-    return [doc for path in DEPLOY.glob("k8s/*.y*ml") for doc in yaml.safe_load_all(path.read_text())
-            if isinstance(doc, dict) and "kind" in doc]
+K8S_RECIPES = ["k8s", "k8s-2node"]  # one pod; one pod per node
+
+
+def _k8s_objects(recipe: str) -> list[dict]:
+    return load_objects(DEPLOY / recipe)
 
 
 @pytest.mark.parametrize("path", sorted(DEPLOY.glob("configs/*.y*ml")), ids=_name)
@@ -53,8 +56,9 @@ def test_config_files_load(path):
     load_config(path)  # unknown sections or keys, ill-typed or inconsistent values raise ConfigError
 
 
-def test_k8s_configmap_holds_a_valid_config(tmp_path):
-    maps = [o for o in _k8s_objects() if o["kind"] == "ConfigMap"]
+@pytest.mark.parametrize("recipe", K8S_RECIPES)
+def test_k8s_configmap_holds_a_valid_config(tmp_path, recipe):
+    maps = [o for o in _k8s_objects(recipe) if o["kind"] == "ConfigMap"]
     assert maps
     for cm in maps:
         for name, text in cm["data"].items():
@@ -63,23 +67,43 @@ def test_k8s_configmap_holds_a_valid_config(tmp_path):
                 load_config(tmp_path / name)
 
 
-def test_k8s_references_resolve():
-    objects = _k8s_objects()
+@pytest.mark.parametrize("recipe", K8S_RECIPES)
+def test_k8s_references_resolve(recipe):
+    objects = _k8s_objects(recipe)
     names = {(o["kind"], o["metadata"]["name"]) for o in objects if o["kind"] != "Kustomization"}
-    for o in objects:
-        if o["kind"] == "Kustomization":
-            for resource in o.get("resources", []):
-                assert (DEPLOY / "k8s" / resource).is_file(), f"kustomization lists a missing {resource}"
-        if o["kind"] != "Job":
-            continue
-        pod = o["spec"]["template"]["spec"]
-        for volume in pod.get("volumes", []):
+    text = "\n".join(p.read_text() for p in (DEPLOY / recipe).glob("*.y*ml"))
+    (kustomization,) = [o for o in objects if o["kind"] == "Kustomization"]
+    for resource in kustomization["resources"]:
+        assert (DEPLOY / recipe / resource).is_file(), f"kustomization lists a missing {resource}"
+    listed = {(o["kind"], o["metadata"]["name"]) for resource in kustomization["resources"]
+              for o in load_file(DEPLOY / recipe / resource)}
+    assert listed == names, f"objects the kustomization does not list: {names - listed}"
+    workloads = pods(objects)
+    assert workloads
+    for pod in workloads:
+        for volume in pod.volumes().values():
             if "configMap" in volume:
                 assert ("ConfigMap", volume["configMap"]["name"]) in names
             if "persistentVolumeClaim" in volume:
                 assert ("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"]) in names
-        mounted = {m["name"] for c in pod["containers"] for m in c.get("volumeMounts", [])}
-        assert mounted <= {v["name"] for v in pod.get("volumes", [])}
+            if "secret" in volume:  # made by hand, from keys no manifest may hold: documented how
+                assert f"kubectl create secret generic {volume['secret']['secretName']} " in text
+        mounted = {m["name"] for c in pod.containers for m in c.get("volumeMounts", [])}
+        assert mounted <= set(pod.volumes())
+    for o in objects:
+        if o["kind"] == "Service":
+            assert any(matches(o["spec"]["selector"], pod.labels) for pod in workloads), o["metadata"]["name"]
+        if o["kind"] == "NetworkPolicy":
+            assert any(matches(o["spec"]["podSelector"]["matchLabels"], pod.labels) for pod in workloads)
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="no kubectl")
+@pytest.mark.parametrize("recipe", K8S_RECIPES)
+def test_kustomize_builds_the_objects_the_tests_read(recipe):
+    proc = subprocess.run(["kubectl", "kustomize", str(DEPLOY / recipe)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    built = {(o["kind"], o["metadata"]["name"]) for o in yaml.safe_load_all(proc.stdout) if o}
+    assert built == {(o["kind"], o["metadata"]["name"]) for o in _k8s_objects(recipe) if o["kind"] != "Kustomization"}
 
 
 def test_systemd_units_use_only_variables_the_env_file_sets():
@@ -176,21 +200,21 @@ def test_sbatch_script_passes_a_valid_split(tmp_path, split):
     assert resolved.pool.slots == 30 and resolved.run.dir == str(tmp_path / "run")
 
 
-def test_k8s_job_reads_the_config_its_configmap_mounts():
-    objects = _k8s_objects()
+@pytest.mark.parametrize("recipe", K8S_RECIPES)
+def test_k8s_job_reads_the_config_its_configmap_mounts(recipe):
+    objects = _k8s_objects(recipe)
     maps = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ConfigMap"}
-    for job in (o for o in objects if o["kind"] == "Job"):
-        pod = job["spec"]["template"]["spec"]
-        volumes = {v["name"]: v for v in pod["volumes"]}
-        for container in pod["containers"]:
-            argv = container.get("command", [])[1:] + container.get("args", [])
-            config_path = argv[argv.index("--config") + 1]
-            mounts = [m for m in container["volumeMounts"] if config_path.startswith(m["mountPath"].rstrip("/") + "/")]
-            assert mounts, f"{config_path} is on no volume of the container"
-            volume = volumes[mounts[0]["name"]]
-            assert "configMap" in volume, f"{config_path} is not on a ConfigMap volume"
-            key = config_path[len(mounts[0]["mountPath"].rstrip("/")) + 1:]
-            assert key in maps[volume["configMap"]["name"]]["data"], f"ConfigMap has no {key}"
+    for pod in pods(objects):
+        for container in pod.containers:
+            invocations = hsd_invocations(container)
+            assert invocations, f"{pod.name} runs no hsd"
+            for argv in invocations:
+                config_path = argv[argv.index("--config") + 1]
+                held = pod.mounted_volume(container, config_path)
+                assert held, f"{config_path} is on no volume of the container"
+                volume, key = held
+                assert "configMap" in volume, f"{config_path} is not on a ConfigMap volume"
+                assert key in maps[volume["configMap"]["name"]]["data"], f"ConfigMap has no {key}"
 
 
 SRUN_STUB = """#!/bin/bash
