@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from common.protocol import parse_store_address, store_address
 from dispatcher.groups import DrafterGroup, GroupSpec, Membership
 from dispatcher.ledger import LedgerError
 
@@ -30,6 +31,12 @@ class GroupOps:
         except ValueError as exc:
             raise LedgerError(f"model.group: {exc}") from None
         return spec
+
+    def _rank_store(self, fields: Any) -> str | None:
+        """``model.group.store`` of a register request: HOST:PORT of the TCPStore the rank hosts
+        (None: the group meets on FileStores in the run directory)."""
+        value = fields.get("store") if isinstance(fields, dict) else None
+        return None if value is None else store_address(*parse_store_address(value))
 
     def _busy(self, group: DrafterGroup) -> bool:
         return any(self.ledger.held_by(w) for w in group.members)
