@@ -134,6 +134,8 @@ class DrafterSection:
     group_wait_s: float = opt(600.0, "Longest a rank of a data-parallel group waits for a membership that lets it train (enough ranks to start, or min_ranks after losses); past it the rank exits with an error instead of waiting for peers lost for good.")
     min_ranks: int = opt(1, "Fewest ranks a data-parallel group trains with once it started; below it the survivors wait (at most group_wait_s) for ranks to join.")
     max_ranks: int = opt(0, "Most ranks a data-parallel group takes (drafters attached beyond it wait for room); 0 = no bound. With count=1, max_ranks > 1 makes the one drafter a group that others can attach to.")
+    rendezvous: str = opt("auto", "Where the ranks of a data-parallel group meet for each membership version: file (a FileStore in run.dir/groups, a directory every rank must see), tcp (a TCPStore each rank hosts, the version's rank 0's is used: ranks on nodes that share no directory); auto = tcp with pool.transport=nixl, else file.")
+    rendezvous_host: str = opt("", "With drafter.rendezvous=tcp: the address this rank's store binds and advertises (gloo's interface too, unless GLOO_SOCKET_IFNAME is set); empty = this host's address on the route to dispatcher.endpoint (127.0.0.1 for ipc://).")
     elastic_batch: str = opt("tokens", "A step's size when the world size changes: tokens = accum_steps x count micro-batches a step, shared among the ranks (each takes at least one); ranks = accum_steps per rank, the step grows with the group.")
     step_balance: str = opt("cost", "How a group step's micro-batches are shared among its ranks: cost = each rank takes micro-batches until it holds its share of the step's estimated cost (the dispatcher fits a cost per job from the ranks' measured compute times), so no rank waits long for a slower one at the all-reduce; count = each rank takes the same number.")
 
@@ -232,6 +234,13 @@ class Config:
     def stats_endpoint(self) -> str:
         return self.dispatcher.stats_endpoint or f"ipc://{self.run_dir / 'stats.sock'}"
 
+    @property
+    def group_rendezvous(self) -> str:
+        """file or tcp: drafter.rendezvous, auto resolved (a run across nodes shares no directory)."""
+        if self.drafter.rendezvous != "auto":
+            return self.drafter.rendezvous
+        return "tcp" if self.pool.transport == "nixl" else "file"
+
 
 RESOLVED_CONFIG_NAME = "config.yaml"
 _CHOICES = {
@@ -247,6 +256,7 @@ _CHOICES = {
     ("dflash", "export_dtype"): ("auto", "bfloat16", "float16", "float32"),
     ("drafter", "backend"): ("dflash", "linear"),
     ("drafter", "objective"): ("dflash", "eagle3"),
+    ("drafter", "rendezvous"): ("auto", "file", "tcp"),
     ("eagle3", "dtype"): ("auto", "bfloat16", "float32"),
     ("eagle3", "export_dtype"): ("auto", "bfloat16", "float16", "float32"),
     ("target", "attn_implementation"): ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"),
@@ -375,6 +385,9 @@ def validate(config: Config) -> None:
     if drafter.max_ranks and drafter.max_ranks < drafter.count:
         raise ConfigError(f"drafter.max_ranks ({drafter.max_ranks}) must be 0 (no bound) or at least drafter.count "
                           f"({drafter.count})")
+    host = drafter.rendezvous_host
+    if host and (any(c.isspace() or c in "/[]" for c in host) or host.count(":") == 1):
+        raise ConfigError(f"drafter.rendezvous_host: expected a host name or IP address (no port), got {host!r}")
     if drafter.elastic_batch not in ("tokens", "ranks"):
         raise ConfigError(f"drafter.elastic_batch must be tokens or ranks, not {drafter.elastic_batch!r}")
     if drafter.step_balance not in ("cost", "count"):

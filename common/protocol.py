@@ -38,6 +38,8 @@ REQUESTS: dict[str, tuple[str, ...]] = {
     #   id are ranks of one elastic group (dispatcher/groups.py). A rank's registration only puts it
     #   in line: it holds no jobs until a version names it (join_group), and its step rolls the
     #   ledger back only when the whole group starts from a checkpoint.
+    #   group.store = "HOST:PORT" (drafter.rendezvous=tcp): the TCPStore server the rank hosts; the
+    #   versions whose rank 0 it is meet there (see STORE_SCHEME). Every rank of a model has one, or none.
     "register": ("role", "name", "pid", "host"),
     # {wait_ms, after, step, failed?} -> {group: {rank, world_size, membership, store, step, source,
     #   transfer} | None, model_step, membership}; long-poll for the membership version newer than ``after`` that
@@ -50,6 +52,8 @@ REQUESTS: dict[str, tuple[str, ...]] = {
     #   latest checkpoint and ask again with its step (the group opens from it, not from older state).
     #   transfer: some rank holds another step than the version's; rank ``source`` sends its state
     #   (model, optimizer, scheduler, RNG, witness) to the others over the new group before any step.
+    #   store: the version's rendezvous: a FileStore path in the run directory, or
+    #   "tcp://HOST:PORT/PREFIX", rank 0's TCPStore under a key prefix of the version's own.
     "join_group": ("worker_id", "token", "wait_ms", "after", "step"),
     # {ipc_block, num_slots} -> {}; a cuda_ipc target offers the slots it allocated on its GPU, a nixl
     # target those in its node's memory (ipc_block: {kind: nixl, node, arena, agent, metadata, base, nbytes})
@@ -177,6 +181,39 @@ def ok_reply(request_id: int, **fields: Any) -> dict[str, Any]:
 
 def error_reply(request_id: int | None, code: str, message: str) -> dict[str, Any]:
     return {"v": PROTOCOL_VERSION, "id": request_id, "ok": False, "error": {"code": code, "message": message}}
+
+
+STORE_SCHEME = "tcp://"  # a version's store on rank 0's TCPStore (drafter.rendezvous=tcp), not a FileStore path
+
+
+def parse_store_address(value: Any) -> tuple[str, int]:
+    """``(host, port)`` of a rank's rendezvous store (``model.group.store``: ``HOST:PORT``, an IPv6
+    host in brackets), or a MALFORMED error naming the field."""
+    host, _, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host or not port.isdigit() or not 0 < int(port) < 65536 or any(c.isspace() or c in "/[]" for c in host):
+        raise ProtocolError(ErrorCode.MALFORMED, f"model.group.store: expected HOST:PORT of the rank's rendezvous "
+                                                 f"store, got {value!r}")
+    return host, int(port)
+
+
+def store_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def tcp_store_name(address: str, prefix: str) -> str:
+    """The store of one membership version: the TCPStore at ``address`` under the key ``prefix``."""
+    return f"{STORE_SCHEME}{address}/{prefix}"
+
+
+def parse_tcp_store(name: str) -> tuple[str, int, str] | None:
+    """``(host, port, prefix)`` of a version's TCP store name (None: a FileStore path)."""
+    if not name.startswith(STORE_SCHEME):
+        return None
+    address, _, prefix = name[len(STORE_SCHEME):].partition("/")
+    host, port = parse_store_address(address)
+    return host, port, prefix
 
 
 def field_of(fields: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:

@@ -140,7 +140,7 @@ class DispatcherCore(GroupOps):
         rolls that model back to exactly that step (its later commits go back to pending)."""
         if contract is not None:
             self._check_contract(role, name, contract)
-        model_id, model_step, spec = None, 0, None
+        model_id, model_step, spec, store_address = None, 0, None, None
         if model is not None:
             if role != "drafter":
                 raise LedgerError("only a drafter registers a model")
@@ -148,6 +148,7 @@ class DispatcherCore(GroupOps):
             if not isinstance(model_id, str) or not model_id or not isinstance(model_step, int) or model_step < 0:
                 raise LedgerError("model must be {id: non-empty string, step: integer >= 0}")
             spec = self._group_spec(model.get("group"))
+            store_address = self._rank_store(model.get("group"))
             held = self.ledger.model_step.get(model_id, 0)
             if model_step > held and spec is None:  # a group's joiner takes a live rank's state instead
                 raise LedgerError(f"model {model_id} holds step {model_step}, ahead of the ledger's {held}: its last "
@@ -162,7 +163,7 @@ class DispatcherCore(GroupOps):
                         token=secrets.token_hex(16), model=model_id, node=node or host)
         if spec is not None:
             try:
-                self.groups.join(model_id, spec, worker_id, model_step)
+                self.groups.join(model_id, spec, worker_id, model_step, store_address=store_address)
             except ValueError as exc:
                 raise LedgerError(str(exc)) from None
         self.workers[worker_id] = worker

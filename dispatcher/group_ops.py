@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from common.protocol import parse_store_address, store_address
 from dispatcher.groups import DrafterGroup, GroupSpec, Membership
 from dispatcher.ledger import LedgerError, split_job_id
 from dispatcher.step_balance import CostModel, has_its_share, job_features
@@ -39,6 +40,12 @@ class GroupOps:
         except ValueError as exc:
             raise LedgerError(f"model.group: {exc}") from None
         return spec
+
+    def _rank_store(self, fields: Any) -> str | None:
+        """``model.group.store`` of a register request: HOST:PORT of the TCPStore the rank hosts
+        (None: the group meets on FileStores in the run directory)."""
+        value = fields.get("store") if isinstance(fields, dict) else None
+        return None if value is None else store_address(*parse_store_address(value))
 
     def _busy(self, group: DrafterGroup) -> bool:
         return any(self.ledger.held_by(w) for w in group.members)

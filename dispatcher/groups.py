@@ -2,9 +2,11 @@
 
 Drafters that register the same model as ranks of a group form one ``torch.distributed`` group.
 The dispatcher is the rendezvous: it keeps each group's **membership version** — the ranks that
-train together now — and names a ``torch.distributed.FileStore`` path under
-``run.dir/groups/<model>/`` that is fresh for every version (it never imports torch: the ranks
-open the store themselves).
+train together now — and names a store that is fresh for every version (it never imports torch:
+the ranks open the store themselves): a ``torch.distributed.FileStore`` path under
+``run.dir/groups/<model>/`` on one node, or, when the ranks advertise a TCPStore of their own
+(``drafter.rendezvous=tcp``, ranks on nodes that share no directory), rank 0's store under a key
+prefix of the version's own.
 
 Invariants this module keeps:
 
@@ -39,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.config import step_jobs
+from common.protocol import tcp_store_name
 
 GROUPS_DIR = "groups"
 
@@ -82,7 +85,7 @@ class Membership:
     rank: int
     world_size: int
     version: int
-    store: str  # FileStore path for torch.distributed's rendezvous of this version
+    store: str  # torch.distributed's rendezvous of this version: a FileStore path, or tcp://HOST:PORT/PREFIX
     step: int  # the model step of the version: what the source holds and every rank holds once it starts
     source: int  # the rank whose state the others take when ``transfer``
     transfer: bool  # some rank of the version holds another step: the source sends its state to all
@@ -145,14 +148,22 @@ class DrafterGroups:
         self.live_wait_until = started_at + live_wait_s  # live ranks of the last incarnation are back by then
         self.groups: dict[str, DrafterGroup] = {}
         self._joined: dict[str, str] = {}  # worker id -> model, for every rank (waiting or member)
+        self._store_addresses: dict[str, str] = {}  # worker id -> HOST:PORT of the TCPStore it hosts
 
     def store_path(self, model: str, version: int) -> Path:
         return self.run_dir / GROUPS_DIR / model / f"i{self.incarnation}-v{version}"
 
     # -- ranks arrive and leave ---------------------------------------------------------------------
-    def join(self, model: str, spec: GroupSpec, worker_id: str, step: int) -> None:
-        """``worker_id`` (holding ``step``) waits for a version of ``model``'s group to name it."""
+    def join(self, model: str, spec: GroupSpec, worker_id: str, step: int, *,
+             store_address: str | None = None) -> None:
+        """``worker_id`` (holding ``step``) waits for a version of ``model``'s group to name it;
+        ``store_address``: the TCPStore it hosts for the versions whose rank 0 it is (None: FileStores)."""
         spec.check()
+        peer = next((w for w, m in self._joined.items() if m == model and w != worker_id), None)
+        if peer is not None and (peer in self._store_addresses) != (store_address is not None):
+            mine, theirs = ("tcp" if tcp else "file" for tcp in (store_address, peer in self._store_addresses))
+            raise ValueError(f"model {model}: a drafter registered with drafter.rendezvous={mine}, its group meets "
+                             f"over {theirs} (every drafter of the model must agree)")
         group = self.groups.get(model)
         if group is None:
             group = self.groups[model] = DrafterGroup(model, spec)
@@ -161,11 +172,14 @@ class DrafterGroups:
                              f"{spec.describe()} (every drafter of the model must agree)")
         group.waiting[worker_id] = step
         self._joined[worker_id] = model
+        if store_address is not None:
+            self._store_addresses[worker_id] = store_address
 
     def leave(self, worker_id: str) -> DrafterGroup | None:
         """``worker_id`` is gone; returns its group when it was a member of the current version
         (which then has ended: see :meth:`end_version`)."""
         model = self._joined.pop(worker_id, None)
+        self._store_addresses.pop(worker_id, None)
         if model is None:
             return None
         group = self.groups[model]
@@ -253,16 +267,12 @@ class DrafterGroups:
         step = source_step(ranks.values(), ledger_step)  # may_open saw that one rank can be the source
         source = next(w for w, s in ranks.items() if s == step)  # a survivor when one holds the step
         order = [source] + [w for w in ranks if w != source]
-        # The old store stays: a rank may still be in a wait on it (a FileStore whose file is deleted
-        # under a wait never returns); the run's stores go when it is done (remove_stores).
         group.version += 1
-        path = self.store_path(group.model, group.version)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.unlink(missing_ok=True)  # a store file must start empty
+        store = self._new_store(group.model, group.version, source)
         transfer = any(s != step for s in ranks.values())
         group.members = {w: r for r, w in enumerate(order)}
         group.entry_steps = dict(ranks)
-        group.memberships = {w: Membership(r, len(order), group.version, str(path), step, 0, transfer)
+        group.memberships = {w: Membership(r, len(order), group.version, store, step, 0, transfer)
                              for w, r in group.members.items()}
         for worker_id in newcomers:
             del group.waiting[worker_id]
@@ -272,6 +282,18 @@ class DrafterGroups:
         group.window_avail, group.window_mixed = None, True
         group.full = set()
         return Opened(group.version, previous, step if step < ledger_step else None)
+
+    def _new_store(self, model: str, version: int, source: str) -> str:
+        """The empty store of a version whose rank 0 is ``source``."""
+        address = self._store_addresses.get(source)
+        if address is not None:  # the incarnation in the prefix: a restarted dispatcher never reuses keys
+            return tcp_store_name(address, f"{model}/i{self.incarnation}-v{version}")
+        # The old store stays: a rank may still be in a wait on it (a FileStore whose file is deleted
+        # under a wait never returns); the run's stores go when it is done (remove_stores).
+        path = self.store_path(model, version)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)  # a store file must start empty
+        return str(path)
 
     def remove_stores(self) -> None:
         """The run is done: no rank waits on any store of this incarnation any more."""

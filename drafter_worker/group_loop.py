@@ -2,7 +2,8 @@
 
 Drafters that register the same model as ranks of a group (:mod:`dispatcher.groups`) train it
 together. A rank registers, then asks ``join_group`` for the membership version that names it: its
-rank, the world size, the FileStore path of the version's rendezvous, the version's step, and
+rank, the world size, the store of the version's rendezvous (a FileStore path, or across nodes
+rank 0's TCPStore: :mod:`drafter_worker.rendezvous`), the version's step, and
 whether a state transfer comes first. The ranks open a ``torch.distributed`` group on it
 (:mod:`drafter_worker.process_group`); a rank waiting at the rendezvous asks the dispatcher every
 quarter second whether its version still stands, so it never waits out a timeout for a version
@@ -59,6 +60,7 @@ from common.transport import DrafterTransport
 from common.worker_runtime import CALL_TIMEOUT_S, RECONNECT_S, NoReply, WorkerLost
 from drafter_worker.loop import DrafterLoop
 from drafter_worker.process_group import CollectiveFailed, RankRound, RendezvousIncomplete, StepGroup
+from drafter_worker.rendezvous import RendezvousServer
 from drafter_worker.state_transfer import StateTransferFailed, receive_state, send_state
 
 log = logging.getLogger("hsd.drafter")
@@ -98,6 +100,8 @@ class GroupDrafterLoop(DrafterLoop):
                      "elastic_batch": section.elastic_batch}
         self.timeout_s = section.collective_timeout_s
         self.group_wait_s = section.group_wait_s
+        # drafter.rendezvous=tcp: the store this rank hosts for the versions whose rank 0 it is
+        self.rendezvous = RendezvousServer.for_config(config) if config.group_rendezvous == "tcp" else None
         self.group: StepGroup | None = None
         self.membership: dict[str, Any] = {}
         self.rank = -1
@@ -120,7 +124,8 @@ class GroupDrafterLoop(DrafterLoop):
 
     # -- membership -----------------------------------------------------------------------------
     def _model_fields(self) -> dict[str, Any]:
-        return {**super()._model_fields(), "group": self.spec}
+        store = {"store": self.rendezvous.address} if self.rendezvous is not None else {}
+        return {**super()._model_fields(), "group": {**self.spec, **store}}
 
     def _check_registered_step(self, reply: dict[str, Any]) -> None:
         """A rank's step matters only when its version opens (a live rank's state may replace it)."""
@@ -211,7 +216,7 @@ class GroupDrafterLoop(DrafterLoop):
         m = self.membership
         left_s = self.group_wait_s - (time.monotonic() - waiting_since)
         try:
-            return StepGroup(store_path=m["store"], rank=self.rank, world_size=m["world_size"],
+            return StepGroup(store=m["store"], server=self.rendezvous, rank=self.rank, world_size=m["world_size"],
                              version=m["membership"], timeout_s=self.timeout_s, max_jobs=self.accum,
                              device=getattr(self.backend, "device", "cpu"),
                              rendezvous_timeout_s=min(self.timeout_s, max(left_s, 1.0)),

@@ -1,17 +1,20 @@
 """One membership version's ``torch.distributed`` process group, and the few collectives a step needs.
 
-The dispatcher names a fresh ``FileStore`` path per membership version; every rank opens it and
-joins with the rank it was given, first marking its arrival in the store (so a rendezvous that
-fails can say how many ranks came). Every collective carries ``drafter.collective_timeout_s``, so a
-rank whose peer died never waits longer than that (on one node gloo usually notices a dead peer's
-closed socket at once). No pickle: job ids travel as fixed-size int64 tensors, never through
-``all_gather_object``.
+The dispatcher names a fresh store per membership version — a ``FileStore`` path on one node, or
+rank 0's ``TCPStore`` under a key prefix of the version's own across nodes
+(:mod:`drafter_worker.rendezvous`); every rank opens it and joins with the rank it was given,
+first marking its arrival in the store (so a rendezvous that fails can say how many ranks came).
+Every collective carries ``drafter.collective_timeout_s``, so a rank whose peer died never waits
+longer than that (gloo usually notices a dead peer's closed socket at once, and a client of a
+dead rank 0's TCPStore its closed connection). No pickle: job ids travel as fixed-size int64
+tensors, never through ``all_gather_object``.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import socket
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -19,11 +22,15 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from common.protocol import parse_tcp_store, store_address
+from drafter_worker.rendezvous import RendezvousServer
+
 log = logging.getLogger("hsd.drafter")
 
 NO_JOB = -1  # padding of a rank's job id row
 HEAD = 5  # fields before the job ids in a row
 WATCH_S = 0.25  # a rank at the rendezvous asks this often whether its version still stands
+ARRIVAL_POLL_S = 0.02  # and looks this often whether every rank came (a TCPStore wait that times out logs a warning)
 ARRIVED_KEY = "hsd/arrived"  # + "/<rank>": set in the store by each rank that came to the rendezvous
 
 
@@ -94,49 +101,89 @@ class RankRound:
 
 
 class StepGroup:
-    def __init__(self, *, store_path: str, rank: int, world_size: int, version: int, timeout_s: float,
+    def __init__(self, *, store: str, rank: int, world_size: int, version: int, timeout_s: float,
                  max_jobs: int, device: torch.device | str = "cpu", rendezvous_timeout_s: float | None = None,
-                 still_current: Callable[[], bool] | None = None):
-        """Join membership ``version`` on its FileStore. Every rank first marks its arrival in the
-        store and waits up to ``rendezvous_timeout_s`` (default ``timeout_s``) for all of them, so a
-        rendezvous that fails says how many came; only then is the process group opened, its
-        collectives bounded by ``timeout_s``. While it waits it asks ``still_current`` every
-        ``WATCH_S``: a version the dispatcher ended raises VersionEnded at once."""
+                 still_current: Callable[[], bool] | None = None, server: RendezvousServer | None = None):
+        """Join membership ``version`` on its ``store`` (a FileStore path, or ``tcp://HOST:PORT/PREFIX``:
+        ``server`` when it is this rank's own). Every rank first marks its arrival in the store and
+        waits up to ``rendezvous_timeout_s`` (default ``timeout_s``) for all of them, so a rendezvous
+        that fails says how many came; only then is the process group opened, its collectives
+        bounded by ``timeout_s``. While it waits it asks ``still_current`` every ``WATCH_S``: a
+        version the dispatcher ended raises VersionEnded at once."""
         self._still_current = still_current
         self.rank, self.world_size, self.version = rank, world_size, version
         self.max_jobs = max_jobs  # job ids one rank contributes to a step, at most
         self.device = torch.device(device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         started = time.monotonic()
+        wait_s = rendezvous_timeout_s if rendezvous_timeout_s is not None else timeout_s
+        deadline = started + wait_s
         try:
-            store = dist.FileStore(store_path, world_size)
-            self._await_ranks(store, rendezvous_timeout_s if rendezvous_timeout_s is not None else timeout_s)
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+            self._store = self._open_store(store, server, timeout_s=timeout_s, deadline=deadline)
+            self._await_ranks(self._store, deadline, wait_s)
+            dist.init_process_group(backend, store=self._store, rank=rank, world_size=world_size,
                                     timeout=datetime.timedelta(seconds=timeout_s))
         except (RendezvousIncomplete, VersionEnded):
             raise
-        except (RuntimeError, ValueError) as exc:  # DistStoreError and friends: the others never came
+        except (RuntimeError, ValueError) as exc:  # DistStoreError and friends: the others never came,
+            # or rank 0's TCPStore went away with its process (DistNetworkError, at once)
             raise CollectiveFailed(f"rendezvous of membership {version} failed: {exc}") from None
         log.info("rank %d/%d of membership %d joined in %.2fs (%s)", rank, world_size, version,
                  time.monotonic() - started, backend)
 
-    def _await_ranks(self, store: dist.FileStore, timeout_s: float) -> None:
+    def _open_store(self, name: str, server: RendezvousServer | None, *, timeout_s: float,
+                    deadline: float) -> dist.Store:
+        tcp = parse_tcp_store(name)
+        if tcp is None:
+            return dist.FileStore(name, self.world_size)
+        host, port, prefix = tcp
+        if server is not None and server.address == store_address(host, port):
+            base = server.store  # this rank is the version's rank 0
+        else:
+            self._reach(host, port, deadline)
+            base = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                 timeout=datetime.timedelta(seconds=timeout_s))
+        return dist.PrefixStore(prefix, base)  # the version's own keys: earlier versions' stay apart
+
+    def _reach(self, host: str, port: int, deadline: float) -> None:
+        """Wait until rank 0's store accepts connections. One that refuses has not gone for good
+        as far as the dispatcher knows: a rank 0 dead on another node stays in its version until its
+        heartbeats stop, which ends the version (VersionEnded), as for a rank that never comes.
+        (A TCPStore client would retry on its own, logging an error per try.)"""
+        while True:
+            try:
+                with socket.create_connection((host, port), timeout=WATCH_S):
+                    return
+            except OSError as exc:
+                reason = exc
+            self._watch(deadline, lambda: RendezvousIncomplete(
+                f"rendezvous of membership {self.version}: rank 0's store at {store_address(host, port)} did not "
+                f"answer ({reason})", arrived=1))
+            time.sleep(WATCH_S)
+
+    def _await_ranks(self, store: dist.Store, deadline: float, timeout_s: float) -> None:
         keys = [f"{ARRIVED_KEY}/{r}" for r in range(self.world_size)]
         store.set(keys[self.rank], "1")
-        deadline = time.monotonic() + timeout_s
-        while True:
-            slice_s = min(WATCH_S, max(0.01, deadline - time.monotonic()))
-            try:
-                store.wait(keys, datetime.timedelta(seconds=slice_s))
-                return
-            except RuntimeError as exc:  # DistStoreError: "Wait timeout"
-                if time.monotonic() >= deadline:
-                    arrived = sum(store.check([key]) for key in keys)
-                    raise RendezvousIncomplete(f"rendezvous of membership {self.version}: {arrived} of "
-                                               f"{self.world_size} ranks came within {timeout_s:g}s ({exc})",
-                                               arrived=arrived) from None
-            if self._still_current is not None and not self._still_current():
-                raise VersionEnded(f"membership {self.version} ended while rank {self.rank} waited at its rendezvous")
+
+        def incomplete() -> RendezvousIncomplete:
+            arrived = sum(store.check([key]) for key in keys)
+            return RendezvousIncomplete(f"rendezvous of membership {self.version}: {arrived} of {self.world_size} "
+                                        f"ranks came within {timeout_s:g}s", arrived=arrived)
+
+        watched = time.monotonic()
+        while not store.check(keys):  # polled, not waited on: a TCPStore wait that times out logs a warning
+            if time.monotonic() >= deadline or time.monotonic() - watched >= WATCH_S:
+                self._watch(deadline, incomplete)
+                watched = time.monotonic()
+            time.sleep(ARRIVAL_POLL_S)
+
+    def _watch(self, deadline: float, incomplete: Callable[[], RendezvousIncomplete]) -> None:
+        """While a rank waits at the rendezvous: past ``deadline`` it gives up, and a version the
+        dispatcher ended ends its wait at once."""
+        if time.monotonic() >= deadline:
+            raise incomplete()
+        if self._still_current is not None and not self._still_current():
+            raise VersionEnded(f"membership {self.version} ended while rank {self.rank} waited at its rendezvous")
 
     def _run(self, what: str, fn, *args) -> None:
         try:
@@ -176,6 +223,7 @@ class StepGroup:
         self._run("state broadcast", dist.broadcast, tensor, source)
 
     def close(self) -> None:
+        self._store = None  # a client of rank 0's TCPStore disconnects once the group lets go of it too
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()

@@ -99,7 +99,7 @@ def rank_main(kind: str, rank: int, store: str, out: str, target_dir: str | None
     torch.set_num_threads(1)
     from drafter_worker.process_group import RankRound, StepGroup
     from host_reads import HostReads
-    group = StepGroup(store_path=store, rank=rank, world_size=WORLD, version=1, timeout_s=120, max_jobs=PER_RANK)
+    group = StepGroup(store=store, rank=rank, world_size=WORLD, version=1, timeout_s=120, max_jobs=PER_RANK)
     try:
         drafter = make_backend(kind, target_dir, os.path.join(out, f"run{rank}"))
         for step in range(NUM_STEPS):

@@ -143,6 +143,9 @@ def test_parse_override_rejects(text):
     (["eagle3.draft_vocab=0"], "eagle3.draft_vocab"),
     (["eagle3.loss_decay=0"], "eagle3.loss_decay"),
     (["eagle3.dtype=float16"], "eagle3.dtype"),
+    (["drafter.rendezvous=nfs"], "drafter.rendezvous"),
+    (["drafter.rendezvous_host=10.0.0.1:29500"], "drafter.rendezvous_host"),   # the port is the kernel's choice
+    (["drafter.rendezvous_host=tcp://10.0.0.1"], "drafter.rendezvous_host"),
 ])
 def test_bad_values_raise_config_error_naming_the_key(overrides, key):
     with pytest.raises(ConfigError) as info:
@@ -304,3 +307,11 @@ def test_eagle3_capture_layers_are_three_and_a_short_target_needs_them_listed(tm
     with pytest.raises(ConfigError, match="target.capture_layers: an EAGLE-3 drafter fuses exactly 3"):
         load_config(None, [*base, "target.capture_layers=[0, 1]"])
     assert load_config(None, [*base, "target.capture_layers=[0, 1, 2]"]).drafter.objective == "eagle3"
+
+
+@pytest.mark.parametrize("overrides, meets", [
+    ([], "file"), (["pool.transport=nixl"], "tcp"), (["pool.transport=nixl", "drafter.rendezvous=file"], "file"),
+    (["drafter.rendezvous=tcp"], "tcp"), (["drafter.rendezvous=tcp", "drafter.rendezvous_host=fe80::1"], "tcp"),
+])
+def test_a_group_meets_over_tcp_by_default_only_across_nodes(overrides, meets):
+    assert load_config(None, overrides).group_rendezvous == meets

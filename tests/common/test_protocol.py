@@ -4,7 +4,8 @@ import msgpack
 import pytest
 
 from common.protocol import (PROTOCOL_VERSION, REQUESTS, ErrorCode, ProtocolError, Request, error_reply, field_of,
-                             ok_reply, pack, parse_request, request, unpack)
+                             ok_reply, pack, parse_request, parse_store_address, parse_tcp_store, request,
+                             store_address, tcp_store_name, unpack)
 
 # a minimal valid value for every required request field
 FIELD_VALUES = {"role": "target", "name": "w", "pid": 123, "host": "h", "worker_id": "t0", "wait_ms": 10,
@@ -134,3 +135,24 @@ def test_field_of_rejects(fields, kind):
         field_of(fields, "f", kind)
     assert info.value.code == ErrorCode.MALFORMED
     assert "'f'" in info.value.message
+
+
+# -- a group's rendezvous store -------------------------------------------------------------------
+
+@pytest.mark.parametrize("host, port", [("10.0.0.7", 29500), ("node-b.cluster", 1), ("::1", 65535)])
+def test_a_tcp_store_name_round_trips(host, port):
+    address = store_address(host, port)
+    assert parse_store_address(address) == (host, port)
+    assert parse_tcp_store(tcp_store_name(address, "m/i2-v7")) == (host, port, "m/i2-v7")
+
+
+def test_a_file_store_path_is_no_tcp_store():
+    assert parse_tcp_store("/runs/x/groups/m/i0-v1") is None
+
+
+@pytest.mark.parametrize("value", ["10.0.0.7", "10.0.0.7:0", "10.0.0.7:65536", ":29500", "h:port", "a b:1", 29500,
+                                   None, "tcp://h:1"])
+def test_a_bad_store_address_is_malformed_naming_the_field(value):
+    with pytest.raises(ProtocolError) as info:
+        parse_store_address(value)
+    assert info.value.code == ErrorCode.MALFORMED and "model.group.store" in info.value.message

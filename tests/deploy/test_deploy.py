@@ -255,4 +255,6 @@ def test_two_node_sbatch_puts_targets_and_drafters_on_their_nodes(tmp_path):
     assert drafter[drafter.index("--node") + 1] and drafter[drafter.index("--config") + 1] == str(run / "config.yaml")
     resolved = _resolved(drafter)
     assert resolved.curve.client_secret_key == str(run / "keys" / "drafters.key_secret")
-    assert resolved.drafter.gpus == [0]
+    # every drafter of component 1 (one node here, 2 GPUs) is a rank of one group (meeting over TCP:
+    # the config launch resolves says pool.transport=nixl)
+    assert resolved.drafter.grouped and resolved.drafter.count == 2 and resolved.drafter.gpus == [0, 1]

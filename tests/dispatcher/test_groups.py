@@ -8,13 +8,14 @@ import pytest
 from core_harness import make_core, register
 from dispatcher.groups import GroupChanged
 from dispatcher.journal import read_journal
+from common.protocol import ProtocolError
 from dispatcher.ledger import JobState, LedgerError
 
 
-def _rank(core, name, *, step=0, size=2, min_ranks=1, max_ranks=0, now=0.0):
+def _rank(core, name, *, step=0, size=2, min_ranks=1, max_ranks=0, now=0.0, **store):
     return core.register(role="drafter", name=name, pid=2000 + len(core.workers), host="h", gpu=None, now=now,
                          model={"id": "m", "step": step,
-                                "group": {"size": size, "min_ranks": min_ranks, "max_ranks": max_ranks}})
+                                "group": {"size": size, "min_ranks": min_ranks, "max_ranks": max_ranks, **store}})
 
 
 def _join(core, worker, *, after=0, step=0, failed=False, now=1.0):
@@ -62,6 +63,22 @@ def test_a_new_group_waits_for_count_ranks_then_opens_one_version(tmp_path):
     assert not ma.transfer and ma.step == 0
     with pytest.raises(LedgerError, match="every drafter of the model must agree"):
         _rank(core, "c", size=3)
+
+
+def test_ranks_that_host_stores_meet_on_rank_0s_under_a_prefix_of_each_version_and_no_file(tmp_path):
+    core = make_core(tmp_path)
+    a, b = _rank(core, "a", store="10.0.0.1:4001"), _rank(core, "b", store="[fe80::2]:4002")
+    ma, mb = _join(core, a), _join(core, b)
+    incarnation = core.incarnation
+    assert ma.store == mb.store == f"tcp://10.0.0.1:4001/m/i{incarnation}-v1" and ma.rank == 0
+    core.deregister(a.id, 2.0, reason="dead")  # rank 0 gone: the next version meets on the survivor's store
+    mb = _join(core, b, after=1)
+    assert (mb.store, mb.rank) == (f"tcp://[fe80::2]:4002/m/i{incarnation}-v2", 0)
+    assert not (tmp_path / "groups").exists()
+    with pytest.raises(LedgerError, match="drafter.rendezvous=file, its group meets over tcp"):
+        _rank(core, "c")  # every rank of a model meets the same way
+    with pytest.raises(ProtocolError, match="model.group.store"):
+        _rank(core, "d", store="10.0.0.4")
 
 
 def test_joiners_wait_for_the_step_boundary_and_all_join_at_once(tmp_path):

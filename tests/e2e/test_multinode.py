@@ -4,6 +4,8 @@ NIXL over loopback TCP, the control plane over loopback TCP with CURVE (a key pa
 Node a runs ``hsd launch`` (the dispatcher and its node's workers); node b's workers are started
 on their own with ``--node b`` and node b's key, as on a second host. The sim drafters verify every
 slot's bytes, and the witness (the jobs the models' checkpoints say they trained) judges exactly-once.
+A data-parallel group with a rank on each node meets on its rank 0's TCPStore, node b's rank
+running with a run directory of its own.
 """
 
 from __future__ import annotations
@@ -12,10 +14,13 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 from hsd_testing import (assert_exactly_once, curve_args, free_port, hsd, kill_tree, report, running_hsd, sim_args,
-                         start_hsd, wait_for_stats)
+                         start_hsd, wait_for, wait_for_stats)
 
 from common.transport_info import engine_missing
+from dispatcher.journal import read_journal
+from drafter_worker.group_loop import KILL_AT_ENV
 
 needs_engine = pytest.mark.skipif(engine_missing() is not None, reason="NIXL is not installed (make install adds it)")
 
@@ -102,3 +107,59 @@ def test_drafters_on_both_nodes_read_mostly_locally(run_dir, tmp_path, keys, loo
     # the consumed stream is held to the one-node launch test's bound, the step mix is left to
     # tests/dispatcher/test_pool_nodes.py, where it is not timing's.
     assert r["prefix_deviation"]["consumed"] <= 3, r["prefix_deviation"]
+
+
+# Two real ranks of one model (the linear test drafter), one per node.
+_GROUP = ("drafter.sim=false", "drafter.backend=linear", "drafter.data_parallel=true", "drafter.count=2",
+          "drafter.accum_steps=2", "drafter.checkpoint_every=4", "drafter.collective_timeout_s=30")
+
+
+@needs_engine
+def test_a_group_with_a_rank_on_each_node_meets_without_a_shared_run_dir(run_dir, tmp_path, keys, loopback_tcp,
+                                                                          monkeypatch):
+    """drafter-a (rank 0, on node a) and drafter-b (node b, whose run.dir is another directory) train
+    one model; drafter-b kills itself inside step 3 and comes back as its node's supervisor would
+    restart it: drafter-a commits alone meanwhile, and drafter-b rejoins by taking its state."""
+    monkeypatch.setenv(KILL_AT_ENV, "drafter-b@micro_batch:3")
+    node_b_config = tmp_path / "node-b.yaml"
+    ranks = {}
+
+    def start_rank(name: str, config, *more: str, log_name: str | None = None):
+        ranks[name] = start_hsd("drafter", "--config", str(config), "--name", name, *more, *_GROUP,
+                                log_path=tmp_path / f"{log_name or name}.log")
+
+    # a target slow enough that the run outlasts drafter-b's restart (5 s here) by some 12 steps (15 s)
+    node_a = _node_a(run_dir, keys, "target.count=1", "drafter.count=0", "data.synthetic_samples=200",
+                     "target.sim_cost_per_token=4e-5", "target.hidden_size=16", "target.num_capture_layers=2")
+    with running_hsd("launch", *node_a, log_path=tmp_path / "launch.log") as launch:
+        try:
+            wait_for_stats(run_dir, lambda s: s["transport"]["kind"] == "nixl", 120, what="the dispatcher up")
+            config = yaml.safe_load((run_dir / "config.yaml").read_text())
+            config["run"]["dir"] = str(tmp_path / "node-b-run")  # node b shares no directory with node a
+            (tmp_path / "node-b-run").mkdir()
+            node_b_config.write_text(yaml.safe_dump(config))
+            start_rank("drafter-a", run_dir / "config.yaml")
+            wait_for_stats(run_dir, lambda s: s["groups"].get("drafter", {}).get("waiting"), 120,
+                           what="drafter-a waiting as the group's first rank")
+            b_args = (node_b_config, "--node", "b", f"curve.client_secret_key={keys / 'node-b.key_secret'}")
+            start_rank("drafter-b", *b_args)
+            assert ranks["drafter-b"].wait(timeout=240) == -9, (tmp_path / "drafter-b.log").read_text()[-3000:]
+            start_rank("drafter-b", *b_args, log_name="drafter-b-restarted")  # the kill's marker in its run.dir stays
+            assert launch.wait(timeout=240) == 0, (tmp_path / "launch.log").read_text()[-3000:]
+            for name, rank in ranks.items():
+                assert rank.wait(timeout=60) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+        finally:
+            for rank in ranks.values():
+                kill_tree(rank)
+    assert_exactly_once(report(run_dir))
+    events = list(read_journal(run_dir))
+    assert not [e for e in events if e["ev"] == "rollback" and e["jobs"]]
+    committed_in = {e.get("membership") for e in events if e["ev"] == "commit"}
+    memberships = [(m["version"], len(m["ranks"]), m["transfer"]) for m in events if m["ev"] == "membership"]
+    pair = next(v for v, n, _ in memberships if n == 2 and v in committed_in)  # the group trained across nodes
+    alone = next(v for v, n, _ in memberships if n == 1 and v > pair and v in committed_in)  # the survivor, at once
+    # drafter-b back: it took drafter-a's state over the new group, and the pair trained on
+    assert any(n == 2 and transfer and v > alone and v in committed_in for v, n, transfer in memberships), memberships
+    assert "SIGKILL at micro_batch of step 3" in (tmp_path / "drafter-b.log").read_text()
+    # every version met on drafter-a's TCPStore: no store file in either run directory
+    assert not (run_dir / "groups").exists() and not (tmp_path / "node-b-run" / "groups").exists()
