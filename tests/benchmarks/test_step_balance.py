@@ -5,13 +5,19 @@ what is checked is that both runs complete exactly once and the cost-balanced on
 unevenly when the micro-batches' costs differ."""
 
 import json
+import shutil
+import tempfile
 
 from hsd_testing import assert_session_ended, run_hsd_in_session
 
 
-def test_balance_bench_runs_both_policies_on_one_setup(tmp_path):
-    run = run_hsd_in_session("bench", "balance", "--setup", "modeled", "--epochs", "1", "--json",
-                             "--dir", str(tmp_path / "balance"), timeout=300)
+def test_balance_bench_runs_both_policies_on_one_setup():
+    work = tempfile.mkdtemp(prefix="hsdb-")  # short: each run's ipc sockets live in its run directory
+    try:
+        run = run_hsd_in_session("bench", "balance", "--setup", "modeled", "--epochs", "1", "--json",
+                                 "--dir", work, timeout=300)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     assert_session_ended(run.sid)
     assert run.returncode == 0, run.stderr[-3000:]
     figures = json.loads(run.stdout)
