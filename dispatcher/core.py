@@ -401,9 +401,12 @@ class DispatcherCore(GroupOps):
             self._end_wait(worker, now)
             return DONE, False
         group = self.groups.group_of(worker_id)
-        if group is not None and group.spec.balance == "cost" and self.has_its_share(group, worker_id):
-            self._end_wait(worker, now)
-            return STEP_FULL, False
+        if group is not None and group.spec.balance == "cost":
+            if worker_id in group.full:
+                return None, False  # its next poll, sent as it went to the all-reduce: served once the step commits
+            if self.has_its_share(group, worker_id):
+                self._end_wait(worker, now)
+                return STEP_FULL, False
         serving = self._serving_epoch()
         if serving is None or not self.pool.may_serve(draining=serving[1]):
             self._wait(worker, "starved", now)

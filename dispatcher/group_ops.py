@@ -134,9 +134,7 @@ class GroupOps:
 
     def has_its_share(self, group: DrafterGroup, worker_id: str) -> bool:
         """Whether member ``worker_id`` of a cost-balanced group holds its share of the step in
-        flight (it is then told so until the step commits)."""
-        if worker_id in group.full:
-            return True
+        flight (it is then told so once; its next poll waits for the step to commit)."""
         held = {member: self.ledger.held_by(member) for member in group.members}
         remaining = group.step_jobs - sum(len(jobs) for jobs in held.values())
         costs = self._step_costs(group.model)

@@ -267,7 +267,7 @@ class GroupDrafterLoop(DrafterLoop):
             # reply about a step that has committed since is stale)
             full = reply.get("step_full") == self.backend.step + 1
             if not leaving:
-                if not done and not full:
+                if not done:  # told step_full too: the dispatcher holds this poll until the step commits
                     poll = self._poll("get_hs")
                 self._report_durable()  # rank 0's checkpoint, once its writer has it on disk
                 reports = self._collect(reports)

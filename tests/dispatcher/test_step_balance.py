@@ -92,8 +92,8 @@ def test_a_cost_balanced_rank_holding_its_share_is_told_so_and_the_other_fills_t
     assert a.id in full and len(held[a.id]) < len(held[b.id]), held
     biggest = max(core._step_costs("m").estimate(core._job_features(j)) for jobs in held.values() for j in jobs)
     assert abs(costs[a.id] - costs[b.id]) <= biggest
-    # every rank asking now is told the step is full, until it commits
-    assert core.get_hs(a.id, 2.0, membership=version)[0] == STEP_FULL
+    # a rank told so polls on as it goes to the all-reduce: that poll waits for the step to commit
+    assert full == {a.id, b.id} and core.get_hs(a.id, 2.0, membership=version) == (None, False)
     jobs = held[a.id] + held[b.id]
     core.commit_step(a.id, jobs, 0.5, 3.0, model="m", step=1, membership=version,
                      rank_jobs=[len(held[a.id]), len(held[b.id])], rank_busy_s=[0.3, 0.31])
