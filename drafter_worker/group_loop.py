@@ -53,6 +53,7 @@ import time
 from typing import Any
 
 import psutil
+import torch
 
 from common.config import Config
 from common.protocol import ErrorCode, ProtocolError
@@ -70,9 +71,10 @@ GROUP_NEVER_FORMED_EXIT = 4  # exit code of a rank that found no version to trai
 DONE, NEXT_VERSION, LEAVE = "done", "next", "leave"  # how a version ends for a rank
 JOIN_POLL_MS = 1000
 # Test-only faults: "<name>@<point>:<step>,..." SIGKILLs the drafter named ``name`` at ``point``
-# (micro_batch: before its second micro-batch; allreduce: as it enters the gradient sum, its peers
-# already in it) of its first step numbered ``step`` or later that it trains with peers, once per run
-# directory (a marker file keeps its restart from doing it again).
+# (micro_batch: before its second micro-batch; backward: inside the backward of its second
+# micro-batch; allreduce: as it enters the gradient sum, its peers already in it) of its first step
+# numbered ``step`` or later that it trains with peers, once per run directory (a marker file keeps
+# its restart from doing it again).
 KILL_AT_ENV = "HSD_TEST_DRAFTER_KILL_AT"
 LOG_CHECKSUMS_ENV = "HSD_TEST_LOG_WEIGHT_CHECKSUMS"  # log the weights' CRC32 after every applied step
 
@@ -290,6 +292,14 @@ class GroupDrafterLoop(DrafterLoop):
     def _train_on(self, job: dict[str, Any], transport: DrafterTransport, reports: list[int]) -> None:
         if len(self.window) == 1:
             self._test_fault("micro_batch")
+            if self._kill_at:  # inside autograd's backward of this micro-batch, whatever the backend
+                def unpacked(tensor: torch.Tensor) -> torch.Tensor:  # autograd unpacks saved tensors in backward
+                    self._test_fault("backward")
+                    return tensor
+
+                with torch.autograd.graph.saved_tensors_hooks(lambda tensor: tensor, unpacked):
+                    super()._train_on(job, transport, reports)
+                return
         super()._train_on(job, transport, reports)
 
     @property

@@ -27,12 +27,12 @@ def _args(run_dir, *overrides: str) -> list[str]:
 
 
 def test_a_rank_sigkilled_inside_a_step_the_survivor_goes_on_from_its_own_weights(run_dir, tmp_path, monkeypatch):
-    """drafter-1 kills itself inside step 4 (before its second micro-batch); drafter-0 commits nothing
+    """drafter-1 kills itself inside step 4 (in the backward of its second micro-batch); drafter-0 commits nothing
     for it and goes on alone at once (no checkpoint reloaded, no rollback). drafter-1, restarted,
     takes drafter-0's state; then drafter-0 (rank 0, the rank that commits) kills itself inside the
     next step they train together, as it enters the gradient all-reduce: drafter-1 goes on alone
     from the state it received, and drafter-0 comes back the same way."""
-    monkeypatch.setenv(KILL_AT_ENV, "drafter-1@micro_batch:4,drafter-0@allreduce:9")
+    monkeypatch.setenv(KILL_AT_ENV, "drafter-1@backward:4,drafter-0@allreduce:9")
     launch = start_hsd("launch", *_args(run_dir, "target.sim_cost_per_token=2e-5", "run.epochs=8"),
                        log_path=tmp_path / "launch.log")
     try:
@@ -55,7 +55,7 @@ def test_a_rank_sigkilled_inside_a_step_the_survivor_goes_on_from_its_own_weight
     assert len(memberships[0]["ranks"]) == 2 and len(alone) >= 2, memberships
     assert any(len(m["ranks"]) == 2 and m["transfer"] and alone[0] < m["version"] < alone[1] for m in memberships)
     logs = "".join(p.read_text() for p in (run_dir / "logs").glob("drafter-*.log"))
-    assert "SIGKILL at micro_batch of step 4" in logs and "SIGKILL at allreduce of step" in logs
+    assert "SIGKILL at backward of step 4" in logs and "SIGKILL at allreduce of step" in logs
 
 
 def test_a_rank_whose_peer_never_comes_gives_up_after_group_wait_s(run_dir, tmp_path):
