@@ -4,27 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 from pathlib import Path
 
-from common.config import ConfigError, describe, load_config
-
-
-def _add_config_args(parser: argparse.ArgumentParser, *, required: bool = False) -> None:
-    parser.add_argument("--config", required=required, help="YAML config file (sections run, data, schedule, ...)")
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
-
-
-def _setup_logging(tag: str | None = None) -> None:
-    prefix = f"[{tag}] " if tag else ""
-    logging.basicConfig(level=os.environ.get("HSD_LOG_LEVEL", "INFO"),
-                        format=f"%(asctime)s {prefix}%(name)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
-
-
-def _config(args):
-    return load_config(args.config, args.overrides)
+from common.config import ConfigError, describe
+from dispatcher.cli_bench import add_bench_parser
+from dispatcher.cli_common import add_config_args, config_of, require_model, setup_logging
 
 
 def cmd_keys(args) -> int:
@@ -43,17 +29,17 @@ def cmd_keys(args) -> int:
 
 
 def cmd_dispatcher(args) -> int:
-    _setup_logging()
+    setup_logging()
     from dispatcher.allocator import pin_mmap_threshold
     from dispatcher.server import DispatcherServer
     pin_mmap_threshold()
-    return DispatcherServer(_config(args)).serve_forever()
+    return DispatcherServer(config_of(args)).serve_forever()
 
 
 def cmd_worker(args) -> int:
     """``hsd target`` / ``hsd drafter``: one worker process."""
-    _setup_logging()
-    config = _config(args)
+    setup_logging()
+    config = config_of(args)
     if args.node:
         config.nodes.name = args.node
     role = args.command
@@ -120,14 +106,14 @@ def _hf_target(config):
 
 
 def cmd_launch(args) -> int:
-    _setup_logging("launch")
+    setup_logging("launch")
     from dispatcher.launch import Launcher
-    return Launcher(_config(args)).run()
+    return Launcher(config_of(args)).run()
 
 
 def cmd_schedule(args) -> int:
     from dispatcher.schedule_view import print_schedule
-    return print_schedule(_config(args), lengths_file=args.lengths, data_dir=args.data, epoch=args.epoch,
+    return print_schedule(config_of(args), lengths_file=args.lengths, data_dir=args.data, epoch=args.epoch,
                           as_json=args.json)
 
 
@@ -168,70 +154,15 @@ def cmd_cleanup(args) -> int:
 def cmd_config(args) -> int:
     if args.config or args.overrides:
         import yaml
-        print(yaml.safe_dump(_config(args).to_dict(), sort_keys=False), end="")
+        print(yaml.safe_dump(config_of(args).to_dict(), sort_keys=False), end="")
     else:
         print(describe())
     return 0
 
 
-def cmd_bench(args) -> int:
-    if args.remote:
-        from benchmarks.remote_transport import run_remote_bench
-        return run_remote_bench(slot_mb=args.slot_mb if args.slot_mb is not None else 16.0, seconds=args.seconds,
-                                as_json=args.json)
-    from benchmarks.transport import run_transport_bench
-    if args.slot_mb is None:
-        args.slot_mb = 64.0
-    return run_transport_bench(slot_mb=args.slot_mb, as_json=args.json, seconds=args.seconds)
-
-
-def cmd_bench_dispatcher(args) -> int:
-    from benchmarks.dispatcher_load import DispatcherLoadOptions, run_dispatcher_load
-    options = DispatcherLoadOptions(jobs=args.jobs, epochs=args.epochs, targets=args.targets, drafters=args.drafters,
-                                    slots=args.slots, dir=args.dir)
-    return run_dispatcher_load(options, as_json=args.json)
-
-
-def cmd_bench_pipeline(args) -> int:
-    from benchmarks.pipeline import run_pipeline_bench
-    try:
-        return run_pipeline_bench(topology=args.topology, samples=args.samples, epochs=args.epochs, seed=args.seed,
-                                  as_json=args.json, plot=args.plot, overrides=args.overrides,
-                                  runs_dir=args.runs_dir)
-    except RuntimeError as exc:  # a policy's run failed: its log tail says why
-        print(f"hsd bench pipeline: error: {exc}", file=sys.stderr)
-        return 1
-
-
-def cmd_bench_chaos(args) -> int:
-    from benchmarks.chaos import run_chaos_bench
-    return run_chaos_bench(minutes=args.minutes, seed=args.seed, real=args.real, as_json=args.json,
-                           work_dir=args.dir, inputs_dir=args.inputs, keep=args.keep)
-
-
-def cmd_bench_balance(args) -> int:
-    from benchmarks.step_balance import SETUPS, run_balance_bench
-    return run_balance_bench(setups=tuple(args.setup or SETUPS), ranks=args.ranks, epochs=args.epochs, accum_steps=args.accum_steps, seed=args.seed,
-                             inputs_dir=args.inputs,
-                             work_dir=args.dir, as_json=args.json)
-
-
-def _require_model(config, command: str) -> None:
-    if not config.target.model:
-        raise ConfigError(f"hsd {command} needs target.model (a local Hugging Face model directory)")
-
-
-def cmd_bench_target(args) -> int:
-    config = _config(args)
-    _require_model(config, "bench target")
-    from target_worker.bench import run_target_bench
-    return run_target_bench(config, as_json=args.json, warmup=args.warmup, reps=args.reps, num_samples=args.samples,
-                            median=args.median, sigma=args.sigma, seed=args.seed)
-
-
 def cmd_capture(args) -> int:
-    config = _config(args)
-    _require_model(config, "capture")
+    config = config_of(args)
+    require_model(config, "capture")
     from target_worker import offline
     summary = offline.capture_to_file(config, offline.open_dataset(args.data), num_samples=args.samples,
                                       out=args.out, progress=not args.quiet)
@@ -241,32 +172,9 @@ def cmd_capture(args) -> int:
     return 0
 
 
-def cmd_bench_gradsync(args) -> int:
-    from benchmarks.gradient_sync import run_gradient_sync_bench
-    if args.layers < 1 or args.reps < 1 or min(args.hidden) < 1:
-        raise ConfigError("--hidden, --layers and --reps must be positive")
-    return run_gradient_sync_bench(hidden=args.hidden, layers=args.layers, reps=args.reps, as_json=args.json)
-
-
-def cmd_bench_gpu(args) -> int:
-    from benchmarks.gpu import run_gpu_bench
-    only = [name for part in args.only for name in part.split(",") if name] if args.only else None
-    return run_gpu_bench(as_json=args.json, budget_s=args.budget_s, only=only)
-
-
-def cmd_bench_dflash(args) -> int:
-    from drafter_worker.dflash.bench import run_dflash_bench
-    return run_dflash_bench(hidden=args.hidden, intermediate=args.intermediate, heads=args.heads,
-                            kv_heads=args.kv_heads, head_dim=args.head_dim, vocab=args.vocab,
-                            num_target_layers=args.target_layers, num_capture=args.capture_layers,
-                            num_draft_layers=args.draft_layers, block_size=args.block_size, seq_lens=args.seq_lens,
-                            anchors=args.anchors, batch_tokens=args.batch_tokens, reps=args.reps,
-                            device=args.device, as_json=args.json)
-
-
 def cmd_eval(args) -> int:
     from drafter_worker.dflash.eval_cli import run_eval
-    return run_eval(_config(args), drafter=args.drafter, num_prompts=args.prompts, prompts_file=args.prompts_file,
+    return run_eval(config_of(args), drafter=args.drafter, num_prompts=args.prompts, prompts_file=args.prompts_file,
                     max_new_tokens=args.max_new_tokens, device=args.device, as_json=args.json)
 
 
@@ -279,7 +187,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_prepare(args) -> int:
-    _setup_logging()
+    setup_logging()
     from target_worker.prepare import prepare_dataset
     manifest = prepare_dataset(args.input, args.tokenizer, args.out, max_length=args.max_length)
     rows = manifest["rows"]
@@ -290,7 +198,7 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_make_tiny(args) -> int:
-    _setup_logging()
+    setup_logging()
     from target_worker.tiny import TinySpec, make_tiny
     spec = TinySpec() if args.steps is None else TinySpec(steps=args.steps)
     report = make_tiny(args.out, seed=args.seed, spec=spec)
@@ -301,16 +209,16 @@ def cmd_make_tiny(args) -> int:
 
 
 def cmd_regenerate(args) -> int:
-    _setup_logging()
+    setup_logging()
     from target_worker.regenerate import regenerate_file
-    counts = regenerate_file(_config(args), args.input, args.out, max_new_tokens=args.max_new_tokens,
+    counts = regenerate_file(config_of(args), args.input, args.out, max_new_tokens=args.max_new_tokens,
                              batch_size=args.batch_size, sample=args.sample, temperature=args.temperature)
     print(f"{args.out}: {counts['written']} rows regenerated, {counts['skipped']} skipped")
     return 0
 
 
 def cmd_demo(args) -> int:
-    _setup_logging("demo")
+    setup_logging("demo")
     from drafter_worker.demo import run_demo
     return run_demo(out=args.out, config_path=args.config, overrides=args.overrides, samples=args.samples,
                     eval_prompts=args.eval_prompts, max_new_tokens=args.max_new_tokens, tiny_steps=args.tiny_steps,
@@ -322,11 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("launch", help="start the dispatcher and all configured workers on this node")
-    _add_config_args(p)
+    add_config_args(p)
     p.set_defaults(func=cmd_launch)
 
     p = sub.add_parser("demo", help="tiny target -> its own answers -> online drafter training -> tau before/after")
-    _add_config_args(p)
+    add_config_args(p)
     p.add_argument("--out", default="runs/demo", help="demo directory: target, data, run (default runs/demo)")
     p.add_argument("--samples", type=int, default=200, help="training prompts whose answers the target regenerates")
     p.add_argument("--eval-prompts", type=int, default=12, help="held-out prompts of the tau evaluation")
@@ -337,19 +245,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("dispatcher", help="run the dispatcher daemon")
-    _add_config_args(p)
+    add_config_args(p)
     p.set_defaults(func=cmd_dispatcher)
 
     for role in ("target", "drafter"):
         p = sub.add_parser(role, help=f"run one {role} worker (one per GPU)")
-        _add_config_args(p)
+        add_config_args(p)
         p.add_argument("--sim", action="store_true", help=f"simulated {role} (same as {role}.sim=true)")
         p.add_argument("--name", help="worker name shown in stats and logs")
         p.add_argument("--node", help="the node it runs on (same as nodes.name=...; default the hostname)")
         p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("schedule", help="print the epoch schedule and its fairness figures")
-    _add_config_args(p)
+    add_config_args(p)
     source = p.add_mutually_exclusive_group()
     source.add_argument("--lengths", help="text file with one sequence length per line")
     source.add_argument("--data", help="prepared dataset directory")
@@ -371,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("plan", help="split N GPUs between targets and drafters from measured or modeled rates")
-    _add_config_args(p)
+    add_config_args(p)
     p.add_argument("--gpus", type=int, required=True, help="GPUs to split (targets + drafters)")
     p.add_argument("--from", dest="from_run", metavar="RUN_DIR",
                    help="measure each stage's rate in this run's journal instead of the config's sim cost model")
@@ -391,18 +299,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_keys)
 
     p = sub.add_parser("config", help="show every config key with its default, or the resolved config")
-    _add_config_args(p)
+    add_config_args(p)
     p.set_defaults(func=cmd_config)
 
     p = sub.add_parser("capture", help="capture the target's layers for a dataset's first samples into a file")
-    _add_config_args(p, required=True)
+    add_config_args(p, required=True)
     p.add_argument("--data", required=True, help="prepared dataset directory")
     p.add_argument("--samples", type=int, required=True, help="capture samples 0..N-1 (dataset order)")
     p.add_argument("--out", required=True, help="output .safetensors file")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_capture)
     p = sub.add_parser("eval", help="speculative decoding with a trained drafter: acceptance length tau")
-    _add_config_args(p, required=True)
+    add_config_args(p, required=True)
     p.add_argument("--drafter", required=True,
                    help="exported drafter directory (config.json + model.safetensors), or a checkpoint's step directory")
     p.add_argument("--prompts", type=int, default=16, help="number of held-out prompts")
@@ -435,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_make_tiny)
 
     p = sub.add_parser("regenerate", help="rewrite every assistant turn with the target's own answer")
-    _add_config_args(p, required=True)
+    add_config_args(p, required=True)
     p.add_argument("--input", required=True, help="ShareGPT / messages JSONL")
     p.add_argument("--out", required=True, help="JSONL to write")
     p.add_argument("--max-new-tokens", type=int, default=512)
@@ -444,88 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (with --sample)")
     p.set_defaults(func=cmd_regenerate)
 
-    p = sub.add_parser("bench", help="benchmarks")
-    bench = p.add_subparsers(dest="bench", required=True)
-    b = bench.add_parser("transport", help="hidden-state handoff bandwidth and control-plane latency")
-    b.add_argument("--slot-mb", type=float, help="hidden-state MiB per slot (default 64, 16 with --remote)")
-    b.add_argument("--seconds", type=float, default=2.0, help="time per measurement")
-    b.add_argument("--remote", action="store_true",
-                   help="slot reads across nodes through NIXL beside a ZeroMQ copy (needs hsdispatch[multinode])")
-    b.add_argument("--json", action="store_true")
-    b.set_defaults(func=cmd_bench)
-    b = bench.add_parser("target", help="slot fill and capture tokens/s on a lognormal length mix, per batching, "
-                                        "vs a plain Hugging Face forward")
-    _add_config_args(b, required=True)
-    b.add_argument("--warmup", type=int, default=1, help="untimed passes per bucket")
-    b.add_argument("--reps", type=int, default=3, help="jobs timed per bucket (drawn from the schedule)")
-    b.add_argument("--samples", type=int, default=20_000, help="samples of the length mix")
-    b.add_argument("--median", type=float, default=400.0, help="median sample length (lognormal)")
-    b.add_argument("--sigma", type=float, default=0.9, help="sigma of the log length (the tail's weight)")
-    b.add_argument("--seed", type=int, default=0, help="seed of the lengths, tokens and timed jobs")
-    b.add_argument("--json", action="store_true")
-    b.set_defaults(func=cmd_bench_target)
-    b = bench.add_parser("dflash", help="DFlash micro-batch cost by sequence length and anchor count")
-    for flag, default in (("hidden", 64), ("intermediate", 128), ("heads", 4), ("kv-heads", 2), ("head-dim", 16),
-                          ("vocab", 512), ("target-layers", 8), ("capture-layers", 3), ("draft-layers", 1),
-                          ("block-size", 16), ("batch-tokens", 1024), ("reps", 3)):
-        b.add_argument(f"--{flag}", type=int, default=default)
-    b.add_argument("--seq-lens", type=int, nargs="+", default=[128, 256, 512])
-    b.add_argument("--anchors", type=int, nargs="+", default=[16, 64])
-    b.add_argument("--device", default="cpu")
-    b.add_argument("--json", action="store_true")
-    b.set_defaults(func=cmd_bench_dflash)
-    b = bench.add_parser("gradsync", help="a data-parallel step's gradient sum: one collective per tensor vs buckets")
-    b.add_argument("--hidden", type=int, nargs="+", default=[128, 512, 1024])
-    b.add_argument("--layers", type=int, default=5)
-    b.add_argument("--reps", type=int, default=10)
-    b.add_argument("--json", action="store_true")
-    b.set_defaults(func=cmd_bench_gradsync)
-    b = bench.add_parser("gpu", help="every GPU path in one run: IPC and pinned copies, capture, DFlash step, launch")
-    b.add_argument("--budget-s", type=float, default=450.0, help="time budget of the whole check (seconds)")
-    b.add_argument("--only", nargs="+", metavar="SECTION",
-                   help="run only these sections: ipc_handoff pinned_shm capture dflash_step launch nccl_group")
-    b.add_argument("--json", action="store_true")
-    b.set_defaults(func=cmd_bench_gpu)
-    b = bench.add_parser("dispatcher", help="the dispatcher core under simulated load: latency, restart, memory")
-    b.add_argument("--jobs", type=int, default=1_000_000, help="jobs per epoch")
-    b.add_argument("--epochs", type=int, default=3)
-    b.add_argument("--targets", type=int, default=4)
-    b.add_argument("--drafters", type=int, default=3)
-    b.add_argument("--slots", type=int, default=24)
-    b.add_argument("--dir", default="", help="where to create the temporary run directory")
-    b.add_argument("--json", action="store_true")
-    b.set_defaults(func=cmd_bench_dispatcher)
-    b = bench.add_parser("pipeline", help="fair dispatcher vs per-target queues vs random pool, on sim workers")
-    b.add_argument("--topology", default="5x3", help="TARGETSxDRAFTERS")
-    b.add_argument("--epochs", type=int, default=1)
-    b.add_argument("--samples", type=int, default=1500, help="synthetic samples of the epoch")
-    b.add_argument("--seed", type=int, default=0, help="run seed: the samples and every schedule follow from it")
-    b.add_argument("--json", action="store_true")
-    b.add_argument("--plot", metavar="FILE.png", help="write the bucket mix and utilization plots (needs matplotlib)")
-    b.add_argument("--runs-dir", help="keep the three run directories here (default: a temporary one, removed)")
-    b.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides for every policy")
-    b.set_defaults(func=cmd_bench_pipeline)
-    b = bench.add_parser("chaos", help="a multi-epoch run under seeded SIGKILLs of every role, attaches and detaches")
-    b.add_argument("--minutes", type=float, default=3.0, help="length of the chaos window")
-    b.add_argument("--seed", type=int, default=0, help="seed of the run and of the fault plan")
-    b.add_argument("--real", action="store_true", help="the demo's tiny target and a group of 2 DFlash drafters")
-    b.add_argument("--inputs", default="runs/demo", help="--real: where the tiny target and data are (made once)")
-    b.add_argument("--dir", help="work directory (kept); default a temporary one, removed")
-    b.add_argument("--keep", action="store_true", help="keep the temporary work directory")
-    b.add_argument("--json", action="store_true")
-    b.set_defaults(func=cmd_bench_chaos)
-    b = bench.add_parser("balance", help="all-reduce wait of a DFlash group, count- vs cost-balanced steps")
-    b.add_argument("--setup", action="append", choices=("modeled", "dflash"),
-                   help="modeled (sim targets, linear ranks with a modeled DFlash cost) or dflash (the demo's "
-                        "tiny target and DFlash ranks); repeatable; default both")
-    b.add_argument("--ranks", type=int, default=2, help="drafter ranks of the group (default 2)")
-    b.add_argument("--epochs", type=int, default=3, help="epochs of each run (default 3)")
-    b.add_argument("--accum-steps", type=int, default=4, help="drafter.accum_steps: a step is this x --ranks jobs")
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--inputs", default="runs/demo", help="where the demo's tiny target and data are (made once)")
-    b.add_argument("--dir", help="work directory (kept); default a temporary one, removed")
-    b.add_argument("--json", action="store_true")
-    b.set_defaults(func=cmd_bench_balance)
+    add_bench_parser(sub)
     return parser
 
 

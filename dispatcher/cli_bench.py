@@ -1,0 +1,167 @@
+"""``hsd bench ...``: the benchmark subcommands. Each is a thin shell around one module of
+``benchmarks/`` (or a worker's own bench), imported only when it runs."""
+
+from __future__ import annotations
+
+import sys
+
+from common.config import ConfigError
+from dispatcher.cli_common import add_config_args, config_of, require_model
+
+
+def cmd_bench(args) -> int:
+    if args.remote:
+        from benchmarks.remote_transport import run_remote_bench
+        return run_remote_bench(slot_mb=args.slot_mb if args.slot_mb is not None else 16.0, seconds=args.seconds,
+                                as_json=args.json)
+    from benchmarks.transport import run_transport_bench
+    if args.slot_mb is None:
+        args.slot_mb = 64.0
+    return run_transport_bench(slot_mb=args.slot_mb, as_json=args.json, seconds=args.seconds)
+
+
+def cmd_bench_dispatcher(args) -> int:
+    from benchmarks.dispatcher_load import DispatcherLoadOptions, run_dispatcher_load
+    options = DispatcherLoadOptions(jobs=args.jobs, epochs=args.epochs, targets=args.targets, drafters=args.drafters,
+                                    slots=args.slots, dir=args.dir)
+    return run_dispatcher_load(options, as_json=args.json)
+
+
+def cmd_bench_pipeline(args) -> int:
+    from benchmarks.pipeline import run_pipeline_bench
+    try:
+        return run_pipeline_bench(topology=args.topology, samples=args.samples, epochs=args.epochs, seed=args.seed,
+                                  as_json=args.json, plot=args.plot, overrides=args.overrides,
+                                  runs_dir=args.runs_dir)
+    except RuntimeError as exc:  # a policy's run failed: its log tail says why
+        print(f"hsd bench pipeline: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def cmd_bench_chaos(args) -> int:
+    from benchmarks.chaos import run_chaos_bench
+    return run_chaos_bench(minutes=args.minutes, seed=args.seed, real=args.real, as_json=args.json,
+                           work_dir=args.dir, inputs_dir=args.inputs, keep=args.keep)
+
+
+def cmd_bench_balance(args) -> int:
+    from benchmarks.step_balance import SETUPS, run_balance_bench
+    return run_balance_bench(setups=tuple(args.setup or SETUPS), ranks=args.ranks, epochs=args.epochs, accum_steps=args.accum_steps, seed=args.seed,
+                             inputs_dir=args.inputs,
+                             work_dir=args.dir, as_json=args.json)
+
+
+def cmd_bench_target(args) -> int:
+    config = config_of(args)
+    require_model(config, "bench target")
+    from target_worker.bench import run_target_bench
+    return run_target_bench(config, as_json=args.json, warmup=args.warmup, reps=args.reps, num_samples=args.samples,
+                            median=args.median, sigma=args.sigma, seed=args.seed)
+
+
+def cmd_bench_gradsync(args) -> int:
+    from benchmarks.gradient_sync import run_gradient_sync_bench
+    if args.layers < 1 or args.reps < 1 or min(args.hidden) < 1:
+        raise ConfigError("--hidden, --layers and --reps must be positive")
+    return run_gradient_sync_bench(hidden=args.hidden, layers=args.layers, reps=args.reps, as_json=args.json)
+
+
+def cmd_bench_gpu(args) -> int:
+    from benchmarks.gpu import run_gpu_bench
+    only = [name for part in args.only for name in part.split(",") if name] if args.only else None
+    return run_gpu_bench(as_json=args.json, budget_s=args.budget_s, only=only)
+
+
+def cmd_bench_dflash(args) -> int:
+    from drafter_worker.dflash.bench import run_dflash_bench
+    return run_dflash_bench(hidden=args.hidden, intermediate=args.intermediate, heads=args.heads,
+                            kv_heads=args.kv_heads, head_dim=args.head_dim, vocab=args.vocab,
+                            num_target_layers=args.target_layers, num_capture=args.capture_layers,
+                            num_draft_layers=args.draft_layers, block_size=args.block_size, seq_lens=args.seq_lens,
+                            anchors=args.anchors, batch_tokens=args.batch_tokens, reps=args.reps,
+                            device=args.device, as_json=args.json)
+
+
+def add_bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks")
+    bench = p.add_subparsers(dest="bench", required=True)
+    b = bench.add_parser("transport", help="hidden-state handoff bandwidth and control-plane latency")
+    b.add_argument("--slot-mb", type=float, help="hidden-state MiB per slot (default 64, 16 with --remote)")
+    b.add_argument("--seconds", type=float, default=2.0, help="time per measurement")
+    b.add_argument("--remote", action="store_true",
+                   help="slot reads across nodes through NIXL beside a ZeroMQ copy (needs hsdispatch[multinode])")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench)
+    b = bench.add_parser("target", help="slot fill and capture tokens/s on a lognormal length mix, per batching, "
+                                        "vs a plain Hugging Face forward")
+    add_config_args(b, required=True)
+    b.add_argument("--warmup", type=int, default=1, help="untimed passes per bucket")
+    b.add_argument("--reps", type=int, default=3, help="jobs timed per bucket (drawn from the schedule)")
+    b.add_argument("--samples", type=int, default=20_000, help="samples of the length mix")
+    b.add_argument("--median", type=float, default=400.0, help="median sample length (lognormal)")
+    b.add_argument("--sigma", type=float, default=0.9, help="sigma of the log length (the tail's weight)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the lengths, tokens and timed jobs")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_target)
+    b = bench.add_parser("dflash", help="DFlash micro-batch cost by sequence length and anchor count")
+    for flag, default in (("hidden", 64), ("intermediate", 128), ("heads", 4), ("kv-heads", 2), ("head-dim", 16),
+                          ("vocab", 512), ("target-layers", 8), ("capture-layers", 3), ("draft-layers", 1),
+                          ("block-size", 16), ("batch-tokens", 1024), ("reps", 3)):
+        b.add_argument(f"--{flag}", type=int, default=default)
+    b.add_argument("--seq-lens", type=int, nargs="+", default=[128, 256, 512])
+    b.add_argument("--anchors", type=int, nargs="+", default=[16, 64])
+    b.add_argument("--device", default="cpu")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_dflash)
+    b = bench.add_parser("gradsync", help="a data-parallel step's gradient sum: one collective per tensor vs buckets")
+    b.add_argument("--hidden", type=int, nargs="+", default=[128, 512, 1024])
+    b.add_argument("--layers", type=int, default=5)
+    b.add_argument("--reps", type=int, default=10)
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_gradsync)
+    b = bench.add_parser("gpu", help="every GPU path in one run: IPC and pinned copies, capture, DFlash step, launch")
+    b.add_argument("--budget-s", type=float, default=450.0, help="time budget of the whole check (seconds)")
+    b.add_argument("--only", nargs="+", metavar="SECTION",
+                   help="run only these sections: ipc_handoff pinned_shm capture dflash_step launch nccl_group")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_gpu)
+    b = bench.add_parser("dispatcher", help="the dispatcher core under simulated load: latency, restart, memory")
+    b.add_argument("--jobs", type=int, default=1_000_000, help="jobs per epoch")
+    b.add_argument("--epochs", type=int, default=3)
+    b.add_argument("--targets", type=int, default=4)
+    b.add_argument("--drafters", type=int, default=3)
+    b.add_argument("--slots", type=int, default=24)
+    b.add_argument("--dir", default="", help="where to create the temporary run directory")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_dispatcher)
+    b = bench.add_parser("pipeline", help="fair dispatcher vs per-target queues vs random pool, on sim workers")
+    b.add_argument("--topology", default="5x3", help="TARGETSxDRAFTERS")
+    b.add_argument("--epochs", type=int, default=1)
+    b.add_argument("--samples", type=int, default=1500, help="synthetic samples of the epoch")
+    b.add_argument("--seed", type=int, default=0, help="run seed: the samples and every schedule follow from it")
+    b.add_argument("--json", action="store_true")
+    b.add_argument("--plot", metavar="FILE.png", help="write the bucket mix and utilization plots (needs matplotlib)")
+    b.add_argument("--runs-dir", help="keep the three run directories here (default: a temporary one, removed)")
+    b.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides for every policy")
+    b.set_defaults(func=cmd_bench_pipeline)
+    b = bench.add_parser("chaos", help="a multi-epoch run under seeded SIGKILLs of every role, attaches and detaches")
+    b.add_argument("--minutes", type=float, default=3.0, help="length of the chaos window")
+    b.add_argument("--seed", type=int, default=0, help="seed of the run and of the fault plan")
+    b.add_argument("--real", action="store_true", help="the demo's tiny target and a group of 2 DFlash drafters")
+    b.add_argument("--inputs", default="runs/demo", help="--real: where the tiny target and data are (made once)")
+    b.add_argument("--dir", help="work directory (kept); default a temporary one, removed")
+    b.add_argument("--keep", action="store_true", help="keep the temporary work directory")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_chaos)
+    b = bench.add_parser("balance", help="all-reduce wait of a DFlash group, count- vs cost-balanced steps")
+    b.add_argument("--setup", action="append", choices=("modeled", "dflash"),
+                   help="modeled (sim targets, linear ranks with a modeled DFlash cost) or dflash (the demo's "
+                        "tiny target and DFlash ranks); repeatable; default both")
+    b.add_argument("--ranks", type=int, default=2, help="drafter ranks of the group (default 2)")
+    b.add_argument("--epochs", type=int, default=3, help="epochs of each run (default 3)")
+    b.add_argument("--accum-steps", type=int, default=4, help="drafter.accum_steps: a step is this x --ranks jobs")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--inputs", default="runs/demo", help="where the demo's tiny target and data are (made once)")
+    b.add_argument("--dir", help="work directory (kept); default a temporary one, removed")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_balance)
