@@ -33,6 +33,7 @@ from dispatcher.journal import Journal, JournalFailed
 from dispatcher.ledger import LedgerError
 from dispatcher.metrics import MetricsServer
 from dispatcher.pool import HSPool
+from dispatcher.request_fields import membership_of, poll_fields, rank_costs, same_secret, step_metrics
 from dispatcher.rundir import STATE_FILE, check_endpoint, lock_run_dir, warn_about_changed_settings, write_state_file
 from dispatcher.snapshot import build_snapshot, worker_state
 from dispatcher.nodes import node_summary
@@ -46,19 +47,6 @@ PROGRESS_INTERVAL_S = 5.0
 METRICS_INTERVAL_S = 1.0
 MAX_WAIT_MS = 30_000
 HARD_MESSAGE_LIMIT = 64 << 20  # beyond this ZeroMQ drops the peer instead of buffering the message
-
-
-MAX_STEP_METRICS = 16  # commit_step's metrics: a few figures for hsd stats, never a payload
-
-
-def _step_metrics(value: Any) -> dict[str, float] | None:
-    if value is None:
-        return None
-    if (not isinstance(value, dict) or len(value) > MAX_STEP_METRICS
-            or not all(isinstance(k, str) and len(k) <= 32 and isinstance(v, (int, float)) and not isinstance(v, bool)
-                       for k, v in value.items())):
-        raise ProtocolError(ErrorCode.MALFORMED, f"metrics must map at most {MAX_STEP_METRICS} short names to numbers")
-    return {k: float(v) for k, v in value.items()}
 
 
 @dataclass
@@ -252,7 +240,7 @@ class DispatcherServer:
         message = protocol.unpack(payload[0], self.max_bytes)
         request = protocol.parse_request(message)
         secret = self.config.dispatcher.secret
-        if secret and not _same_secret(message.get("secret"), secret):
+        if secret and not same_secret(message.get("secret"), secret):
             raise ProtocolError(ErrorCode.UNAUTHORIZED, "missing or wrong shared secret", request.id)
         return request
 
@@ -307,7 +295,7 @@ class DispatcherServer:
         if op in ("get_job", "get_hs", "join_group"):
             wait_ms = min(max(0, field_of(f, "wait_ms", int)), MAX_WAIT_MS)
             core.worker(worker_id, now)
-            poll = _poll_fields(op, f)
+            poll = poll_fields(op, f)
             if poll.get("failed"):  # a peer's collective failed: a dead rank must not be in the next version
                 core.sweep(now, self._is_alive)
             reply = self._try_serve(op, request.id, worker_id, now, poll)
@@ -337,10 +325,10 @@ class DispatcherServer:
                 raise ProtocolError(ErrorCode.MALFORMED, "job_ids must be a list of integers")
             step = core.commit_step(worker_id, job_ids, float(field_of(f, "busy_s", (int, float))), now,
                                     model=field_of(f, "model", str), step=field_of(f, "step", int),
-                                    verified=int(f.get("verified") or 0), metrics=_step_metrics(f.get("metrics")),
+                                    verified=int(f.get("verified") or 0), metrics=step_metrics(f.get("metrics")),
                                     sync_wait_s=float(f.get("sync_wait_s") or 0.0),
-                                    step_s=float(f.get("step_s") or 0.0), membership=_membership_of(f),
-                                    **_rank_costs(f))
+                                    step_s=float(f.get("step_s") or 0.0), membership=membership_of(f),
+                                    **rank_costs(f))
             group = core.groups.group_of_rank(worker_id)
             extra = {"membership": group.version} if group is not None else {}
             return self._when_durable(identity, protocol.ok_reply(request.id, step=step, done=core.done, **extra)), True
@@ -537,45 +525,3 @@ class DispatcherServer:
             self.metrics.close()
         self.data_plane.close()
         self._lock.close()
-
-
-def _membership_of(fields: dict) -> int | None:
-    value = fields.get("membership")
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-        raise ProtocolError(ErrorCode.MALFORMED, "field 'membership' must be an integer")
-    return value
-
-
-def _rank_costs(fields: dict) -> dict:
-    """commit_step's optional per-rank figures of a group: {rank_jobs: [int], rank_busy_s: [float],
-    cost_jobs?: [int]}."""
-    jobs, busy = fields.get("rank_jobs"), fields.get("rank_busy_s")
-    if jobs is None and busy is None:
-        return {}
-    if (not isinstance(jobs, list) or not isinstance(busy, list) or len(jobs) != len(busy)
-            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in jobs)
-            or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in busy)):
-        raise ProtocolError(ErrorCode.MALFORMED, "rank_jobs and rank_busy_s must be lists of equal length of "
-                                                 "counts and seconds")
-    costs = {"rank_jobs": jobs, "rank_busy_s": [float(b) for b in busy]}
-    cost_jobs = fields.get("cost_jobs")
-    if cost_jobs is not None:
-        if not isinstance(cost_jobs, list) or not all(isinstance(j, int) and not isinstance(j, bool) for j in cost_jobs):
-            raise ProtocolError(ErrorCode.MALFORMED, "cost_jobs must be a list of job ids")
-        costs["cost_jobs"] = cost_jobs
-    return costs
-
-
-def _poll_fields(op: str, fields: dict) -> dict:
-    """What a long-poll's op takes besides the worker: checked once, kept with a parked poll."""
-    if op == "get_hs":
-        return {"membership": _membership_of(fields)}
-    if op == "join_group":
-        return {"after": field_of(fields, "after", int), "step": field_of(fields, "step", int),
-                "failed": bool(fields.get("failed", False))}
-    return {}
-
-
-def _same_secret(given: Any, expected: str) -> bool:
-    import hmac
-    return isinstance(given, str) and hmac.compare_digest(given.encode(), expected.encode())

@@ -6,7 +6,7 @@ import pytest
 
 from common.protocol import ProtocolError
 from core_harness import make_core, register
-from dispatcher.server import MAX_STEP_METRICS, _step_metrics
+from dispatcher.request_fields import MAX_STEP_METRICS, step_metrics
 from dispatcher.snapshot import build_snapshot
 from dispatcher.stats_view import step_metric_lines
 
@@ -26,8 +26,8 @@ def test_commit_metrics_show_in_the_snapshot(tmp_path):
 
 
 def test_metrics_field_is_checked():
-    assert _step_metrics(None) is None
-    assert _step_metrics({"loss": 1, "lr": 1e-3}) == {"loss": 1.0, "lr": 1e-3}
+    assert step_metrics(None) is None
+    assert step_metrics({"loss": 1, "lr": 1e-3}) == {"loss": 1.0, "lr": 1e-3}
     for bad in ([1.0], {"loss": "low"}, {"ok": True}, {f"m{i}": 0.0 for i in range(MAX_STEP_METRICS + 1)}):
         with pytest.raises(ProtocolError):
-            _step_metrics(bad)
+            step_metrics(bad)
