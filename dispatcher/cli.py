@@ -119,7 +119,10 @@ def cmd_schedule(args) -> int:
 
 def cmd_stats(args) -> int:
     from dispatcher.stats_view import run_stats
-    return run_stats(endpoint=args.endpoint, run_dir=args.run_dir, as_json=args.json, watch_s=args.watch)
+    if args.overrides and not args.config:
+        raise ConfigError(f"hsd stats: overrides ({' '.join(args.overrides)}) go with --config")
+    return run_stats(endpoint=args.endpoint, run_dir=args.run_dir, as_json=args.json, watch_s=args.watch,
+                     config_path=args.config, overrides=args.overrides)
 
 
 def cmd_report(args) -> int:
@@ -269,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     where = p.add_mutually_exclusive_group()
     where.add_argument("--endpoint", help="stats endpoint, e.g. ipc:///path/stats.sock")
     where.add_argument("--run-dir", help="run directory of the dispatcher (default: runs/demo)")
+    where.add_argument("--config", help="the run's config (on another node: its copy, with that node's key pair "
+                                        "as an override, e.g. curve.client_secret_key=keys/node-b.key_secret)")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides (with --config)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until interrupted")
     p.set_defaults(func=cmd_stats)

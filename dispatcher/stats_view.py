@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from common.client import DispatcherClient, DispatcherUnavailable
-from common.config import ConfigError, load_run_config
+from common.config import ConfigError, load_config, load_run_config
 from common.curve import CurveClient, client_from_config
 from dispatcher.nodes import format_nodes
 
@@ -26,10 +26,16 @@ def format_q_hsb(q_hsb: dict) -> str:
     return "  ".join(f"b{b}:{n}" for b, n in q_hsb.items()) or "(no bucket)"
 
 
-def resolve_stats_endpoint(endpoint: str | None, run_dir: str | None) -> tuple[str, str, CurveClient | None]:
-    """(endpoint, secret, CURVE keys) from --endpoint, or from the run directory's resolved config."""
+def resolve_stats_endpoint(endpoint: str | None, run_dir: str | None, *, config_path: str | None = None,
+                           overrides: list[str] | None = None) -> tuple[str, str, CurveClient | None]:
+    """(endpoint, secret, CURVE keys) from --endpoint, from a config file (another node's copy of
+    the run's config, with that node's own key pair as an override), or from the run directory's
+    resolved config."""
     if endpoint:
         return endpoint, "", None
+    if config_path:
+        config = load_config(config_path, overrides or [])
+        return config.stats_endpoint, config.dispatcher.secret, client_from_config(config.curve)
     run_dir = run_dir or DEFAULT_RUN_DIR
     if not Path(run_dir).is_dir():
         raise ConfigError(f"run directory {run_dir} does not exist (give --run-dir or --endpoint)")
@@ -270,8 +276,9 @@ def step_metric_lines(workers: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def run_stats(*, endpoint: str | None, run_dir: str | None, as_json: bool, watch_s: float | None) -> int:
-    endpoint, secret, curve = resolve_stats_endpoint(endpoint, run_dir)
+def run_stats(*, endpoint: str | None, run_dir: str | None, as_json: bool, watch_s: float | None,
+              config_path: str | None = None, overrides: list[str] | None = None) -> int:
+    endpoint, secret, curve = resolve_stats_endpoint(endpoint, run_dir, config_path=config_path, overrides=overrides)
     commit_rate, previous = CommitRate(), None
     while True:
         try:

@@ -63,6 +63,9 @@ def _run(run_dir, keys, tmp_path, node_a: list[str], on_b: list[tuple[str, str]]
                                    what="node a's target and node b's drafters registered")
             assert set(nodes) == {"a", "b"}
             assert "node b:" in hsd("stats", "--run-dir", str(run_dir)).stdout
+            # as on node b: the run's config and node b's own key pair
+            assert "node b:" in hsd("stats", "--config", str(run_dir / "config.yaml"),
+                                    f"curve.client_secret_key={keys / 'node-b.key_secret'}").stdout
             assert launch.wait(timeout=240) == 0, (tmp_path / "launch.log").read_text()[-3000:]
             for worker in workers:
                 assert worker.wait(timeout=60) == 0, worker.args
