@@ -91,7 +91,8 @@ REQUESTS: dict[str, tuple[str, ...]] = {
     # every rank's jobs; any jobs consumed by a current member count. The reply's membership is the
     # group's version after the commit: a newer one means waiting ranks join at this step boundary.
     # (sync_wait_s: rank 0's wait at the gradient all-reduce; rank_jobs, rank_busy_s: how many of
-    # job_ids, in order, each rank trained and its busy seconds, which the step-cost model learns from)
+    # job_ids — or of cost_jobs, an earlier step's on a GPU, whose times come late — each rank
+    # trained, in rank order, and its busy seconds: what the step-cost model learns from)
     "commit_step": ("worker_id", "token", "model", "step", "job_ids", "busy_s"),
     # {model, step} -> {}; the model's state at ``step`` (witness included) is durable on disk
     "checkpoint": ("worker_id", "token", "model", "step"),

@@ -459,7 +459,8 @@ class DispatcherCore(GroupOps):
     def commit_step(self, worker_id: str, job_ids: list[int], busy_s: float, now: float, *, model: str | None = None,
                     step: int | None = None, verified: int = 0, metrics: dict[str, float] | None = None,
                     sync_wait_s: float = 0.0, step_s: float = 0.0, membership: int | None = None,
-                    rank_jobs: list[int] | None = None, rank_busy_s: list[float] | None = None) -> int:
+                    rank_jobs: list[int] | None = None, rank_busy_s: list[float] | None = None,
+                    cost_jobs: list[int] | None = None) -> int:
         """The drafter's model takes optimizer step ``step`` on ``job_ids``. Idempotent: the same
         (model, step, jobs) again gets the same answer. Refused (all or nothing) otherwise when a
         job is not consumed by this drafter or the step does not follow the model's last."""
@@ -499,7 +500,7 @@ class DispatcherCore(GroupOps):
         stepper.window_avail, stepper.window_mixed = None, True
         if group is not None:
             group.full = set()
-            self._observe_step_costs(model, list(job_ids), rank_jobs, rank_busy_s)
+            self._observe_step_costs(model, list(job_ids if cost_jobs is None else cost_jobs), rank_jobs, rank_busy_s)
         if metrics:
             worker.metrics = dict(metrics)
         worker.num_jobs += len(jobs)

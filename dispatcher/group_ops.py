@@ -150,15 +150,19 @@ class GroupOps:
 
     def _observe_step_costs(self, model: str, job_ids: list[int], rank_jobs: list[int] | None,
                             rank_busy_s: list[float] | None) -> None:
-        """Rank 0 committed every rank's micro-batches (``rank_jobs`` of ``job_ids`` each, in rank
-        order) with each rank's busy seconds: observations of the cost model."""
+        """Rank 0 committed each rank's micro-batches of a step (``rank_jobs`` of ``job_ids`` each,
+        in rank order; on a GPU an earlier step's, whose times are in by now) with each rank's busy
+        seconds on them: observations of the cost model. Unknown job ids are left out."""
         if not rank_jobs or not rank_busy_s or len(rank_jobs) != len(rank_busy_s) or sum(rank_jobs) != len(job_ids):
             return
         costs = self._step_costs(model)
         start = 0
         for count, busy_s in zip(rank_jobs, rank_busy_s):
             if count:
-                costs.observe(sum(self._job_features(j) for j in job_ids[start:start + count]), busy_s)
+                try:
+                    costs.observe(sum(self._job_features(j) for j in job_ids[start:start + count]), busy_s)
+                except (KeyError, IndexError, ValueError):  # a job id of no epoch this dispatcher holds
+                    pass
             start += count
 
     def checkpoint_to_load(self, worker_id: str) -> int | None:

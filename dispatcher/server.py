@@ -547,7 +547,8 @@ def _membership_of(fields: dict) -> int | None:
 
 
 def _rank_costs(fields: dict) -> dict:
-    """commit_step's optional per-rank figures of a group: {rank_jobs: [int], rank_busy_s: [float]}."""
+    """commit_step's optional per-rank figures of a group: {rank_jobs: [int], rank_busy_s: [float],
+    cost_jobs?: [int]}."""
     jobs, busy = fields.get("rank_jobs"), fields.get("rank_busy_s")
     if jobs is None and busy is None:
         return {}
@@ -556,7 +557,13 @@ def _rank_costs(fields: dict) -> dict:
             or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in busy)):
         raise ProtocolError(ErrorCode.MALFORMED, "rank_jobs and rank_busy_s must be lists of equal length of "
                                                  "counts and seconds")
-    return {"rank_jobs": jobs, "rank_busy_s": [float(b) for b in busy]}
+    costs = {"rank_jobs": jobs, "rank_busy_s": [float(b) for b in busy]}
+    cost_jobs = fields.get("cost_jobs")
+    if cost_jobs is not None:
+        if not isinstance(cost_jobs, list) or not all(isinstance(j, int) and not isinstance(j, bool) for j in cost_jobs):
+            raise ProtocolError(ErrorCode.MALFORMED, "cost_jobs must be a list of job ids")
+        costs["cost_jobs"] = cost_jobs
+    return costs
 
 
 def _poll_fields(op: str, fields: dict) -> dict:

@@ -108,6 +108,8 @@ class GroupDrafterLoop(DrafterLoop):
         self.membership: dict[str, Any] = {}
         self.rank = -1
         self.accum = section.accum_steps
+        self._round_seq = 0  # rounds of the current version
+        self._rank_jobs: dict[int, list[list[int]]] = {}  # rank 0: each rank's job ids of the latest rounds
         self.num_versions = 0
         self.num_applied = 0  # steps this process applied (its first one is logged with its start-up time)
         self.sync_wait_s = 0.0  # summed over applied steps
@@ -136,7 +138,8 @@ class GroupDrafterLoop(DrafterLoop):
         self._close_group()
         super()._lost()
         self.backend.drop_step()
-        self.window, self.busy_s = [], 0.0
+        self.window = []
+        self.clock.discard_open()
 
     def _close_group(self) -> None:
         if self.group is not None:
@@ -209,7 +212,8 @@ class GroupDrafterLoop(DrafterLoop):
             if self.window:
                 self.backend.drop_step()
                 self.num_dropped_steps += 1
-                self.window, self.busy_s = [], 0.0
+                self.window = []
+                self.clock.discard_open()
             if ended in (DONE, LEAVE):
                 return
             after = version
@@ -256,7 +260,9 @@ class GroupDrafterLoop(DrafterLoop):
                  self.membership["source"], time.perf_counter() - started, checksum)
 
     def _train(self, transport: DrafterTransport) -> str:
-        self.window, self.busy_s, self.commit = [], 0.0, None
+        self.window, self.commit = [], None
+        self.clock.reset()  # rounds are counted per version: every rank of it counts the same ones
+        self._round_seq, self._rank_jobs = 0, {}
         self._step_started = time.perf_counter()
         reports: list[int] = []
         poll: int | None = self._poll("get_hs")
@@ -310,8 +316,12 @@ class GroupDrafterLoop(DrafterLoop):
         """One step of the group (or none when no rank has work); how the version ends, if it does."""
         assert self.group is not None
         ready_at = time.perf_counter()
-        rounds = self.group.exchange(RankRound(self.rank, list(self.window), done, flush,
-                                               busy_us=int(self.busy_s * 1e6), leaving=leaving))
+        # the compute time of this rank's latest round whose work completed (on a GPU: an earlier one)
+        self._round_seq += 1
+        self.clock.close_step(self._round_seq)
+        busy_step, busy_s = ([(0, 0.0)] + self.clock.completed())[-1]
+        rounds = self.group.exchange(RankRound(self.rank, list(self.window), done, flush, busy_us=int(busy_s * 1e6),
+                                               leaving=leaving, busy_step=busy_step))
         job_ids = [job_id for r in rounds for job_id in r.job_ids]
         someone_leaves = any(r.leaving for r in rounds)
         if not job_ids:
@@ -327,20 +337,19 @@ class GroupDrafterLoop(DrafterLoop):
             busy_s = sum(r.busy_us for r in rounds) / 1e6
             step_s = time.perf_counter() - self._step_started
             outcome, after = self._commit_as_rank0(job_ids, busy_s=busy_s, wait_s=wait_s, step_s=step_s,
-                                                   rank_jobs=[len(r.job_ids) for r in rounds],
-                                                   rank_busy_s=[r.busy_us / 1e6 for r in rounds])
+                                                   costs=self._step_costs(rounds))
             try:
                 outcome, after = self.group.broadcast(outcome, after)
             except CollectiveFailed:
                 if outcome == COMMITTED:  # durable, and the gradients are the group's: rank 0 holds the step
                     self.session.held.discard(list(self.window))
-                    self.window, self.busy_s = [], 0.0
+                    self.window = []
                     self._apply(job_ids, wait_s)
                 raise
         else:
             outcome, after = self.group.broadcast(ABORTED, version)
         mine = list(self.window)
-        self.window, self.busy_s = [], 0.0
+        self.window = []
         if outcome != COMMITTED:
             self.backend.drop_step()
             self.session.held.discard(mine)  # the dispatcher took them back: the next heartbeat agrees
@@ -384,17 +393,31 @@ class GroupDrafterLoop(DrafterLoop):
             log.info("%s: weights crc32 %08x at step %d", self.name, self.backend.weights_checksum(),
                      self.backend.step)
 
+    def _step_costs(self, rounds: list[RankRound]) -> dict[str, Any]:
+        """Rank 0: what the dispatcher's step-cost model learns from — each rank's micro-batches of
+        one round and its compute time on them (``cost_jobs`` when that round is an earlier one than
+        the step being committed, as on a GPU, whose figures come a step late)."""
+        self._rank_jobs[self._round_seq] = [r.job_ids for r in rounds]
+        for old in [seq for seq in self._rank_jobs if seq < self._round_seq - 4]:
+            del self._rank_jobs[old]
+        measured = {r.busy_step for r in rounds}
+        if len(measured) != 1 or rounds[0].busy_step not in self._rank_jobs:
+            return {}
+        jobs = self._rank_jobs[rounds[0].busy_step]
+        costs = {"rank_jobs": [len(j) for j in jobs], "rank_busy_s": [r.busy_us / 1e6 for r in rounds]}
+        if rounds[0].busy_step != self._round_seq:
+            costs["cost_jobs"] = [job_id for ids in jobs for job_id in ids]
+        return costs
+
     def _commit_as_rank0(self, job_ids: list[int], *, busy_s: float, wait_s: float, step_s: float,
-                         rank_jobs: list[int], rank_busy_s: list[float]) -> tuple[int, int]:
+                         costs: dict[str, Any]) -> tuple[int, int]:
         """Commit the step for the whole group: (the outcome every rank then follows, the group's
         version after it). ``busy_s`` is every rank's compute time; ``wait_s`` and ``step_s`` are
         rank 0's all-reduce wait and step wall time so far (``hsd report`` turns them into the
-        group's wait share); ``rank_jobs`` and ``rank_busy_s``, each rank's share of ``job_ids``
-        and its compute time, are what the dispatcher's step-cost model learns from."""
+        group's wait share); ``costs`` are :meth:`_step_costs`."""
         version = self.membership["membership"]
         fields = {"model": self.backend.model_id, "step": self.backend.step + 1, "job_ids": job_ids,
-                  "busy_s": busy_s, "sync_wait_s": wait_s, "step_s": step_s, "membership": version,
-                  "rank_jobs": rank_jobs, "rank_busy_s": rank_busy_s}
+                  "busy_s": busy_s, "sync_wait_s": wait_s, "step_s": step_s, "membership": version, **costs}
         deadline = time.monotonic() + RECONNECT_S
         request_id = self.session.submit("commit_step", **fields)
         while True:

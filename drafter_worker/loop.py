@@ -43,6 +43,7 @@ from common.worker_backends import DrafterBackend
 from common.worker_loop import WorkerLoop
 from common.witness import Checkpoint, latest_checkpoint
 from common.worker_runtime import CALL_TIMEOUT_S, RECONNECT_S, DispatcherGone, NoReply, WorkerLost
+from drafter_worker.busy_clock import BusyClock
 
 log = logging.getLogger("hsd.drafter")
 
@@ -58,7 +59,7 @@ class DrafterLoop(WorkerLoop):
         self.writer = CheckpointWriter(config.run_dir, name=name)
         self.unreported: Checkpoint | None = None  # durable, not yet acknowledged by the dispatcher
         self.window: list[int] = []  # job ids of the step being accumulated
-        self.busy_s = 0.0
+        self.clock = BusyClock(getattr(backend, "device", "cpu"))  # the micro-batches' compute time
         self.commit: tuple[dict[str, Any], int] | None = None  # (fields, request id) of the commit in flight
         self.num_dropped_steps = 0
         self.num_read_failures = 0
@@ -118,12 +119,14 @@ class DrafterLoop(WorkerLoop):
         if self.window or self.commit is not None:
             self.backend.drop_step()
             self.num_dropped_steps += 1
-        self.window, self.busy_s, self.commit = [], 0.0, None
+        self.window, self.commit = [], None
+        self.clock.discard_open()
 
     # -- the loop -----------------------------------------------------------------------------
     def _work(self, registration: dict[str, Any], transport: DrafterTransport) -> None:
         accum_steps = registration["accum_steps"]
-        self.window, self.busy_s, self.commit = [], 0.0, None
+        self.window, self.commit = [], None
+        self.clock.discard_open()
         reports: list[int] = []
         poll = self._poll("get_hs")
         while True:
@@ -151,15 +154,14 @@ class DrafterLoop(WorkerLoop):
                 return
 
     def _train_on(self, job: dict[str, Any], transport: DrafterTransport, reports: list[int]) -> None:
-        started = time.perf_counter()
-        batch = self._read(job, transport, reports)
-        if batch is None:
-            return
-        reports.append(self.session.submit("consumed", job_id=job["job_id"]))
-        self._settle_commit()  # the previous step's commit was in flight during the copy
-        self.backend.micro_batch(job, batch)
+        with self.clock.measure():
+            batch = self._read(job, transport, reports)
+            if batch is None:
+                return
+            reports.append(self.session.submit("consumed", job_id=job["job_id"]))
+            self._settle_commit()  # the previous step's commit was in flight during the copy
+            self.backend.micro_batch(job, batch)
         self.window.append(job["job_id"])
-        self.busy_s += time.perf_counter() - started
 
     def _read(self, job: dict[str, Any], transport: DrafterTransport, reports: list[int]) -> SlotBatch | None:
         started = time.perf_counter()
@@ -183,15 +185,18 @@ class DrafterLoop(WorkerLoop):
     # -- commit, then apply ---------------------------------------------------------------------
     def _send_commit(self) -> None:
         assert self.commit is None, "one commit in flight at a time"
+        self.clock.close_step(self.backend.step + 1)
+        busy_s = sum(seconds for _, seconds in self.clock.completed())  # on a GPU: the steps done by now
         fields: dict[str, Any] = {"model": self.backend.model_id, "step": self.backend.step + 1,
-                                  "job_ids": list(self.window), "busy_s": self.busy_s}
+                                  "job_ids": list(self.window), "busy_s": busy_s}
         if getattr(self.backend, "verifies_slots", False):
             fields["verified"] = len(self.window)
         metrics = getattr(self.backend, "last_metrics", None)
         if metrics:  # the previous step's figures (this one is applied only once acknowledged)
             fields["metrics"] = {k: v for k, v in metrics.items() if math.isfinite(v)}
         self.commit = (fields, self.session.submit("commit_step", **fields))
-        self.window, self.busy_s = [], 0.0
+        self.window = []
+        self.clock.discard_open()
 
     def _settle_commit(self) -> None:
         """Wait for the commit in flight; apply the step when acknowledged, drop it when refused."""
@@ -292,7 +297,8 @@ class DrafterLoop(WorkerLoop):
         if self.window:
             self.backend.drop_step()
             self.session.held.discard(self.window)
-            self.window, self.busy_s = [], 0.0
+            self.window = []
+        self.clock.discard_open()
         self._finish_checkpoints()
 
     def _finish_checkpoints(self) -> None:

@@ -28,7 +28,7 @@ from drafter_worker.rendezvous import RendezvousServer
 log = logging.getLogger("hsd.drafter")
 
 NO_JOB = -1  # padding of a rank's job id row
-HEAD = 5  # fields before the job ids in a row
+HEAD = 6  # fields before the job ids in a row
 WATCH_S = 0.25  # a rank at the rendezvous asks this often whether its version still stands
 ARRIVAL_POLL_S = 0.02  # and looks this often whether every rank came (a TCPStore wait that times out logs a warning)
 ARRIVED_KEY = "hsd/arrived"  # + "/<rank>": set in the store by each rank that came to the rendezvous
@@ -98,6 +98,7 @@ class RankRound:
     flush: bool
     busy_us: int = 0  # microseconds the rank computed on its micro-batches (the step's busy time)
     leaving: bool = False  # the rank leaves the group once this step ends (it was asked to stop)
+    busy_step: int = 0  # the step busy_us was measured on (a GPU's figures come a step late; 0: none yet)
 
 
 class StepGroup:
@@ -196,11 +197,13 @@ class StepGroup:
         self._run("all_reduce", dist.all_reduce, tensor)
 
     def exchange(self, mine: RankRound) -> list[RankRound]:
-        """Every rank's round, in rank order: ``[count, done, flush, busy_us, leaving, ids..., padding]`` per rank."""
+        """Every rank's round, in rank order: ``[count, done, flush, busy_us, leaving, busy_step, ids...,
+        padding]`` per rank."""
         if len(mine.job_ids) > self.max_jobs:
             raise ValueError(f"a rank brings {len(mine.job_ids)} jobs to a step, more than {self.max_jobs}")
         row = torch.full((HEAD + self.max_jobs,), NO_JOB, dtype=torch.int64, device=self.device)
-        row[:HEAD] = torch.tensor([len(mine.job_ids), int(mine.done), int(mine.flush), mine.busy_us, int(mine.leaving)])
+        row[:HEAD] = torch.tensor([len(mine.job_ids), int(mine.done), int(mine.flush), mine.busy_us, int(mine.leaving),
+                                   mine.busy_step])
         if mine.job_ids:
             row[HEAD:HEAD + len(mine.job_ids)] = torch.tensor(mine.job_ids, dtype=torch.int64)
         rows = [torch.empty_like(row) for _ in range(self.world_size)]
@@ -209,7 +212,7 @@ class StepGroup:
         for rank, r in enumerate(rows):
             values = r.tolist()
             rounds.append(RankRound(rank, values[HEAD:HEAD + values[0]], bool(values[1]), bool(values[2]), values[3],
-                                    bool(values[4])))
+                                    bool(values[4]), values[5]))
         return rounds
 
     def broadcast(self, *values: int) -> list[int]:
