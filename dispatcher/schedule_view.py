@@ -8,7 +8,7 @@ import numpy as np
 
 from common.config import Config
 from dispatcher.dataset import LENGTHS_FILE_IN_DATASET, load_lengths, read_lengths_file
-from dispatcher.schedule import ORDERS, EpochSchedule, build_epoch_schedule
+from dispatcher.schedule import ORDERS, EpochSchedule, build_epoch_schedule, pairs_batched_again
 
 
 def _lengths(config: Config, lengths_file: str | None, data_dir: str | None) -> list[int]:
@@ -40,6 +40,10 @@ def print_schedule(config: Config, *, lengths_file: str | None, data_dir: str | 
     print(f"epoch {epoch}: {len(lengths)} samples, {first.num_dropped} dropped (longer than "
           f"{config.schedule.buckets[-1]}), {num_jobs} jobs of {config.schedule.tokens_per_batch} tokens, "
           f"batching {first.batching}: {fill:.1%} of slot tokens real")
+    following = _build(config, lengths, epoch + 1, ORDERS[0])
+    print(f"padded tokens {first.padded_fill(np.asarray(lengths, dtype=np.int64)):.1%} real; "
+          f"{pairs_batched_again(first, following):.1%} of the sample pairs batched together are together "
+          f"again in epoch {epoch + 1}")
     print(f"{'bucket':>6} {'max_len':>8} {'batch':>6} {'samples':>8} {'share':>7} {'batches':>8} {'job share':>9} "
           f"{'fill':>6}")
     total_samples = max(1, sum(b.num_samples for b in first.buckets))

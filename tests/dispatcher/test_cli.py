@@ -45,6 +45,7 @@ def test_schedule_json_is_fair_repeatable_and_epoch_dependent(tmp_path):
 def test_schedule_text_shows_both_orders(tmp_path):
     out = hsd("schedule", "--lengths", str(issue_lengths(tmp_path / "l.txt")), *SCHEDULE).stdout
     assert "interleave" in out and "shuffle" in out and "prefix deviation" in out and "2 dropped" in out
+    assert "padded tokens" in out and "together again in epoch 1" in out
 
 
 def test_bad_input_is_a_clear_error(tmp_path):
