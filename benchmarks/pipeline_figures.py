@@ -40,17 +40,39 @@ def _overlap(interval: Interval, lo: float, hi: float) -> float:
 
 
 def busy_intervals(events: list[dict]) -> dict[str, list[Interval]]:
-    """Per stage, what each worker was busy with and when (see the module docstring)."""
-    consumed_at = {e["job"]: e["t"] for e in events if e["ev"] == "consumed"}
+    """Per stage, what each worker was busy with and when (see the module docstring). A worker
+    does one job at a time, so its intervals never overlap: a target's is cut to start after its
+    previous one ended (its end, the ``ready`` event, is exact), and a drafter's — whose start is
+    only estimated, each job taking the step's average — starts once its previous one ended.
+    Overlapping estimates would count a worker busy twice over and a stage more than busy."""
+    consumed = {e["job"]: (e["t"], e.get("w")) for e in events if e["ev"] == "consumed"}
     out: dict[str, list[Interval]] = {"target": [], "drafter": []}
     for e in events:
         if e["ev"] == "ready":
             out["target"].append(Interval(e["w"], e["t"] - e.get("busy_s", 0.0), e["t"], e.get("tokens", 0)))
         elif e["ev"] == "commit" and e["jobs"]:
             share_s, share_tokens = e.get("busy_s", 0.0) / len(e["jobs"]), e.get("tokens", 0) / len(e["jobs"])
-            for job in e["jobs"]:
-                start = consumed_at.get(job, e["t"] - share_s)
-                out["drafter"].append(Interval(e["w"], start, start + share_s, share_tokens))
+            for job in e["jobs"]:  # the rank that read it (a group's rank 0 commits every rank's jobs)
+                start, worker = consumed.get(job, (e["t"] - share_s, e["w"]))
+                out["drafter"].append(Interval(worker or e["w"], start, start + share_s, share_tokens))
+    return {"target": _one_at_a_time(out["target"], keep="end"), "drafter": _one_at_a_time(out["drafter"], keep="length")}
+
+
+def _one_at_a_time(intervals: list[Interval], *, keep: str) -> list[Interval]:
+    """Each worker's intervals without overlaps: ``keep="end"`` shortens one that starts before the
+    previous ended, ``keep="length"`` moves it to start there."""
+    by_worker: dict[str, list[Interval]] = defaultdict(list)
+    for interval in intervals:
+        by_worker[interval.worker].append(interval)
+    out = []
+    for mine in by_worker.values():
+        free_at = float("-inf")
+        for i in sorted(mine, key=lambda i: (i.start, i.end)):
+            if i.start < free_at:
+                i = (Interval(i.worker, min(free_at, i.end), i.end, i.tokens) if keep == "end"
+                     else Interval(i.worker, free_at, free_at + (i.end - i.start), i.tokens))
+            out.append(i)
+            free_at = max(free_at, i.end)
     return out
 
 

@@ -38,9 +38,9 @@ def test_bench_pipeline_small_topology(tmp_path):
         for key in JSON_KEYS:
             assert key in figures, (name, key)
         assert figures["exactly_once"], name
-        # above 1 is a measurement artifact (busy intervals of a drafter credited outside the
-        # window: seen up to 1.35 on a loaded host); the bound catches a figure gone wild
-        assert 0.0 < figures["efficiency"] <= 1.5, (name, figures)
+        # a worker's busy intervals never overlap, so the window holds at most its workers' time;
+        # tokens per busy second inside the window may still run a little above the whole run's
+        assert 0.0 < figures["efficiency"] <= 1.1, (name, figures)
         assert 0.0 <= figures["drafter_wait"] <= 1.0 and 0.0 <= figures["target_idle"] <= 1.0
         assert figures["peak_pool_bytes"] > 0
         assert set(figures["step_mix"].__class__.__mro__) & {float, int}
@@ -72,3 +72,19 @@ def test_bad_topology_is_a_clear_error():
     proc = subprocess.run([sys.executable, "-m", "dispatcher.cli", "bench", "pipeline", "--topology", "5by3"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "TARGETSxDRAFTERS" in proc.stderr
+
+
+def test_a_workers_busy_intervals_never_overlap():
+    """A step's busy seconds are spread evenly over its jobs from when each was consumed: jobs
+    consumed close together would overlap and count the drafter busy twice over. Each job's
+    interval belongs to the rank that consumed it (a group's rank 0 commits every rank's jobs)."""
+    from benchmarks.pipeline_figures import busy_intervals
+    events = [{"ev": "ready", "w": "t0", "t": 1.0, "busy_s": 0.5, "tokens": 10},
+              {"ev": "ready", "w": "t0", "t": 1.2, "busy_s": 0.5, "tokens": 10},  # reported overlapping
+              {"ev": "consumed", "w": "d0", "t": 2.0, "job": 1}, {"ev": "consumed", "w": "d0", "t": 2.1, "job": 2},
+              {"ev": "consumed", "w": "d1", "t": 2.0, "job": 3},
+              {"ev": "commit", "w": "d0", "t": 3.0, "jobs": [1, 2, 3], "busy_s": 1.2, "tokens": 30}]
+    intervals = busy_intervals(events)
+    assert [(i.start, i.end) for i in intervals["target"]] == [(0.5, 1.0), (1.0, 1.2)]
+    drafter = {(i.worker, round(i.start, 6), round(i.end, 6)) for i in intervals["drafter"]}
+    assert drafter == {("d0", 2.0, 2.4), ("d0", 2.4, 2.8), ("d1", 2.0, 2.4)}
