@@ -38,9 +38,8 @@ def test_bench_pipeline_small_topology(tmp_path):
         for key in JSON_KEYS:
             assert key in figures, (name, key)
         assert figures["exactly_once"], name
-        # a worker's busy intervals never overlap, so the window holds at most its workers' time;
-        # tokens per busy second inside the window may still run a little above the whole run's
-        assert 0.0 < figures["efficiency"] <= 1.1, (name, figures)
+        # the slower stage's busy share of the window: a worker's busy intervals never overlap
+        assert 0.0 < figures["efficiency"] <= 1.0, (name, figures)
         assert 0.0 <= figures["drafter_wait"] <= 1.0 and 0.0 <= figures["target_idle"] <= 1.0
         assert figures["peak_pool_bytes"] > 0
         assert set(figures["step_mix"].__class__.__mro__) & {float, int}
