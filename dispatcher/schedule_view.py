@@ -31,7 +31,11 @@ def print_schedule(config: Config, *, lengths_file: str | None, data_dir: str | 
                    as_json: bool) -> int:
     lengths = _lengths(config, lengths_file, data_dir)
     if as_json:
-        print(json.dumps(_build(config, lengths, epoch, config.schedule.order).summary()))
+        schedule = _build(config, lengths, epoch, config.schedule.order)
+        following = _build(config, lengths, epoch + 1, config.schedule.order)
+        print(json.dumps({**schedule.summary(),
+                          "padded_fill": round(schedule.padded_fill(np.asarray(lengths, dtype=np.int64)), 4),
+                          "pairs_batched_again": round(pairs_batched_again(schedule, following), 4)}))
         return 0
     schedules = {order: _build(config, lengths, epoch, order) for order in ORDERS}
     first = schedules[ORDERS[0]]

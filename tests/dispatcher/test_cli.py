@@ -36,6 +36,7 @@ def test_schedule_json_is_fair_repeatable_and_epoch_dependent(tmp_path):
     assert first["num_dropped"] == 2
     assert len(first["order"]) == sum(b["num_batches"] for b in first["buckets"])
     assert first["prefix_deviation"] <= 2 and first["tail_skew"] <= 0.05
+    assert 0.9 < first["padded_fill"] <= 1.0 and 0.0 < first["pairs_batched_again"] < 1.0  # sorted: members move
     assert schedule_json(lengths)["order"] == first["order"]
     assert schedule_json(lengths, "--epoch", "1")["order"] != first["order"]
     shuffled = schedule_json(lengths, "schedule.order=shuffle")
