@@ -9,6 +9,7 @@ and no process of the run alive. The plan and the rollback figures are checked a
 import json
 
 import psutil
+import pytest
 
 from benchmarks.chaos import JSON_KEYS
 from benchmarks.chaos_figures import rollbacks_from_journal
@@ -18,6 +19,7 @@ from common.shm_arena import list_segments
 from hsd_testing import assert_session_ended, run_hsd_in_session
 
 
+@pytest.mark.serial
 def test_short_chaos_run_keeps_exactly_once_and_leaves_nothing(tmp_path):
     work = tmp_path / "chaos"
     run = run_hsd_in_session("bench", "chaos", "--minutes", "0.2", "--seed", "3", "--json", "--dir", str(work),

@@ -156,6 +156,7 @@ def test_sweep_removes_only_dead_creators(run_id: str, spawn_ctx) -> None:
             child.kill()
 
 
+@pytest.mark.serial  # `hsd cleanup --all-dead` removes every dead run's segments on the machine
 def test_a_run_sweeps_only_its_own_dead_segments_and_cleanup_all_dead_takes_the_rest(run_id: str) -> None:
     other = uuid.uuid4().hex[:12]
     gone = subprocess.Popen(["true"])
