@@ -194,3 +194,13 @@ def contract_from_config(config: Any, *, model_config: Mapping[str, Any] | None 
     doc = model_config if model_config is not None else read_model_config(target.model)
     return build_contract(doc, layer_ids=target.capture_layers, num_capture_layers=target.num_capture_layers,
                           dtype=resolve_capture_dtype(config), objective=config.drafter.objective)
+
+
+def adopt_contract(current: Mapping[str, Any] | None, contract: Mapping[str, Any], *,
+                   theirs_name: str) -> dict[str, Any]:
+    """The run's capture contract once a worker brought ``contract``: the first one sets it, every
+    later one must equal it (ValueError naming the fields that differ)."""
+    if current is None:
+        return dict(contract)
+    check_same_contract(current, contract, ours_name="this run", theirs_name=theirs_name)
+    return dict(current)

@@ -27,6 +27,7 @@ import threading
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import zmq
 import zmq.auth
@@ -189,6 +190,18 @@ class HandshakeMonitor:
     def close(self, sock: zmq.Socket) -> None:
         sock.disable_monitor()
         self.socket.close(linger=0)
+
+
+def auth_stats(authorizer: ZapAuthorizer | None, handshakes: list[HandshakeMonitor], *,
+               secret: bool) -> dict[str, Any]:
+    """How a control plane authenticates, and the handshakes it refused (CURVE only): ``hsd stats``'s ``auth``."""
+    if authorizer is None:
+        return {"mechanism": "secret" if secret else "none"}
+    for monitor in handshakes:
+        monitor.drain()
+    counts = authorizer.snapshot()
+    return {"mechanism": "curve", "accepted": counts.get("accepted", 0), "refused": counts.get("refused", 0),
+            "handshakes_failed": sum(m.failed for m in handshakes)}
 
 
 def _allowed_keys(entries: list[str]) -> frozenset[bytes]:

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from common.capture_contract import adopt_contract
 from dispatcher.core_types import (DONE, STEP_FULL, CoreOptions, Counters, Incompatible, JobGrant, Unauthorized,
                                    UnknownWorker, Worker)
 from dispatcher.group_ops import GroupOps
@@ -139,16 +140,15 @@ class DispatcherCore(GroupOps):
         """A new session. A drafter names its model and the step of the state it holds: the ledger
         rolls that model back to exactly that step (its later commits go back to pending)."""
         if contract is not None:
-            self._check_contract(role, name, contract)
-        model_id, model_step, spec, store_address = None, 0, None, None
-        if model is not None:
-            if role != "drafter":
-                raise LedgerError("only a drafter registers a model")
-            model_id, model_step = model.get("id"), model.get("step", 0)
-            if not isinstance(model_id, str) or not model_id or not isinstance(model_step, int) or model_step < 0:
-                raise LedgerError("model must be {id: non-empty string, step: integer >= 0}")
-            spec = self._group_spec(model.get("group"))
-            store_address = self._rank_store(model.get("group"))
+            try:
+                first, self.contract = self.contract is None, adopt_contract(self.contract, contract,
+                                                                             theirs_name=f"{role} {name}")
+            except ValueError as exc:
+                raise Incompatible(str(exc)) from None
+            if first:
+                log.info("capture contract of this run (from %s %s): %s", role, name, self.contract)
+        model_id, model_step, spec, store_address = self._registered_model(role, model)
+        if model_id is not None:
             held = self.ledger.model_step.get(model_id, 0)
             if model_step > held and spec is None:  # a group's joiner takes a live rank's state instead
                 raise LedgerError(f"model {model_id} holds step {model_step}, ahead of the ledger's {held}: its last "
@@ -182,17 +182,6 @@ class DispatcherCore(GroupOps):
         """Per-target assignment: the lowest queue no live target takes from (None: every queue has one)."""
         taken = {w.queue for w in self.workers.values() if w.queue is not None}
         return next((k for k in range(self.options.num_target_queues) if k not in taken), None)
-
-    def _check_contract(self, role: str, name: str, contract: dict[str, Any]) -> None:
-        from common.capture_contract import check_same_contract
-        if self.contract is None:
-            self.contract = dict(contract)
-            log.info("capture contract of this run (from %s %s): %s", role, name, self.contract)
-            return
-        try:
-            check_same_contract(self.contract, contract, ours_name="this run", theirs_name=f"{role} {name}")
-        except ValueError as exc:
-            raise Incompatible(str(exc)) from None
 
     def _rollback(self, model: str, step: int) -> None:
         for worker in self.workers.values():  # another session of this model: its uncommitted work is void
@@ -349,10 +338,14 @@ class DispatcherCore(GroupOps):
         worker.num_jobs += 1
         self.journal.record("ready", job=job_id, w=worker_id, tokens=num_tokens, busy_s=round(busy_s, 6))
 
-    def _num_tokens(self, job_id_or_job: Job | int) -> int:
+    def job_lengths(self, job_id_or_job: Job | int) -> np.ndarray:
+        """The lengths of a job's samples (its schedule says which)."""
         job_id = job_id_or_job if isinstance(job_id_or_job, int) else job_id_or_job.job_id
         epoch, index = split_job_id(job_id)
-        return int(self.lengths[self.schedule(epoch).samples_of(index)].sum())
+        return self.lengths[self.schedule(epoch).samples_of(index)]
+
+    def _num_tokens(self, job_id_or_job: Job | int) -> int:
+        return int(self.job_lengths(job_id_or_job).sum())
 
     def job_failed(self, worker_id: str, job_id: int, reason: str, now: float) -> None:
         self.worker(worker_id, now)

@@ -12,7 +12,7 @@ import numpy as np
 
 from common.protocol import parse_store_address, store_address
 from dispatcher.groups import DrafterGroup, GroupSpec, Membership
-from dispatcher.ledger import LedgerError, split_job_id
+from dispatcher.ledger import LedgerError
 from dispatcher.step_balance import CostModel, has_its_share, job_features
 
 log = logging.getLogger("hsd.dispatcher")
@@ -40,6 +40,18 @@ class GroupOps:
         except ValueError as exc:
             raise LedgerError(f"model.group: {exc}") from None
         return spec
+
+    def _registered_model(self, role: str, model: Any) -> tuple[str | None, int, GroupSpec | None, str | None]:
+        """A register request's ``model``: (id, step, group spec, rendezvous store address); Nones
+        and 0 for a worker that names no model."""
+        if model is None:
+            return None, 0, None, None
+        if role != "drafter":
+            raise LedgerError("only a drafter registers a model")
+        model_id, model_step = model.get("id"), model.get("step", 0)
+        if not isinstance(model_id, str) or not model_id or not isinstance(model_step, int) or model_step < 0:
+            raise LedgerError("model must be {id: non-empty string, step: integer >= 0}")
+        return model_id, model_step, self._group_spec(model.get("group")), self._rank_store(model.get("group"))
 
     def _rank_store(self, fields: Any) -> str | None:
         """``model.group.store`` of a register request: HOST:PORT of the TCPStore the rank hosts
@@ -123,8 +135,7 @@ class GroupOps:
 
     # -- steps balanced by cost (dispatcher.step_balance) ------------------------------------------
     def _job_features(self, job_id: int) -> np.ndarray:
-        epoch, index = split_job_id(job_id)
-        return job_features(self.lengths[self.schedule(epoch).samples_of(index)])
+        return job_features(self.job_lengths(job_id))
 
     def _step_costs(self, model: str) -> CostModel:
         costs = self.step_costs.get(model)

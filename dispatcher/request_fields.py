@@ -7,7 +7,7 @@ from __future__ import annotations
 import hmac
 from typing import Any
 
-from common.protocol import ErrorCode, ProtocolError, field_of
+from common.protocol import ROLES, ErrorCode, ProtocolError, field_of
 
 MAX_STEP_METRICS = 16  # commit_step's metrics: a few figures for hsd stats, never a payload
 
@@ -62,3 +62,18 @@ def poll_fields(op: str, fields: dict) -> dict:
 
 def same_secret(given: Any, expected: str) -> bool:
     return isinstance(given, str) and hmac.compare_digest(given.encode(), expected.encode())
+
+
+def register_fields(fields: dict) -> dict[str, Any]:
+    """A register request's worker fields, as :meth:`dispatcher.core.DispatcherCore.register` takes them."""
+    role = field_of(fields, "role", str)
+    if role not in ROLES:
+        raise ProtocolError(ErrorCode.MALFORMED, f"role must be one of {', '.join(ROLES)}")
+    contract, model = fields.get("contract"), fields.get("model")
+    if contract is not None and not isinstance(contract, dict):
+        raise ProtocolError(ErrorCode.MALFORMED, "contract must be a map")
+    if model is not None and not isinstance(model, dict):
+        raise ProtocolError(ErrorCode.MALFORMED, "model must be a map {id, step}")
+    return {"role": role, "name": field_of(fields, "name", str), "pid": field_of(fields, "pid", int),
+            "host": field_of(fields, "host", str), "gpu": fields.get("gpu"), "contract": contract, "model": model,
+            "node": field_of(fields, "node", str) if "node" in fields else None}

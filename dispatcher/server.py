@@ -25,7 +25,7 @@ from common.client import run_id_for
 from common.config import Config, write_resolved
 from common.protocol import ErrorCode, ProtocolError, field_of
 from dispatcher.core import DispatcherCore
-from common.curve import HandshakeMonitor, ZapAuthorizer, server_from_config
+from common.curve import HandshakeMonitor, ZapAuthorizer, auth_stats, server_from_config
 from dispatcher.core_types import DONE, STEP_FULL, CoreOptions, Incompatible, Unauthorized, UnknownWorker, Worker
 from dispatcher.groups import GroupChanged
 from dispatcher.dataset import load_lengths
@@ -33,11 +33,10 @@ from dispatcher.journal import Journal, JournalFailed
 from dispatcher.ledger import LedgerError
 from dispatcher.metrics import MetricsServer
 from dispatcher.pool import HSPool
-from dispatcher.request_fields import membership_of, poll_fields, rank_costs, same_secret, step_metrics
+from dispatcher.request_fields import membership_of, register_fields, poll_fields, rank_costs, same_secret, step_metrics
 from dispatcher.rundir import STATE_FILE, check_endpoint, lock_run_dir, warn_about_changed_settings, write_state_file
-from dispatcher.snapshot import build_snapshot, worker_state
+from dispatcher.snapshot import build_snapshot, progress_line
 from dispatcher.nodes import node_summary
-from dispatcher.stats_view import format_q_hsb
 from dispatcher.transport_setup import DataPlane
 
 log = logging.getLogger("hsd.dispatcher")
@@ -194,16 +193,7 @@ class DispatcherServer:
         if marker == self._last_progress_marker:
             return
         self._last_progress_marker = marker
-        open_epochs = [e for e in sorted(core.epoch_jobs) if not core.ledger.epoch_complete(e)] or [max(core.epoch_jobs)]
-        progress = core.ledger.epochs[open_epochs[0]]
-        states = [worker_state(core, w) for w in core.workers.values()]
-        groups = "".join(f", group {m} {g.world_size} rank(s) membership {g.version} {len(g.waiting)} waiting "
-                         f"{core.ledger.model_step.get(m, 0) - g.opened_at_steps if g.formed else 0} steps since change"
-                         for m, g in core.groups.groups.items())
-        log.info("epoch %d/%d: %d/%d jobs committed, %d steps, ready per bucket %s, workers %s%s",
-                 open_epochs[0] + 1, self.config.run.epochs, progress.committed, progress.num_jobs, core.num_steps,
-                 format_q_hsb(core.pool.ready_per_bucket()),
-                 " ".join(f"{state}={states.count(state)}" for state in sorted(set(states))) or "none", groups)
+        log.info("%s", progress_line(core, self.config.run.epochs))
 
     def _finished(self, now: float) -> bool:
         if not (self.core.done and self.config.dispatcher.exit_when_done):
@@ -355,19 +345,10 @@ class DispatcherServer:
             self._send(self.control, identity, reply)
 
     def _register(self, f: dict, now: float) -> dict[str, Any]:
-        role = field_of(f, "role", str)
-        if role not in protocol.ROLES:
-            raise ProtocolError(ErrorCode.MALFORMED, f"role must be one of {', '.join(protocol.ROLES)}")
+        fields = register_fields(f)
+        role, model = fields["role"], fields["model"]
         self.data_plane.check_worker(role, f)
-        contract = f.get("contract")
-        model = f.get("model")
-        if contract is not None and not isinstance(contract, dict):
-            raise ProtocolError(ErrorCode.MALFORMED, "contract must be a map")
-        if model is not None and not isinstance(model, dict):
-            raise ProtocolError(ErrorCode.MALFORMED, "model must be a map {id, step}")
-        worker = self.core.register(role=role, name=field_of(f, "name", str), pid=field_of(f, "pid", int),
-                                    host=field_of(f, "host", str), gpu=f.get("gpu"), now=now, contract=contract,
-                                    model=model, node=field_of(f, "node", str) if "node" in f else None)
+        worker = self.core.register(**fields, now=now)
         log.info("%s %s registered (%s pid %d on %s%s)", role, worker.id, worker.name, worker.pid, worker.host,
                  f", model {worker.model} at step {model.get('step', 0)}" if worker.model else "")
         c = self.config
@@ -478,20 +459,10 @@ class DispatcherServer:
         snapshot = build_snapshot(self.core, time.monotonic())
         snapshot.update(run_dir=str(self.run_dir), run_id=self.run_id, pid=os.getpid(),
                         transport=self.data_plane.describe_dict(), waiters=len(self.waiters),
-                        auth=self._auth_stats(),
+                        auth=auth_stats(self.authorizer, self.handshakes, secret=bool(self.config.dispatcher.secret)),
                         nodes=node_summary(self.core.pool, self.core.workers, self.core.counters.reads,
                                            home=self.data_plane.node))
         return snapshot
-
-    def _auth_stats(self) -> dict[str, Any]:
-        """How the control plane authenticates, and the handshakes it refused (CURVE only)."""
-        if self.authorizer is None:
-            return {"mechanism": "secret" if self.config.dispatcher.secret else "none"}
-        for monitor in self.handshakes:
-            monitor.drain()
-        counts = self.authorizer.snapshot()
-        return {"mechanism": "curve", "accepted": counts.get("accepted", 0), "refused": counts.get("refused", 0),
-                "handshakes_failed": sum(m.failed for m in self.handshakes)}
 
     def close(self) -> None:
         for waiter in self.waiters:

@@ -11,6 +11,7 @@ from typing import Any
 
 from dispatcher.core import DispatcherCore
 from dispatcher.core_types import Worker
+from dispatcher.stats_view import format_q_hsb
 from dispatcher.step_balance import FEATURES
 
 
@@ -72,3 +73,17 @@ def group_view(core, group) -> dict[str, Any]:
             "members": {str(r): w for w, r in group.members.items()}, "waiting": len(group.waiting),
             "steps_since_change": max(0, core.ledger.model_step.get(group.model, 0) - group.opened_at_steps)
             if group.formed else 0}
+
+
+def progress_line(core: DispatcherCore, epochs: int) -> str:
+    """The dispatcher's progress line: the open epoch, steps, ready slots per bucket, workers, groups."""
+    open_epochs = [e for e in sorted(core.epoch_jobs) if not core.ledger.epoch_complete(e)] or [max(core.epoch_jobs)]
+    progress = core.ledger.epochs[open_epochs[0]]
+    states = [worker_state(core, w) for w in core.workers.values()]
+    groups = "".join(f", group {m} {g.world_size} rank(s) membership {g.version} {len(g.waiting)} waiting "
+                     f"{core.ledger.model_step.get(m, 0) - g.opened_at_steps if g.formed else 0} steps since change"
+                     for m, g in core.groups.groups.items())
+    workers = " ".join(f"{state}={states.count(state)}" for state in sorted(set(states))) or "none"
+    return (f"epoch {open_epochs[0] + 1}/{epochs}: {progress.committed}/{progress.num_jobs} jobs committed, "
+            f"{core.num_steps} steps, ready per bucket {format_q_hsb(core.pool.ready_per_bucket())}, "
+            f"workers {workers}{groups}")
