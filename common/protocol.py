@@ -34,6 +34,9 @@ REQUESTS: dict[str, tuple[str, ...]] = {
     #   back to pending. The reply's model_step is the step the ledger now holds for the model; a
     #   model *ahead* of the ledger (its last commit never became durable) must reload its latest
     #   checkpoint and register again with that step.
+    # model.checkpoint (drafter, optional, <= step): the step of the newest checkpoint it loaded or
+    #   wrote. The dispatcher counts it as durable (journaled) when it is of the ledger's history, so
+    #   a checkpoint whose report found no dispatcher still lets the run end.
     # model.group = {size, min_ranks, max_ranks} (data-parallel drafters): drafters of the same model
     #   id are ranks of one elastic group (dispatcher/groups.py). A rank's registration only puts it
     #   in line: it holds no jobs until a version names it (join_group), and its step rolls the

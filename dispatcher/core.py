@@ -17,6 +17,7 @@ from typing import Any, Callable
 import numpy as np
 
 from common.capture_contract import adopt_contract
+from common.witness import latest_checkpoint, model_dir
 from dispatcher.core_types import (DONE, STEP_FULL, CoreOptions, Counters, Incompatible, JobGrant, Unauthorized,
                                    UnknownWorker, Worker)
 from dispatcher.group_ops import GroupOps
@@ -76,8 +77,10 @@ class DispatcherCore(GroupOps):
             kind = event["ev"]
             if kind == "commit":
                 self.ledger.restore_commit(event["model"], event["step"], event["jobs"])
-            elif kind == "rollback":
+            elif kind == "rollback":  # as the live path (_rollback): the known checkpoint never past the step
                 self.ledger.rollback(event["model"], event["step"])
+                if event["step"] < self.checkpoints.get(event["model"], 0):
+                    self.checkpoints[event["model"]] = event["step"]
             elif kind == "checkpoint":
                 self.checkpoints[event["model"]] = max(self.checkpoints.get(event["model"], 0), event["step"])
         self.journal.record("start", durable=True, resumed=bool(recovered.epochs_started),
@@ -147,7 +150,7 @@ class DispatcherCore(GroupOps):
                 raise Incompatible(str(exc)) from None
             if first:
                 log.info("capture contract of this run (from %s %s): %s", role, name, self.contract)
-        model_id, model_step, spec, store_address = self._registered_model(role, model)
+        model_id, model_step, spec, store_address, held_checkpoint = self._registered_model(role, model)
         if model_id is not None:
             held = self.ledger.model_step.get(model_id, 0)
             if model_step > held and spec is None:  # a group's joiner takes a live rank's state instead
@@ -176,6 +179,8 @@ class DispatcherCore(GroupOps):
             self._maybe_open(self.groups.groups[model_id], now)
         elif model_id is not None:
             self._rollback(model_id, model_step)
+        if held_checkpoint:
+            self._adopt_checkpoint(model_id, held_checkpoint, worker_id, via="register")
         return worker
 
     def _free_queue(self) -> int | None:
@@ -275,7 +280,21 @@ class DispatcherCore(GroupOps):
             self.deregister(worker_id, now, reason="dead")
         for job in self.ledger.expired(now):
             self._give_back(job, "lease_expired")
+        self._find_unreported_checkpoints()
         return dead
+
+    def _find_unreported_checkpoints(self) -> None:
+        """Once every job is committed, a model whose known checkpoint lags its step and that no live
+        drafter trains may still have its last checkpoint on disk: written by a drafter whose report
+        found no dispatcher, and which is not coming back to say so when it registers."""
+        if not self.store.all_committed:
+            return
+        live = {w.model for w in self.workers.values() if w.model is not None}
+        for model, step in self.ledger.model_step.items():
+            if self.checkpoints.get(model, 0) < step and model not in live:
+                on_disk = self._checkpoint_on_disk(model)
+                if on_disk:
+                    self._adopt_checkpoint(model, on_disk, None, via="disk")
 
     def _give_back(self, job: Job, reason: str) -> None:
         slot_id, holder = job.slot, job.holder
@@ -505,6 +524,32 @@ class DispatcherCore(GroupOps):
         if group is not None:
             self._maybe_open(group, now)  # the step boundary waiting ranks wait for
         return step
+
+    def _checkpoint_on_disk(self, model: str) -> int | None:
+        """The step of the model's latest checkpoint in this run directory (None: none here)."""
+        try:
+            found = latest_checkpoint(self.run_dir, model)
+        except (OSError, ValueError, KeyError):  # half-written or foreign: not a checkpoint to count on
+            return None
+        return found.step if found is not None else None
+
+    def _adopt_checkpoint(self, model: str, step: int, worker_id: str | None, *, via: str) -> None:
+        """A durable checkpoint the dispatcher did not hear of when it was written: counted when it
+        is of the ledger's history (never past its step) and, where this run directory holds the
+        model's checkpoints, present there."""
+        if step <= self.checkpoints.get(model, 0):
+            return
+        held = self.ledger.model_step.get(model, 0)
+        if step > held:
+            log.warning("model %s: a checkpoint of step %d (%s) is past the ledger's step %d: not counted",
+                        model, step, via, held)
+            return
+        if model_dir(self.run_dir, model).exists() and (self._checkpoint_on_disk(model) or 0) < step:
+            log.warning("model %s: no checkpoint of step %d in %s (%s): not counted", model, step, self.run_dir, via)
+            return
+        self.checkpoints[model] = step
+        self.journal.record("checkpoint", durable=True, model=model, step=step, w=worker_id, via=via)
+        log.info("model %s: checkpoint at step %d known (%s)", model, step, via)
 
     def checkpoint(self, worker_id: str, step: int, now: float, *, model: str | None = None) -> None:
         """The model's state at ``step`` (its witness included) is durable on disk."""

@@ -41,17 +41,22 @@ class GroupOps:
             raise LedgerError(f"model.group: {exc}") from None
         return spec
 
-    def _registered_model(self, role: str, model: Any) -> tuple[str | None, int, GroupSpec | None, str | None]:
-        """A register request's ``model``: (id, step, group spec, rendezvous store address); Nones
-        and 0 for a worker that names no model."""
+    def _registered_model(self, role: str, model: Any) -> tuple[str | None, int, GroupSpec | None, str | None, int]:
+        """A register request's ``model``: (id, step, group spec, rendezvous store address, the step
+        of the durable checkpoint the drafter holds); Nones and 0 for a worker that names no model."""
         if model is None:
-            return None, 0, None, None
+            return None, 0, None, None, 0
         if role != "drafter":
             raise LedgerError("only a drafter registers a model")
         model_id, model_step = model.get("id"), model.get("step", 0)
         if not isinstance(model_id, str) or not model_id or not isinstance(model_step, int) or model_step < 0:
             raise LedgerError("model must be {id: non-empty string, step: integer >= 0}")
-        return model_id, model_step, self._group_spec(model.get("group")), self._rank_store(model.get("group"))
+        held_checkpoint = model.get("checkpoint", 0)
+        if not isinstance(held_checkpoint, int) or isinstance(held_checkpoint, bool) or not 0 <= held_checkpoint <= model_step:
+            raise LedgerError("model.checkpoint must be the step of a checkpoint the drafter holds: an integer in "
+                              f"[0, step={model_step}]")
+        return (model_id, model_step, self._group_spec(model.get("group")), self._rank_store(model.get("group")),
+                held_checkpoint)
 
     def _rank_store(self, fields: Any) -> str | None:
         """``model.group.store`` of a register request: HOST:PORT of the TCPStore the rank hosts

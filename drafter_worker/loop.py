@@ -58,6 +58,7 @@ class DrafterLoop(WorkerLoop):
         self.checkpointed_step = 0  # the step of the latest checkpoint written or being written
         self.writer = CheckpointWriter(config.run_dir, name=name)
         self.unreported: Checkpoint | None = None  # durable, not yet acknowledged by the dispatcher
+        self.durable_step = 0  # the step of the newest checkpoint this process loaded or wrote (register says it)
         self.window: list[int] = []  # job ids of the step being accumulated
         self.clock = BusyClock(getattr(backend, "device", "cpu"))  # the micro-batches' compute time
         self.commit: tuple[dict[str, Any], int] | None = None  # (fields, request id) of the commit in flight
@@ -77,7 +78,7 @@ class DrafterLoop(WorkerLoop):
 
     # -- registration: the model's step ---------------------------------------------------------
     def _start(self) -> None:
-        self.checkpointed_step = self.backend.load_latest(self.run_dir)
+        self.checkpointed_step = self.durable_step = self.backend.load_latest(self.run_dir)
         if self.checkpointed_step:
             log.info("%s: model %s resumes from its checkpoint at step %d", self.name, self.backend.model_id,
                      self.checkpointed_step)
@@ -110,7 +111,9 @@ class DrafterLoop(WorkerLoop):
                                f"which registered at step {self.backend.step}: the ledger did not roll back to it")
 
     def _model_fields(self) -> dict[str, Any]:
-        return {"id": self.backend.model_id, "step": self.backend.step}
+        # the checkpoint it holds: one written while no dispatcher listened is known from here on
+        return {"id": self.backend.model_id, "step": self.backend.step,
+                "checkpoint": min(self.durable_step, self.backend.step)}
 
     def _open_transport(self, info: dict[str, Any]) -> DrafterTransport:
         return open_drafter_transport(info, device=self._device(info))
@@ -249,13 +252,13 @@ class DrafterLoop(WorkerLoop):
             self.writer.start(snapshot())
         else:  # a backend that can only write on this thread
             self.backend.save_checkpoint(self.run_dir)
-            self.unreported = latest_checkpoint(self.run_dir, self.backend.model_id)
+            self._durable(latest_checkpoint(self.run_dir, self.backend.model_id))
         self.checkpointed_step = self.backend.step
 
     def _wait_for_writer(self, *, quiet: bool = False) -> None:
         """Block until no checkpoint is being written (``quiet``: a failed write is logged, not raised)."""
         try:
-            self.unreported = self.writer.wait() or self.unreported
+            self._durable(self.writer.wait())
         except CheckpointWriteFailed:
             if not quiet:
                 raise
@@ -264,7 +267,7 @@ class DrafterLoop(WorkerLoop):
     def _report_durable(self, *, best_effort: bool = False) -> None:
         """Send ``checkpoint {model, step}`` for a checkpoint that became durable (the witness rule:
         never before its files are on disk)."""
-        self.unreported = self.writer.poll() or self.unreported
+        self._durable(self.writer.poll())
         if self.unreported is None:
             return
         step = self.unreported.step
@@ -281,10 +284,16 @@ class DrafterLoop(WorkerLoop):
         self.unreported = None
         log.info("%s: checkpoint of model %s at step %d", self.name, self.backend.model_id, step)
 
+    def _durable(self, checkpoint: Checkpoint | None) -> None:
+        """A checkpoint that became durable: to be reported (and said at the next register)."""
+        if checkpoint is not None:
+            self.unreported = checkpoint
+            self.durable_step = max(self.durable_step, checkpoint.step)
+
     def _reload(self) -> None:
         """Go back to the latest checkpoint, once the one being written (if any) is published."""
         self._wait_for_writer()
-        self.checkpointed_step = self.backend.load_latest(self.run_dir)
+        self.checkpointed_step = self.durable_step = self.backend.load_latest(self.run_dir)
 
     def _stop(self, reports: list[int]) -> None:
         """A clean stop: settle the commit in flight, drop the partial step, save what was applied."""

@@ -129,10 +129,11 @@ class Model:
 class ModelSim(Sim):
     """Sim whose drafters train named models with commit-then-apply and checkpoint every ``every`` steps."""
 
-    def __init__(self, core, targets, drafter_models, *, accum=2, every=1):
+    def __init__(self, core, targets, drafter_models, *, accum=2, every=1, last_checkpoint=True):
         self.models = drafter_models  # drafter id -> Model
         super().__init__(core, targets, list(drafter_models), accum=accum, checkpointed=False)
         self.every = every
+        self.last_checkpoint = last_checkpoint  # False: the last steps' checkpoints never reach the core
 
     def round(self):
         core = self.core
@@ -152,7 +153,7 @@ class ModelSim(Sim):
             super().round()
             for d, model in self.models.items():  # nothing more coming: checkpoint what is left
                 if d not in self.finished and not self.window[d] and model.step > model.ckpt_step \
-                        and core.all_committed:
+                        and core.all_committed and self.last_checkpoint:
                     model.checkpoint()
                     core.checkpoint(d, model.step, self.now, model=model.id)
         finally:

@@ -138,3 +138,55 @@ def test_worker_ids_differ_across_dispatcher_restarts(tmp_path):
     assert old != new
     with pytest.raises(UnknownWorker):  # a request still naming the old id is not the new worker's
         second.get_hs(old, 1.0)
+
+
+def test_a_checkpoint_said_at_register_ends_a_run_whose_report_was_lost(tmp_path):
+    """A drafter's checkpoint became durable while no dispatcher listened, and every job is committed:
+    nothing is left to train, so no checkpoint report will ever come. Its register says it."""
+    lengths = small_lengths(scale=2)
+    models = [Model("m0"), Model("m1")]
+    core = make_core(tmp_path, lengths=lengths, epochs=1)
+    targets = register(core, "target", 2)
+    ModelSim(core, targets, register_models(core, models), every=0, last_checkpoint=False).run(
+        until=lambda s: s.core.all_committed)
+    assert core.all_committed and not core.done       # no checkpoint reported
+    for m in models:
+        m.checkpoint()                                # written on the way out; the reports found no dispatcher
+    resumed = restart(core, tmp_path, lengths=lengths, epochs=1)
+    assert not resumed.done
+    for i, m in enumerate(models):
+        resumed.register(role="drafter", name=f"drafter-{m.id}", pid=3000 + i, host="h", gpu=None, now=0.0,
+                         model={"id": m.id, "step": m.step, "checkpoint": m.ckpt_step})
+    assert resumed.done
+    assert [e["via"] for e in read_journal(tmp_path) if e["ev"] == "checkpoint"] == ["register", "register"]
+    assert_exactly_once(resumed, models)
+
+
+def test_a_checkpoint_said_at_register_is_never_past_the_ledger(tmp_path):
+    core = make_core(tmp_path, epochs=1)
+    with pytest.raises(LedgerError, match="model.checkpoint"):   # past its own step: malformed
+        core.register(role="drafter", name="d", pid=1, host="h", gpu=None, now=0.0,
+                      model={"id": "m", "step": 0, "checkpoint": 2})
+    m = Model("m")
+    (d,) = register_models(core, [m])
+    ModelSim(core, register(core, "target", 1), {d: m}, every=0).run(until=lambda s: m.step >= 2)
+    core.register(role="drafter", name="d2", pid=2, host="h", gpu=None, now=0.0,
+                  model={"id": "m", "step": m.step, "checkpoint": m.step})
+    assert core.checkpoints["m"] == m.step
+
+
+def test_replay_lowers_the_known_checkpoint_on_a_rollback_as_the_live_path_does(tmp_path):
+    """A drafter that comes back from an older checkpoint than the one last reported (the newer one
+    lost) rolls the model back below it: a restarted dispatcher must know the same checkpoint."""
+    lengths = small_lengths(scale=4)
+    m = Model("m0")
+    core = make_core(tmp_path, lengths=lengths)
+    targets = register(core, "target", 2)
+    sim = ModelSim(core, targets, register_models(core, [m]), every=2)
+    sim.run(until=lambda s: m.step >= 4 and m.step == m.ckpt_step)
+    known = core.checkpoints["m0"]
+    m.step, m.trained, m.ckpt_step, m.ckpt_trained = 0, [], 0, []  # its checkpoints lost: it starts afresh
+    register_models(core, [m])
+    assert core.checkpoints["m0"] == 0 < known
+    resumed = restart(core, tmp_path, lengths=lengths)
+    assert resumed.checkpoints["m0"] == core.checkpoints["m0"] == 0
