@@ -160,6 +160,11 @@ class DrafterSection:
             return self.accum_steps
         return max(1, total // world_size + (rank < total % world_size))
 
+    def exchange_width(self, world_size: int) -> int:
+        """Job ids a rank's row of the job exchange holds: the largest share of any rank (rank 0's),
+        the same on every rank of the group (collectives need equal sizes)."""
+        return self.rank_accum_steps(rank=0, world_size=world_size)
+
 
 def step_jobs(accum_steps: int, count: int, world_size: int, elastic_batch: str) -> int:
     """Micro-batches of one step of a ``world_size``-rank group: ``accum_steps x count`` shared

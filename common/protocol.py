@@ -97,6 +97,11 @@ REQUESTS: dict[str, tuple[str, ...]] = {
     # job_ids — or of cost_jobs, an earlier step's on a GPU, whose times come late — each rank
     # trained, in rank order, and its busy seconds: what the step-cost model learns from)
     "commit_step": ("worker_id", "token", "model", "step", "job_ids", "busy_s"),
+    # {model, step, job_ids, membership} -> {committed, model_step}; a rank of a group that could not
+    #   receive its rank 0's outcome of step ``step`` on ``job_ids`` asks whether it committed (then it
+    #   applies the step: its gradients are the group's). Answered once the journal is on disk; the
+    #   version ``membership`` ends then, so no commit of it can land after a "not committed".
+    "step_outcome": ("worker_id", "token", "model", "step", "job_ids", "membership"),
     # {model, step} -> {}; the model's state at ``step`` (witness included) is durable on disk
     "checkpoint": ("worker_id", "token", "model", "step"),
     # {} -> {}; leaving cleanly: leased jobs go back at once

@@ -68,7 +68,9 @@ class GroupOps:
         return any(self.ledger.held_by(w) for w in group.members)
 
     def _maybe_open(self, group: DrafterGroup, now: float) -> None:
-        """Open the group's next version when its rules allow it now."""
+        """Open the group's next version when its rules allow it now (never once the run is done)."""
+        if self.done:
+            return
         ledger_step = self.ledger.model_step.get(group.model, 0)
         if not self.groups.may_open(group, busy=self._busy(group), ledger_step=ledger_step,
                                     checkpoint_step=self.checkpoints.get(group.model, 0), now=now):
@@ -125,7 +127,8 @@ class GroupOps:
             raise LedgerError(f"{worker_id} did not register as a rank of a data-parallel group")
         membership = group.memberships.get(worker_id)
         if membership is not None:
-            if group.version > after and (step == group.step or membership.transfer):
+            # a rank that takes the state may hold any step; the source must hold the version's
+            if group.version > after and (step == group.step or (membership.transfer and membership.rank != membership.source)):
                 return membership
             if group.version > after or failed:  # it holds another step than the version's, or the version broke
                 log.info("model %s: rank %d of membership %d %s", group.model, membership.rank, group.version,
@@ -137,6 +140,22 @@ class GroupOps:
         self._maybe_open(group, now)
         membership = group.memberships.get(worker_id)
         return membership if membership is not None and group.version > after else None
+
+    def step_outcome(self, worker_id: str, now: float, *, model: str, step: int, job_ids: list[int],
+                     membership: int) -> bool:
+        """Whether ``model`` committed ``step`` on exactly ``job_ids``: asked by a rank of version
+        ``membership`` that could not receive the outcome from its rank 0 (dead inside its commit).
+        That version ends now if it still stands, so a commit of it that had not landed yet never
+        will (it is refused as from an ended version): the answer holds for good."""
+        self.worker(worker_id, now)
+        group = self.groups.group_of_rank(worker_id)
+        if group is None or group.model != model:
+            raise LedgerError(f"{worker_id} is not a rank of a group of model {model}")
+        if group.version == membership and group.formed:
+            log.info("model %s: rank %s of membership %d lost its rank 0's outcome of step %d", model,
+                     group.members.get(worker_id), membership, step)
+            self._end_version(group, now, reopen=False)  # its ranks report the step they hold, then it opens
+        return self.ledger.last_commit.get(model) == (step, tuple(job_ids))
 
     # -- steps balanced by cost (dispatcher.step_balance) ------------------------------------------
     def _job_features(self, job_id: int) -> np.ndarray:

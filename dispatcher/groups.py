@@ -68,14 +68,14 @@ class GroupSpec:
             raise ValueError("a group needs size >= 1, min_ranks >= 1 and max_ranks >= 0")
         if self.balance not in ("cost", "count") or self.elastic_batch not in ("tokens", "ranks") or self.accum_steps < 1:
             raise ValueError("a group needs balance cost or count, elastic_batch tokens or ranks, and accum_steps >= 1")
+        if self.max_ranks and not self.min_ranks <= self.size <= self.max_ranks:
+            raise ValueError(f"a group needs min_ranks <= size <= max_ranks, got {self.min_ranks}, {self.size}, "
+                             f"{self.max_ranks}")
 
     def describe(self) -> str:
         """The drafter config keys this spec comes from, as a user would set them."""
         return (f"drafter.count={self.size}, min_ranks={self.min_ranks}, max_ranks={self.max_ranks}, "
                 f"accum_steps={self.accum_steps}, elastic_batch={self.elastic_batch}, step_balance={self.balance}")
-        if self.max_ranks and not self.min_ranks <= self.size <= self.max_ranks:
-            raise ValueError(f"a group needs min_ranks <= size <= max_ranks, got {self.min_ranks}, {self.size}, "
-                             f"{self.max_ranks}")
 
 
 @dataclass(frozen=True)
@@ -202,14 +202,16 @@ class DrafterGroups:
     # -- versions -----------------------------------------------------------------------------------
     def end_version(self, group: DrafterGroup, ledger_step: int) -> list[str]:
         """The current version can no longer step (a member left, died or failed a collective): its
-        members wait again, holding the ledger's step — or, when the version committed nothing
-        yet, the step each held when it opened (a joiner's transfer may not have completed).
-        Returns them."""
+        members wait again. Each is taken to hold the ledger's step — or, when the version committed
+        nothing yet, the step it held when it opened (a joiner's transfer may not have completed) —
+        but that is a guess until it says which: a rank whose rank 0 died inside the commit of the
+        last step may not have applied it. No version opens before every one of them said its step
+        (or left), so none opens from a guessed state. Returns them."""
         members = sorted(group.members, key=group.members.get)
         stepped = ledger_step > group.opened_at_steps
         for worker_id in members:
             group.waiting[worker_id] = ledger_step if stepped else group.entry_steps.get(worker_id, ledger_step)
-        group.unconfirmed = set() if stepped else {w for w in members if group.waiting[w] != group.step}
+        group.unconfirmed = set(members)
         # the survivors first, in their rank order, then the joiners: rank 0 stays rank 0 when it can
         group.waiting = {w: group.waiting[w] for w in members} | {w: s for w, s in group.waiting.items()
                                                                      if w not in group.members}
@@ -225,12 +227,12 @@ class DrafterGroups:
         if not group.waiting:
             return False
         if not group.members:
+            if group.unconfirmed:
+                return False  # a guessed step: wait for the ranks of the ended version to say theirs
             start = source_step(group.waiting.values(), ledger_step)
             if start is None:
                 return False  # every waiting rank is ahead of the ledger: none can be the source
             if start < ledger_step:  # opening now would roll the ledger back
-                if group.unconfirmed:
-                    return False  # a guessed step: wait for the ranks to say theirs
                 if not group.version and not group.survivors and now < self.live_wait_until:
                     return False  # after a restart: a rank holding the committed step may still register
                 if start < min(checkpoint_step, ledger_step):

@@ -23,6 +23,13 @@ def step_metrics(value: Any) -> dict[str, float] | None:
 
 
 
+def job_id_list(fields: dict) -> list[int]:
+    job_ids = field_of(fields, "job_ids", list)
+    if not all(isinstance(j, int) and not isinstance(j, bool) for j in job_ids):
+        raise ProtocolError(ErrorCode.MALFORMED, "job_ids must be a list of integers")
+    return job_ids
+
+
 def membership_of(fields: dict) -> int | None:
     value = fields.get("membership")
     if value is not None and (not isinstance(value, int) or isinstance(value, bool)):

@@ -33,7 +33,8 @@ from dispatcher.journal import Journal, JournalFailed
 from dispatcher.ledger import LedgerError
 from dispatcher.metrics import MetricsServer
 from dispatcher.pool import HSPool
-from dispatcher.request_fields import membership_of, register_fields, poll_fields, rank_costs, same_secret, step_metrics
+from dispatcher.request_fields import (job_id_list, membership_of, poll_fields, rank_costs, register_fields, same_secret,
+                                      step_metrics)
 from dispatcher.rundir import STATE_FILE, check_endpoint, lock_run_dir, warn_about_changed_settings, write_state_file
 from dispatcher.snapshot import build_snapshot, progress_line
 from dispatcher.nodes import node_summary
@@ -310,9 +311,7 @@ class DispatcherServer:
         elif op == "read_failed":
             core.read_failed(worker_id, field_of(f, "job_id", int), str(f.get("reason", "")), now)
         elif op == "commit_step":
-            job_ids = field_of(f, "job_ids", list)
-            if not all(isinstance(j, int) and not isinstance(j, bool) for j in job_ids):
-                raise ProtocolError(ErrorCode.MALFORMED, "job_ids must be a list of integers")
+            job_ids = job_id_list(f)
             step = core.commit_step(worker_id, job_ids, float(field_of(f, "busy_s", (int, float))), now,
                                     model=field_of(f, "model", str), step=field_of(f, "step", int),
                                     verified=int(f.get("verified") or 0), metrics=step_metrics(f.get("metrics")),
@@ -322,6 +321,12 @@ class DispatcherServer:
             group = core.groups.group_of_rank(worker_id)
             extra = {"membership": group.version} if group is not None else {}
             return self._when_durable(identity, protocol.ok_reply(request.id, step=step, done=core.done, **extra)), True
+        elif op == "step_outcome":
+            committed = core.step_outcome(worker_id, now, model=field_of(f, "model", str),
+                                          step=field_of(f, "step", int), job_ids=job_id_list(f),
+                                          membership=field_of(f, "membership", int))
+            return self._when_durable(identity, protocol.ok_reply(request.id, committed=committed,
+                                                                  model_step=self._model_step(worker_id))), True
         elif op == "checkpoint":
             core.checkpoint(worker_id, field_of(f, "step", int), now, model=field_of(f, "model", str))
             return self._when_durable(identity, protocol.ok_reply(request.id, done=core.done)), True

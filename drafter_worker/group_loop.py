@@ -58,7 +58,7 @@ import torch
 from common.config import Config
 from common.protocol import ErrorCode, ProtocolError
 from common.transport import DrafterTransport
-from common.worker_runtime import CALL_TIMEOUT_S, RECONNECT_S, NoReply, WorkerLost
+from common.worker_runtime import CALL_TIMEOUT_S, RECONNECT_S, DispatcherGone, NoReply, WorkerLost
 from drafter_worker.loop import DrafterLoop
 from drafter_worker.process_group import CollectiveFailed, RankRound, RendezvousIncomplete, StepGroup
 from drafter_worker.rendezvous import RendezvousServer
@@ -72,7 +72,8 @@ DONE, NEXT_VERSION, LEAVE = "done", "next", "leave"  # how a version ends for a 
 JOIN_POLL_MS = 1000
 # Test-only faults: "<name>@<point>:<step>,..." SIGKILLs the drafter named ``name`` at ``point``
 # (micro_batch: before its second micro-batch; backward: inside the backward of its second
-# micro-batch; allreduce: as it enters the gradient sum, its peers already in it) of its first step
+# micro-batch; allreduce: as it enters the gradient sum, its peers already in it; committed: rank 0
+# with its commit durable, before the outcome goes out to its peers) of its first step
 # numbered ``step`` or later that it trains with peers, once per run directory (a marker file keeps
 # its restart from doing it again).
 KILL_AT_ENV = "HSD_TEST_DRAFTER_KILL_AT"
@@ -202,6 +203,14 @@ class GroupDrafterLoop(DrafterLoop):
             except CollectiveFailed as exc:
                 log.warning("%s: membership %d failed: %s", self.name, version, exc)
                 ended, failed = NEXT_VERSION, True
+            except StateTransferFailed as exc:
+                # the state it holds may be half loaded: back to its checkpoint, then in line as a joiner
+                log.warning("%s: membership %d: the state transfer failed (%s); registering again", self.name,
+                            version, exc)
+                self._close_group()
+                if self.rank != self.membership["source"]:
+                    self._reload()
+                raise WorkerLost(f"state transfer of membership {version} failed") from None
             except ProtocolError as exc:
                 if exc.code != ErrorCode.GROUP_CHANGED:
                     raise
@@ -223,7 +232,8 @@ class GroupDrafterLoop(DrafterLoop):
         left_s = self.group_wait_s - (time.monotonic() - waiting_since)
         try:
             return StepGroup(store=m["store"], server=self.rendezvous, rank=self.rank, world_size=m["world_size"],
-                             version=m["membership"], timeout_s=self.timeout_s, max_jobs=self.accum,
+                             version=m["membership"], timeout_s=self.timeout_s,
+                             max_jobs=self.config.drafter.exchange_width(m["world_size"]),
                              device=getattr(self.backend, "device", "cpu"),
                              rendezvous_timeout_s=min(self.timeout_s, max(left_s, 1.0)),
                              still_current=lambda: self._still_current(m["membership"]))
@@ -338,6 +348,8 @@ class GroupDrafterLoop(DrafterLoop):
             step_s = time.perf_counter() - self._step_started
             outcome, after = self._commit_as_rank0(job_ids, busy_s=busy_s, wait_s=wait_s, step_s=step_s,
                                                    costs=self._step_costs(rounds))
+            if outcome == COMMITTED:
+                self._test_fault("committed")
             try:
                 outcome, after = self.group.broadcast(outcome, after)
             except CollectiveFailed:
@@ -347,7 +359,15 @@ class GroupDrafterLoop(DrafterLoop):
                     self._apply(job_ids, wait_s)
                 raise
         else:
-            outcome, after = self.group.broadcast(ABORTED, version)
+            try:
+                outcome, after = self.group.broadcast(ABORTED, version)
+            except CollectiveFailed:
+                # rank 0 died inside its commit, or before it: the dispatcher says which
+                if self._committed_without_rank0(job_ids, version):
+                    self.session.held.discard(list(self.window))
+                    self.window = []
+                    self._apply(job_ids, wait_s)
+                raise
         mine = list(self.window)
         self.window = []
         if outcome != COMMITTED:
@@ -408,6 +428,22 @@ class GroupDrafterLoop(DrafterLoop):
         if rounds[0].busy_step != self._round_seq:
             costs["cost_jobs"] = [job_id for ids in jobs for job_id in ids]
         return costs
+
+    def _committed_without_rank0(self, job_ids: list[int], version: int) -> bool:
+        """Whether the step on ``job_ids`` committed, asked of the dispatcher when rank 0's outcome
+        never came. The gradients summed already are the group's, so a committed step is applied
+        here as on every rank; the answer is final (the version ends as the dispatcher answers)."""
+        step = self.backend.step + 1
+        try:
+            reply = self.session.call_until_answered("step_outcome", model=self.backend.model_id, step=step,
+                                                     job_ids=job_ids, membership=version)
+        except (ProtocolError, WorkerLost, DispatcherGone) as exc:
+            log.warning("%s: no outcome of step %d from rank 0, and the dispatcher could not say (%s): "
+                        "dropped", self.name, step, exc)
+            return False
+        log.info("%s: rank 0 sent no outcome of step %d; the dispatcher says it %s", self.name, step,
+                 "committed: applied" if reply["committed"] else "did not commit: dropped")
+        return bool(reply["committed"])
 
     def _commit_as_rank0(self, job_ids: list[int], *, busy_s: float, wait_s: float, step_s: float,
                          costs: dict[str, Any]) -> tuple[int, int]:

@@ -11,7 +11,7 @@ from common.protocol import (PROTOCOL_VERSION, REQUESTS, ErrorCode, ProtocolErro
 FIELD_VALUES = {"role": "target", "name": "w", "pid": 123, "host": "h", "worker_id": "t0", "wait_ms": 10,
                 "job_id": 5, "generation": 1, "busy_s": 0.5, "reason": "oom", "job_ids": [1, 2],
                 "token": "t", "holding": [], "model": "m", "step": 3, "ipc_block": {"handle": b"\x01"}, "num_slots": 2,
-                "after": 1}
+                "after": 1, "membership": 2}
 
 
 def test_pack_unpack_round_trip():

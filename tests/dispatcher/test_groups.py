@@ -114,9 +114,11 @@ def test_a_member_gone_ends_the_version_the_others_go_on_without_rollback(tmp_pa
     core.commit_step(ranks[0].id, [j.job_id for j in first], 0.1, 3.0, model="m", step=1, membership=v1)
     in_flight = [_consume(core, r.id, v1) for r in ranks]
     core.deregister(ranks[2].id, 5.0, reason="dead")
-    # the step in flight goes back (consumed -> pending); the two survivors form the next version at once
+    # the step in flight goes back (consumed -> pending); the two survivors form the next version as
+    # soon as both said the step they hold
     assert all(j.job_id not in core.ledger.jobs for j in in_flight)
     assert core.ledger.count(0, JobState.CONSUMED) == 0 and core.ledger.count(0, JobState.COMMITTED) == 3
+    assert _join(core, ranks[1], after=v1, step=1) is None  # rank 0 has not said its step yet
     m0 = _join(core, ranks[0], after=v1, step=1)
     assert (m0.version, m0.world_size, m0.transfer) == (v1 + 1, 2, False)
     assert core.ledger.model_step["m"] == 1 and not _rollbacks(tmp_path)
@@ -128,7 +130,8 @@ def test_a_failed_collective_ends_the_version_at_once_and_a_lone_survivor_waits_
     v1 = _join(core, a).version
     _join(core, b)
     assert _join(core, a, after=v1) is None  # a member that saw a peer leave waits; the version stands
-    m = _join(core, a, after=v1, failed=True)  # its collective failed: the version ends now
+    assert _join(core, a, after=v1, failed=True) is None  # its collective failed: the version ends now ...
+    m = _join(core, b, after=v1, failed=True)  # ... and the next opens once b, whose failed too, said its step
     assert m.version == v1 + 1 and m.world_size == 2  # b is still registered: it is in the next one
     core.deregister(b.id, 2.0, reason="dead")
     assert _join(core, a, after=v1 + 1) is None  # alone, below min_ranks=2: it waits
@@ -145,6 +148,8 @@ def test_max_ranks_keeps_extra_joiners_waiting(tmp_path):
     assert _join(core, b).world_size == 2  # nothing in flight: the joiners come in at once, up to max_ranks
     assert _join(core, c) is None
     core.deregister(b.id, 2.0)
+    assert _join(core, c) is None  # a has not said the step it holds yet
+    assert _join(core, a, after=2).world_size == 2
     assert _join(core, c).world_size == 2
 
 
@@ -230,3 +235,84 @@ def test_when_the_last_live_rank_leaves_before_its_state_went_out_the_joiner_loa
     assert core.checkpoint_to_load(b.id) == 3  # ... b loads the checkpoint of step 3 first
     m = _join(core, b, after=v1 + 1, step=3, now=6.0)
     assert (m.step, m.transfer) == (3, False) and core.ledger.model_step["m"] == 3 and not _rollbacks(tmp_path)
+
+
+def _three_ranks_one_step_in_flight(tmp_path):
+    """Three ranks committed step 1 and consumed step 2's jobs (one each); returns (core, ranks, v1, jobs of step 2)."""
+    core = make_core(tmp_path, shared_slots=8, credits=8, min_ready=0)
+    [target] = register(core, "target", 1)
+    ranks = [_rank(core, n, size=3) for n in "abc"]
+    v1 = [_join(core, r) for r in ranks][0].version
+    _fill(core, target, 6)
+    first = [_consume(core, r.id, v1) for r in ranks]
+    core.commit_step(ranks[0].id, [j.job_id for j in first], 0.1, 3.0, model="m", step=1, membership=v1)
+    return core, ranks, v1, [_consume(core, r.id, v1).job_id for r in ranks]
+
+
+def test_rank0_dead_inside_its_commit_the_others_learn_the_step_committed_and_go_on_from_it(tmp_path):
+    """Rank 0's commit of step 2 is durable, then it dies before its outcome reaches the others: they
+    ask, apply step 2 and form the next version at step 2 — no rollback, a source holding step 2."""
+    core, ranks, v1, step2 = _three_ranks_one_step_in_flight(tmp_path)
+    core.commit_step(ranks[0].id, step2, 0.1, 4.0, model="m", step=2, membership=v1)
+    core.deregister(ranks[0].id, 5.0, reason="dead")
+    for r in ranks[1:]:
+        assert core.step_outcome(r.id, 5.0, model="m", step=2, job_ids=step2, membership=v1)
+    assert core.ledger.model_step["m"] == 2
+    assert _join(core, ranks[1], after=v1, step=2, failed=True) is None  # c has not said its step yet
+    m = _join(core, ranks[2], after=v1, step=2, failed=True)
+    assert (m.step, m.world_size, m.transfer) == (2, 2, False)
+    assert core.ledger.model_step["m"] == 2 and not _rollbacks(tmp_path)
+
+
+def test_a_rank_that_did_not_apply_the_last_step_is_never_taken_to_hold_it(tmp_path):
+    """The same death, but one survivor could not ask (it dropped step 2): the next version waits for
+    its word and then sends it the state from the rank that holds step 2."""
+    core, ranks, v1, step2 = _three_ranks_one_step_in_flight(tmp_path)
+    core.commit_step(ranks[0].id, step2, 0.1, 4.0, model="m", step=2, membership=v1)
+    core.deregister(ranks[0].id, 5.0, reason="dead")
+    assert _join(core, ranks[2], after=v1, step=1, failed=True) is None  # c dropped step 2
+    m = _join(core, ranks[1], after=v1, step=2, failed=True)
+    assert (m.step, m.world_size, m.transfer) == (2, 2, True)
+    assert core.groups.groups["m"].members == {ranks[1].id: 0, ranks[2].id: 1}  # the source holds step 2
+    assert core.ledger.model_step["m"] == 2 and not _rollbacks(tmp_path)
+
+
+def test_a_step_said_not_committed_can_no_longer_commit(tmp_path):
+    """A rank asks before rank 0's commit landed: "not committed" holds for good, since its version ends."""
+    core, ranks, v1, step2 = _three_ranks_one_step_in_flight(tmp_path)
+    assert not core.step_outcome(ranks[1].id, 4.0, model="m", step=2, job_ids=step2, membership=v1)
+    with pytest.raises(GroupChanged):
+        core.commit_step(ranks[0].id, step2, 0.1, 4.5, model="m", step=2, membership=v1)
+    assert core.ledger.model_step["m"] == 1
+
+
+def test_a_source_that_reports_another_step_than_its_version_ends_it(tmp_path):
+    core, a, v1 = _lone_rank_stepping(tmp_path, 2)
+    b = _rank(core, "b", size=1)
+    m = _join(core, b)
+    assert m.transfer and core.groups.groups["m"].members[a.id] == 0  # a holds step 2, the source
+    assert _join(core, a, after=v1, step=1) is None  # a says it holds step 1: it cannot be the source
+    assert core.groups.groups["m"].version == m.version and not core.groups.groups["m"].members
+
+
+def test_no_version_opens_once_the_run_is_done(tmp_path):
+    core = make_core(tmp_path, epochs=1, shared_slots=16, credits=16, min_ready=0)
+    [target] = register(core, "target", 1)
+    a, b = _rank(core, "a"), _rank(core, "b")
+    version = _join(core, a).version
+    _join(core, b)
+    _fill(core, target, 12)  # the whole epoch
+    while not core.all_committed:
+        jobs = [_consume(core, r.id, version).job_id for r in (a, b)]
+        core.commit_step(a.id, jobs, 0.1, 3.0, model="m", membership=version)
+    core.checkpoint(a.id, core.ledger.model_step["m"], 3.0, model="m")
+    assert core.done
+    core.deregister(b.id, 4.0)  # the ranks leave as the run ends
+    assert _join(core, a, after=version, step=core.ledger.model_step["m"]) is None
+    assert core.groups.groups["m"].version == version
+
+
+def test_a_spec_with_size_outside_min_and_max_ranks_is_refused(tmp_path):
+    core = make_core(tmp_path)
+    with pytest.raises(LedgerError, match="min_ranks <= size <= max_ranks"):
+        _rank(core, "a", size=3, max_ranks=2)

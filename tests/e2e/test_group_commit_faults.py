@@ -1,0 +1,72 @@
+"""Group steps at their edges, end to end (sim targets, the linear drafter over gloo, ``hsd launch``).
+
+- Rank 0 SIGKILLed with its commit durable and its outcome not yet sent (test fault ``committed``):
+  the other ranks learn from the dispatcher that the step committed and apply it, so no committed
+  step is rolled back or committed twice, and no survivor exits.
+- ``drafter.step_balance=count`` on a group whose size does not divide the step (3 ranks, 4
+  micro-batches a step: shares 2, 1, 1): every rank's job-exchange row has the group's width.
+"""
+
+from __future__ import annotations
+
+from dispatcher.journal import read_journal
+from drafter_worker.group_loop import KILL_AT_ENV
+from hsd_testing import assert_exactly_once, kill_tree, report, start_hsd
+
+
+def _args(run_dir, *overrides: str) -> list[str]:
+    return [f"run.dir={run_dir}", "target.sim=true", "target.count=2", "target.hidden_size=16",
+            "target.num_capture_layers=2", "drafter.backend=linear", "drafter.accum_steps=2",
+            "drafter.checkpoint_every=4", "drafter.collective_timeout_s=60", "drafter.max_restarts=3",
+            "data.synthetic_samples=160", "dispatcher.heartbeat_s=0.2", "dispatcher.worker_timeout_s=5", *overrides]
+
+
+def _steps_each_once(events):
+    steps = [e["step"] for e in events if e["ev"] == "commit"]
+    assert steps == list(range(1, len(steps) + 1)), "a step was committed twice or rolled back"
+    assert not [e for e in events if e["ev"] == "rollback" and e["jobs"]]
+
+
+def test_rank0_killed_inside_its_commit_loses_no_step_and_no_survivor(run_dir, tmp_path, monkeypatch):
+    # whichever rank is rank 0 when the group holds 2 ranks at step 3 or later dies there; the other,
+    # rank 0 of the next pair, dies the same way once the first is back
+    monkeypatch.setenv(KILL_AT_ENV, "drafter-0@committed:3,drafter-1@committed:3")
+    launch = start_hsd("launch", *_args(run_dir, "drafter.count=2", "target.sim_cost_per_token=2e-5", "run.epochs=6"),
+                       log_path=tmp_path / "launch.log")
+    try:
+        assert launch.wait(timeout=400) == 0, (tmp_path / "launch.log").read_text()[-4000:]
+    finally:
+        kill_tree(launch)
+    _steps_each_once(list(read_journal(run_dir)))  # the committed steps stay
+    assert_exactly_once(report(run_dir))
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("drafter-*.log"))
+    assert logs.count("SIGKILL at committed of step") == 2, logs[-3000:]
+    assert logs.count("the dispatcher says it committed: applied") == 2, logs[-3000:]
+    assert "StateTransferFailed" not in logs and "Traceback" not in logs
+    launch_log = (tmp_path / "launch.log").read_text()
+    assert launch_log.count("exited with code") == 2, launch_log[-3000:]  # the two kills, no survivor
+
+
+def test_count_balance_on_a_group_whose_size_does_not_divide_the_step(run_dir, tmp_path):
+    launch = start_hsd("launch", *_args(run_dir, "drafter.count=2", "drafter.max_ranks=3", "drafter.step_balance=count",
+                                        "target.sim_cost_per_token=2e-5", "run.epochs=6"),
+                       log_path=tmp_path / "launch.log")
+    third = None
+    try:  # the third rank joins the pair at a step boundary
+        third = start_hsd("drafter", *_args(run_dir, "drafter.count=2", "drafter.max_ranks=3",
+                                            "drafter.step_balance=count", "run.epochs=6"),
+                          "--name", "drafter-2", log_path=tmp_path / "drafter-2.log")
+        assert launch.wait(timeout=300) == 0, (tmp_path / "launch.log").read_text()[-4000:]
+        assert third.wait(timeout=60) == 0, (tmp_path / "drafter-2.log").read_text()[-3000:]
+    finally:
+        kill_tree(launch)
+        if third is not None:
+            kill_tree(third)
+    events = list(read_journal(run_dir))
+    triples = {m["version"] for m in events if m["ev"] == "membership" and len(m["ranks"]) == 3}
+    three_rank_steps = [e for e in events if e["ev"] == "commit" and e.get("membership") in triples]
+    assert three_rank_steps, "no step was committed by the 3-rank group"
+    assert all(len(e["jobs"]) == 4 for e in three_rank_steps[:-1])  # shares 2, 1, 1 of 4 (the last may be partial)
+    assert "exited with code" not in (tmp_path / "launch.log").read_text()
+    _steps_each_once(events)
+    assert_exactly_once(report(run_dir))
