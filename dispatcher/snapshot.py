@@ -11,6 +11,7 @@ from typing import Any
 
 from dispatcher.core import DispatcherCore
 from dispatcher.core_types import Worker
+from dispatcher.ledger import JobState
 from dispatcher.stats_view import format_q_hsb
 from dispatcher.step_balance import FEATURES
 
@@ -57,7 +58,38 @@ def build_snapshot(core: DispatcherCore, now: float) -> dict[str, Any]:
             "groups": {m: group_view(core, g) for m, g in core.groups.groups.items()},
             **({"membership_version": max(core.groups.versions().values())} if core.groups.groups else {}),
             "given_back": dict(core.counters.given_back), "requests": dict(core.counters.requests),
-            "errors": dict(core.counters.errors)}
+            "errors": dict(core.counters.errors), **({} if core.done else {"waiting_for": waiting_for(core)})}
+
+
+def waiting_for(core: DispatcherCore) -> dict[str, Any]:
+    """What a run that is not done waits for: each open epoch's jobs by state (and who holds them),
+    each model whose known checkpoint is behind its step (and whether a live drafter trains it),
+    and one line a person reads for each."""
+    epochs, reasons, holders = {}, [], set()
+    for epoch in sorted(core.epoch_jobs):
+        if core.ledger.epoch_complete(epoch):
+            continue
+        states = {state.value: core.ledger.count(epoch, state) for state in JobState}
+        epochs[str(epoch)] = {k: v for k, v in states.items() if v}
+        reasons.append(f"epoch {epoch + 1}: " + ", ".join(f"{v} {k}" for k, v in epochs[str(epoch)].items()
+                                                            if k != "committed"))
+    for worker in core.workers.values():
+        if core.ledger.held_by(worker.id):
+            holders.add(worker.name)
+    if not epochs and len(core.epoch_jobs) < core.options.epochs:
+        reasons.append(f"epoch {len(core.epoch_jobs) + 1} to be built")
+    models = {}
+    for model, step in sorted(core.ledger.model_step.items()):
+        checkpoint = core.checkpoints.get(model, 0)
+        if checkpoint >= step:
+            continue
+        live = sorted(w.name for w in core.workers.values() if w.model == model)
+        models[model] = {"step": step, "checkpoint": checkpoint, "drafters": live}
+        reasons.append(f"model {model} at step {step}, its known checkpoint at step {checkpoint}: "
+                       + (f"waiting for {', '.join(live)} to checkpoint it" if live
+                          else "no live drafter trains it (one must register, or its checkpoint be found on disk)"))
+        holders.update(live)
+    return {"epochs": epochs, "models": models, "workers": sorted(holders), "reasons": reasons}
 
 
 def group_view(core, group) -> dict[str, Any]:

@@ -253,6 +253,7 @@ def format_stats(s: dict[str, Any], *, previous: dict[str, Any] | None = None, r
         lines.append(f"auth      curve: {auth['accepted']} accepted, {auth['refused']} keys refused, "
                      f"{auth['handshakes_failed']} handshakes failed")
     lines.append(bottleneck_line(s, previous))
+    lines.extend(waiting_lines(s))
     lines.append("")
     lines.append(f"{'worker':<12} {'id':<5} {'role':<8} {'state':<8} {'jobs':>6} {'tok/s':>10} {'idle':>6} "
                  f"{'hb age':>7}  pid@host")
@@ -264,6 +265,15 @@ def format_stats(s: dict[str, Any], *, previous: dict[str, Any] | None = None, r
         lines.append("(no worker registered)")
     lines += step_metric_lines(s["workers"])
     return "\n".join(lines)
+
+
+def waiting_lines(s: dict[str, Any]) -> list[str]:
+    """What a run that is not done waits for (the snapshot's ``waiting_for``), a line a reason."""
+    waiting = s.get("waiting_for") or {}
+    lines = [f"waiting   {reason}" for reason in waiting.get("reasons", [])]
+    if waiting.get("workers"):
+        lines.append(f"          on {', '.join(waiting['workers'])}")
+    return lines
 
 
 def step_metric_lines(workers: list[dict[str, Any]]) -> list[str]:

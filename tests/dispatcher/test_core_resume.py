@@ -190,3 +190,32 @@ def test_replay_lowers_the_known_checkpoint_on_a_rollback_as_the_live_path_does(
     assert core.checkpoints["m0"] == 0 < known
     resumed = restart(core, tmp_path, lengths=lengths)
     assert resumed.checkpoints["m0"] == core.checkpoints["m0"] == 0
+
+
+def test_a_run_that_is_not_done_says_what_it_waits_for(tmp_path):
+    from dispatcher.snapshot import build_snapshot
+    from dispatcher.stats_view import waiting_lines
+    lengths = small_lengths(scale=2)
+    models = [Model("m0"), Model("m1")]
+    core = make_core(tmp_path, lengths=lengths, epochs=1)
+    targets = register(core, "target", 2)
+    drafters = register_models(core, models)
+    sim = ModelSim(core, targets, drafters, every=0, last_checkpoint=False)
+    sim.run(until=lambda s: s.core.num_steps >= 2)
+    waiting = build_snapshot(core, 1.0)["waiting_for"]
+    assert waiting["epochs"]["0"]["pending"] > 0 and waiting["reasons"][0].startswith("epoch 1: ")
+    sim.run(until=lambda s: s.core.all_committed)
+    assert core.all_committed
+    core.deregister(next(d for d, m in drafters.items() if m.id == "m1"), 2.0)
+    waiting = build_snapshot(core, 2.0)["waiting_for"]
+    assert waiting["epochs"] == {} and set(waiting["models"]) == {"m0", "m1"}
+    assert waiting["models"]["m0"]["drafters"] == ["drafter-m0"] and waiting["models"]["m1"]["drafters"] == []
+    lines = waiting_lines({"waiting_for": waiting})
+    assert any("model m1" in line and "no live drafter trains it" in line for line in lines), lines
+    assert any("waiting for drafter-m0 to checkpoint it" in line for line in lines), lines
+    for d, m in drafters.items():
+        if m.id == "m0":
+            core.checkpoint(d, m.step, 3.0, model="m0")
+    core.register(role="drafter", name="drafter-m1", pid=9, host="h", gpu=None, now=3.0,
+                  model={"id": "m1", "step": models[1].step, "checkpoint": models[1].step})
+    assert core.done and "waiting_for" not in build_snapshot(core, 3.0)
