@@ -150,7 +150,8 @@ class DispatcherCore(GroupOps):
                 raise Incompatible(str(exc)) from None
             if first:
                 log.info("capture contract of this run (from %s %s): %s", role, name, self.contract)
-        model_id, model_step, spec, store_address, held_checkpoint = self._registered_model(role, model)
+        registered = self._registered_model(role, model)
+        model_id, model_step, spec = (registered.id, registered.step, registered.spec) if registered else (None, 0, None)
         if model_id is not None:
             held = self.ledger.model_step.get(model_id, 0)
             if model_step > held and spec is None:  # a group's joiner takes a live rank's state instead
@@ -163,10 +164,11 @@ class DispatcherCore(GroupOps):
         for other in [w for w in self.workers.values() if w.name == name and w.role == role and w.host == host]:
             self.deregister(other.id, now, reason="replaced")  # the same worker registering again
         worker = Worker(worker_id, role, name, pid, host, gpu, registered_at=now, last_seen=now,
-                        token=secrets.token_hex(16), model=model_id, node=node or host)
+                        token=secrets.token_hex(16), model=model_id, node=node or host,
+                        pending_committed=bool(registered and registered.pending_committed))
         if spec is not None:
             try:
-                self.groups.join(model_id, spec, worker_id, model_step, store_address=store_address)
+                self.groups.join(model_id, spec, worker_id, model_step, store_address=registered.store_address)
             except ValueError as exc:
                 raise LedgerError(str(exc)) from None
         self.workers[worker_id] = worker
@@ -179,8 +181,8 @@ class DispatcherCore(GroupOps):
             self._maybe_open(self.groups.groups[model_id], now)
         elif model_id is not None:
             self._rollback(model_id, model_step)
-        if held_checkpoint:
-            self._adopt_checkpoint(model_id, held_checkpoint, worker_id, via="register")
+        if registered and registered.checkpoint:
+            self._adopt_checkpoint(model_id, registered.checkpoint, worker_id, via="register")
         return worker
 
     def _free_queue(self) -> int | None:

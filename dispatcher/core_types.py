@@ -55,6 +55,7 @@ class Worker:
     queue: int | None = None  # target under schedule.assignment=per_target: the queue it takes from
     metrics: dict[str, float] = field(default_factory=dict)  # drafter: its latest step's figures (loss, lr, ...)
     node: str = ""  # the node it runs on (register's ``node``, default its host)
+    pending_committed: bool = False  # drafter: the step it registered as pending had committed: it applies it
 
 
 @dataclass

@@ -6,6 +6,7 @@ decides with the core's ledger and journal, and like the core it has no sockets 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,18 @@ from dispatcher.ledger import LedgerError
 from dispatcher.step_balance import CostModel, has_its_share, job_features
 
 log = logging.getLogger("hsd.dispatcher")
+
+
+@dataclass(frozen=True)
+class RegisteredModel:
+    """A drafter's register ``model``, checked."""
+
+    id: str
+    step: int  # the step it holds once registered (its pending step included when that committed)
+    spec: GroupSpec | None  # a rank of a data-parallel group (None: a lone drafter)
+    store_address: str | None  # HOST:PORT of the TCPStore a rank hosts (None: FileStores)
+    checkpoint: int  # the step of the durable checkpoint it holds
+    pending_committed: bool  # the commit it never heard the answer to is in the ledger: it applies it
 
 
 class GroupOps:
@@ -41,11 +54,10 @@ class GroupOps:
             raise LedgerError(f"model.group: {exc}") from None
         return spec
 
-    def _registered_model(self, role: str, model: Any) -> tuple[str | None, int, GroupSpec | None, str | None, int]:
-        """A register request's ``model``: (id, step, group spec, rendezvous store address, the step
-        of the durable checkpoint the drafter holds); Nones and 0 for a worker that names no model."""
+    def _registered_model(self, role: str, model: Any) -> RegisteredModel | None:
+        """A register request's ``model`` (None for a worker that names none)."""
         if model is None:
-            return None, 0, None, None, 0
+            return None
         if role != "drafter":
             raise LedgerError("only a drafter registers a model")
         model_id, model_step = model.get("id"), model.get("step", 0)
@@ -55,8 +67,23 @@ class GroupOps:
         if not isinstance(held_checkpoint, int) or isinstance(held_checkpoint, bool) or not 0 <= held_checkpoint <= model_step:
             raise LedgerError("model.checkpoint must be the step of a checkpoint the drafter holds: an integer in "
                               f"[0, step={model_step}]")
-        return (model_id, model_step, self._group_spec(model.get("group")), self._rank_store(model.get("group")),
-                held_checkpoint)
+        spec = self._group_spec(model.get("group"))
+        pending_committed = spec is None and self._pending_committed(model_id, model_step, model.get("pending"))
+        return RegisteredModel(model_id, model_step + pending_committed, spec, self._rank_store(model.get("group")),
+                               held_checkpoint, pending_committed)
+
+    def _pending_committed(self, model_id: str, model_step: int, pending: Any) -> bool:
+        """``model.pending`` of a lone drafter's register: {step, job_ids} of the commit it sent and
+        never heard the answer to (its dispatcher died). When the ledger holds exactly that commit the
+        drafter applies it (its gradients are still there) and counts as holding that step, so the
+        commit is not rolled back; otherwise it drops it."""
+        if pending is None:
+            return False
+        step, job_ids = (pending.get("step"), pending.get("job_ids")) if isinstance(pending, dict) else (None, None)
+        if (not isinstance(step, int) or not isinstance(job_ids, list)
+                or not all(isinstance(j, int) and not isinstance(j, bool) for j in job_ids)):
+            raise LedgerError("model.pending must be {step: integer, job_ids: [integer]}")
+        return step == model_step + 1 and self.ledger.last_commit.get(model_id) == (step, tuple(job_ids))
 
     def _rank_store(self, fields: Any) -> str | None:
         """``model.group.store`` of a register request: HOST:PORT of the TCPStore the rank hosts

@@ -25,6 +25,7 @@ from common.client import run_id_for
 from common.config import Config, write_resolved
 from common.protocol import ErrorCode, ProtocolError, field_of
 from dispatcher.core import DispatcherCore
+from common.faults import EXIT_BEFORE_COMMIT_REPLY_ENV, exit_before_commit_reply
 from common.curve import HandshakeMonitor, ZapAuthorizer, auth_stats, server_from_config
 from dispatcher.core_types import DONE, STEP_FULL, CoreOptions, Incompatible, Unauthorized, UnknownWorker, Worker
 from dispatcher.groups import GroupChanged
@@ -320,7 +321,10 @@ class DispatcherServer:
                                     **rank_costs(f))
             group = core.groups.group_of_rank(worker_id)
             extra = {"membership": group.version} if group is not None else {}
-            return self._when_durable(identity, protocol.ok_reply(request.id, step=step, done=core.done, **extra)), True
+            reply = protocol.ok_reply(request.id, step=step, done=core.done, **extra)
+            if exit_before_commit_reply(self.run_dir, step):
+                return self._when_durable(identity, reply, exit_once_durable=True), True
+            return self._when_durable(identity, reply), True
         elif op == "step_outcome":
             committed = core.step_outcome(worker_id, now, model=field_of(f, "model", str),
                                           step=field_of(f, "step", int), job_ids=job_id_list(f),
@@ -335,11 +339,14 @@ class DispatcherServer:
             core.deregister(worker_id, now)
         return protocol.ok_reply(request.id), True
 
-    def _when_durable(self, identity: bytes, reply: dict) -> dict | None:
-        """A commit is acknowledged only once the journal's sync thread has it on disk."""
-        if not self.journal.unsynced:
+    def _when_durable(self, identity: bytes, reply: dict, *, exit_once_durable: bool = False) -> dict | None:
+        """A commit is acknowledged only once the journal's sync thread has it on disk.
+        (``exit_once_durable``: the test fault of :func:`exit_before_commit_reply`.)"""
+        if not self.journal.unsynced and not exit_once_durable:
             return reply
-        self.held_replies.append((self.journal.written_seq, identity, reply))
+        self.held_replies.append((self.journal.written_seq, identity, reply if not exit_once_durable else None))
+        if not self.journal.unsynced:
+            self._release_durable_replies()
         return None
 
     def _release_durable_replies(self) -> None:
@@ -347,6 +354,9 @@ class DispatcherServer:
         ready = [held for held in self.held_replies if held[0] <= synced]
         self.held_replies = [held for held in self.held_replies if held[0] > synced]
         for _, identity, reply in ready:
+            if reply is None:  # the test fault: the commit is on disk, its answer never goes out
+                log.error("exiting with a commit durable and its reply not sent (%s)", EXIT_BEFORE_COMMIT_REPLY_ENV)
+                os._exit(9)
             self._send(self.control, identity, reply)
 
     def _register(self, f: dict, now: float) -> dict[str, Any]:
@@ -357,7 +367,8 @@ class DispatcherServer:
         log.info("%s %s registered (%s pid %d on %s%s)", role, worker.id, worker.name, worker.pid, worker.host,
                  f", model {worker.model} at step {model.get('step', 0)}" if worker.model else "")
         c = self.config
-        extra = {"model_step": self.core.ledger.model_step.get(worker.model, 0)} if worker.model else {}
+        extra = ({"model_step": self.core.ledger.model_step.get(worker.model, 0),
+                  "pending_committed": worker.pending_committed} if worker.model else {})
         return {"worker_id": worker.id, "token": worker.token, "contract": self.core.contract, **extra,
                 "run_id": self.run_id, "transport": self.data_plane.info(role, worker.node),
                 "heartbeat_s": c.dispatcher.heartbeat_s, "worker_timeout_s": c.dispatcher.worker_timeout_s,

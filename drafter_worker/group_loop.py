@@ -138,6 +138,7 @@ class GroupDrafterLoop(DrafterLoop):
     def _lost(self) -> None:
         self._close_group()
         super()._lost()
+        self.pending = None  # a group's step is its rank 0's to commit: a new version starts afresh
         self.backend.drop_step()
         self.window = []
         self.clock.discard_open()

@@ -62,6 +62,9 @@ class DrafterLoop(WorkerLoop):
         self.window: list[int] = []  # job ids of the step being accumulated
         self.clock = BusyClock(getattr(backend, "device", "cpu"))  # the micro-batches' compute time
         self.commit: tuple[dict[str, Any], int] | None = None  # (fields, request id) of the commit in flight
+        # a commit whose dispatcher died before it answered: its gradients are kept, and the next
+        # register asks whether it committed (then it is applied, else dropped)
+        self.pending: dict[str, Any] | None = None
         self.num_dropped_steps = 0
         self.num_read_failures = 0
         self.read_s = 0.0  # time spent copying slots out (benchmarks read it)
@@ -101,8 +104,23 @@ class DrafterLoop(WorkerLoop):
                     raise RuntimeError(f"model {backend.model_id}: the dispatcher refuses step {ahead} and the "
                                        f"latest checkpoint is at step {backend.step}: {exc.message}") from None
                 continue
+            self._settle_pending(reply)
             self._check_registered_step(reply)
             return reply
+
+    def _settle_pending(self, reply: dict[str, Any]) -> None:
+        """Apply the commit the last dispatcher never answered when the ledger holds it, else drop it."""
+        if self.pending is None:
+            return
+        fields, self.pending = self.pending, None
+        self.session.held.discard(fields["job_ids"])
+        if reply.get("pending_committed"):
+            self.backend.apply_step(fields["job_ids"])
+            log.info("%s: step %d, sent to the last dispatcher, committed: applied", self.name, fields["step"])
+        else:
+            self.backend.drop_step()
+            self.num_dropped_steps += 1
+            log.info("%s: step %d, sent to the last dispatcher, did not commit: dropped", self.name, fields["step"])
 
     def _check_registered_step(self, reply: dict[str, Any]) -> None:
         ledger_step = reply.get("model_step", self.backend.step)
@@ -112,14 +130,17 @@ class DrafterLoop(WorkerLoop):
 
     def _model_fields(self) -> dict[str, Any]:
         # the checkpoint it holds: one written while no dispatcher listened is known from here on
+        pending = {"pending": {k: self.pending[k] for k in ("step", "job_ids")}} if self.pending else {}
         return {"id": self.backend.model_id, "step": self.backend.step,
-                "checkpoint": min(self.durable_step, self.backend.step)}
+                "checkpoint": min(self.durable_step, self.backend.step), **pending}
 
     def _open_transport(self, info: dict[str, Any]) -> DrafterTransport:
         return open_drafter_transport(info, device=self._device(info))
 
     def _lost(self) -> None:
-        if self.window or self.commit is not None:
+        if self.commit is not None and not self.window:  # the step's gradients alone: keep them
+            self.pending = self.commit[0]
+        elif self.window or self.commit is not None:
             self.backend.drop_step()
             self.num_dropped_steps += 1
         self.window, self.commit = [], None
@@ -293,6 +314,7 @@ class DrafterLoop(WorkerLoop):
     def _reload(self) -> None:
         """Go back to the latest checkpoint, once the one being written (if any) is published."""
         self._wait_for_writer()
+        self.pending = None  # the state it belonged to is gone
         self.checkpointed_step = self.durable_step = self.backend.load_latest(self.run_dir)
 
     def _stop(self, reports: list[int]) -> None:

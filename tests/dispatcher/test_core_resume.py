@@ -219,3 +219,25 @@ def test_a_run_that_is_not_done_says_what_it_waits_for(tmp_path):
     core.register(role="drafter", name="drafter-m1", pid=9, host="h", gpu=None, now=3.0,
                   model={"id": "m1", "step": models[1].step, "checkpoint": models[1].step})
     assert core.done and "waiting_for" not in build_snapshot(core, 3.0)
+
+
+def test_a_commit_whose_answer_was_lost_is_applied_when_the_ledger_holds_it(tmp_path):
+    """The dispatcher died with a drafter's commit durable and unanswered: the drafter registers with
+    the step it applied and the commit as pending; the ledger holds it, so the drafter applies it
+    (no rollback). A pending commit the ledger does not hold is dropped."""
+    lengths = small_lengths(scale=2)
+    m = Model("m0")
+    core = make_core(tmp_path, lengths=lengths, epochs=1)
+    targets = register(core, "target", 1)
+    sim = ModelSim(core, targets, register_models(core, [m]), every=0)
+    sim.run(until=lambda s: m.step >= 3)
+    last = core.ledger.last_commit["m0"]
+    m.step, m.trained = m.step - 1, m.trained[:-len(last[1])]  # it never heard the answer: not applied
+    resumed = restart(core, tmp_path, lengths=lengths, epochs=1)
+    stale = resumed.register(role="drafter", name="other", pid=8, host="h", gpu=None, now=0.0,
+                             model={"id": "m1", "step": 0, "pending": {"step": 1, "job_ids": [1]}})
+    assert not stale.pending_committed
+    w = resumed.register(role="drafter", name="drafter-m0", pid=9, host="h", gpu=None, now=0.0,
+                         model={"id": "m0", "step": m.step, "pending": {"step": last[0], "job_ids": list(last[1])}})
+    assert w.pending_committed and resumed.ledger.model_step["m0"] == last[0]
+    assert not [e for e in read_journal(tmp_path) if e["ev"] == "rollback" and e["jobs"]]

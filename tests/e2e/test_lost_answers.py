@@ -1,6 +1,6 @@
-"""A checkpoint that became durable while no dispatcher listened: the run still ends.
+"""Answers the dispatcher never gave: what a drafter said or sent while it died is not lost.
 
-The order is forced: the dispatcher is SIGKILLed first, then a drafter holding committed steps past
+A checkpoint that became durable while no dispatcher listened: the run still ends. The order is forced: the dispatcher is SIGKILLed first, then a drafter holding committed steps past
 its last checkpoint is stopped, so its stop-time checkpoint lands on disk and its report finds no
 dispatcher. A new dispatcher replays the journal (that model's known checkpoint is behind its step) and the other
 drafter commits every remaining job. The stopped drafter never comes back, so no report will come:
@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import signal
 
+from common.faults import EXIT_BEFORE_COMMIT_REPLY_ENV
+from dispatcher.journal import read_journal
 from hsd_testing import assert_exactly_once, kill_tree, report, start_hsd, stats, wait_for_stats
 
 
@@ -60,3 +62,30 @@ def test_checkpoint_durable_while_the_dispatcher_was_down_reaches_it(run_dir, tm
     r = report(run_dir)
     assert_exactly_once(r)
     assert r["restarts"] == 1
+
+
+def test_a_commit_durable_whose_reply_never_came_is_applied_not_rolled_back(run_dir, tmp_path, monkeypatch):
+    """The dispatcher exits with a drafter's commit on disk and its reply not sent (test fault): the
+    drafter keeps the step's gradients, and when it registers with the next dispatcher, which holds
+    that commit, it applies the step — no committed step rolled back or trained twice."""
+    monkeypatch.setenv(EXIT_BEFORE_COMMIT_REPLY_ENV, "3")
+    args = [*_write_config(tmp_path), f"run.dir={run_dir}"]
+    procs = {}
+    try:
+        procs["dispatcher"] = start_hsd("dispatcher", *args, log_path=tmp_path / "dispatcher1.log")
+        for name in ("target-0", "drafter-0"):
+            procs[name] = start_hsd(name.split("-")[0], *args, "--name", name, log_path=tmp_path / f"{name}.log")
+        assert procs["dispatcher"].wait(timeout=180) == 9, (tmp_path / "dispatcher1.log").read_text()[-3000:]
+        procs["dispatcher"] = start_hsd("dispatcher", *args, log_path=tmp_path / "dispatcher2.log")
+        assert procs["dispatcher"].wait(timeout=240) == 0, (tmp_path / "dispatcher2.log").read_text()[-3000:]
+        for name in ("target-0", "drafter-0"):
+            assert procs[name].wait(timeout=60) == 0, name
+    finally:
+        for proc in procs.values():
+            kill_tree(proc)
+    events = list(read_journal(run_dir))
+    steps = [e["step"] for e in events if e["ev"] == "commit"]
+    assert steps == list(range(1, len(steps) + 1)), "a step was committed twice or rolled back"
+    assert not [e for e in events if e["ev"] == "rollback" and e["jobs"]]
+    assert "committed: applied" in (tmp_path / "drafter-0.log").read_text()
+    assert_exactly_once(report(run_dir))
