@@ -34,8 +34,8 @@ REQUESTS: dict[str, tuple[str, ...]] = {
     #   back to pending. The reply's model_step is the step the ledger now holds for the model; a
     #   model *ahead* of the ledger (its last commit never became durable) must reload its latest
     #   checkpoint and register again with that step.
-    # model.pending (lone drafter, optional): {step, job_ids} of the commit it sent and got no answer
-    #   to (its dispatcher died): when the ledger holds exactly that commit the reply says
+    # model.pending (drafter, optional): {step, job_ids} of the commit it (or its group's rank 0)
+    #   sent and got no answer to (its dispatcher died): when the ledger holds exactly that commit the reply says
     #   pending_committed, the drafter applies it and the ledger keeps the step (no rollback).
     # model.checkpoint (drafter, optional, <= step): the step of the newest checkpoint it loaded or
     #   wrote. The dispatcher counts it as durable (journaled) when it is of the ledger's history, so

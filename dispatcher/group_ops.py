@@ -68,13 +68,13 @@ class GroupOps:
             raise LedgerError("model.checkpoint must be the step of a checkpoint the drafter holds: an integer in "
                               f"[0, step={model_step}]")
         spec = self._group_spec(model.get("group"))
-        pending_committed = spec is None and self._pending_committed(model_id, model_step, model.get("pending"))
+        pending_committed = self._pending_committed(model_id, model_step, model.get("pending"))
         return RegisteredModel(model_id, model_step + pending_committed, spec, self._rank_store(model.get("group")),
                                held_checkpoint, pending_committed)
 
     def _pending_committed(self, model_id: str, model_step: int, pending: Any) -> bool:
-        """``model.pending`` of a lone drafter's register: {step, job_ids} of the commit it sent and
-        never heard the answer to (its dispatcher died). When the ledger holds exactly that commit the
+        """``model.pending`` of a register: {step, job_ids} of the commit a lone drafter (or a group's
+        rank 0) sent and never heard the answer to (its dispatcher died). When the ledger holds exactly that commit the
         drafter applies it (its gradients are still there) and counts as holding that step, so the
         commit is not rolled back; otherwise it drops it."""
         if pending is None:

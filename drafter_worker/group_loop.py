@@ -66,7 +66,9 @@ from drafter_worker.state_transfer import StateTransferFailed, receive_state, se
 
 log = logging.getLogger("hsd.drafter")
 
-COMMITTED, REFUSED, ABORTED = 1, 0, -1  # rank 0's commit outcome, broadcast to every rank
+# rank 0's commit outcome, broadcast to every rank (PENDING: the dispatcher restarted before it
+# answered; every rank keeps the step and asks the next one when it registers)
+COMMITTED, REFUSED, ABORTED, PENDING = 1, 0, -1, 2
 GROUP_NEVER_FORMED_EXIT = 4  # exit code of a rank that found no version to train in within drafter.group_wait_s
 DONE, NEXT_VERSION, LEAVE = "done", "next", "leave"  # how a version ends for a rank
 JOIN_POLL_MS = 1000
@@ -137,9 +139,11 @@ class GroupDrafterLoop(DrafterLoop):
 
     def _lost(self) -> None:
         self._close_group()
+        pending = self.pending  # a step whose commit the restarted dispatcher may hold (PENDING)
         super()._lost()
-        self.pending = None  # a group's step is its rank 0's to commit: a new version starts afresh
-        self.backend.drop_step()
+        self.pending = pending
+        if pending is None:
+            self.backend.drop_step()
         self.window = []
         self.clock.discard_open()
 
@@ -371,6 +375,10 @@ class GroupDrafterLoop(DrafterLoop):
                 raise
         mine = list(self.window)
         self.window = []
+        if outcome == PENDING:
+            self.session.held.discard(mine)
+            self.pending = {"step": self.backend.step + 1, "job_ids": job_ids}
+            raise WorkerLost(f"the dispatcher restarted before it answered the commit of step {self.backend.step + 1}")
         if outcome != COMMITTED:
             self.backend.drop_step()
             self.session.held.discard(mine)  # the dispatcher took them back: the next heartbeat agrees
@@ -466,7 +474,7 @@ class GroupDrafterLoop(DrafterLoop):
                     return ABORTED, version
                 log.warning("%s: commit of step %d got no reply; sending it again", self.name, fields["step"])
             except WorkerLost:
-                return ABORTED, version  # the dispatcher forgot us: every rank registers again
+                return PENDING, version  # the dispatcher forgot us: every rank registers again, asking
             except ProtocolError as exc:
                 if exc.code == ErrorCode.BAD_STATE:
                     log.warning("%s: step %d refused, dropped: %s", self.name, fields["step"], exc.message)

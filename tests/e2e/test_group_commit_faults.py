@@ -3,12 +3,15 @@
 - Rank 0 SIGKILLed with its commit durable and its outcome not yet sent (test fault ``committed``):
   the other ranks learn from the dispatcher that the step committed and apply it, so no committed
   step is rolled back or committed twice, and no survivor exits.
+- The dispatcher exits with rank 0's commit durable and its reply unsent: every rank keeps the
+  step, and the next dispatcher, which holds the commit, has them apply it as they register.
 - ``drafter.step_balance=count`` on a group whose size does not divide the step (3 ranks, 4
   micro-batches a step: shares 2, 1, 1): every rank's job-exchange row has the group's width.
 """
 
 from __future__ import annotations
 
+from common.faults import EXIT_BEFORE_COMMIT_REPLY_ENV
 from dispatcher.journal import read_journal
 from drafter_worker.group_loop import KILL_AT_ENV
 from hsd_testing import assert_exactly_once, kill_tree, report, start_hsd
@@ -45,6 +48,28 @@ def test_rank0_killed_inside_its_commit_loses_no_step_and_no_survivor(run_dir, t
     assert "StateTransferFailed" not in logs and "Traceback" not in logs
     launch_log = (tmp_path / "launch.log").read_text()
     assert launch_log.count("exited with code") == 2, launch_log[-3000:]  # the two kills, no survivor
+
+
+def test_a_group_commit_whose_reply_died_with_the_dispatcher_is_applied(run_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv(EXIT_BEFORE_COMMIT_REPLY_ENV, "3")
+    args = _args(run_dir, "drafter.count=2", "target.count=1", "target.sim_cost_per_token=2e-5", "run.epochs=3")
+    procs = {}
+    try:
+        procs["dispatcher"] = start_hsd("dispatcher", *args, log_path=tmp_path / "dispatcher1.log")
+        for name in ("target-0", "drafter-0", "drafter-1"):
+            procs[name] = start_hsd(name.split("-")[0], *args, "--name", name, log_path=tmp_path / f"{name}.log")
+        assert procs["dispatcher"].wait(timeout=180) == 9, (tmp_path / "dispatcher1.log").read_text()[-3000:]
+        procs["dispatcher"] = start_hsd("dispatcher", *args, log_path=tmp_path / "dispatcher2.log")
+        assert procs["dispatcher"].wait(timeout=240) == 0, (tmp_path / "dispatcher2.log").read_text()[-3000:]
+        for name in ("target-0", "drafter-0", "drafter-1"):
+            assert procs[name].wait(timeout=60) == 0, name
+    finally:
+        for proc in procs.values():
+            kill_tree(proc)
+    _steps_each_once(list(read_journal(run_dir)))
+    assert_exactly_once(report(run_dir))
+    logs = "".join((tmp_path / f"drafter-{i}.log").read_text() for i in (0, 1))
+    assert logs.count("sent to the last dispatcher, committed: applied") == 2, logs[-3000:]
 
 
 def test_count_balance_on_a_group_whose_size_does_not_divide_the_step(run_dir, tmp_path):
