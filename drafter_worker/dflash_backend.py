@@ -35,7 +35,7 @@ from common.witness import (CheckpointSnapshot, TrainedJobs, check_model_id, lat
                             training_dir)
 from drafter_worker.dflash.config import DFlashTrainConfig, read_target_config
 from drafter_worker.dflash.export import export_config, write_drafter_files
-from drafter_worker.dflash.mask_token import resolve_mask_token_id
+from drafter_worker.dflash.mask_token import mask_token_text, resolve_mask_token_id
 from drafter_worker.dflash.state_io import flatten_state, load_state, write_state
 from drafter_worker.dflash.trainer import DFlashTrainer
 from drafter_worker.process_group import AllReduce, all_reduce_flat
@@ -105,9 +105,11 @@ class DFlashBackend:
         self.device = torch.device(device) if device is not None else default_device(config)
         self.seed = config.run.seed
         section = getattr(config, self.section)
+        self.mask_token = ""  # its text in the target's tokenizer, exported beside the id
         if self.section == "dflash":  # chosen once, at start: the tokenizer's mask token or a reserved one, never a token of the data
             section = dataclasses.replace(section, mask_token_id=resolve_mask_token_id(
                 config, vocab_size=read_target_config(self.target_dir)["vocab_size"]))
+            self.mask_token = mask_token_text(self.target_dir, section.mask_token_id)
         self.train_config = self._train_config(section, schedule_jobs or derive_schedule_jobs(config, self.section))
         self.train_config.validate()
         self.keep = config.drafter.checkpoint_keep
@@ -197,6 +199,8 @@ class DFlashBackend:
         dtype = self._export_dtype()
         config_doc = self.export_config(self.trainer.model.config, dtype)
         config_doc.setdefault("hsd_training", {})["capture_point"] = self.contract["capture_point"]
+        if self.mask_token:
+            config_doc["dflash_config"]["mask_token"] = self.mask_token
         return CheckpointSnapshot(
             self.model_id, self.step, self.trained.copy(), keep_last=self.keep,
             write_servable=lambda directory: write_drafter_files(draft_tensors, config_doc, directory, dtype=dtype),
