@@ -471,12 +471,18 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
     return config
 
 
+RESOLVED_HEADER = ("# The run's resolved config. nodes.name is left empty: each node names its own (hsd target/drafter\n"
+                   "# --node, nodes.name=..., or by default its hostname), never the node that wrote this file.\n")
+
+
 def write_resolved(config: Config, run_dir: Path | None = None) -> Path:
     run_dir = Path(run_dir or config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     target = run_dir / RESOLVED_CONFIG_NAME
     tmp = target.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    doc = config.to_dict()
+    doc["nodes"]["name"] = ""  # node-local: a worker started from this file on another node is not this one
+    tmp.write_text(RESOLVED_HEADER + yaml.safe_dump(doc, sort_keys=False))
     os.replace(tmp, target)
     return target
 
