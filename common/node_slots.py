@@ -4,7 +4,8 @@ A target allocates its block in a shared-memory segment of its node (created and
 target, named like the dispatcher's pool so a dead target's segment is swept the same way) and
 registers it with NIXL once. Its export names the node, the segment and the NIXL agent. A drafter
 on the same node maps the segment and copies as with ``shm``; one on another node reads the slot
-one-sided through the engine into the engine's registered buffer (no staging slot of its own). Either way the generation check guards it.
+one-sided through the engine into the engine's registered buffer (no staging slot of its own).
+Either way the generation check guards it.
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ class DFlashConfig:
     num_draft_layers: int = opt(5, "Number of draft decoder layers.")
     num_anchors: int = opt(512, "Most anchors (blocks) sampled per training sequence.")
     gamma: float = opt(0.0, "Loss decay: position k weighs exp(-(k-1)/gamma); 0 = the default for block_size.")
-    target_layer_ids: list[int] = opt([], "Target layers whose outputs are fused (layer i = hidden_states[i+1]).")
+    target_layer_ids: list[int] = opt([], "Target layers whose outputs are fused (layer i = the raw output of decoder layer i, before any final norm).")
     num_target_layers: int = opt(0, "Decoder layers of the target (exported for serving engines).")
     # A run's default comes from the tokenizer (drafter_worker.dflash.mask_token); -1 here, for a
     # model built directly (tests and benches on random tokens), is the embedding's last row.

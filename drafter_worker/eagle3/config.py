@@ -23,7 +23,7 @@ NUM_FUSED_LAYERS = 3  # serving engines build fc as 3 x hidden -> hidden
 
 @dataclass
 class Eagle3Config:
-    target_layer_ids: list[int] = opt([], "Target layers whose outputs are fused (layer i = hidden_states[i+1]).")
+    target_layer_ids: list[int] = opt([], "Target layers whose outputs are fused (layer i = the raw output of decoder layer i, before any final norm).")
     num_target_layers: int = opt(0, "Decoder layers of the target.")
     ttt_steps: int = opt(7, "Training-time test steps (tokens drafted per verify step at evaluation).")
     loss_decay: float = opt(0.8, "TTT step k weighs loss_decay ** k.")
