@@ -211,6 +211,7 @@ def capture(ctx: CheckContext) -> dict[str, Any]:
                                   num_layers=s.capture_layers, dtype=s.dtype, device=ctx.device)
     layers = ",".join(str(i) for i in range(1, s.capture_layers))
     overrides = [f"run.dir={ctx.tmp / 'capture-run'}", f"target.model={model_dir}", f"target.capture_layers=[{layers}]",
+                 "target.allow_unservable=true",  # every layer but the first: a throughput figure, never served
                  f"target.dtype={s.dtype}", f"schedule.buckets=[{','.join(map(str, s.buckets))}]",
                  f"schedule.tokens_per_batch={s.tokens_per_batch}"]
     if ctx.cuda:

@@ -5,10 +5,15 @@ A target and a drafter that disagree on it would train on the wrong features wit
 the target model's ``config.json`` and compared wherever two sides meet. Deriving it needs no
 torch and no weights: the dispatcher, which imports no model code, sizes its slots from it.
 
-Layer ``i`` is the output of decoder layer ``i`` (0-based), i.e. ``hidden_states[i + 1]`` of a
-Hugging Face forward with ``output_hidden_states=True`` (index 0 is the embedding output). The
+Layer ``i`` is the raw output of decoder layer ``i`` (0-based): the residual stream before any
+final norm, which is what vLLM and SGLang feed a drafter (``capture_point`` ``layer_output``). It
+equals ``hidden_states[i + 1]`` of a Hugging Face forward with ``output_hidden_states=True`` for
+every layer but the last, whose ``hidden_states[N]`` is the final norm's output instead. The
 captured layers sit side by side on the feature axis: ``[tokens, K × hidden_size]``; an EAGLE-3
 contract (``final_norm``) adds the last decoder state after the final norm as one more block.
+
+A contract without ``capture_point`` predates it (``hidden_states``: the last layer was taken after
+the final norm), so states or a drafter from such a run never pass as the current ones.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from typing import Any
 
 MODEL_CONFIG_NAME = "config.json"
 CAPTURE_DTYPES = ("bfloat16", "float16", "float32")
+CAPTURE_POINT = "layer_output"  # every layer's raw output, before any final norm (the engines')
+LEGACY_CAPTURE_POINT = "hidden_states"  # a contract that names none: the last layer after the final norm
 
 
 @dataclass(frozen=True)
@@ -34,6 +41,7 @@ class CaptureContract:
     # EAGLE-3 drafter turns it into the target's logits with the frozen LM head on its own device,
     # so the slot carries H values a token instead of a vocabulary's worth.
     final_norm: bool = False
+    capture_point: str = CAPTURE_POINT  # where a layer's state is taken (see the module docstring)
 
     def __post_init__(self) -> None:
         ids = list(self.layer_ids)
@@ -71,7 +79,8 @@ class CaptureContract:
         try:
             return cls(architecture=str(doc["architecture"]), num_layers=int(doc["num_layers"]),
                        hidden_size=int(doc["hidden_size"]), layer_ids=tuple(int(i) for i in doc["layer_ids"]),
-                       dtype=str(doc["dtype"]), final_norm=bool(doc.get("final_norm", False)))
+                       dtype=str(doc["dtype"]), final_norm=bool(doc.get("final_norm", False)),
+                       capture_point=str(doc.get("capture_point", LEGACY_CAPTURE_POINT)))
         except KeyError as exc:
             raise ValueError(f"capture contract is missing {exc.args[0]!r}: {dict(doc)!r}") from None
 
@@ -169,8 +178,19 @@ def check_same_contract(ours: CaptureContract | Mapping[str, Any], theirs: Captu
     b = theirs.to_dict() if isinstance(theirs, CaptureContract) else CaptureContract.from_dict(theirs).to_dict()
     differences = [f"{key}: {ours_name} {a[key]!r} vs {theirs_name} {b[key]!r}" for key in a if a[key] != b[key]]
     if differences:
+        hint = ""
+        if a["capture_point"] != b["capture_point"]:
+            hint = (f" — {capture_point_hint(a['capture_point'], b['capture_point'])}")
         raise ValueError(f"capture contracts differ between {ours_name} and {theirs_name} ("
-                         + "; ".join(differences) + f"); {ours_name}: {a}, {theirs_name}: {b}")
+                         + "; ".join(differences) + f"){hint}; {ours_name}: {a}, {theirs_name}: {b}")
+
+
+def capture_point_hint(ours: str, theirs: str) -> str:
+    """Why two capture points cannot be mixed, and what to do about it."""
+    old = LEGACY_CAPTURE_POINT in (ours, theirs)
+    return (f"states taken at {ours!r} and at {theirs!r} are different features"
+            + (" (a run or drafter from before the capture point was recorded took the last layer after the "
+               "final norm): train it again in a new run directory" if old else ""))
 
 
 def resolve_capture_dtype(config: Any) -> str:

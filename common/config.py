@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from common.capture_contract import contract_from_config, read_model_config
+from common.serving_layers import unservable_reason
 from common.witness import check_model_id
 
 
@@ -110,6 +111,7 @@ class TargetSection:
     capture_layers: list[int] = opt([], "Captured decoder layers (i = output of decoder layer i); empty = DFlash default.")
     hidden_size: int = opt(64, "Hidden size of the captured states (sim; real models read it from the model).")
     num_capture_layers: int = opt(5, "Captured target layers K of the DFlash default (ignored when capture_layers is set).")
+    allow_unservable: bool = opt(False, "Accept capture layers no serving engine feeds a drafter (the last layer's output): for a drafter only hsd eval runs.")
     attn_implementation: str = opt("auto", "Attention kernel of the target forward (Hugging Face attn_implementation); auto = the fastest the architecture supports here: flash attention on a GPU where installed, else sdpa, else eager.")
     dtype: str = opt("auto", "Dtype of the target forward and captured states; auto = float32 for a model on CPU, else bfloat16.")
     max_restarts: int = opt(3, "Restarts hsd launch grants a crashed target.")
@@ -438,6 +440,9 @@ def _validate_capture(config: Config) -> None:
         # Serving engines build EAGLE-3's fc as 3 x hidden -> hidden: another count would not load.
         raise ConfigError(f"target.capture_layers: an EAGLE-3 drafter fuses exactly 3 target layers, "
                           f"got {list(contract.layer_ids)}")
+    reason = unservable_reason(contract.layer_ids, num_layers=contract.num_layers, objective=config.drafter.objective)
+    if reason and not config.target.allow_unservable:
+        raise ConfigError(f"target.capture_layers {list(contract.layer_ids)}: {reason}")
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = ()) -> Config:
@@ -471,12 +476,18 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
     return config
 
 
+RESOLVED_HEADER = ("# The run's resolved config. nodes.name is left empty: each node names its own (hsd target/drafter\n"
+                   "# --node, nodes.name=..., or by default its hostname), never the node that wrote this file.\n")
+
+
 def write_resolved(config: Config, run_dir: Path | None = None) -> Path:
     run_dir = Path(run_dir or config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     target = run_dir / RESOLVED_CONFIG_NAME
     tmp = target.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    doc = config.to_dict()
+    doc["nodes"]["name"] = ""  # node-local: a worker started from this file on another node is not this one
+    tmp.write_text(RESOLVED_HEADER + yaml.safe_dump(doc, sort_keys=False))
     os.replace(tmp, target)
     return target
 

@@ -242,3 +242,41 @@ def server_from_config(curve) -> CurveServer | None:
         raise CurveKeyError("curve.allowed_client_keys: list the workers' public keys (or a directory of .key "
                             "files); with none, no worker could connect")
     return CurveServer(public=public, secret=secret, allowed=_allowed_keys(curve.allowed_client_keys))
+
+
+def handshake_refused(endpoint: str, curve: CurveClient | None, *, timeout_s: float = 1.0) -> bool:
+    """Whether a connection to ``endpoint`` with ``curve`` (None: without CURVE) fails its handshake
+    (a CURVE dispatcher meeting a plain client, or refusing its key) rather than finding no listener:
+    a dispatcher that never answers is then told apart from one that will not talk to this client."""
+    context = zmq.Context.instance()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        curve.apply(sock)
+    monitor = sock.get_monitor_socket(HandshakeMonitor.EVENTS)
+    try:
+        sock.connect(endpoint)
+        return bool(monitor.poll(int(timeout_s * 1000)))
+    finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)
+        sock.close(linger=0)
+
+
+def client_from_keys(keys_dir: str | os.PathLike, client: str | None = None) -> CurveClient:
+    """The keys ``hsd keys --out DIR`` made: the dispatcher's public key and the pair named ``client``
+    (the directory's only other pair when None)."""
+    keys = Path(keys_dir)
+    server = keys / "dispatcher.key"
+    if not server.is_file():
+        raise CurveKeyError(f"--keys {keys}: no dispatcher.key (give the directory hsd keys --out wrote)")
+    if client is None:
+        pairs = sorted(p.name.removesuffix(".key_secret") for p in keys.glob("*.key_secret")
+                       if p.name != "dispatcher.key_secret")
+        if len(pairs) != 1:
+            raise CurveKeyError(f"--keys {keys}: {len(pairs)} client key pairs ({', '.join(pairs) or 'none'}): "
+                                f"name this node's with --client NAME")
+        client = pairs[0]
+    public, secret = key_pair(str(keys / f"{client}.key_secret"), what=f"--client {client}")
+    return CurveClient(server_public=public_key(str(server), what="--keys dispatcher.key"), public=public,
+                       secret=secret)

@@ -84,6 +84,11 @@ class RemoteSlotReader:
         self.num_reads = 0
         self.bytes_read = 0
 
+    @property
+    def view(self) -> SlotView:
+        """The registered slot every remote read lands in."""
+        return self._view
+
     def _peer(self, export: dict[str, Any]) -> str:
         name = self._peers.get(export["agent"])
         if name is None:

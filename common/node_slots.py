@@ -4,11 +4,13 @@ A target allocates its block in a shared-memory segment of its node (created and
 target, named like the dispatcher's pool so a dead target's segment is swept the same way) and
 registers it with NIXL once. Its export names the node, the segment and the NIXL agent. A drafter
 on the same node maps the segment and copies as with ``shm``; one on another node reads the slot
-one-sided through the engine into its staging slot. Either way the generation check guards it.
+one-sided through the engine into the engine's registered buffer (no staging slot of its own).
+Either way the generation check guards it.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -16,6 +18,8 @@ import torch
 from common.nixl_engine import RemoteSlotReader, SlotExporter
 from common.shm_arena import SlotArena
 from common.slots import SlotCopy, SlotLayout, SlotView, start_copy
+
+log = logging.getLogger("hsd.transport")
 
 
 class NodeSlotBlock:
@@ -60,8 +64,9 @@ class NodeSlotReader:
         self.device = device
         self._agents: dict[str, str] = {}  # owner -> its NIXL agent, to drop it when the owner leaves
         self._local: dict[str, SlotArena] = {}  # owner -> its mapped segment
+        self._not_here: set[str] = set()  # owners named this node whose segment this host lacks
         self._remote: RemoteSlotReader | None = None  # made at the first remote read
-        self._staging = SlotView(torch.zeros(layout.slot_bytes, dtype=torch.uint8), layout)
+        self._staging: SlotView | None = None  # a CPU reader's copy of a local slot, made at its first one
         self.num_local = 0
         self.num_remote = 0
 
@@ -72,11 +77,10 @@ class NodeSlotReader:
         A local slot is copied as with shm (on ``stream`` on a GPU); a remote one is read through
         the engine with both generation checks before this returns, then moved to the GPU if any.
         """
-        if export.get("node") == self.node:
-            arena = self._local.get(owner)
-            if arena is None:
-                arena = self._local[owner] = SlotArena.attach(export["arena"], self.layout,
-                                                              export["nbytes"] // self.layout.slot_bytes)
+        arena = self._local_arena(export, owner) if export.get("node") == self.node else None
+        if arena is not None:
+            if self.device.type == "cpu" and self._staging is None:
+                self._staging = SlotView(torch.zeros(self.layout.slot_bytes, dtype=torch.uint8), self.layout)
             copy = start_copy(arena.slot(slot), generation, self.device, stream=stream, into=self._staging
                               if self.device.type == "cpu" else None)
             self.num_local += 1
@@ -88,10 +92,28 @@ class NodeSlotReader:
         self.num_remote += 1
         if self.device.type != "cpu":
             batch = batch.copy_to(self.device)
-        return SlotCopy(self._staging, generation, batch, device=self.device)
+        return SlotCopy(self._remote.view, generation, batch, device=self.device)  # the engine's own buffer
+
+    def _local_arena(self, export: dict[str, Any], owner: str) -> SlotArena | None:
+        """The owner's segment mapped, or None when its node has the drafter's name but no such segment:
+        two hosts share a node name (a node's config used on another without its own ``--node``), so
+        the slot is read through the engine, as any other node's, and the mix-up is said once."""
+        arena = self._local.get(owner)
+        if arena is None and owner not in self._not_here:
+            try:
+                arena = self._local[owner] = SlotArena.attach(export["arena"], self.layout,
+                                                              export["nbytes"] // self.layout.slot_bytes)
+            except FileNotFoundError:
+                self._not_here.add(owner)
+                log.warning("%s's slots are named node %r, this drafter's node, but segment %s is not on this "
+                            "host: two hosts use node name %r (start each with its own --node, or leave "
+                            "nodes.name unset for its hostname); reading them through the engine", owner,
+                            self.node, export["arena"], self.node)
+        return arena
 
     def forget(self, *, owner: str = "") -> None:
         """The owner left: unmap its segment, drop its agent."""
+        self._not_here.discard(owner)
         arena = self._local.pop(owner, None)
         if arena is not None:
             arena.close()

@@ -76,6 +76,8 @@ def export_servable(checkpoint: Checkpoint, out: str | os.PathLike, *, force: bo
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(source, tmp)
+    for path in [tmp, *tmp.rglob("*")]:  # readable by an engine serving as another user, whatever the source mode
+        path.chmod(path.stat().st_mode | (0o755 if path.is_dir() else 0o644))
     fsync_tree(tmp)
     if out.exists():
         shutil.rmtree(out)

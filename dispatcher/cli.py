@@ -122,7 +122,8 @@ def cmd_stats(args) -> int:
     if args.overrides and not args.config:
         raise ConfigError(f"hsd stats: overrides ({' '.join(args.overrides)}) go with --config")
     return run_stats(endpoint=args.endpoint, run_dir=args.run_dir, as_json=args.json, watch_s=args.watch,
-                     config_path=args.config, overrides=args.overrides)
+                     config_path=args.config, overrides=args.overrides, keys_dir=args.keys, client=args.client,
+                     secret=args.secret)
 
 
 def cmd_report(args) -> int:
@@ -275,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--config", help="the run's config (on another node: its copy, with that node's key pair "
                                         "as an override, e.g. curve.client_secret_key=keys/node-b.key_secret)")
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides (with --config)")
+    p.add_argument("--keys", metavar="DIR", help="with --endpoint: CURVE keys from the directory hsd keys --out wrote")
+    p.add_argument("--client", metavar="NAME", help="with --keys: this node's key pair (default: the only one in DIR)")
+    p.add_argument("--secret", default="", help="with --endpoint: the run's dispatcher.secret")
     p.add_argument("--json", action="store_true")
     p.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until interrupted")
     p.set_defaults(func=cmd_stats)

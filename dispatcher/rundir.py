@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import fcntl
+import ipaddress
 import json
 import logging
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +22,32 @@ LOCK_FILE = "dispatcher.lock"
 RESUME_SENSITIVE = ("run", "data", "schedule")
 
 
-def check_endpoint(endpoint: str, secret: str, *, curve: bool = False) -> None:
+def resolve_host(host: str) -> list[str]:
+    """Every address ``host`` resolves to here (a literal address is itself)."""
+    try:
+        return sorted({info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)})
+    except socket.gaierror as exc:
+        raise ConfigError(f"cannot bind {host!r}: it does not resolve on this host ({exc.strerror})") from None
+
+
+def check_endpoint(endpoint: str, secret: str, *, curve: bool = False, multi_node: bool = False) -> None:
+    """Refuse an endpoint a run cannot use: a TCP host that resolves to loopback only when workers
+    of other nodes must connect (``multi_node``), which is warned about otherwise; a non-loopback
+    bind without CURVE or a secret; an ipc path too long for a Unix socket."""
     if endpoint.startswith("tcp://"):
         host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
-        if host not in ("127.0.0.1", "localhost", "::1") and not (secret or curve):
+        addresses = [] if host == "*" else resolve_host(host)
+        loopback = bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
+        if loopback and host not in ("127.0.0.1", "::1", "localhost"):
+            # A name that resolves to loopback (Debian and Ubuntu map the hostname to 127.0.1.1): no
+            # other node can connect. A literal loopback address is a choice (one machine, tests).
+            message = (f"{endpoint}: {host!r} resolves to {', '.join(addresses)}, a loopback address: workers on "
+                       f"other nodes cannot connect; bind the address on the route to them (the src of "
+                       f"`ip route get <a drafter node's address>`)")
+            if multi_node:
+                raise ConfigError(message + " (pool.transport=nixl runs across nodes)")
+            log.warning("%s", message)
+        if not loopback and not (secret or curve):
             raise ConfigError(f"binding {endpoint} on a non-loopback address requires CURVE keys (curve.*, made by "
                               "hsd keys) or at least dispatcher.secret")
     elif endpoint.startswith("ipc://"):

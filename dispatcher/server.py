@@ -66,7 +66,8 @@ class DispatcherServer:
         self.run_dir = config.run_dir
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for endpoint in (config.control_endpoint, config.stats_endpoint):
-            check_endpoint(endpoint, config.dispatcher.secret, curve=config.curve.enabled)
+            check_endpoint(endpoint, config.dispatcher.secret, curve=config.curve.enabled,
+                           multi_node=config.pool.transport == "nixl")
         self.curve = server_from_config(config.curve)
         self._lock = lock_run_dir(self.run_dir)
         warn_about_changed_settings(self.run_dir, config)

@@ -15,7 +15,7 @@ from typing import Any
 
 from common.client import DispatcherClient, DispatcherUnavailable
 from common.config import ConfigError, load_config, load_run_config
-from common.curve import CurveClient, client_from_config
+from common.curve import CurveClient, client_from_config, client_from_keys, handshake_refused
 from dispatcher.nodes import format_nodes
 
 DEFAULT_RUN_DIR = "runs/demo"
@@ -27,12 +27,15 @@ def format_q_hsb(q_hsb: dict) -> str:
 
 
 def resolve_stats_endpoint(endpoint: str | None, run_dir: str | None, *, config_path: str | None = None,
-                           overrides: list[str] | None = None) -> tuple[str, str, CurveClient | None]:
-    """(endpoint, secret, CURVE keys) from --endpoint, from a config file (another node's copy of
-    the run's config, with that node's own key pair as an override), or from the run directory's
-    resolved config."""
+                           overrides: list[str] | None = None, keys_dir: str | None = None, client: str | None = None,
+                           secret: str = "") -> tuple[str, str, CurveClient | None]:
+    """(endpoint, secret, CURVE keys) from --endpoint (with --keys/--client and --secret), from a
+    config file (another node's copy of the run's config, with that node's own key pair as an
+    override), or from the run directory's resolved config."""
     if endpoint:
-        return endpoint, "", None
+        return endpoint, secret, client_from_keys(keys_dir, client) if keys_dir else None
+    if keys_dir or client or secret:
+        raise ConfigError("hsd stats: --keys, --client and --secret go with --endpoint (a config names its own)")
     if config_path:
         config = load_config(config_path, overrides or [])
         return config.stats_endpoint, config.dispatcher.secret, client_from_config(config.curve)
@@ -287,14 +290,20 @@ def step_metric_lines(workers: list[dict[str, Any]]) -> list[str]:
 
 
 def run_stats(*, endpoint: str | None, run_dir: str | None, as_json: bool, watch_s: float | None,
-              config_path: str | None = None, overrides: list[str] | None = None) -> int:
-    endpoint, secret, curve = resolve_stats_endpoint(endpoint, run_dir, config_path=config_path, overrides=overrides)
+              config_path: str | None = None, overrides: list[str] | None = None, keys_dir: str | None = None,
+              client: str | None = None, secret: str = "") -> int:
+    endpoint, secret, curve = resolve_stats_endpoint(endpoint, run_dir, config_path=config_path, overrides=overrides,
+                                                     keys_dir=keys_dir, client=client, secret=secret)
     commit_rate, previous = CommitRate(), None
     while True:
         try:
             stats = fetch_stats(endpoint, secret, curve=curve)
         except DispatcherUnavailable:
-            print(f"no dispatcher answers at {endpoint}")
+            if endpoint.startswith("tcp://") and handshake_refused(endpoint, curve):
+                print(f"CURVE handshake refused at {endpoint}: pass --config or the keys (--keys DIR [--client NAME])"
+                      + (" of a key pair the dispatcher allows" if curve else ""))
+            else:
+                print(f"no dispatcher answers at {endpoint}")
             if not watch_s:
                 return 1
         else:

@@ -16,6 +16,7 @@ before the step is applied.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -25,15 +26,16 @@ from typing import Any
 
 import torch
 
-from common.capture_contract import contract_from_config
+from common.capture_contract import LEGACY_CAPTURE_POINT, capture_point_hint, contract_from_config
 from common.config import Config, ConfigError
 from common.mix import splitmix64
 from common.slots import SlotBatch
 from common.host_staging import HostStaging
-from common.witness import CheckpointSnapshot, TrainedJobs, check_model_id, latest_checkpoint, training_dir
+from common.witness import (CheckpointSnapshot, TrainedJobs, check_model_id, latest_checkpoint, servable_dir,
+                            training_dir)
 from drafter_worker.dflash.config import DFlashTrainConfig, read_target_config
 from drafter_worker.dflash.export import export_config, write_drafter_files
-from drafter_worker.dflash.mask_token import resolve_mask_token_id
+from drafter_worker.dflash.mask_token import mask_token_text, resolve_mask_token_id
 from drafter_worker.dflash.state_io import flatten_state, load_state, write_state
 from drafter_worker.dflash.trainer import DFlashTrainer
 from drafter_worker.process_group import AllReduce, all_reduce_flat
@@ -103,9 +105,11 @@ class DFlashBackend:
         self.device = torch.device(device) if device is not None else default_device(config)
         self.seed = config.run.seed
         section = getattr(config, self.section)
+        self.mask_token = ""  # its text in the target's tokenizer, exported beside the id
         if self.section == "dflash":  # chosen once, at start: the tokenizer's mask token or a reserved one, never a token of the data
             section = dataclasses.replace(section, mask_token_id=resolve_mask_token_id(
                 config, vocab_size=read_target_config(self.target_dir)["vocab_size"]))
+            self.mask_token = mask_token_text(self.target_dir, section.mask_token_id)
         self.train_config = self._train_config(section, schedule_jobs or derive_schedule_jobs(config, self.section))
         self.train_config.validate()
         self.keep = config.drafter.checkpoint_keep
@@ -140,6 +144,7 @@ class DFlashBackend:
                 self.trainer = self._new_trainer()
             self.step, self.trained = 0, TrainedJobs()
         else:
+            self._check_capture_point(checkpoint.path)
             state = load_state(training_dir(checkpoint))
             self.trainer.load_state_dict(state["trainer"])
             torch.set_rng_state(state["torch_rng"])
@@ -150,6 +155,16 @@ class DFlashBackend:
         self.window = []
         self.clock = StepClock()
         return self.step
+
+    def _check_capture_point(self, step_dir) -> None:
+        """A checkpoint trained on states taken elsewhere than this run's capture point is refused."""
+        config_path = servable_dir(step_dir) / "config.json"
+        doc = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        theirs = (doc.get("hsd_training") or {}).get("capture_point", LEGACY_CAPTURE_POINT)
+        ours = self.contract["capture_point"]
+        if theirs != ours:
+            raise ValueError(f"checkpoint {step_dir} was trained on target states taken at {theirs!r}, this run "
+                             f"captures at {ours!r}: {capture_point_hint(ours, theirs)}")
 
     # -- a joiner's state, from a live rank (drafter_worker/state_transfer.py) ---------------------
     def live_state(self) -> dict:
@@ -183,6 +198,9 @@ class DFlashBackend:
         training_tensors = {name: host[name] for name in tensors}
         dtype = self._export_dtype()
         config_doc = self.export_config(self.trainer.model.config, dtype)
+        config_doc.setdefault("hsd_training", {})["capture_point"] = self.contract["capture_point"]
+        if self.mask_token:
+            config_doc["dflash_config"]["mask_token"] = self.mask_token
         return CheckpointSnapshot(
             self.model_id, self.step, self.trained.copy(), keep_last=self.keep,
             write_servable=lambda directory: write_drafter_files(draft_tensors, config_doc, directory, dtype=dtype),

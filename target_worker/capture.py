@@ -165,19 +165,19 @@ class LayerCapture:
         self.max_tokens = max_tokens
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        # hidden_states[N] of a Hugging Face forward is the final norm's output, not the last layer's:
-        # keep the norm when the last layer is captured, so layer i is hidden_states[i + 1] for every i.
-        self._last_from_norm = ids[-1] == len(layers) - 1
+        # Every captured layer is the raw output of its decoder layer (the residual stream, before
+        # any final norm), the last layer's included: what vLLM and SGLang feed a drafter. The final
+        # norm runs only for EAGLE-3's extra block, which reads it (hidden_states[N] of a plain
+        # forward is that normed state, not layer N-1's output).
         self.last_layer = len(layers) - 1 if final_norm else ids[-1]  # the last layer the forward runs
         self._truncated = copy.copy(decoder)
         self._truncated._modules = dict(decoder._modules)
         self._truncated._modules[layers_name] = layers[:self.last_layer + 1]
-        if not self._last_from_norm and not final_norm:
+        if not final_norm:
             for name in _FINAL_NORM_NAMES:
                 if name in self._truncated._modules:
                     self._truncated._modules[name] = nn.Identity()
-        hooked = ids[:-1] if self._last_from_norm else ids
-        self._hooks = [layers[layer].register_forward_hook(self._hook(k)) for k, layer in enumerate(hooked)]
+        self._hooks = [layers[layer].register_forward_hook(self._hook(k)) for k, layer in enumerate(ids)]
         self._buffers: list[torch.Tensor | None] = [None] * num_buffers
         self.next_buffer = 0  # index of the buffer the next call fills
         self._out: torch.Tensor | None = None  # set only during a call: the hooks are shared with the full model
@@ -205,9 +205,6 @@ class LayerCapture:
             result = self._truncated(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         finally:
             self._out = None
-        if self._last_from_norm:
-            column = (len(self.layer_ids) - 1) * self.hidden_size
-            out[..., column:column + self.hidden_size].copy_(result.last_hidden_state)
         if self.final_norm:
             out[..., -self.hidden_size:].copy_(result.last_hidden_state)
         return out

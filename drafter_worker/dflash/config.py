@@ -38,13 +38,42 @@ def read_target_config(target_dir: str | Path) -> dict:
     return target.get("text_config", target)  # multimodal wrappers keep the language model's config inside
 
 
+_ROPE_TYPES = ("linear", "llama3")  # the scalings the drafters' RoPE implements (drafter_worker.dflash.model)
+
+
+def rope_scaling_of(doc: dict) -> dict | None:
+    """A config's RoPE scaling as one dict with ``rope_type`` (None for plain RoPE), from the top-level
+    ``rope_scaling`` (transformers 4) or ``rope_parameters`` (transformers 5, which holds the base too)."""
+    raw = doc.get("rope_scaling") or doc.get("rope_parameters") or {}
+    scaling = {key: value for key, value in raw.items() if key not in ("rope_theta", "type")}
+    rope_type = raw.get("rope_type") or raw.get("type") or "default"
+    if rope_type == "default":
+        return None
+    if rope_type not in _ROPE_TYPES:
+        raise ConfigError(f"the target's RoPE scaling {rope_type!r} is not one the drafter implements "
+                          f"({', '.join(_ROPE_TYPES)})")
+    return {**scaling, "rope_type": rope_type}
+
+
+def rope_theta_of(doc: dict) -> float:
+    """A config's RoPE base: top-level ``rope_theta`` or ``rope_parameters.rope_theta`` (1e6 when neither)."""
+    return float(doc.get("rope_theta") or (doc.get("rope_parameters") or {}).get("rope_theta", 1e6))
+
+
+def rope_fields(theta: float, scaling: dict | None) -> dict:
+    """The exported RoPE keys: ``rope_theta`` and ``rope_scaling`` at the top level (what SGLang and
+    transformers 4 read) and ``rope_parameters`` (where transformers 5 and vLLM look)."""
+    return {"rope_theta": theta, "rope_scaling": dict(scaling) if scaling else None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": theta, **(scaling or {})}}
+
+
 @dataclass
 class DFlashConfig:
     block_size: int = opt(16, "Tokens per draft block: the anchor token plus block_size - 1 masked positions.")
     num_draft_layers: int = opt(5, "Number of draft decoder layers.")
     num_anchors: int = opt(512, "Most anchors (blocks) sampled per training sequence.")
     gamma: float = opt(0.0, "Loss decay: position k weighs exp(-(k-1)/gamma); 0 = the default for block_size.")
-    target_layer_ids: list[int] = opt([], "Target layers whose outputs are fused (layer i = hidden_states[i+1]).")
+    target_layer_ids: list[int] = opt([], "Target layers whose outputs are fused (layer i = the raw output of decoder layer i, before any final norm).")
     num_target_layers: int = opt(0, "Decoder layers of the target (exported for serving engines).")
     # A run's default comes from the tokenizer (drafter_worker.dflash.mask_token); -1 here, for a
     # model built directly (tests and benches on random tokens), is the embedding's last row.
@@ -56,6 +85,8 @@ class DFlashConfig:
     head_dim: int = opt(0, "Size of one attention head.")
     rms_norm_eps: float = opt(1e-6, "Epsilon of every RMSNorm.")
     rope_theta: float = opt(1e6, "RoPE base.")
+    rope_scaling: dict | None = opt(None, "The target's RoPE scaling (rope_type linear or llama3 and its keys); None = plain RoPE.")
+    mask_token: str = opt("", "Text of the mask token (exported beside its id for engines that look the id up by it); empty = unknown.")
     max_position_embeddings: int = opt(40960, "Longest position the model is configured for (exported as is).")
     vocab_size: int = opt(0, "Vocabulary size (must equal the target's).")
 
@@ -95,7 +126,6 @@ class DFlashConfig:
     def from_target(cls, target_dir: str | Path, *, layer_ids: list[int], **overrides) -> "DFlashConfig":
         """Draft dimensions from the target's ``config.json``; ``overrides`` set any field."""
         target = read_target_config(target_dir)
-        rope_theta = target.get("rope_theta") or (target.get("rope_parameters") or {}).get("rope_theta", 1e6)
         num_heads = target["num_attention_heads"]
         fields = dict(
             target_layer_ids=list(layer_ids),
@@ -106,7 +136,8 @@ class DFlashConfig:
             num_key_value_heads=target.get("num_key_value_heads") or num_heads,
             head_dim=target.get("head_dim") or target["hidden_size"] // num_heads,
             rms_norm_eps=target.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
+            rope_theta=rope_theta_of(target),
+            rope_scaling=rope_scaling_of(target),
             max_position_embeddings=target.get("max_position_embeddings", 40960),
             vocab_size=target["vocab_size"],
         )

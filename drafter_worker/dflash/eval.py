@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 
@@ -60,9 +60,26 @@ class Generation:
     accepted: list[int]  # drafts accepted at each verify step
 
 
-def capture(hidden_states: Sequence[torch.Tensor], layer_ids: list[int]) -> torch.Tensor:
-    """``[T, K*H]`` of the first sequence: layer i is ``hidden_states[i + 1]``."""
-    return torch.cat([hidden_states[i + 1][0] for i in layer_ids], dim=-1)
+def forward_capturing(target, ids: torch.Tensor, layer_ids: list[int]):
+    """The target's forward and ``[T, K*H]`` of the first sequence: the raw outputs of ``layer_ids``
+    (forward hooks on the decoder layers), as the target worker captures them and the engines feed a
+    drafter; ``hidden_states[N]`` of ``output_hidden_states`` would be the final norm's output."""
+    from target_worker.capture import find_decoder
+    decoder, layers_name = find_decoder(target)
+    layers = decoder._modules[layers_name]
+    outputs: dict[int, torch.Tensor] = {}
+
+    def keep(index: int):
+        def hook(_module, _args, output) -> None:
+            outputs[index] = output[0] if isinstance(output, tuple) else output
+        return hook
+    handles = [layers[i].register_forward_hook(keep(i)) for i in layer_ids]
+    try:
+        out = target(ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return out, torch.cat([outputs[i][0] for i in layer_ids], dim=-1)
 
 
 def _finish(tokens: list[int], max_new_tokens: int, eos: set[int]) -> tuple[list[int], bool]:
@@ -90,15 +107,14 @@ def greedy_generate(target, prompt: list[int], max_new_tokens: int, eos: set[int
 def speculative_generate(target, proposer: Proposer, prompt: list[int], max_new_tokens: int,
                          eos: set[int]) -> Generation:
     device = target.device
-    out = target(torch.tensor([prompt], device=device), output_hidden_states=True)
-    hs = capture(out.hidden_states, proposer.target_layer_ids)
+    out, hs = forward_capturing(target, torch.tensor([prompt], device=device), proposer.target_layer_ids)
     seq = list(prompt) + [int(out.logits[0, -1].argmax())]  # the prefill's token is the first bonus
     new, done = _finish(seq[len(prompt):], max_new_tokens, eos)
     accepted: list[int] = []
     while not done:
         length = len(seq)
         draft = proposer.propose(torch.tensor(seq, device=device), hs[:length - 1]).tolist()
-        out = target(torch.tensor([seq + draft], device=device), output_hidden_states=True)
+        out, hs = forward_capturing(target, torch.tensor([seq + draft], device=device), proposer.target_layer_ids)
         greedy = out.logits[0, length - 1:].argmax(-1).tolist()  # greedy[j]: the target's token after seq+draft[:j]
         num_accepted = 0
         while num_accepted < len(draft) and draft[num_accepted] == greedy[num_accepted]:
@@ -106,7 +122,7 @@ def speculative_generate(target, proposer: Proposer, prompt: list[int], max_new_
         seq += draft[:num_accepted] + [greedy[num_accepted]]
         accepted.append(num_accepted)
         # Rows up to the new last-but-one position saw only verified tokens (the target is causal).
-        hs = capture(out.hidden_states, proposer.target_layer_ids)[:len(seq) - 1]
+        hs = hs[:len(seq) - 1]
         new, done = _finish(seq[len(prompt):], max_new_tokens, eos)
     return Generation(tokens=new, accepted=accepted)
 

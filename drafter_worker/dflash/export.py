@@ -19,11 +19,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from common.witness import servable_dir
-from drafter_worker.dflash.config import DFlashConfig
+from drafter_worker.dflash.config import DFlashConfig, rope_fields, rope_scaling_of, rope_theta_of
 from drafter_worker.dflash.model import DFlashDraftModel, build_drafter
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+SERVABLE_MODE = 0o644  # an engine serving as another user reads both files (whatever the umask)
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -41,8 +42,7 @@ def export_config(config: DFlashConfig, dtype: str) -> dict:
         "attention_bias": False,
         "attention_dropout": 0.0,
         "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "rope_scaling": None,
+        **rope_fields(config.rope_theta, config.rope_scaling),
         "max_position_embeddings": config.max_position_embeddings,
         "vocab_size": config.vocab_size,
         "tie_word_embeddings": False,  # the drafter has no head of its own to tie
@@ -54,6 +54,8 @@ def export_config(config: DFlashConfig, dtype: str) -> dict:
         "dflash_config": {
             "target_layer_ids": list(config.target_layer_ids),
             "mask_token_id": config.mask_token_id,
+            # Some SGLang versions find the mask by its text alone (default "<|MASK|>"): name it too.
+            **({"mask_token": config.mask_token} if config.mask_token else {}),
             "block_size": config.block_size,
         },
         # Training-only knobs, kept so that a reload trains on the same way; engines ignore them.
@@ -73,9 +75,11 @@ def write_drafter_files(tensors: dict[str, torch.Tensor], config_doc: dict, out_
                for name, t in tensors.items()}
     tmp = out_dir / (WEIGHTS_NAME + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.chmod(tmp, SERVABLE_MODE)
     os.replace(tmp, out_dir / WEIGHTS_NAME)
     tmp = out_dir / (CONFIG_NAME + ".tmp")
     tmp.write_text(json.dumps(config_doc, indent=2) + "\n")
+    os.chmod(tmp, SERVABLE_MODE)
     os.replace(tmp, out_dir / CONFIG_NAME)
     return out_dir
 
@@ -91,7 +95,6 @@ def config_from_export(doc: dict) -> DFlashConfig:
         raise ValueError("config.json is not a DFlash drafter's (needs architectures DFlashDraftModel and "
                          "dflash_config.target_layer_ids)")
     training = doc.get("hsd_training") or {}
-    rope_theta = doc.get("rope_theta") or (doc.get("rope_parameters") or {}).get("rope_theta", 1e6)
     block_size = doc.get("block_size") or dflash.get("block_size")
     return DFlashConfig(
         block_size=block_size, num_draft_layers=doc["num_hidden_layers"],
@@ -100,7 +103,8 @@ def config_from_export(doc: dict) -> DFlashConfig:
         mask_token_id=dflash["mask_token_id"], hidden_size=doc["hidden_size"],
         intermediate_size=doc["intermediate_size"], num_attention_heads=doc["num_attention_heads"],
         num_key_value_heads=doc["num_key_value_heads"], head_dim=doc["head_dim"],
-        rms_norm_eps=doc["rms_norm_eps"], rope_theta=float(rope_theta),
+        rms_norm_eps=doc["rms_norm_eps"], rope_theta=rope_theta_of(doc), rope_scaling=rope_scaling_of(doc),
+        mask_token=dflash.get("mask_token", ""),
         max_position_embeddings=doc.get("max_position_embeddings", 40960), vocab_size=doc["vocab_size"])
 
 

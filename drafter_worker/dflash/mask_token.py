@@ -97,3 +97,14 @@ def resolve_mask_token_id(config: Config, *, vocab_size: int) -> int:
     log.info("%s unset: the mask token is %r (id %d), %s, absent from the training data", KEY, chosen.token,
              chosen.token_id, chosen.why)
     return chosen.token_id
+
+
+def mask_token_text(target_dir: str, token_id: int) -> str:
+    """The text of ``token_id`` in the target's tokenizer ("" when the target has none that names it):
+    exported as ``dflash_config.mask_token`` beside the id, for engines that look the id up by text."""
+    from common.prepared import load_tokenizer
+    try:
+        token = load_tokenizer(target_dir).convert_ids_to_tokens(int(token_id))
+    except (OSError, ValueError, KeyError, IndexError):
+        return ""
+    return token if isinstance(token, str) else ""

@@ -21,6 +21,8 @@ can be saved as is and served without conversion.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -46,9 +48,28 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None, *, device=None) -> torch.Tensor:
+    """Rotary frequencies ``[head_dim / 2]``, with the target's scaling: ``linear`` divides them by
+    ``factor``; ``llama3`` divides the low frequencies (wavelengths past
+    ``original_max_position_embeddings / low_freq_factor``) by ``factor``, keeps the high ones
+    (below ``... / high_freq_factor``) and blends linearly in between."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    if not scaling:
+        return inv_freq
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    context = float(scaling["original_max_position_embeddings"])
+    low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+    wavelength = 2 * math.pi / inv_freq
+    blend = ((context / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 0 at the low end, 1 at the high
+    return inv_freq / factor * (1 - blend) + inv_freq * blend
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                 scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin ``[..., head_dim]`` for integer positions, in the half-split layout of Qwen3."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    inv_freq = rope_inv_freq(head_dim, theta, scaling, device=positions.device)
     angles = positions.float().unsqueeze(-1) * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
@@ -158,8 +179,8 @@ class DFlashDraftModel(DraftTensors):
 
         pos_q = block_positions(starts, block)
         pos_ctx = torch.arange(ctx_len, device=hs_BSD.device).expand(batch, ctx_len)
-        rope_q = rope_cos_sin(pos_q, config.head_dim, config.rope_theta)
-        rope_ctx = rope_cos_sin(pos_ctx, config.head_dim, config.rope_theta)
+        rope_q = rope_cos_sin(pos_q, config.head_dim, config.rope_theta, config.rope_scaling)
+        rope_ctx = rope_cos_sin(pos_ctx, config.head_dim, config.rope_theta, config.rope_scaling)
         attend = DraftAttention(anchors_BN, ctx_len=ctx_len, block_size=block,
                                 kind=attention_kind(self.attention, hs_BSD.device))
         for layer in self.layers:

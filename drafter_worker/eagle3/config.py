@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import ConfigError, Eagle3Section, opt
+from drafter_worker.dflash.config import rope_scaling_of, rope_theta_of
 from drafter_worker.recipe import validate_recipe
 
 NUM_FUSED_LAYERS = 3  # serving engines build fc as 3 x hidden -> hidden
@@ -22,7 +23,7 @@ NUM_FUSED_LAYERS = 3  # serving engines build fc as 3 x hidden -> hidden
 
 @dataclass
 class Eagle3Config:
-    target_layer_ids: list[int] = opt([], "Target layers whose outputs are fused (layer i = hidden_states[i+1]).")
+    target_layer_ids: list[int] = opt([], "Target layers whose outputs are fused (layer i = the raw output of decoder layer i, before any final norm).")
     num_target_layers: int = opt(0, "Decoder layers of the target.")
     ttt_steps: int = opt(7, "Training-time test steps (tokens drafted per verify step at evaluation).")
     loss_decay: float = opt(0.8, "TTT step k weighs loss_decay ** k.")
@@ -33,6 +34,7 @@ class Eagle3Config:
     head_dim: int = opt(0, "Size of one attention head.")
     rms_norm_eps: float = opt(1e-6, "Epsilon of every RMSNorm.")
     rope_theta: float = opt(1e6, "RoPE base.")
+    rope_scaling: dict | None = opt(None, "The target's RoPE scaling (rope_type linear or llama3 and its keys); None = plain RoPE.")
     max_position_embeddings: int = opt(40960, "Longest position the model is configured for (exported as is).")
     vocab_size: int = opt(0, "The target's vocabulary size.")
     draft_vocab_size: int = opt(0, "Tokens the drafter's LM head scores (a subset of the target's vocabulary).")
@@ -63,14 +65,14 @@ class Eagle3Config:
             raise ConfigError(f"target directory {target_dir} has no config.json")
         target = json.loads(path.read_text())
         target = target.get("text_config", target)
-        rope_theta = target.get("rope_theta") or (target.get("rope_parameters") or {}).get("rope_theta", 1e6)
         num_heads = target["num_attention_heads"]
         fields = dict(
             target_layer_ids=list(layer_ids), num_target_layers=target["num_hidden_layers"],
             hidden_size=target["hidden_size"], intermediate_size=target["intermediate_size"],
             num_attention_heads=num_heads, num_key_value_heads=target.get("num_key_value_heads") or num_heads,
             head_dim=target.get("head_dim") or target["hidden_size"] // num_heads,
-            rms_norm_eps=target.get("rms_norm_eps", 1e-6), rope_theta=float(rope_theta),
+            rms_norm_eps=target.get("rms_norm_eps", 1e-6), rope_theta=rope_theta_of(target),
+            rope_scaling=rope_scaling_of(target),
             max_position_embeddings=target.get("max_position_embeddings", 40960), vocab_size=target["vocab_size"],
         )
         fields["draft_vocab_size"] = min(int(overrides.pop("draft_vocab", 32000)), fields["vocab_size"])

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from drafter_worker.dflash.config import rope_fields, rope_scaling_of, rope_theta_of
 from drafter_worker.dflash.export import CONFIG_NAME, WEIGHTS_NAME, write_drafter_files
 from drafter_worker.eagle3.config import Eagle3Config
 from drafter_worker.eagle3.model import Eagle3DraftModel, build_drafter
@@ -38,8 +39,7 @@ def export_config(config: Eagle3Config, dtype: str) -> dict:
         "attention_bias": False,
         "mlp_bias": False,
         "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "rope_scaling": None,
+        **rope_fields(config.rope_theta, config.rope_scaling),
         "max_position_embeddings": config.max_position_embeddings,
         "vocab_size": config.vocab_size,
         "draft_vocab_size": config.draft_vocab_size,
@@ -70,7 +70,7 @@ def config_from_export(doc: dict) -> Eagle3Config:
         ttt_steps=training["ttt_steps"], loss_decay=training["loss_decay"], hidden_size=doc["hidden_size"],
         intermediate_size=doc["intermediate_size"], num_attention_heads=doc["num_attention_heads"],
         num_key_value_heads=doc["num_key_value_heads"], head_dim=doc["head_dim"], rms_norm_eps=doc["rms_norm_eps"],
-        rope_theta=float(doc["rope_theta"]), max_position_embeddings=doc.get("max_position_embeddings", 40960),
+        rope_theta=rope_theta_of(doc), rope_scaling=rope_scaling_of(doc), max_position_embeddings=doc.get("max_position_embeddings", 40960),
         vocab_size=doc["vocab_size"], draft_vocab_size=doc["draft_vocab_size"])
 
 

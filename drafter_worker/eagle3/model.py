@@ -102,7 +102,7 @@ class Eagle3DraftModel(DraftTensors):
     def step(self, hidden_BTH, tokens_BT, positions_BT, cache: KVCache, mask=None):
         """One step: (stream ``[B, T, H]`` the next step reads, normed output for :meth:`logits`)."""
         embed = self.embed_tokens(tokens_BT).to(self.fc.weight.dtype)
-        rope = rope_cos_sin(positions_BT, self.config.head_dim, self.config.rope_theta)
+        rope = rope_cos_sin(positions_BT, self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
         stream = self.midlayer(embed, hidden_BTH, rope, cache, mask)
         return stream, self.norm(stream)
 

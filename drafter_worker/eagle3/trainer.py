@@ -32,7 +32,7 @@ class MicroStats:
     weight: float          # total step weight of its supervised (step, position) pairs
     num_tokens: int        # real tokens of its sequences
     correct: list[int]     # top-1 hits per TTT step
-    count: list[int]       # supervised positions per TTT step
+    count: list[int]       # predicted positions per TTT step, out-of-draft-vocabulary ones included
 
 
 class Eagle3Trainer(AccumulatingTrainer):
@@ -86,9 +86,11 @@ class Eagle3Trainer(AccumulatingTrainer):
             hidden = self.model.fuse(hs[..., :NUM_FUSED_LAYERS * hidden_size])
             cache: list = []
             for k, weight in enumerate(self.weights):
-                tokens, supervised = step_targets(input_ids, loss_mask, seq_lens, k)
+                tokens, predicted = step_targets(input_ids, loss_mask, seq_lens, k)
                 rows = shift_left(target.row_of_BS, 1 + k, fill=-1)
-                supervised &= shift_left(target.in_vocab_BS, 1 + k, fill=False)
+                # The loss trains where the target's choice is a draft token; the accuracy counts every
+                # predicted position, as a served drafter is judged: out of its vocabulary is a miss.
+                supervised = predicted & shift_left(target.in_vocab_BS, 1 + k, fill=False)
                 mask = ttt_mask(seq_len, k, device=device)
                 hidden, normed = self.model.step(hidden, tokens, positions + k, cache, mask)
                 step_sum, hits = soft_ce_chunked(normed[supervised], self.model.lm_head.weight,
@@ -97,7 +99,7 @@ class Eagle3Trainer(AccumulatingTrainer):
                 num = int(supervised.sum())
                 total = total + weight * step_sum
                 weight_total += weight * num
-                correct[k], count[k] = hits, num
+                correct[k], count[k] = hits, int(predicted.sum())
         if weight_total > 0:
             total.backward()
         self._weighted_sum += float(total.detach())

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from common.capture_contract import (CaptureContract, build_contract, check_same_contract, contract_from_config,
+from common.capture_contract import (CaptureContract, adopt_contract, build_contract, check_same_contract, contract_from_config,
                                      contract_from_model_dir, default_layer_ids, resolve_capture_dtype)
 from common.config import ConfigError, load_config
 from common.slots import SlotLayout
@@ -38,7 +38,8 @@ def test_default_layers_are_the_dflash_choice():
 def test_contract_from_config_json_needs_no_torch(tmp_path):
     contract = contract_from_model_dir(_model_dir(tmp_path), dtype="bfloat16")
     assert contract.to_dict() == {"architecture": "Qwen3ForCausalLM", "num_layers": 36, "hidden_size": 4096,
-                                  "layer_ids": [1, 9, 17, 25, 33], "dtype": "bfloat16", "final_norm": False}
+                                  "layer_ids": [1, 9, 17, 25, 33], "dtype": "bfloat16", "final_norm": False,
+                                  "capture_point": "layer_output"}
     assert contract.row_width == 5 * 4096
     assert CaptureContract.from_dict(contract.to_dict()) == contract
     # The dispatcher derives it and imports no model code: the module must not pull torch in.
@@ -76,6 +77,34 @@ def test_differing_contracts_raise_naming_both_sides():
     assert "between target-0 and drafter-1" in message
     assert "layer_ids: target-0 [1, 9, 17, 25, 33] vs drafter-1 [1, 9, 17, 25, 32]" in message
     assert "dtype: target-0 'bfloat16' vs drafter-1 'float32'" in message
+
+
+def test_a_contract_from_before_the_capture_point_was_recorded_is_refused():
+    """An old run's contract has no capture_point: its last layer was taken after the final norm, so
+    it never passes as the current one, and the message says why and what to do."""
+    ours = build_contract(QWEN3_8B, dtype="bfloat16")
+    old = {key: value for key, value in ours.to_dict().items() if key != "capture_point"}
+    assert CaptureContract.from_dict(old).capture_point == "hidden_states"
+    with pytest.raises(ValueError, match=r"capture_point: this run 'layer_output' vs target t0 'hidden_states'.*"
+                                         r"train it again in a new run directory"):
+        adopt_contract(ours.to_dict(), old, theirs_name="target t0")
+
+
+def test_a_layer_no_engine_serves_is_refused_naming_the_engines(tmp_path):
+    """Both engines capture a layer's output as the stream entering the next layer (vLLM's aux
+    hidden states in the models' forward, SGLang's layers_to_capture = ids + 1), so the last layer's
+    output is never served: a config naming it is refused unless target.allow_unservable is set."""
+    model = _model_dir(tmp_path)
+    for objective, layers in (("dflash", "[1, 17, 35]"), ("eagle3", "[1, 17, 35]")):
+        overrides = [f"target.model={model}", f"target.capture_layers={layers}", f"drafter.objective={objective}"]
+        with pytest.raises(ConfigError, match=rf"target.capture_layers \[1, 17, 35\]: vLLM serves layers 0..34 of "
+                                              rf"this 36-layer target for {objective}, not \[35\]; SGLang serves "
+                                              rf"layers 0..34 .*target.allow_unservable=true"):
+            load_config(None, overrides)
+        assert load_config(None, [*overrides, "target.allow_unservable=true"]).target.capture_layers == [1, 17, 35]
+    # The defaults of both objectives are servable.
+    assert load_config(None, [f"target.model={model}"]).target.capture_layers == []
+    assert load_config(None, [f"target.model={model}", "drafter.objective=eagle3"]).drafter.objective == "eagle3"
 
 
 @pytest.mark.parametrize("layer_ids, match", [([3, 1], "ascending"), ([1, 36], "outside the target's layers 0..35"),

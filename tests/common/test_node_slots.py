@@ -57,6 +57,17 @@ def test_slot_read_locally_and_across_nodes(monkeypatch):
             with pytest.raises(StaleSlotError):
                 reader.start_read(export, 2, 3, owner="t0")  # an older generation: refused before the copy
         assert (local.num_local, local.num_remote, remote.num_local, remote.num_remote) == (1, 0, 0, 1)  # refused reads do not count
+        # A host that shares node a's name but not its memory (node a's config used there without
+        # its own --node): the segment is not on it, so the slot is read through the engine.
+        elsewhere = {**export, "arena": f"hsd_{run_id}_{os.getpid()}"}  # a segment this host never had
+        mixed = NodeSlotReader(LAYOUT, "a", torch.device("cpu"))
+        try:
+            batch = mixed.start_read(elsewhere, 2, 4, owner="t1").wait()
+            verify_pattern(batch.hs, batch.input_ids, batch.loss_mask, batch.seq_lens, job_id=9,
+                           expected_seq_lens=[128, 5, 60])
+            assert (mixed.num_local, mixed.num_remote) == (0, 1)
+        finally:
+            mixed.close()
         from_parent.put("rewrite")
         assert child_message(to_parent, child) == "rewritten"
         for reader in (local, remote):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import socket
 import subprocess
 
 import pytest
@@ -241,15 +242,26 @@ def test_two_node_sbatch_puts_targets_and_drafters_on_their_nodes(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.yaml").write_text((DEPLOY / "configs" / "8gpu-qwen3-8b.yaml").read_text())  # as launch leaves it
-    calls = _run_with_stub(tmp_path, DEPLOY / "slurm" / "hsd-2node.sbatch", "pool.slots=24",
-                           env_extra={"HSD_CONFIG": str(DEPLOY / "configs" / "8gpu-qwen3-8b.yaml"),
-                                      "HSD_RUN_DIR": str(run), "NUM_TARGETS": "6", "NUM_DRAFTERS": "2",
-                                      "PATH": f"{bin_dir}:{os.environ['PATH']}", "HSD_BIN": str(bin_dir / "hsd")})
+    # The drafter nodes: scontrol names them; the script binds its source address on the route there
+    # (loopback here) and starts the drafters only once that port listens (the stand-in dispatcher's).
+    (bin_dir / "scontrol").write_text('#!/bin/bash\necho localhost\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    try:
+        calls = _run_with_stub(tmp_path, DEPLOY / "slurm" / "hsd-2node.sbatch", "pool.slots=24",
+                               env_extra={"HSD_CONFIG": str(DEPLOY / "configs" / "8gpu-qwen3-8b.yaml"),
+                                          "HSD_RUN_DIR": str(run), "NUM_TARGETS": "6", "NUM_DRAFTERS": "2",
+                                          "HSD_PORT": str(port),
+                                          "SLURM_JOB_NODELIST_HET_GROUP_1": "localhost",
+                                          "PATH": f"{bin_dir}:{os.environ['PATH']}", "HSD_BIN": str(bin_dir / "hsd")})
+    finally:
+        listener.close()
     assert calls["keys"][calls["keys"].index("--out") + 1] == str(run / "keys")
     head = _resolved(calls["launch"])
     assert head.pool.transport == "nixl" and head.nodes.name and head.pool.slots == 24
     assert head.target.gpus == list(range(6)) and head.drafter.count == 0
-    assert head.dispatcher.endpoint.startswith("tcp://") and head.curve.enabled
+    assert head.dispatcher.endpoint == f"tcp://127.0.0.1:{port}" and head.curve.enabled
     assert len(head.curve.allowed_client_keys) == 2
     drafter = calls["drafter"]
     assert drafter[drafter.index("--node") + 1] and drafter[drafter.index("--config") + 1] == str(run / "config.yaml")

@@ -219,3 +219,18 @@ def test_drafter_container_passes_sigterm_to_every_drafter(tmp_path, control_por
         assert proc.wait(timeout=30) == 0, proc.stdout.read()
         # every drafter was asked to stop, and the pod's shell waited until it had
         assert len(list(tmp_path.glob("*.term"))) == gpus
+
+
+def test_the_claim_names_a_storage_class_and_the_keys_are_readable_by_the_image_user():
+    """A ReadWriteMany claim on a block-storage default class never binds: storageClassName is a
+    parameter the recipe sets (a placeholder to replace, documented), never left to the default; the
+    key Secrets are mounted 0440, so each pod that mounts one sets an fsGroup for the image's user."""
+    objects = load_objects(RECIPE)
+    claim = next(o for o in objects if o["kind"] == "PersistentVolumeClaim")
+    assert claim["spec"]["storageClassName"]
+    assert "storageClassName is REQUIRED" in (RECIPE / "pvc.yaml").read_text()
+    assert "`storageClassName` is required" in (RECIPE.parent / "README.md").read_text()
+    for pod in pods(objects):
+        secrets = [v["secret"] for v in pod.volumes().values() if "secret" in v]
+        if any(s.get("defaultMode", 0o644) & 0o004 == 0 for s in secrets):
+            assert pod.spec.get("securityContext", {}).get("fsGroup") is not None, pod.name

@@ -115,6 +115,14 @@ def test_checkpoint_holds_a_servable_drafter_and_hsd_export_copies_it(tiny_targe
     doc = json.loads((out / "config.json").read_text())
     assert doc["architectures"] == ["DFlashDraftModel"] and doc["block_size"] == 4
     assert doc["dflash_config"]["target_layer_ids"] == LAYER_IDS
+    # RoPE at the top level (SGLang's DFlash model reads rope_theta there) and where transformers 5 keeps it.
+    assert doc["rope_theta"] == 10000.0 and doc["rope_scaling"] is None
+    assert doc["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}
+    assert doc["hsd_training"]["capture_point"] == "layer_output"
+    # An engine serving as another user reads both files, in the run and in the copy, whatever the umask.
+    for directory in (servable, out):
+        assert {p.name: p.stat().st_mode & 0o777 for p in directory.iterdir()} == \
+            {"config.json": 0o644, "model.safetensors": 0o644}
     assert not any(name.startswith(("embed", "lm_head")) for name in load_file(out / "model.safetensors"))
     _, batch = jobs[0]
     anchors = torch.tensor([[5, 9, 14], [4, 10, -1]])
@@ -125,6 +133,22 @@ def test_checkpoint_holds_a_servable_drafter_and_hsd_export_copies_it(tiny_targe
             loaded = load_drafter(path, tiny_target)
             got = loaded.logits(loaded(batch.hs, batch.input_ids.long(), anchors))
             torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_a_checkpoint_trained_at_another_capture_point_is_refused(tiny_target, tiny_target_model, tmp_path):
+    """A checkpoint from before the capture point was recorded (its last layer was the final norm's
+    output) never resumes a run of the current capture: the drafter stops naming both points."""
+    config = backend_config(tiny_target, tmp_path / "run")
+    backend = DFlashBackend(config, "drafter-0", schedule_jobs=8)
+    _train(backend, _jobs(tiny_target_model, 2), range(1))
+    backend.save_checkpoint(config.run_dir)
+    config_path = servable_dir(latest_checkpoint(config.run_dir, "drafter-0")) / "config.json"
+    doc = json.loads(config_path.read_text())
+    del doc["hsd_training"]["capture_point"]
+    config_path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=r"trained on target states taken at 'hidden_states', this run captures at "
+                                         r"'layer_output'.*train it again in a new run directory"):
+        DFlashBackend(config, "drafter-0", schedule_jobs=8).load_latest(config.run_dir)
 
 
 def test_sync_gradients_sums_over_ranks(tiny_target, tiny_target_model, tmp_path):

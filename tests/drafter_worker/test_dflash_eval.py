@@ -108,3 +108,19 @@ def test_hsd_eval_cli(tiny_target, tmp_path, capsys):
     assert "tau " in text and "acceptance per position:" in text
     assert main(["eval", "--config", str(config), "--drafter", str(tmp_path / "nowhere")]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_evaluation_feeds_the_drafter_raw_layer_outputs(tiny_target_model):
+    """hsd eval gives the drafter what training and the engines give it: the last layer's block is
+    that layer's raw output, not hidden_states[N] (the final norm's output)."""
+    from drafter_worker.dflash.eval import forward_capturing
+    ids = torch.randint(1, VOCAB - 1, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = tiny_target_model(ids, output_hidden_states=True)
+        out, hs = forward_capturing(tiny_target_model, ids, [1, 3])
+    hidden = tiny_target_model.config.hidden_size
+    torch.testing.assert_close(hs[:, :hidden], plain.hidden_states[2][0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(tiny_target_model.model.norm(hs[:, hidden:]), plain.hidden_states[4][0], atol=1e-5,
+                               rtol=0)
+    assert (hs[:, hidden:] - plain.hidden_states[4][0]).abs().max() > 0.1
+    torch.testing.assert_close(out.logits, plain.logits, atol=0, rtol=0)

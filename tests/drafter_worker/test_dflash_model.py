@@ -175,3 +175,50 @@ def test_block_sparse_attention_equals_dense_masked_sdpa_with_gradients():
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
     for name, a, b in zip(("q", "k_ctx", "v_ctx", "k_blk", "v_blk"), got_grads, expected_grads):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=lambda m, name=name: f"d{name}: {m}")
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+    {"rope_type": "linear", "factor": 4.0}])
+def test_rope_scaling_equals_the_transformers_frequencies(scaling):
+    """The drafters take the target's RoPE scaling (Llama 3.1 style targets): the frequencies equal
+    transformers' own for the same config (modelling_rope_utils' init functions, as the target runs)."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from drafter_worker.dflash.config import rope_scaling_of
+    from drafter_worker.dflash.model import rope_inv_freq
+    config = LlamaConfig(hidden_size=256, num_attention_heads=4, head_dim=64, rope_theta=500000.0,
+                         max_position_embeddings=512, rope_scaling=dict(scaling))
+    expected, _ = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](config, "cpu")
+    ours = rope_scaling_of(config.to_dict())
+    assert ours["rope_type"] == scaling["rope_type"] and ours["factor"] == scaling["factor"]
+    torch.testing.assert_close(rope_inv_freq(64, 500000.0, ours), expected.float(), rtol=1e-6, atol=0)
+    assert not torch.equal(rope_inv_freq(64, 500000.0, None), expected.float())
+
+
+def test_both_drafters_take_and_export_the_targets_rope_scaling(tmp_path):
+    """A Llama 3.1 style target (rope_parameters with llama3 scaling, as transformers 5 writes it):
+    both drafters train with its scaling, and export it at the top level and in rope_parameters."""
+    import json
+    from drafter_worker.dflash.config import DFlashConfig
+    from drafter_worker.dflash.export import config_from_export, export_config
+    from drafter_worker.eagle3.config import Eagle3Config
+    from drafter_worker.eagle3.export import config_from_export as eagle3_from_export
+    from drafter_worker.eagle3.export import export_config as eagle3_export_config
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 8, "hidden_size": 64, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300,
+        "rope_parameters": {"rope_theta": 500000.0, **scaling}}))
+    dflash = DFlashConfig.from_target(target, layer_ids=[1, 3, 5], block_size=8, num_draft_layers=1, mask_token_id=7)
+    eagle3 = Eagle3Config.from_target(target, layer_ids=[1, 3, 4], draft_vocab=100)
+    for config, doc, back in ((dflash, export_config(dflash, "bfloat16"), config_from_export),
+                              (eagle3, eagle3_export_config(eagle3, "bfloat16"), eagle3_from_export)):
+        assert config.rope_theta == 500000.0 and config.rope_scaling == scaling
+        assert doc["rope_theta"] == 500000.0 and doc["rope_scaling"] == scaling
+        assert doc["rope_parameters"] == {"rope_theta": 500000.0, **scaling}
+        assert back(doc).rope_scaling == scaling and back(doc).rope_theta == 500000.0

@@ -10,6 +10,8 @@ running with a run directory of its own.
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 import subprocess
 import sys
 
@@ -48,24 +50,31 @@ def _node_a(run_dir, keys, *overrides: str) -> list[str]:
                     *curve_args(keys, free_port(), free_port(), allowed=("node-a", "node-b")), *overrides)
 
 
-def _start_on_b(run_dir, keys, tmp_path, role: str, name: str):
-    return start_hsd(role, "--config", str(run_dir / "config.yaml"), "--sim", "--node", "b", "--name", name,
-                     f"curve.client_secret_key={keys / 'node-b.key_secret'}", log_path=tmp_path / f"{name}.log")
+def _start_on_b(run_dir, keys, tmp_path, role: str, name: str, node: str | None = "b"):
+    return start_hsd(role, "--config", str(run_dir / "config.yaml"), "--sim", *(("--node", node) if node else ()),
+                     "--name", name, f"curve.client_secret_key={keys / 'node-b.key_secret'}",
+                     log_path=tmp_path / f"{name}.log")
 
 
-def _run(run_dir, keys, tmp_path, node_a: list[str], on_b: list[tuple[str, str]]) -> dict:
+def _run(run_dir, keys, tmp_path, node_a: list[str], on_b: list[tuple[str, str]], node_b: str | None = "b") -> dict:
+    b = node_b or socket.gethostname()  # without --node: its hostname, whatever node a's file said
     with running_hsd("launch", *_node_a(run_dir, keys, *node_a), log_path=tmp_path / "launch.log") as launch:
         wait_for_stats(run_dir, lambda s: s["transport"]["kind"] == "nixl", 120, what="the dispatcher up")
-        workers = [_start_on_b(run_dir, keys, tmp_path, role, name) for role, name in on_b]
+        workers = [_start_on_b(run_dir, keys, tmp_path, role, name, node_b) for role, name in on_b]
         try:
-            nodes = wait_for_stats(run_dir, lambda s: s["nodes"] if s["nodes"].get("b", {}).get("drafters")
+            nodes = wait_for_stats(run_dir, lambda s: s["nodes"] if s["nodes"].get(b, {}).get("drafters")
                                    and s["nodes"].get("a", {}).get("targets") else None, 120,
                                    what="node a's target and node b's drafters registered")
-            assert set(nodes) == {"a", "b"}
-            assert "node b:" in hsd("stats", "--run-dir", str(run_dir)).stdout
+            assert set(nodes) == {"a", b}
+            assert f"node {b}:" in hsd("stats", "--run-dir", str(run_dir)).stdout
             # as on node b: the run's config and node b's own key pair
-            assert "node b:" in hsd("stats", "--config", str(run_dir / "config.yaml"),
-                                    f"curve.client_secret_key={keys / 'node-b.key_secret'}").stdout
+            assert f"node {b}:" in hsd("stats", "--config", str(run_dir / "config.yaml"),
+                                       f"curve.client_secret_key={keys / 'node-b.key_secret'}").stdout
+            # or the stats endpoint and node b's keys; without them the handshake is refused, said as such
+            endpoint = yaml.safe_load((run_dir / "config.yaml").read_text())["dispatcher"]["stats_endpoint"]
+            assert f"node {b}:" in hsd("stats", "--endpoint", endpoint, "--keys", str(keys), "--client", "node-b").stdout
+            refused = hsd("stats", "--endpoint", endpoint, check=False)
+            assert refused.returncode == 1 and "CURVE handshake refused" in refused.stdout, refused.stdout
             assert launch.wait(timeout=240) == 0, (tmp_path / "launch.log").read_text()[-3000:]
             for worker in workers:
                 assert worker.wait(timeout=60) == 0, worker.args
@@ -95,6 +104,31 @@ def test_targets_on_node_a_drafters_on_node_b(run_dir, tmp_path, keys, loopback_
     r = _run(run_dir, keys, tmp_path, ["target.count=1", "drafter.count=0"],
              [("drafter", "drafter-b0"), ("drafter", "drafter-b1")])
     assert r["reads"] == {"local": 0, "remote": r["jobs_total"]}  # every slot crossed the engine
+
+
+@needs_engine
+def test_node_b_started_from_the_resolved_config_without_node_is_its_own_node(run_dir, tmp_path, keys, loopback_tcp):
+    """The README's way to start node b, minus --node: the resolved config names no node (it is
+    node-local), so node b's drafter is its hostname's node, never node a, and reads every slot
+    through the engine (it used to take node a's name and fail on node a's missing segment)."""
+    r = _run(run_dir, keys, tmp_path, ["target.count=1", "drafter.count=0"], [("drafter", "drafter-b0")], node_b=None)
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["nodes"]["name"] == ""
+    assert r["reads"] == {"local": 0, "remote": r["jobs_total"]}
+
+
+def test_a_hostname_that_resolves_to_loopback_is_refused_for_a_multinode_run(run_dir, tmp_path):
+    """Debian and Ubuntu map the hostname to 127.0.1.1: a dispatcher bound there is out of every
+    other node's reach, so a nixl run refuses it, naming the address the name resolved to."""
+    host = socket.gethostname()
+    addresses = sorted({info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)})
+    if not all(ipaddress.ip_address(a).is_loopback for a in addresses):
+        pytest.skip(f"{host} resolves to {addresses} here, not to loopback")
+    endpoint = f"tcp://{host}:{free_port()}"
+    proc = hsd("dispatcher", *sim_args(run_dir, "pool.transport=nixl", f"dispatcher.endpoint={endpoint}",
+                                       f"dispatcher.stats_endpoint=tcp://127.0.0.1:{free_port()}"), check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"{endpoint}: {host!r} resolves to {', '.join(addresses)}, a loopback address" in proc.stderr
+    assert "pool.transport=nixl runs across nodes" in proc.stderr
 
 
 @needs_engine

@@ -24,14 +24,50 @@ def model_dir(request, tmp_path_factory):
     return save_tiny_model(request.param, tmp_path_factory.mktemp(request.param) / "model")
 
 
+def _raw_outputs(model, ids: torch.Tensor, mask: torch.Tensor) -> tuple[list[torch.Tensor], object]:
+    """Every decoder layer's own output in a plain Hugging Face forward (forward hooks on the layers:
+    the residual stream before any final norm, what vLLM and SGLang feed a drafter), and the forward's
+    output with ``output_hidden_states``."""
+    outputs: dict[int, torch.Tensor] = {}
+
+    def keep(index):
+        def hook(_module, _args, output):
+            outputs[index] = (output[0] if isinstance(output, tuple) else output).clone()
+        return hook
+    handles = [layer.register_forward_hook(keep(i)) for i, layer in enumerate(model.model.layers)]
+    try:
+        with torch.inference_mode():
+            out = model(ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [outputs[i] for i in range(len(model.model.layers))], out
+
+
 def _plain_layers(model, ids: torch.Tensor, mask: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        out = model(ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
-    return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+    raw, _ = _raw_outputs(model, ids, mask)
+    return torch.cat([raw[i] for i in layer_ids], dim=-1)
+
+
+def test_last_layer_is_captured_before_the_final_norm(model_dir):
+    """Layer N-1's block is that layer's raw output, not hidden_states[N] (the final norm's output),
+    which a plain forward reports in its place: the engines never feed a drafter the normed state."""
+    model = load_target_model(model_dir, dtype=torch.float32, attn_implementation="sdpa", device=CPU)
+    torch.manual_seed(5)
+    ids = torch.randint(1, 97, (2, 16))
+    mask = torch.ones_like(ids)
+    raw, out = _raw_outputs(model, ids, mask)
+    capture = LayerCapture(model, [2, 7], max_tokens=32)
+    hidden = model.config.hidden_size
+    last = capture(ids, mask)[..., hidden:].clone()
+    capture.close()
+    torch.testing.assert_close(last, raw[7], atol=1e-5, rtol=0)
+    assert (last - out.hidden_states[8]).abs().max() > 0.1  # the normed state differs from it
+    torch.testing.assert_close(out.hidden_states[8], model.model.norm(raw[7]), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("layer_ids", [[1, 3, 5], [0, 6, 7]])  # the DFlash default for 8 layers; first and last
-def test_capture_equals_output_hidden_states(model_dir, layer_ids):
+def test_capture_equals_the_raw_layer_outputs(model_dir, layer_ids):
     model = load_target_model(model_dir, dtype=torch.float32, attn_implementation="sdpa", device=CPU)
     torch.manual_seed(1)
     ids = torch.randint(1, 97, (3, 32))
@@ -53,16 +89,15 @@ def test_capture_equals_output_hidden_states(model_dir, layer_ids):
 
 def test_final_norm_capture_adds_the_last_hidden_state_after_the_norm(model_dir):
     """The EAGLE-3 contract: the layers, then hidden_states[-1] (the final norm's output) as one more
-    block, also when the last layer is one of the captured ones (its block is then the norm's output too)."""
+    block, also when the last layer is one of the captured ones (its block stays the raw output)."""
     layer_ids = [0, 6, 7]
     model = load_target_model(model_dir, dtype=torch.float32, attn_implementation="sdpa", device=CPU)
     torch.manual_seed(3)
     ids = torch.randint(1, 97, (2, 16))
     mask = torch.ones_like(ids)
     mask[1, 9:] = 0
-    with torch.inference_mode():
-        out = model(ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
-    expected = torch.cat([out.hidden_states[i + 1] for i in layer_ids] + [out.hidden_states[-1]], dim=-1)
+    raw, out = _raw_outputs(model, ids, mask)
+    expected = torch.cat([raw[i] for i in layer_ids] + [out.hidden_states[-1]], dim=-1)
     capture = LayerCapture(model, layer_ids, max_tokens=32, final_norm=True)
     assert capture.row_width == 4 * model.config.hidden_size and capture.last_layer == 7
     captured = capture(ids, mask).clone()
