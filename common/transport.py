@@ -10,6 +10,7 @@ the same with the slots in the target node's memory, read across nodes (:mod:`co
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -91,6 +92,8 @@ class TargetTransport:
             self._block.close()
 
 
+log = logging.getLogger("hsd.transport")
+
 # How often a cuda_ipc drafter looks for targets that left while it reads blocks it has open (a
 # new block is looked at when it is first opened): a psutil look-up per open block.
 DEPARTED_SWEEP_S = 5.0
@@ -166,6 +169,8 @@ class DrafterTransport:
         for gone in self._opener.departed(ipc if is_new else None):
             self.forget(gone)
             self.num_released += 1
+            log.info("released the CUDA IPC block of target %s: its process is gone or it registered a new one",
+                     gone)
 
     def close(self) -> None:
         if self._arena is not None:
