@@ -4,6 +4,7 @@ Sections, cheapest and most informative first (each returns a dict of figures;
 :mod:`benchmarks.gpu_checks`, :mod:`benchmarks.gpu_sections`, :mod:`benchmarks.gpu_launch`):
 
 - ``cuda_ipc_tests``: the CUDA tests of ``tests/common`` (IPC across processes and in one, pinned shm);
+- ``pin_refusal``: a refused ``cudaHostRegister`` of the shm pool, and the kernel launched after it;
 - ``auto_choice``: what ``pool.transport=auto`` picks here for CPU and for GPU workers, and a
   launch of CPU (sim) workers under ``auto`` on this GPU host;
 - ``nccl_init``: a 1-rank NCCL group initialised (``device_id`` given) and destroyed three times;
@@ -53,6 +54,7 @@ Section = tuple[str, Callable[[CheckContext], dict[str, Any]], float]
 # (name, function, seconds it needs at least on one GPU: below that much time left it is skipped)
 SECTIONS: list[Section] = [
     ("cuda_ipc_tests", gpu_checks.cuda_ipc_tests, 30.0),
+    ("pin_refusal", gpu_checks.pin_refusal, 5.0),
     ("auto_choice", gpu_checks.auto_choice, 30.0),
     ("nccl_init", gpu_checks.nccl_init, 30.0),
     ("ipc_handoff", gpu_sections.ipc_handoff, 20.0),

@@ -1,6 +1,7 @@
 """The correctness sections of ``hsd bench gpu``: what a first GPU host must show works, each cheap.
 
 - ``cuda_ipc_tests``: the CUDA tests of ``tests/common`` (from a checkout), under pytest;
+- ``pin_refusal``: a ``cudaHostRegister`` the runtime refuses, and the kernel launched after it;
 - ``auto_choice``: ``pool.transport=auto`` here, for CPU and for GPU workers, and a short launch of
   CPU (sim) workers under ``auto`` on this GPU host (the run that crash-looped before);
 - ``nccl_init``: a 1-rank NCCL group built with ``device_id`` (eagerly) and destroyed, three times;
@@ -47,6 +48,39 @@ def cuda_ipc_tests(ctx: CheckContext) -> dict[str, Any]:
     figures = {"exit_code": proc.returncode, **counts}
     if proc.returncode != 0:
         raise RuntimeError(f"pytest exited {proc.returncode}: {text.splitlines()[-1]} (log: {log_path})")
+    return figures
+
+
+def pin_refusal(ctx: CheckContext) -> dict[str, Any]:
+    """The shm pool pinned, then pinned again (the runtime refuses a range registered twice): the
+    pool's own path clears that error, so the next kernel runs; a raw refusal left pending is what
+    the next kernel's launch check would report instead."""
+    if not ctx.cuda:
+        raise Skip("no CUDA")
+    import secrets
+    from benchmarks.transport import bench_layout
+    from common.shm_arena import SlotArena
+
+    def kernel_error() -> str | None:
+        try:
+            (torch.ones(1024, device=ctx.device) + 1).sum().item()
+            return None
+        except RuntimeError as exc:
+            return str(exc).splitlines()[0]
+    with SlotArena.create(f"gpuchk{secrets.token_hex(3)}", bench_layout(4.0), 2, pin_device=ctx.device) as arena:
+        mapping = arena._mapping
+        figures: dict[str, Any] = {"pinned": arena.pinned, "runtime_found": mapping.runtime is not None
+                                   and mapping.runtime.clear_last_error() is not None}
+        if not arena.pinned:
+            raise RuntimeError("the pool could not be pinned in the first place")
+        mapping.pin(ctx.device)  # refused, and cleared
+        figures["kernel_error_after_pool_refusal"] = kernel_error()
+        err = mapping.runtime.host_register(mapping.pinned_ptr, mapping.base.numel(), ctx.device)
+        figures["raw_refusal"] = mapping.runtime.error_string(err) if err else None
+        figures["kernel_error_after_raw_refusal"] = kernel_error()  # torch reads the pending error here
+        mapping.runtime.clear_last_error()
+        figures["kernel_error_after_clearing"] = kernel_error()
+    figures["ok"] = figures["kernel_error_after_pool_refusal"] is None and figures["kernel_error_after_clearing"] is None
     return figures
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from benchmarks.gpu import SECTION_NAMES, SECTIONS, Output, format_check, run_check, run_sections
-from benchmarks.gpu_checks import auto_choice, flex_recompiles, nccl_init
+from benchmarks.gpu_checks import auto_choice, flex_recompiles, nccl_init, pin_refusal
 from benchmarks.gpu_launch import launch, target_restart
 from benchmarks.gpu_sections import TINY, CheckContext, Skip, capture, dflash_step, ipc_handoff, pinned_shm
 from common.shm_arena import list_segments
@@ -77,8 +77,8 @@ def test_a_failing_section_reports_its_error_and_the_others_run(tmp_path):
     assert all(shm[k] > 0 for k in ("shm_write_gbps", "shm_read_gbps", "plain_d2h_gbps", "plain_h2d_gbps"))
     assert "copy_overlap" not in shm  # a CUDA figure
     assert "skipped" in results["over_budget"] and "budget" in results["over_budget"]["skipped"]
-    assert [name for name, _, _ in SECTIONS][:5] == ["cuda_ipc_tests", "auto_choice", "nccl_init", "ipc_handoff",
-                                                     "pinned_shm"]
+    assert [name for name, _, _ in SECTIONS][:6] == ["cuda_ipc_tests", "pin_refusal", "auto_choice", "nccl_init",
+                                                     "ipc_handoff", "pinned_shm"]
     assert not [s for s in list_segments() if s.pid == os.getpid()], "the pinned_shm pool was left in /dev/shm"
 
 
@@ -107,6 +107,6 @@ def test_launch_section_runs_exactly_once_on_the_cpu_with_shm(tmp_path, monkeypa
 
 def test_the_cuda_only_sections_skip_on_the_cpu(tmp_path):
     ctx = CheckContext(device=CPU, tmp=tmp_path, shapes=TINY)
-    for section in (auto_choice, nccl_init, flex_recompiles, target_restart):
+    for section in (pin_refusal, auto_choice, nccl_init, flex_recompiles, target_restart):
         with pytest.raises(Skip, match="no CUDA"):
             section(ctx)
