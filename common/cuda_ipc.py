@@ -185,12 +185,14 @@ class CudaIpcOpener:
 
     def departed(self, export: dict[str, Any] | None = None, *, alive=process_alive) -> list[str]:
         """Owners of open blocks whose target is gone: its process died, or the process of ``export``
-        (a block about to be opened) made that new block since (it registered again: a new worker id)."""
+        (a block about to be opened) made that new block since (it registered again: a new worker id).
+        Blocks of this very process (tests, benchmarks: several may live side by side) never are."""
         new_pid, new_block = (export.get("pid"), str(export["block_id"])) if export is not None else (None, None)
         gone = []
         for key, (pid, block_id) in self._sources.items():
-            superseded = pid == new_pid and block_id != new_block
-            if superseded or (isinstance(pid, int) and pid != os.getpid() and not alive(pid)):
+            if not isinstance(pid, int) or pid == os.getpid():
+                continue
+            if (pid == new_pid and block_id != new_block) or not alive(pid):
                 gone.append(key[0])
         return list(dict.fromkeys(gone))
 
