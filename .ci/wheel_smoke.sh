@@ -15,7 +15,11 @@ step() { echo "[wheel-smoke $(( $(date +%s) - started ))s] $*"; }
 fail() { echo "wheel smoke: FAILED: $* ($(( $(date +%s) - started ))s)"; exit 1; }
 
 step "building the wheel"
-"$python" -m pip wheel -q --no-deps -w "$tmp/dist" "$repo" >"$tmp/build.log" 2>&1 || { cat "$tmp/build.log"; fail "wheel build"; }
+# From a copy of the tree: setuptools' build/ in the checkout would carry files of earlier builds.
+mkdir "$tmp/src"
+tar -C "$repo" --exclude=./.git --exclude=./.venv --exclude=./build --exclude=./runs --exclude=./.whl \
+    --exclude='*.egg-info' --exclude=__pycache__ -cf - . | tar -C "$tmp/src" -xf -
+"$python" -m pip wheel -q --no-deps -w "$tmp/dist" "$tmp/src" >"$tmp/build.log" 2>&1 || { cat "$tmp/build.log"; fail "wheel build"; }
 wheel="$(ls "$tmp"/dist/hsdispatch-*.whl)"
 step "installing $(basename "$wheel") into a fresh venv"
 "$python" -m venv "$tmp/venv"
