@@ -199,7 +199,7 @@ def nccl_group(ctx: CheckContext) -> dict[str, Any]:
 RESTART_OVERRIDES = ("target.sim=true", "drafter.sim=true", "pool.transport=auto", "target.gpus=[0]",
                      "drafter.gpus=[0]", "target.hidden_size=4096", "target.num_capture_layers=5",
                      "schedule.tokens_per_batch=8192", "pool.slots=4", "pool.min_ready=1", "drafter.accum_steps=2",
-                     "target.sim_cost_per_token=2e-5", "drafter.sim_cost_per_token=1e-6", "data.synthetic_samples=3000",
+                     "target.sim_cost_per_token=2e-5", "drafter.sim_cost_per_token=1e-6", "data.synthetic_samples=800",
                      "run.epochs=1", "target.max_restarts=1", "dispatcher.heartbeat_s=0.2",
                      "dispatcher.worker_timeout_s=5")
 
