@@ -129,7 +129,7 @@ for i in range(3):
     dist.destroy_process_group()
     t3 = time.perf_counter()
     rounds.append({"init_s": round(t1 - t0, 3), "all_reduce_s": round(t2 - t1, 4), "destroy_s": round(t3 - t2, 3), "sum_ok": ok})
-print(json.dumps({"nccl_version": ".".join(map(str, torch.cuda.nccl.version())), "rounds": rounds}))
+print(json.dumps({"nccl_version": str(torch.cuda.nccl.version()), "rounds": rounds}))
 """
 
 
