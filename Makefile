@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: install demo demo-sim test bench clean
+.PHONY: install demo demo-sim test bench wheel-smoke gpu-wheels clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,21 @@ test: install
 
 bench: install
 	$(BIN)/hsd bench transport
+
+# The built wheel in a fresh venv, run from outside the checkout (CI runs it after make test).
+wheel-smoke:
+	PYTHON=$(PYTHON) TORCH_SPEC="$(TORCH_SPEC)" .ci/wheel_smoke.sh
+
+# What a lent GPU machine lacks to run hsd bench gpu from this checkout (its image has torch, transformers and
+# the other dependencies; no registry is reachable there): wheels for its Python 3.12, carried as .whl/ (README,
+# GPU check).
+GPU_WHEELS ?= pyzmq==27.3.0
+GPU_PLATFORMS := $(foreach p,manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64,--platform $(p))
+gpu-wheels:
+	rm -rf .whl && mkdir -p .whl
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(GPU_PLATFORMS) -d .whl $(GPU_WHEELS)
+	@ls .whl
 
 clean:
 	rm -rf runs .pytest_cache

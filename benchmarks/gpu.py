@@ -1,29 +1,41 @@
-"""``hsd bench gpu``: one command that runs every GPU path of the project and prints its figures.
+"""``hsd bench gpu``: one command that runs every GPU path of the project and returns its figures.
 
-Sections, in order (each returns a dict of figures; :mod:`benchmarks.gpu_sections`,
-:mod:`benchmarks.gpu_launch`):
+Sections, cheapest and most informative first (each returns a dict of figures;
+:mod:`benchmarks.gpu_checks`, :mod:`benchmarks.gpu_sections`, :mod:`benchmarks.gpu_launch`):
 
+- ``cuda_ipc_tests``: the CUDA tests of ``tests/common`` (IPC across processes and in one, pinned shm);
+- ``pin_refusal``: a refused ``cudaHostRegister`` of the shm pool, and the kernel launched after it;
+- ``auto_choice``: what ``pool.transport=auto`` picks here for CPU and for GPU workers, and a
+  launch of CPU (sim) workers under ``auto`` on this GPU host;
+- ``nccl_init``: a 1-rank NCCL group initialised (``device_id`` given) and destroyed three times;
 - ``ipc_handoff``: CUDA IPC slot handoff between two processes vs a device-to-device copy;
-- ``pinned_shm``: a slot written into and read out of the pinned shm pool vs plain D2H / H2D
-  copies, and how much of a drafter's slot copy hides under compute;
-- ``capture``: capture of a bf16 Qwen3 with 8B-like layers (hidden 4096, 32 heads, random
-  weights) vs the plain forward, tok/s per bucket;
-- ``dflash_step``: DFlash optimizer steps at 8B-like shapes with compiled flex attention: tok/s,
-  peak memory, an MFU estimate;
-- ``launch``: 1 target + 1 DFlash drafter under ``hsd launch`` on the one GPU, with each transport,
-  exactly once by the witness;
+- ``pinned_shm``: a slot written into and read out of the pinned shm pool vs plain copies;
+- ``eagle3_step``: EAGLE-3 optimizer steps through its backend on the GPU;
+- ``resume``: DFlash and EAGLE-3 checkpoints on the GPU resumed (fused AdamW state, CUDA RNG);
+- ``flex_recompiles``: how many graphs flex attention compiles over a run of varying shapes;
+- ``launch``: 1 target + 1 DFlash drafter under ``hsd launch``, with each transport, exactly once;
+- ``target_restart``: a target SIGKILLed under ``cuda_ipc``, the GPU memory before and after;
+- ``dflash_step``, ``capture``: DFlash steps and target capture at 8B-like shapes;
 - ``nccl_group``: with two or more GPUs, a 2-rank NCCL group step and a rank killed inside it.
 
 Each section runs under its own ``try``: one that fails reports its error and the others still
-run. The whole check keeps to a time budget (``--budget-s``, 450 s by default, so that it ends
-within 8 minutes on one GPU): a section that would start with less than its usual time left is
-skipped, saying so. Without CUDA the command says so and exits 0. Exit code 1 when a section failed.
+run; one that cannot run here (two GPUs on a one-GPU host) is ``skipped``. With ``--out DIR``
+each section's JSON is written there as soon as it ends (``NN-name.json``, so a killed run keeps
+what finished), with the logs of a failed section beside it (``NN-name-logs/``); ``--bundle DIR``
+also rewrites, after every section, ``bench-gpu.json`` (all sections so far) and
+``bench-gpu.tar.gz`` (the ``--out`` files): two files, whatever the number of sections. The
+whole check keeps to a time budget (``--budget-s``, 450 s by default): a section that would start
+with less than its usual time left is skipped, saying so. Without CUDA every section is
+``skipped: no CUDA`` and the command exits 0. Exit code 1 when a section failed.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
+import tarfile
 import tempfile
 import time
 import traceback
@@ -32,19 +44,28 @@ from typing import Any, Callable
 
 import torch
 
-from benchmarks import gpu_launch, gpu_sections
-from benchmarks.gpu_sections import CheckContext
+from benchmarks import gpu_checks, gpu_launch, gpu_sections
+from benchmarks.gpu_sections import CheckContext, Skip
 
 BUDGET_S = 450.0
+NO_CUDA = "no CUDA"
 
 Section = tuple[str, Callable[[CheckContext], dict[str, Any]], float]
 # (name, function, seconds it needs at least on one GPU: below that much time left it is skipped)
 SECTIONS: list[Section] = [
+    ("cuda_ipc_tests", gpu_checks.cuda_ipc_tests, 30.0),
+    ("pin_refusal", gpu_checks.pin_refusal, 5.0),
+    ("auto_choice", gpu_checks.auto_choice, 30.0),
+    ("nccl_init", gpu_checks.nccl_init, 30.0),
     ("ipc_handoff", gpu_sections.ipc_handoff, 20.0),
     ("pinned_shm", gpu_sections.pinned_shm, 10.0),
-    ("capture", gpu_sections.capture, 40.0),
-    ("dflash_step", gpu_sections.dflash_step, 60.0),
+    ("eagle3_step", gpu_checks.eagle3_step, 30.0),
+    ("resume", gpu_checks.resume, 40.0),
+    ("flex_recompiles", gpu_checks.flex_recompiles, 40.0),
     ("launch", gpu_launch.launch, 90.0),
+    ("target_restart", gpu_launch.target_restart, 60.0),
+    ("dflash_step", gpu_sections.dflash_step, 60.0),
+    ("capture", gpu_sections.capture, 40.0),
     ("nccl_group", gpu_launch.nccl_group, 90.0),
 ]
 SECTION_NAMES = [name for name, _, _ in SECTIONS]
@@ -54,49 +75,111 @@ def _progress(message: str) -> None:
     print(f"[bench gpu] {message}", file=sys.stderr, flush=True)
 
 
-def run_sections(sections: list[Section], ctx: CheckContext) -> dict[str, dict[str, Any]]:
-    """Every section's figures, ``{"error": ...}`` for one that raised, ``{"skipped": ...}`` past the budget."""
+class Output:
+    """Where sections land as they end: ``out`` (one JSON each), ``bundle`` (two files for all)."""
+
+    def __init__(self, out: str | os.PathLike | None, bundle: str | os.PathLike | None, meta: dict[str, Any]):
+        self.out = Path(out) if out else None
+        self.bundle = Path(bundle) if bundle else None
+        self.meta = meta
+        self.results: dict[str, dict[str, Any]] = {}
+        for path in (self.out, self.bundle):
+            if path is not None:
+                path.mkdir(parents=True, exist_ok=True)
+
+    def file_name(self, name: str) -> str:
+        return f"{SECTION_NAMES.index(name) + 1:02d}-{name}" if name in SECTION_NAMES else name
+
+    def section(self, name: str, figures: dict[str, Any], logs: list[Path] = ()) -> None:
+        self.results[name] = figures
+        if self.out is not None:
+            _write_json(self.out / f"{self.file_name(name)}.json", {"section": name, **figures})
+            if logs:
+                kept = self.out / f"{self.file_name(name)}-logs"
+                kept.mkdir(exist_ok=True)
+                for number, log in enumerate(logs):
+                    shutil.copyfile(log, kept / f"{number:02d}-{log.name}")
+        if self.bundle is not None:
+            _write_json(self.bundle / "bench-gpu.json", {**self.meta, "sections": self.results})
+            if self.out is not None:
+                partial = self.bundle / "bench-gpu.tar.gz.part"
+                with tarfile.open(partial, "w:gz") as tar:
+                    tar.add(self.out, arcname="bench-gpu")
+                partial.replace(self.bundle / "bench-gpu.tar.gz")
+
+
+def _write_json(path: Path, value: Any) -> None:
+    partial = path.with_name(path.name + ".part")
+    partial.write_text(json.dumps(value, indent=1))
+    partial.replace(path)
+
+
+def _logs_since(root: Path, started: float) -> list[Path]:
+    """The log files under ``root`` written since ``started`` (a failed section's), newest last."""
+    found = [p for p in root.rglob("*.log") if p.is_file() and p.stat().st_mtime >= started]
+    return sorted(found, key=lambda p: p.stat().st_mtime)[-16:]
+
+
+def run_sections(sections: list[Section], ctx: CheckContext, output: Output | None = None
+                 ) -> dict[str, dict[str, Any]]:
+    """Every section's figures, ``{"error": ...}`` for one that raised, ``{"skipped": ...}`` for one
+    past the budget or that cannot run here; each handed to ``output`` as it ends."""
     results: dict[str, dict[str, Any]] = {}
     for name, fn, needs_s in sections:
+        logs: list[Path] = []
         if ctx.left_s() < needs_s:
-            results[name] = {"skipped": f"{ctx.left_s():.0f}s of the budget left, it needs about {needs_s:.0f}s"}
-            _progress(f"{name}: skipped ({results[name]['skipped']})")
-            continue
-        _progress(f"{name} ...")
-        started = time.monotonic()
-        try:
-            figures = dict(fn(ctx))
-        except Exception as exc:  # noqa: BLE001 - a section's failure is its figure; the next one runs
-            figures = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=6)}
-            _progress(f"{name}: FAILED: {figures['error']}")
-        figures["seconds"] = round(time.monotonic() - started, 1)
+            figures = {"skipped": f"{ctx.left_s():.0f}s of the budget left, it needs about {needs_s:.0f}s"}
+            _progress(f"{name}: skipped ({figures['skipped']})")
+        else:
+            _progress(f"{name} ...")
+            started, wall = time.monotonic(), time.time() - 1.0
+            try:
+                figures = dict(fn(ctx))
+            except Skip as exc:
+                figures = {"skipped": str(exc)}
+                _progress(f"{name}: skipped ({exc})")
+            except Exception as exc:  # noqa: BLE001 - a section's failure is its figure; the next one runs
+                figures = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=6)}
+                _progress(f"{name}: FAILED: {figures['error']}")
+                logs = _logs_since(ctx.tmp, wall)
+            figures["seconds"] = round(time.monotonic() - started, 1)
+            if ctx.cuda:
+                torch.cuda.empty_cache()
         results[name] = figures
-        if ctx.cuda:
-            torch.cuda.empty_cache()
+        if output is not None:
+            output.section(name, figures, logs)
     return results
 
 
-def _no_cuda() -> dict[str, Any]:
-    return {"cuda": False, "torch": torch.__version__, "sections": {},
+def _no_cuda(sections: list[Section], output: Output) -> dict[str, Any]:
+    for name, _, _ in sections:
+        output.section(name, {"skipped": NO_CUDA})
+    return {**output.meta, "sections": output.results, "failed": [],
             "message": f"no CUDA device on this machine (torch {torch.__version__}): nothing measured; "
                        f"run hsd bench gpu on a GPU host"}
 
 
-def run_check(*, budget_s: float = BUDGET_S, only: list[str] | None = None) -> dict[str, Any]:
+def run_check(*, budget_s: float = BUDGET_S, only: list[str] | None = None, out: str | None = None,
+              bundle: str | None = None) -> dict[str, Any]:
     unknown = sorted(set(only or []) - set(SECTION_NAMES))
     if unknown:
         raise ValueError(f"--only: unknown section(s) {', '.join(unknown)}; the sections are {', '.join(SECTION_NAMES)}")
-    if not torch.cuda.is_available():
-        return _no_cuda()
-    device = torch.device("cuda", 0)
     sections = [s for s in SECTIONS if not only or s[0] in only]
+    cuda = torch.cuda.is_available()
+    if bundle and not out:  # the bundle's tarball is made of the section files
+        out = tempfile.mkdtemp(prefix="hsd-bench-gpu-out-")
+    meta: dict[str, Any] = {"cuda": cuda, "torch": torch.__version__, "budget_s": budget_s}
+    if not cuda:
+        return _no_cuda(sections, Output(out, bundle, meta))
+    device = torch.device("cuda", 0)
+    meta.update(device=torch.cuda.get_device_name(device), num_gpus=torch.cuda.device_count(),
+                cuda_version=torch.version.cuda)
+    output = Output(out, bundle, meta)
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="hsd-bench-gpu-") as tmp:
         ctx = CheckContext(device=device, tmp=Path(tmp), deadline=began + budget_s, progress=_progress)
-        results = run_sections(sections, ctx)
-    return {"cuda": True, "device": torch.cuda.get_device_name(device), "num_gpus": torch.cuda.device_count(),
-            "torch": torch.__version__, "cuda_version": torch.version.cuda, "budget_s": budget_s,
-            "elapsed_s": round(time.monotonic() - began, 1), "sections": results,
+        results = run_sections(sections, ctx, output)
+    return {**meta, "elapsed_s": round(time.monotonic() - began, 1), "sections": results,
             "failed": [name for name, r in results.items() if "error" in r]}
 
 
@@ -124,9 +207,10 @@ def format_check(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run_gpu_bench(*, as_json: bool, budget_s: float = BUDGET_S, only: list[str] | None = None) -> int:
+def run_gpu_bench(*, as_json: bool, budget_s: float = BUDGET_S, only: list[str] | None = None,
+                  out: str | None = None, bundle: str | None = None) -> int:
     if budget_s <= 0:
         raise ValueError(f"--budget-s must be positive, got {budget_s}")
-    result = run_check(budget_s=budget_s, only=only)
+    result = run_check(budget_s=budget_s, only=only, out=out, bundle=bundle)
     print(json.dumps(result) if as_json else format_check(result))
     return 1 if result.get("failed") else 0

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.gpu_sections import CheckContext, save_random_qwen3
+from benchmarks.gpu_sections import CheckContext, Skip, save_random_qwen3
 from dispatcher.stats_view import run_stats_or_none
 
 RUN_OVERRIDES = ("run.epochs=1", "run.seed=0", "target.capture_layers=[1,2]", "target.count=1",
@@ -102,7 +102,8 @@ def _run_figures(r: dict[str, Any], *, returncode: int, wall_s: float) -> dict[s
     return figures
 
 
-def _launch(run_dir: Path, overrides: list[str], *, timeout_s: float) -> dict[str, Any]:
+def launch_run(run_dir: Path, overrides: list[str], *, timeout_s: float) -> dict[str, Any]:
+    """``hsd launch`` with ``overrides`` to its end; its exit code and ``hsd report``'s figures."""
     log_path = run_dir.parent / f"{run_dir.name}.log"
     started = time.monotonic()
     with open(log_path, "wb") as log:
@@ -133,7 +134,7 @@ def launch(ctx: CheckContext) -> dict[str, Any]:
         overrides = [f"run.dir={run_dir}", f"data.path={data_dir}", f"target.model={target_dir}", "drafter.count=1",
                      f"pool.transport={transport}", *RUN_OVERRIDES, *gpus]
         ctx.progress(f"launch with pool.transport={transport}")
-        figures[transport] = _launch(run_dir, overrides, timeout_s=max(30.0, min(240.0, ctx.left_s())))
+        figures[transport] = launch_run(run_dir, overrides, timeout_s=max(30.0, min(240.0, ctx.left_s())))
     figures["witness_ok"] = all(f["exactly_once"] for f in figures.values() if isinstance(f, dict))
     return figures
 
@@ -154,7 +155,7 @@ def nccl_group(ctx: CheckContext) -> dict[str, Any]:
     """Two drafter ranks over NCCL (GPUs 0 and 1) train one model; rank 0 is killed inside a step."""
     import torch
     if not ctx.cuda or torch.cuda.device_count() < 2:
-        raise RuntimeError("needs two GPUs")
+        raise Skip(f"needs two GPUs, this host has {torch.cuda.device_count() if ctx.cuda else 0}")
     target_dir, data_dir = write_launch_inputs(ctx.tmp / "launch-inputs", num_samples=ctx.shapes.launch_samples,
                                                hidden=ctx.shapes.launch_hidden)
     run_dir = ctx.tmp / "nccl-group"
@@ -191,4 +192,71 @@ def nccl_group(ctx: CheckContext) -> dict[str, Any]:
     figures.update(killed_rank_pid=victim["pid"], killed_in_version=version, regrouped_after_s=regrouped_s)
     if not figures["exactly_once"]:
         figures["log_tail"] = log_path.read_text(errors="replace")[-2000:]
+    return figures
+
+
+# -- a target restart under cuda_ipc: the drafter's mapping of the dead target's block ----------------
+RESTART_OVERRIDES = ("target.sim=true", "drafter.sim=true", "pool.transport=auto", "target.gpus=[0]",
+                     "drafter.gpus=[0]", "target.hidden_size=4096", "target.num_capture_layers=5",
+                     "schedule.tokens_per_batch=8192", "pool.slots=4", "pool.min_ready=1", "drafter.accum_steps=2",
+                     "target.sim_cost_per_token=2e-5", "drafter.sim_cost_per_token=1e-6", "data.synthetic_samples=800",
+                     "run.epochs=1", "target.max_restarts=1", "dispatcher.heartbeat_s=0.2",
+                     "dispatcher.worker_timeout_s=5")
+
+
+def _used_mib(device) -> float:
+    import torch
+    free, total = torch.cuda.mem_get_info(device)
+    return round((total - free) / 2**20, 1)
+
+
+def _workers(run_dir: Path, role: str) -> list[dict[str, Any]]:
+    return [w for w in (run_stats_or_none(run_dir) or {}).get("workers", []) if w["role"] == role]
+
+
+def target_restart(ctx: CheckContext) -> dict[str, Any]:
+    """Sim target and drafter on GPU 0 under auto (cuda_ipc), 1.25 GiB of slots a target; the target is
+    SIGKILLed and restarted. The GPU's used memory once the drafter reads the new target's block, vs
+    before: without the release it grows by the dead target's block, which the drafter kept mapped."""
+    if not ctx.cuda:
+        raise Skip("no CUDA")
+    run_dir = ctx.tmp / "target-restart"
+    log_path = ctx.tmp / "target-restart.log"
+    block_mib = 4 * 8192 * 5 * 4096 * 2 / 2**20
+    started = time.monotonic()
+    deadline = started + max(30.0, min(150.0, ctx.left_s()))
+    figures: dict[str, Any] = {"block_mib": block_mib}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(_hsd("launch", f"run.dir={run_dir}", *RESTART_OVERRIDES), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            def wait_for(what: str, predicate) -> Any:
+                while time.monotonic() < deadline and proc.poll() is None:
+                    found = predicate()
+                    if found:
+                        return found
+                    time.sleep(0.1)
+                raise RuntimeError(f"{what} not seen (exit code {proc.poll()}, log: {log_path})")
+            drafter_jobs = lambda: sum(w["jobs"] for w in _workers(run_dir, "drafter"))  # noqa: E731
+            victim = wait_for("a target that extracted and a drafter that read", lambda: next(
+                (w for w in _workers(run_dir, "target") if w["jobs"] >= 4), None) if drafter_jobs() >= 4 else None)
+            figures["used_before_mib"] = _used_mib(ctx.device)
+            os.kill(victim["pid"], signal.SIGKILL)
+            killed_at, read_before = time.monotonic(), drafter_jobs()
+            wait_for("the restarted target", lambda: any(w["pid"] != victim["pid"] and w["jobs"] >= 2
+                                                         for w in _workers(run_dir, "target")))
+            wait_for("the drafter reading the new target's slots", lambda: drafter_jobs() >= read_before + 4)
+            time.sleep(1.0)
+            figures["used_after_mib"] = _used_mib(ctx.device)
+            figures["restart_to_reads_s"] = round(time.monotonic() - killed_at, 1)
+            returncode = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            _stop(proc)
+    figures["growth_mib"] = round(figures["used_after_mib"] - figures["used_before_mib"], 1)
+    drafter_log = (run_dir / "logs" / "drafter-0.log").read_text(errors="replace")
+    dispatcher_log = (run_dir / "logs" / "dispatcher.log").read_text(errors="replace")
+    figures["released_lines"] = drafter_log.count("released the CUDA IPC block")
+    figures["transport"] = "cuda_ipc" if "auto chose cuda_ipc" in dispatcher_log else "not cuda_ipc"
+    figures.update(_run_figures(_report(run_dir), returncode=returncode, wall_s=time.monotonic() - started))
+    figures["released"] = figures["growth_mib"] < block_mib / 2 and figures["released_lines"] >= 1
     return figures

@@ -20,6 +20,10 @@ import torch
 from common.slots import SlotHeader
 
 
+class Skip(Exception):
+    """A section that cannot run on this machine (e.g. it needs two GPUs): reported ``skipped``, not failed."""
+
+
 @dataclass(frozen=True)
 class Shapes:
     """Model and copy sizes of the check; the defaults are 8B-like (Qwen3-8B's layer shapes)."""

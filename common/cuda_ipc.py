@@ -13,7 +13,12 @@ count at export (freeing the block at close is then immediate, without "producer
 all shared CUDA tensors released" at exit), and consumers open with a reference counter name that
 does not exist, making their release a no-op (the same path torch takes when a producer is gone).
 Keeping the block alive while drafters read it is the dispatcher's job: it hands out references
-to a target's slots only while that target is registered, and generations catch the rest.
+to a target's slots only while that target is registered, and generations catch the rest. A
+drafter drops its mapping of a target's block once that target is gone (its process died, or it
+registered a new block): :meth:`CudaIpcOpener.departed`.
+
+The driver refuses to open an IPC handle in the process that exported it ("invalid device
+context"): an export of this very process is read from its block directly.
 """
 
 from __future__ import annotations
@@ -22,14 +27,36 @@ import os
 import secrets
 import socket
 import sys
+import weakref
 from typing import Any
 
+import psutil
 import torch
 
 from common.slots import SlotBatch, SlotCopy, SlotLayout, SlotView, start_copy
 
 # shm_open of this name fails, which is what turns a consumer's counter release into a no-op.
 _NO_REF_COUNTER = b"/hsd_no_ipc_refcount"
+
+# This process's blocks by block id, for an export opened where it was made.
+_LOCAL_BLOCKS: "weakref.WeakValueDictionary[str, CudaSlotBlock]" = weakref.WeakValueDictionary()
+
+
+class PeerMappingError(RuntimeError):
+    """A target's block cannot be mapped onto this drafter's GPU (no peer access, no shared device)."""
+
+
+def is_own_export(export: dict[str, Any]) -> bool:
+    """Whether ``export`` was made by this process (then it is never opened through IPC)."""
+    return export.get("pid") == os.getpid() and export.get("host") == socket.gethostname()
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host still runs (a zombie does not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def cuda_ipc_available() -> bool:
@@ -66,6 +93,7 @@ class CudaSlotBlock:
         # Tells a restarted target's block apart from its predecessor's in a drafter's cache.
         self.block_id = secrets.token_hex(8)
         self._export: dict[str, Any] | None = None
+        _LOCAL_BLOCKS[self.block_id] = self
 
     @property
     def nbytes(self) -> int:
@@ -111,6 +139,19 @@ class CudaSlotBlock:
 
     def close(self) -> None:
         self.buffer = None
+        _LOCAL_BLOCKS.pop(self.block_id, None)
+
+
+def _map_ipc_block(index: int, export: dict[str, Any]) -> torch.Tensor:
+    """Open the export's IPC handle on device ``index`` as a flat uint8 tensor (RuntimeError if the driver refuses)."""
+    storage = torch.UntypedStorage._new_shared_cuda(
+        index, bytes(export["handle"]), int(export["storage_bytes"]), int(export["storage_offset"]),
+        _NO_REF_COUNTER, 0, b"", False)
+    nbytes = int(export["num_slots"]) * int(export["slot_bytes"])
+    if storage.nbytes() < nbytes:
+        raise ValueError(f"peer block holds {storage.nbytes()} bytes, its export claims {nbytes}")
+    block = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index))
+    return block.set_(storage, 0, (nbytes,), (1,))
 
 
 class CudaIpcOpener:
@@ -120,6 +161,7 @@ class CudaIpcOpener:
         self.layout = layout
         self.device = _cuda_device(device)
         self._blocks: dict[tuple[str, bytes], torch.Tensor] = {}
+        self._sources: dict[tuple[str, bytes], tuple[Any, str]] = {}  # key -> (exporting pid, block id)
 
     @property
     def num_open_blocks(self) -> int:
@@ -135,11 +177,31 @@ class CudaIpcOpener:
                                  f"{self.layout.slot_bytes}: target and drafter disagree on the layout")
             block = self._open(export)
             self._blocks[key] = block
+            self._sources[key] = (export.get("pid"), str(export["block_id"]))
         return block
 
+    def is_open(self, export: dict[str, Any], *, owner: str = "") -> bool:
+        return (owner or str(export["block_id"]), bytes(export["handle"])) in self._blocks
+
+    def departed(self, export: dict[str, Any] | None = None, *, alive=process_alive) -> list[str]:
+        """Owners of open blocks whose target is gone: its process died, or the process of ``export``
+        (a block about to be opened) made that new block since (it registered again: a new worker id).
+        Blocks of this very process (tests, benchmarks: several may live side by side) never are."""
+        new_pid, new_block = (export.get("pid"), str(export["block_id"])) if export is not None else (None, None)
+        gone = []
+        for key, (pid, block_id) in self._sources.items():
+            if not isinstance(pid, int) or pid == os.getpid():
+                continue
+            if (pid == new_pid and block_id != new_block) or not alive(pid):
+                gone.append(key[0])
+        return list(dict.fromkeys(gone))
+
     def _open(self, export: dict[str, Any]) -> torch.Tensor:
-        args = (bytes(export["handle"]), int(export["storage_bytes"]), int(export["storage_offset"]),
-                _NO_REF_COUNTER, 0, b"", False)
+        if is_own_export(export):
+            local = _LOCAL_BLOCKS.get(str(export["block_id"]))
+            if local is None or local.buffer is None:
+                raise RuntimeError(f"CUDA IPC block {export['block_id']} of this process is closed")
+            return local.buffer
         # Mapping into our own device (peer access) avoids a CUDA context on the target's GPU;
         # without P2P between the two GPUs, fall back to the target's GPU when this process sees it.
         candidates = [self.device.index]
@@ -149,17 +211,13 @@ class CudaIpcOpener:
         errors = []
         for index in candidates:
             try:
-                storage = torch.UntypedStorage._new_shared_cuda(index, *args)
+                return _map_ipc_block(index, export)
             except RuntimeError as exc:
                 errors.append(f"cuda:{index}: {exc}")
-                continue
-            nbytes = int(export["num_slots"]) * int(export["slot_bytes"])
-            if storage.nbytes() < nbytes:
-                raise ValueError(f"peer block holds {storage.nbytes()} bytes, its export claims {nbytes}")
-            block = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index))
-            return block.set_(storage, 0, (nbytes,), (1,))
-        raise RuntimeError(f"cannot open the CUDA IPC block of target pid {export.get('pid')} on "
-                           f"{export.get('host')}: " + "; ".join(errors))
+        raise PeerMappingError(
+            f"cannot map the CUDA IPC block of target pid {export.get('pid')} on {export.get('host')} (GPU "
+            f"{export.get('device_uuid') or export.get('device_index')}) onto this drafter's {self.device}: "
+            f"{'; '.join(errors)}. Without peer access between the two GPUs, use pool.transport=shm")
 
     @staticmethod
     def _local_index(export: dict[str, Any]) -> int | None:
@@ -195,6 +253,8 @@ class CudaIpcOpener:
         """Close the blocks of a target that left (by owner, or by block id when no owner was given)."""
         for key in [k for k in self._blocks if k[0] in (owner, block_id) and k[0]]:
             del self._blocks[key]
+            del self._sources[key]
 
     def close(self) -> None:
         self._blocks.clear()
+        self._sources.clear()

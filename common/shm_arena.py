@@ -6,6 +6,7 @@ workers attach by name and map it with ``mmap``, without Python's resource track
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
@@ -26,6 +27,55 @@ __all__ = ["SEGMENT_PREFIX", "SHM_DIR", "ShmSegment", "SlotArena", "check_fits",
 _CUDA_HOST_REGISTER_PORTABLE = 1
 
 
+def _loaded_cudart() -> ctypes.CDLL | None:
+    """The CUDA runtime library torch loaded into this process (its error state is the one to clear)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and os.path.basename(fields[5].strip()).startswith("libcudart.so"):
+                    return ctypes.CDLL(fields[5].strip())
+    except OSError:
+        pass
+    try:  # linked into torch itself, its symbols global
+        lib = ctypes.CDLL(None)
+        lib.cudaGetLastError  # noqa: B018 - raises AttributeError when absent
+        return lib
+    except (OSError, AttributeError):
+        return None
+
+
+class CudaHostRuntime:
+    """The CUDA runtime calls that pinning makes: torch's bindings, plus ``cudaGetLastError`` from the
+    runtime torch loaded (torch binds none). A failed ``cudaHostRegister`` also leaves its error as
+    the thread's last error, which the next kernel launch's check would report as its own."""
+
+    def __init__(self):
+        self._cudart = torch.cuda.cudart()
+        self._lib = _loaded_cudart()
+
+    def host_register(self, ptr: int, nbytes: int, device: torch.device) -> int:
+        with torch.cuda.device(device):
+            # Portable: pinned for every CUDA context of this process, not just the current device's.
+            return int(self._cudart.cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
+
+    def host_unregister(self, ptr: int, device: torch.device) -> int:
+        # In-flight async copies may still touch the pages; unregistering under them is undefined.
+        torch.cuda.synchronize(device)
+        return int(self._cudart.cudaHostUnregister(ptr))
+
+    def clear_last_error(self) -> int | None:
+        """Reset the thread's last CUDA error; returns it (0: none), None when the runtime cannot be reached."""
+        return int(self._lib.cudaGetLastError()) if self._lib is not None else None
+
+    def error_string(self, err: int) -> str:
+        return f"{self._cudart.cudaGetErrorString(self._cudart.cudaError(err))} (error {err})"
+
+
+def cuda_host_runtime() -> CudaHostRuntime | None:
+    return CudaHostRuntime() if torch.cuda.is_available() else None
+
+
 class _Mapping:
     """The mmap and its tensor, kept out of SlotArena so finalizers do not hold the arena alive."""
 
@@ -37,31 +87,33 @@ class _Mapping:
         self.base: torch.Tensor | None = torch.frombuffer(self.view, dtype=torch.uint8, count=nbytes)
         self.pinned_ptr: int | None = None
         self.pinned_device: torch.device | None = None
+        self.runtime: CudaHostRuntime | None = None
 
     def pin(self, device: torch.device) -> None:
-        """Page-lock the mapping for CUDA, so copies between it and a GPU run async at full speed."""
-        if not torch.cuda.is_available():
+        """Page-lock the mapping for CUDA, so copies between it and a GPU run async at full speed.
+        When the runtime refuses, the copies stay synchronous, and the refusal is cleared so that
+        it does not surface at the next kernel launch."""
+        runtime = cuda_host_runtime()
+        if runtime is None:
             return
         assert self.base is not None
         ptr, nbytes = self.base.data_ptr(), self.base.numel()
-        cudart = torch.cuda.cudart()
-        with torch.cuda.device(device):
-            # Portable: pinned for every CUDA context of this process, not just the current device's.
-            err = cudart.cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE)
-        try:
-            torch.cuda.check_error(err)
-        except RuntimeError as exc:
-            logger.warning("could not pin %s of shared memory (copies stay synchronous): %s",
-                           format_bytes(nbytes), exc)
+        err = runtime.host_register(ptr, nbytes, device)
+        if err != 0:
+            cleared = runtime.clear_last_error()
+            logger.warning("could not pin %s of shared memory (copies stay synchronous): %s%s", format_bytes(nbytes),
+                           runtime.error_string(err),
+                           "" if cleared is not None else "; the CUDA runtime's pending error could not be cleared")
             return
-        self.pinned_ptr = ptr
-        self.pinned_device = device
+        self.pinned_ptr, self.pinned_device, self.runtime = ptr, device, runtime
 
     def release(self) -> None:
         if self.pinned_ptr is not None:
-            # In-flight async copies may still touch the pages; unregistering under them is undefined.
-            torch.cuda.synchronize(self.pinned_device)
-            torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(self.pinned_ptr))
+            assert self.runtime is not None and self.pinned_device is not None
+            err = self.runtime.host_unregister(self.pinned_ptr, self.pinned_device)
+            if err != 0:
+                self.runtime.clear_last_error()
+                logger.warning("could not unpin shared memory: %s", self.runtime.error_string(err))
             self.pinned_ptr = None
         self.base = None
         self.view = None

@@ -10,6 +10,8 @@ the same with the slots in the target node's memory, read across nodes (:mod:`co
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import torch
@@ -90,8 +92,20 @@ class TargetTransport:
             self._block.close()
 
 
+log = logging.getLogger("hsd.transport")
+
+# How often a cuda_ipc drafter looks for targets that left while it reads blocks it has open (a
+# new block is looked at when it is first opened): a psutil look-up per open block.
+DEPARTED_SWEEP_S = 5.0
+
+
 class DrafterTransport:
-    """Reads slots into a drafter's own memory, on a copy stream of its own on a GPU."""
+    """Reads slots into a drafter's own memory, on a copy stream of its own on a GPU.
+
+    With cuda_ipc it keeps the blocks of the targets it reads mapped, and drops a target's mapping
+    once that target is gone (its process died, or it registered again with a new block), so a
+    target's restart does not leave its old block pinned in every drafter's GPU memory.
+    """
 
     def __init__(self, kind: str, layout: SlotLayout, device: torch.device, *, arena: SlotArena | None = None,
                  opener: CudaIpcOpener | NodeSlotReader | None = None):
@@ -105,6 +119,8 @@ class DrafterTransport:
         # On the CPU every read lands in one staging slot, faulted in once.
         self._staging = (SlotView(torch.zeros(layout.slot_bytes, dtype=torch.uint8), layout)
                          if device.type == "cpu" else None)
+        self._next_sweep = 0.0
+        self.num_released = 0  # blocks of departed targets dropped
 
     def start_read(self, slot_id: int, generation: int, *, ipc: dict[str, Any] | None = None,
                    owner: str = "") -> SlotCopy:
@@ -122,6 +138,8 @@ class DrafterTransport:
         if self._opener is not None:
             if ipc is None:
                 raise ValueError(f"a {self.kind} read needs the owning target's export (ipc=...)")
+            if isinstance(self._opener, CudaIpcOpener):
+                self._release_departed(ipc, owner)
             return self._opener.start_read(ipc, slot_id, generation, stream=self._stream, owner=owner)
         assert self._arena is not None
         return start_copy(self._arena.slot(slot_id), generation, self.device, stream=self._stream,
@@ -140,6 +158,19 @@ class DrafterTransport:
         """Drop a departed target's CUDA IPC block or node segment (no-op for shm)."""
         if self._opener is not None:
             self._opener.forget(owner=owner)
+
+    def _release_departed(self, ipc: dict[str, Any], owner: str) -> None:
+        assert isinstance(self._opener, CudaIpcOpener)
+        is_new = not self._opener.is_open(ipc, owner=owner)
+        now = time.monotonic()
+        if not is_new and now < self._next_sweep:
+            return
+        self._next_sweep = now + DEPARTED_SWEEP_S
+        for gone in self._opener.departed(ipc if is_new else None):
+            self.forget(gone)
+            self.num_released += 1
+            log.info("released the CUDA IPC block of target %s: its process is gone or it registered a new one",
+                     gone)
 
     def close(self) -> None:
         if self._arena is not None:

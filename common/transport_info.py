@@ -1,15 +1,18 @@
 """Which hidden-state transport a run uses, and the ``transport`` map of the register reply.
 
 Torch-free: the dispatcher decides and describes the data plane but never touches a tensor. Only
-``pool.transport=auto`` on a host that has an NVIDIA device node asks torch whether CUDA works.
+``pool.transport=auto`` (or ``cuda_ipc``) on a host that has an NVIDIA device node asks torch
+whether CUDA works and which GPUs can map each other's memory.
 """
 
 from __future__ import annotations
 
 import glob
 import importlib.util
+import os
 import sys
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 from common.slot_layout import SlotLayout
 
@@ -36,27 +39,93 @@ def cuda_ipc_possible() -> bool:
     return cuda_ipc_available()
 
 
-def resolve_transport(requested: str, same_node: bool, *, cuda_available: bool | None = None) -> str:
-    """``pool.transport`` -> the kind to use: auto picks cuda_ipc for local CUDA workers, else shm."""
+@dataclass(frozen=True)
+class CudaHost:
+    """What ``auto`` needs to know of this host's CUDA, as the dispatcher sees it.
+
+    ``visible``: the physical GPU ids behind the dispatcher's device indices (its
+    ``CUDA_VISIBLE_DEVICES``), None when it sees every GPU by its id. ``can_access_peer(a, b)``:
+    whether device index ``a`` can map memory of device index ``b`` (what a drafter on ``a`` opening
+    a target's block on ``b`` needs).
+    """
+
+    num_devices: int
+    can_access_peer: Callable[[int, int], bool]
+    visible: tuple[int, ...] | None = None
+
+    def index_of(self, gpu: int) -> int | None:
+        """The dispatcher's device index of physical GPU ``gpu`` (``target.gpus`` ids), None if not seen."""
+        if self.visible is None:
+            index = gpu
+        elif gpu in self.visible:
+            index = self.visible.index(gpu)
+        else:
+            return None
+        return index if 0 <= index < self.num_devices else None
+
+
+def probe_cuda_host() -> CudaHost | None:
+    """This host's :class:`CudaHost`, or None without CUDA (torch is imported only where CUDA can be)."""
+    if not cuda_ipc_possible():
+        return None
+    import torch
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [part.strip() for part in visible.split(",")] if visible else []
+    numeric = tuple(int(i) for i in ids) if ids and all(i.isdigit() for i in ids) else None
+    return CudaHost(torch.cuda.device_count(), torch.cuda.can_device_access_peer, numeric)
+
+
+def choose_transport(requested: str, same_node: bool, *, cuda: CudaHost | None, target_gpus: Sequence[int] = (),
+                     drafter_gpus: Sequence[int] = ()) -> tuple[str, str]:
+    """``pool.transport`` -> (the kind to use, why). ``target_gpus`` / ``drafter_gpus``: the GPU of each
+    worker of the node (``target.gpus[:count]``), empty for workers on the CPU.
+
+    ``auto`` picks cuda_ipc only when every target and every drafter is on a GPU and each drafter's
+    GPU can map each target's (peer access, or the same GPU); shm otherwise (pinned where CUDA is).
+    """
     if requested not in TRANSPORT_CHOICES:
         raise ValueError(f"pool.transport: {requested!r} is not one of {', '.join(TRANSPORT_CHOICES)}")
     if requested == "shm":
-        return "shm"
+        return "shm", "pool.transport=shm"
     if requested == "nixl":
         missing = engine_missing()
         if missing:
             raise ValueError(missing)
-        return "nixl"
-    if cuda_available is None:
-        cuda_available = cuda_ipc_possible()
+        return "nixl", "pool.transport=nixl"
     if requested == "cuda_ipc":
-        if not cuda_available:
+        if cuda is None:
             raise ValueError("pool.transport=cuda_ipc needs CUDA on Linux, and this host has none; "
                              "use pool.transport=shm (or auto)")
         if not same_node:
             raise ValueError("pool.transport=cuda_ipc needs every worker on the dispatcher's node")
-        return "cuda_ipc"
-    return "cuda_ipc" if cuda_available and same_node else "shm"
+        return "cuda_ipc", "pool.transport=cuda_ipc"
+    if cuda is None:
+        return "shm", "no CUDA on this host"
+    if not same_node:
+        return "shm", "workers on other nodes"
+    if not target_gpus or not drafter_gpus:
+        cpu = [role for role, gpus in (("targets", target_gpus), ("drafters", drafter_gpus)) if not gpus]
+        return "shm", f"{' and '.join(cpu)} on the CPU (no target.gpus / drafter.gpus)"
+    indices = {}
+    for gpu in {*target_gpus, *drafter_gpus}:
+        index = cuda.index_of(gpu)
+        if index is None:
+            return "shm", f"GPU {gpu} is not among the {cuda.num_devices} this host shows the dispatcher"
+        indices[gpu] = index
+    for d in sorted(set(drafter_gpus)):
+        for t in sorted(set(target_gpus)):
+            if d != t and not cuda.can_access_peer(indices[d], indices[t]):
+                return "shm", f"no peer access from drafter GPU {d} to target GPU {t}"
+    return "cuda_ipc", (f"targets on GPUs {sorted(set(target_gpus))}, drafters on GPUs {sorted(set(drafter_gpus))}, "
+                        f"peer access between them")
+
+
+def resolve_transport(requested: str, same_node: bool, *, cuda: CudaHost | None | bool = True,
+                      target_gpus: Sequence[int] = (), drafter_gpus: Sequence[int] = ()) -> str:
+    """:func:`choose_transport`'s kind; ``cuda=True`` (the default) probes this host."""
+    host = probe_cuda_host() if cuda is True else cuda
+    return choose_transport(requested, same_node, cuda=host or None, target_gpus=target_gpus,
+                            drafter_gpus=drafter_gpus)[0]
 
 
 def shm_transport_info(arena: Any) -> dict[str, Any]:

@@ -47,6 +47,15 @@ class DispatcherGone(Exception):
     """The dispatcher stayed unreachable for RECONNECT_S."""
 
 
+# sysexits' EX_CONFIG: the exit code of a worker that cannot work in this run as it is configured.
+EXIT_UNUSABLE = 78
+
+
+class WorkerUnusable(RuntimeError):
+    """This worker cannot work in this run as configured (e.g. its GPU cannot map the targets' cuda_ipc
+    slots): it exits with :data:`EXIT_UNUSABLE`, which ``hsd launch`` does not restart."""
+
+
 class WorkerSession:
     def __init__(self, config: Config, role: str, name: str, *, gpu: int | None = None):
         self.config = config

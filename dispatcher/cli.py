@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from common.config import ConfigError, describe
+from common.worker_runtime import EXIT_UNUSABLE, WorkerUnusable
 from dispatcher.cli_bench import add_bench_parser
 from dispatcher.cli_common import add_config_args, config_of, require_model, setup_logging
 
@@ -373,6 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"hsd {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except WorkerUnusable as exc:
+        print(f"hsd {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_UNUSABLE
     except KeyboardInterrupt:
         return 130
 

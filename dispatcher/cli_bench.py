@@ -69,7 +69,7 @@ def cmd_bench_gradsync(args) -> int:
 def cmd_bench_gpu(args) -> int:
     from benchmarks.gpu import run_gpu_bench
     only = [name for part in args.only for name in part.split(",") if name] if args.only else None
-    return run_gpu_bench(as_json=args.json, budget_s=args.budget_s, only=only)
+    return run_gpu_bench(as_json=args.json, budget_s=args.budget_s, only=only, out=args.out, bundle=args.bundle)
 
 
 def cmd_bench_dflash(args) -> int:
@@ -121,8 +121,12 @@ def add_bench_parser(sub) -> None:
     b.set_defaults(func=cmd_bench_gradsync)
     b = bench.add_parser("gpu", help="every GPU path in one run: IPC and pinned copies, capture, DFlash step, launch")
     b.add_argument("--budget-s", type=float, default=450.0, help="time budget of the whole check (seconds)")
-    b.add_argument("--only", nargs="+", metavar="SECTION",
-                   help="run only these sections: ipc_handoff pinned_shm capture dflash_step launch nccl_group")
+    b.add_argument("--only", nargs="+", metavar="SECTION", help="run only these sections (see hsd bench gpu's "
+                   "module docstring: cuda_ipc_tests auto_choice nccl_init ipc_handoff ... nccl_group)")
+    b.add_argument("--out", metavar="DIR", help="write each section's JSON here as soon as it ends (NN-name.json), "
+                                                 "a failed section's logs beside it")
+    b.add_argument("--bundle", metavar="DIR", help="after every section also rewrite DIR/bench-gpu.json (all "
+                                                    "sections so far) and DIR/bench-gpu.tar.gz (the --out files)")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_gpu)
     b = bench.add_parser("dispatcher", help="the dispatcher core under simulated load: latency, restart, memory")

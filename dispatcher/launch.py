@@ -3,7 +3,8 @@
 Children run in their own sessions (a terminal's Ctrl-C reaches the launcher alone, which then
 stops workers before the dispatcher) and die with the launcher (PR_SET_PDEATHSIG). Their output is
 prefixed by role and also kept in ``<run.dir>/logs/<name>.log``. A crashed worker is restarted up
-to ``max_restarts`` times; the run ends when the dispatcher exits, which it does once the last
+to ``max_restarts`` times, but not one that exits with ``EXIT_UNUSABLE`` (it cannot work in this
+run as configured and would fail the same way again); the run ends when the dispatcher exits, which it does once the last
 epoch is committed.
 """
 
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.config import Config, write_resolved
+from common.worker_runtime import EXIT_UNUSABLE
 from dispatcher.journal import read_journal
 from dispatcher.report import build_report, format_report
 from dispatcher.rundir import STATE_FILE
@@ -194,9 +196,14 @@ class Launcher:
                 if code == 0:
                     child.finished = True
                     continue
-                if child.restarts >= child.max_restarts:
+                if code == EXIT_UNUSABLE or child.restarts >= child.max_restarts:
                     child.finished = True
-                    log.error("%s exited with code %d and has used its %d restart(s)", child.name, code, child.max_restarts)
+                    if code == EXIT_UNUSABLE:
+                        log.error("%s exited with code %d: it cannot work in this run as configured (its log says "
+                                  "why), not restarted", child.name, code)
+                    else:
+                        log.error("%s exited with code %d and has used its %d restart(s)", child.name, code,
+                                  child.max_restarts)
                     if all(c.finished and c.process.returncode != 0 for c in workers if c.role == child.role):
                         log.error("no %s is left: stopping the run", child.role)
                         return 1

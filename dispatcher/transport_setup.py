@@ -17,7 +17,8 @@ from common.config import Config
 from common.protocol import ErrorCode, ProtocolError
 from common.shm_segment import PoolSegment, check_fits, dead_segments, sweep_dead_segments
 from common.slot_layout import SlotLayout, format_bytes
-from common.transport_info import cuda_ipc_transport_info, nixl_transport_info, resolve_transport, shm_transport_info
+from common.transport_info import (choose_transport, cuda_ipc_transport_info, nixl_transport_info, probe_cuda_host,
+                                   shm_transport_info)
 
 log = logging.getLogger("hsd.dispatcher")
 
@@ -35,7 +36,12 @@ class DataPlane:
     @classmethod
     def create(cls, config: Config, run_id: str) -> "DataPlane":
         layout = SlotLayout.from_config(config)
-        kind = resolve_transport(config.pool.transport, same_node=True)
+        cuda = probe_cuda_host() if config.pool.transport in ("auto", "cuda_ipc") else None
+        kind, reason = choose_transport(config.pool.transport, same_node=True, cuda=cuda,
+                                        target_gpus=config.target.gpus[:config.target.count],
+                                        drafter_gpus=config.drafter.gpus[:config.drafter.count])
+        if config.pool.transport == "auto":
+            log.info("pool.transport=auto chose %s: %s", kind, reason)
         node = config.nodes.name or socket.gethostname()
         swept = sweep_dead_segments(run_id)  # this run's, left by a killed dispatcher of it
         if swept:

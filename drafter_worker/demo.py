@@ -23,14 +23,16 @@ import time
 from pathlib import Path
 
 from common.config import ConfigError, load_config
+from dispatcher.configs import bundled_config
 
 log = logging.getLogger("hsd.demo")
 
-CONFIGS = Path(__file__).resolve().parent.parent / "deploy" / "configs"
-DEFAULT_CONFIG = CONFIGS / "demo-real.yaml"
+# The package's own copies (deploy/configs in a checkout).
+DEFAULT_CONFIG = bundled_config("demo-real.yaml")
 # Per drafter: its config, its run directory under --out (the two demos share the target and data)
 # and its name in the summary.
-OBJECTIVES = {"dflash": (DEFAULT_CONFIG, "run", "DFlash"), "eagle3": (CONFIGS / "demo-eagle3.yaml", "run-eagle3", "EAGLE-3")}
+OBJECTIVES = {"dflash": (DEFAULT_CONFIG, "run", "DFlash"),
+              "eagle3": (bundled_config("demo-eagle3.yaml"), "run-eagle3", "EAGLE-3")}
 DRAFTER_NAME = "drafter-0"  # the name hsd launch gives its first drafter
 STEP_LINE = re.compile(r"step\s+(\d+)\s+loss (\S+).*tok/s ([\d,]+)")
 

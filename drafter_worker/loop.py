@@ -35,6 +35,7 @@ import time
 from typing import Any
 
 from common.checkpoint_writer import CheckpointWriteFailed, CheckpointWriter
+from common.cuda_ipc import PeerMappingError
 from common.config import Config
 from common.protocol import ErrorCode, ProtocolError
 from common.slots import SlotBatch, StaleSlotError
@@ -42,7 +43,7 @@ from common.transport import DrafterTransport, open_drafter_transport
 from common.worker_backends import DrafterBackend
 from common.worker_loop import WorkerLoop
 from common.witness import Checkpoint, latest_checkpoint
-from common.worker_runtime import CALL_TIMEOUT_S, RECONNECT_S, DispatcherGone, NoReply, WorkerLost
+from common.worker_runtime import CALL_TIMEOUT_S, RECONNECT_S, DispatcherGone, NoReply, WorkerLost, WorkerUnusable
 from drafter_worker.busy_clock import BusyClock
 
 log = logging.getLogger("hsd.drafter")
@@ -203,6 +204,14 @@ class DrafterLoop(WorkerLoop):
             log.warning("%s: job %d: %s; reported, carrying on", self.name, job["job_id"], exc)
             reports.append(self.session.submit("read_failed", job_id=job["job_id"], reason=str(exc)))
             return None
+        except PeerMappingError as exc:
+            # Every read from that target would fail the same way: give the job back and leave, not
+            # to be restarted (the run needs pool.transport=shm, or GPUs with peer access).
+            try:
+                self.session.call("read_failed", job_id=job["job_id"], reason=str(exc))
+            except (ProtocolError, WorkerLost, DispatcherGone):
+                pass  # its lease gives it back then
+            raise WorkerUnusable(f"{self.name}: {exc}") from None
         finally:
             self.read_s += time.perf_counter() - started
 

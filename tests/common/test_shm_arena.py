@@ -20,6 +20,7 @@ from common.shm_segment import dead_segments
 from common.slot_pattern import fill_pattern, verify_pattern
 from common.slots import SlotHeader, SlotLayout, SlotView, StaleSlotError, copy_out
 from common.transport import open_drafter_transport, open_target_transport, resolve_transport, shm_transport_info
+from common.transport_info import CudaHost
 
 REPO = Path(__file__).resolve().parents[2]
 LAYOUT = SlotLayout(tokens_per_batch=512, num_layers=2, hidden_size=24, dtype="bfloat16", max_seqs=4)
@@ -247,14 +248,16 @@ def test_shm_transport_round_trip(run_id: str) -> None:
 
 
 def test_resolve_transport() -> None:
-    assert resolve_transport("auto", True, cuda_available=True) == "cuda_ipc"
-    assert resolve_transport("auto", True, cuda_available=False) == "shm"
-    assert resolve_transport("auto", False, cuda_available=True) == "shm"
-    assert resolve_transport("shm", True, cuda_available=True) == "shm"
-    assert resolve_transport("cuda_ipc", True, cuda_available=True) == "cuda_ipc"
+    one_gpu = CudaHost(1, lambda a, b: True)
+    assert resolve_transport("auto", True, cuda=one_gpu, target_gpus=[0], drafter_gpus=[0]) == "cuda_ipc"
+    assert resolve_transport("auto", True, cuda=one_gpu) == "shm"  # workers on the CPU
+    assert resolve_transport("auto", True, cuda=None) == "shm"
+    assert resolve_transport("auto", False, cuda=one_gpu, target_gpus=[0], drafter_gpus=[0]) == "shm"
+    assert resolve_transport("shm", True, cuda=one_gpu) == "shm"
+    assert resolve_transport("cuda_ipc", True, cuda=one_gpu) == "cuda_ipc"
     with pytest.raises(ValueError, match="needs CUDA"):
-        resolve_transport("cuda_ipc", True, cuda_available=False)
+        resolve_transport("cuda_ipc", True, cuda=None)
     with pytest.raises(ValueError, match="dispatcher's node"):
-        resolve_transport("cuda_ipc", False, cuda_available=True)
+        resolve_transport("cuda_ipc", False, cuda=one_gpu)
     with pytest.raises(ValueError, match="not one of"):
         resolve_transport("tcp", True)
