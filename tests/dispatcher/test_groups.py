@@ -105,18 +105,11 @@ def test_joiners_wait_for_the_step_boundary_and_all_join_at_once(tmp_path):
 
 
 def test_a_member_gone_ends_the_version_the_others_go_on_without_rollback(tmp_path):
-    core = make_core(tmp_path, shared_slots=8, credits=8, min_ready=0)
-    [target] = register(core, "target", 1)
-    ranks = [_rank(core, n, size=3) for n in "abc"]
-    v1 = [_join(core, r) for r in ranks][0].version
-    _fill(core, target, 6)
-    first = [_consume(core, r.id, v1) for r in ranks]
-    core.commit_step(ranks[0].id, [j.job_id for j in first], 0.1, 3.0, model="m", step=1, membership=v1)
-    in_flight = [_consume(core, r.id, v1) for r in ranks]
+    core, ranks, v1, in_flight = _three_ranks_one_step_in_flight(tmp_path)
     core.deregister(ranks[2].id, 5.0, reason="dead")
     # the step in flight goes back (consumed -> pending); the two survivors form the next version as
     # soon as both said the step they hold
-    assert all(j.job_id not in core.ledger.jobs for j in in_flight)
+    assert all(job_id not in core.ledger.jobs for job_id in in_flight)
     assert core.ledger.count(0, JobState.CONSUMED) == 0 and core.ledger.count(0, JobState.COMMITTED) == 3
     assert _join(core, ranks[1], after=v1, step=1) is None  # rank 0 has not said its step yet
     m0 = _join(core, ranks[0], after=v1, step=1)
