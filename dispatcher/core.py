@@ -17,7 +17,7 @@ from typing import Any, Callable
 import numpy as np
 
 from common.capture_contract import adopt_contract
-from common.witness import latest_checkpoint, model_dir
+from dispatcher.checkpoints import KnownCheckpoints
 from dispatcher.core_types import (DONE, STEP_FULL, CoreOptions, Counters, Incompatible, JobGrant, Unauthorized,
                                    UnknownWorker, Worker)
 from dispatcher.group_ops import GroupOps
@@ -47,7 +47,7 @@ class DispatcherCore(GroupOps):
         self.workers: dict[str, Worker] = {}
         self.counters = Counters()
         self.started_at = now
-        self.checkpoints: dict[str, int] = {}  # model -> step of its latest durable checkpoint
+        self.checkpoints = KnownCheckpoints(run_dir, journal)  # model -> step of its latest durable checkpoint
         self.step_costs: dict[str, CostModel] = {}  # model -> its group's cost per job (dispatcher.step_balance)
         self.contract = options.contract
         self._next_worker = Counter()
@@ -79,8 +79,7 @@ class DispatcherCore(GroupOps):
                 self.ledger.restore_commit(event["model"], event["step"], event["jobs"])
             elif kind == "rollback":  # as the live path (_rollback): the known checkpoint never past the step
                 self.ledger.rollback(event["model"], event["step"])
-                if event["step"] < self.checkpoints.get(event["model"], 0):
-                    self.checkpoints[event["model"]] = event["step"]
+                self.checkpoints.lower_to(event["model"], event["step"])
             elif kind == "checkpoint":
                 self.checkpoints[event["model"]] = max(self.checkpoints.get(event["model"], 0), event["step"])
         self.journal.record("start", durable=True, resumed=bool(recovered.epochs_started),
@@ -182,7 +181,8 @@ class DispatcherCore(GroupOps):
         elif model_id is not None:
             self._rollback(model_id, model_step)
         if registered and registered.checkpoint:
-            self._adopt_checkpoint(model_id, registered.checkpoint, worker_id, via="register")
+            self.checkpoints.adopt(model_id, registered.checkpoint, ledger_step=self.ledger.model_step.get(model_id, 0),
+                                   worker_id=worker_id, via="register")
         return worker
 
     def _free_queue(self) -> int | None:
@@ -199,8 +199,7 @@ class DispatcherCore(GroupOps):
         if self.ledger.model_step.get(model, 0) == step and model in self.ledger.model_index:
             return
         reverted = self.ledger.rollback(model, step)
-        if step < self.checkpoints.get(model, 0):
-            self.checkpoints[model] = step
+        self.checkpoints.lower_to(model, step)
         # Every rollback is a restart from a checkpoint: a lone drafter's, or a group's none of whose
         # live ranks held the committed step (a membership change itself never rolls back).
         self.journal.record("rollback", durable=True, model=model, step=step, jobs=len(reverted), cause="restart")
@@ -294,9 +293,9 @@ class DispatcherCore(GroupOps):
         live = {w.model for w in self.workers.values() if w.model is not None}
         for model, step in self.ledger.model_step.items():
             if self.checkpoints.get(model, 0) < step and model not in live:
-                on_disk = self._checkpoint_on_disk(model)
+                on_disk = self.checkpoints.on_disk(model)
                 if on_disk:
-                    self._adopt_checkpoint(model, on_disk, None, via="disk")
+                    self.checkpoints.adopt(model, on_disk, ledger_step=step, worker_id=None, via="disk")
 
     def _give_back(self, job: Job, reason: str) -> None:
         slot_id, holder = job.slot, job.holder
@@ -526,32 +525,6 @@ class DispatcherCore(GroupOps):
         if group is not None:
             self._maybe_open(group, now)  # the step boundary waiting ranks wait for
         return step
-
-    def _checkpoint_on_disk(self, model: str) -> int | None:
-        """The step of the model's latest checkpoint in this run directory (None: none here)."""
-        try:
-            found = latest_checkpoint(self.run_dir, model)
-        except (OSError, ValueError, KeyError):  # half-written or foreign: not a checkpoint to count on
-            return None
-        return found.step if found is not None else None
-
-    def _adopt_checkpoint(self, model: str, step: int, worker_id: str | None, *, via: str) -> None:
-        """A durable checkpoint the dispatcher did not hear of when it was written: counted when it
-        is of the ledger's history (never past its step) and, where this run directory holds the
-        model's checkpoints, present there."""
-        if step <= self.checkpoints.get(model, 0):
-            return
-        held = self.ledger.model_step.get(model, 0)
-        if step > held:
-            log.warning("model %s: a checkpoint of step %d (%s) is past the ledger's step %d: not counted",
-                        model, step, via, held)
-            return
-        if model_dir(self.run_dir, model).exists() and (self._checkpoint_on_disk(model) or 0) < step:
-            log.warning("model %s: no checkpoint of step %d in %s (%s): not counted", model, step, self.run_dir, via)
-            return
-        self.checkpoints[model] = step
-        self.journal.record("checkpoint", durable=True, model=model, step=step, w=worker_id, via=via)
-        log.info("model %s: checkpoint at step %d known (%s)", model, step, via)
 
     def checkpoint(self, worker_id: str, step: int, now: float, *, model: str | None = None) -> None:
         """The model's state at ``step`` (its witness included) is durable on disk."""

@@ -1,0 +1,58 @@
+"""What the dispatcher knows of each model's durable checkpoints: the step of the latest one.
+
+A run is done only once every model's last commit is covered by a checkpoint of it, so this is
+what a finished run waits for. A checkpoint becomes known three ways: the drafter's ``checkpoint``
+report once its files are on disk, the checkpoint a drafter says it holds when it registers (one
+written while no dispatcher listened), and — for a model no live drafter trains once every job is
+committed — the model's ``latest`` checkpoint found in the run directory. Each is journaled, and a
+rollback below a known checkpoint lowers it (live and on replay alike).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from common.witness import latest_checkpoint, model_dir
+from dispatcher.journal import Journal
+
+log = logging.getLogger("hsd.dispatcher")
+
+
+class KnownCheckpoints(dict):
+    """model -> the step of its latest durable checkpoint the dispatcher knows of."""
+
+    def __init__(self, run_dir: str | Path, journal: Journal):
+        super().__init__()
+        self.run_dir = Path(run_dir)
+        self.journal = journal
+
+    def lower_to(self, model: str, step: int) -> None:
+        """The model was rolled back to ``step``: a checkpoint past it is no longer its history."""
+        if step < self.get(model, 0):
+            self[model] = step
+
+    def on_disk(self, model: str) -> int | None:
+        """The step of the model's latest checkpoint in this run directory (None: none here)."""
+        try:
+            found = latest_checkpoint(self.run_dir, model)
+        except (OSError, ValueError, KeyError):  # half-written or foreign: not a checkpoint to count on
+            return None
+        return found.step if found is not None else None
+
+    def adopt(self, model: str, step: int, *, ledger_step: int, worker_id: str | None, via: str) -> None:
+        """A durable checkpoint the dispatcher did not hear of when it was written: counted when it
+        is of the ledger's history (never past its step) and, where this run directory holds the
+        model's checkpoints, present there."""
+        if step <= self.get(model, 0):
+            return
+        if step > ledger_step:
+            log.warning("model %s: a checkpoint of step %d (%s) is past the ledger's step %d: not counted",
+                        model, step, via, ledger_step)
+            return
+        if model_dir(self.run_dir, model).exists() and (self.on_disk(model) or 0) < step:
+            log.warning("model %s: no checkpoint of step %d in %s (%s): not counted", model, step, self.run_dir, via)
+            return
+        self[model] = step
+        self.journal.record("checkpoint", durable=True, model=model, step=step, w=worker_id, via=via)
+        log.info("model %s: checkpoint at step %d known (%s)", model, step, via)
