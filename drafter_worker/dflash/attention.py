@@ -13,8 +13,8 @@ in one of three ways:
   log-sum-exp of its scores; combined by it, they are the softmax over both parts. The keys of
   other blocks are never touched.
 * ``flex`` (GPUs): one flex attention call over ``[context, blocks]`` with a ``BlockMask``; its
-  kernel skips the tiles the mask leaves empty. Compiled, with automatic dynamic shapes (a job's
-  batch shape follows its sorted lengths), as is the building of the block mask.
+  kernel skips the tiles the mask leaves empty. Compiled, one dynamic graph for every shape (a
+  job's batch shape follows its sorted lengths), as is the building of the block mask.
 * ``dense``: one SDPA call over every key with the boolean mask. The reference the others are
   tested against, and the path of a device that has neither kernel.
 """
@@ -92,26 +92,18 @@ class _SplitAttention(torch.autograd.Function):
         return dq, dk_ctx, dv_ctx, _from_blocks(dk_b, batch), _from_blocks(dv_b, batch), None, None, None
 
 
-_compiled_flex = None
-MAX_COMPILED_SHAPES = 64  # shapes flex attention is compiled for before dynamo would give up on new ones
-
-
-def _flex_attention(q, k, v, block_mask):
-    """Flex attention; compiled on GPU (the eager version materialises the scores)."""
-    global _compiled_flex
+def _flex_attention(q, k, v, block_mask, *, compiled: bool | None = None):
+    """Flex attention; compiled on GPU (the eager version materialises the scores), one graph for
+    every shape: batches of sorted lengths (schedule.batching=sorted) give a job its own
+    ``[sequences, length]`` (:mod:`drafter_worker.flex_compile`)."""
     from torch.nn.attention.flex_attention import flex_attention
-    if q.device.type != "cuda":
+
+    from drafter_worker import flex_compile
+    if not (q.device.type == "cuda" if compiled is None else compiled):
         return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
-    if _compiled_flex is None:
-        # Batches of sorted lengths (schedule.batching=sorted) give a job its own [sequences, length]
-        # shape, so static shapes would compile for nearly every job. Automatic dynamic shapes
-        # (dynamic=None): the first shape is compiled as it is, and a dimension seen to change is
-        # made symbolic on the one recompile that follows. The raised recompile limit covers what
-        # is left (anchor widths, dtypes): past it a new shape would run eagerly, materialising
-        # every score.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MAX_COMPILED_SHAPES)
-        _compiled_flex = torch.compile(flex_attention, dynamic=None)
-    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True)
+    for tensor in (q, k, v):
+        flex_compile.mark_dynamic(tensor, 0, 2)
+    return flex_compile.call("flex_attention", flex_attention, q, k, v, block_mask=block_mask, enable_gqa=True)
 
 
 class DraftAttention:
