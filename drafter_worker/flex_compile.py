@@ -45,3 +45,16 @@ def call(name: str, fn: Callable, *args: Any, **kwargs: Any) -> Any:
     """``compiled(name, fn)(*args, **kwargs)``, traced (when it is) without specialising sizes of one."""
     with fx_config.patch(backed_size_oblivious=True):
         return compiled(name, fn)(*args, **kwargs)
+
+
+def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, *,
+                   compiled: bool | None = None) -> torch.Tensor:
+    """Flex attention (grouped-query heads allowed); compiled on GPU (``compiled`` defaults to it: the
+    eager version materialises the scores), one graph whatever the batch and the lengths."""
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    if not (q.device.type == "cuda" if compiled is None else compiled):
+        return flex(q, k, v, block_mask=block_mask, enable_gqa=True)
+    for tensor in (q, k, v):
+        mark_dynamic(tensor, 0, 2)
+    return call("flex_attention", flex, q, k, v, block_mask=block_mask, enable_gqa=True)

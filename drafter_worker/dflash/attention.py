@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from drafter_worker.dflash.mask import dense_block_mask, flex_block_mask
+from drafter_worker.flex_compile import flex_attention
 
 # The CPU's fused SDPA kernel, called directly: unlike F.scaled_dot_product_attention it also returns
 # the log-sum-exp of the scores, and its backward takes the log-sum-exp it should use.
@@ -92,20 +93,6 @@ class _SplitAttention(torch.autograd.Function):
         return dq, dk_ctx, dv_ctx, _from_blocks(dk_b, batch), _from_blocks(dv_b, batch), None, None, None
 
 
-def _flex_attention(q, k, v, block_mask, *, compiled: bool | None = None):
-    """Flex attention; compiled on GPU (the eager version materialises the scores), one graph for
-    every shape: batches of sorted lengths (schedule.batching=sorted) give a job its own
-    ``[sequences, length]`` (:mod:`drafter_worker.flex_compile`)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    from drafter_worker import flex_compile
-    if not (q.device.type == "cuda" if compiled is None else compiled):
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
-    for tensor in (q, k, v):
-        flex_compile.mark_dynamic(tensor, 0, 2)
-    return flex_compile.call("flex_attention", flex_attention, q, k, v, block_mask=block_mask, enable_gqa=True)
-
-
 class DraftAttention:
     """The block-sparse attention of one forward pass (anchors ``[batch, N]``), for every layer."""
 
@@ -134,8 +121,8 @@ class DraftAttention:
         """``q [B, Hq, N*blk, D]``, ``k/v_ctx [B, Hkv, S, D]``, ``k/v_blk [B, Hkv, N*blk, D]``; returns
         ``[B, Hq, N*blk, D]``."""
         if self.kind == "flex":
-            return _flex_attention(q, torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2),
-                                   self._block_mask)
+            return flex_attention(q, torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2),
+                                  self._block_mask)
         groups = q.shape[1] // k_ctx.shape[1]
         k_ctx, v_ctx, k_blk, v_blk = (t.repeat_interleave(groups, dim=1) for t in (k_ctx, v_ctx, k_blk, v_blk))
         if self.kind == "split":

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from drafter_worker import flex_compile
-from drafter_worker.dflash.attention import _flex_attention
 from drafter_worker.dflash.mask import dense_block_mask, flex_block_mask
 
 pytest.importorskip("torch.nn.attention.flex_attention")
@@ -36,8 +35,8 @@ def test_one_graph_each_for_every_shape(monkeypatch):
         v = torch.randn(batch, KV_HEADS, ctx_len + num_q, HEAD_DIM, generator=g)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # flex attention run by aot_eager warns that it is unfused
-            out = _flex_attention(q, k, v, flex_block_mask(anchors, ctx_len=ctx_len, block_size=BLOCK, compiled=True),
-                                  compiled=True)
+            block_mask = flex_block_mask(anchors, ctx_len=ctx_len, block_size=BLOCK, compiled=True)
+            out = flex_compile.flex_attention(q, k, v, block_mask, compiled=True)
         mask = dense_block_mask(anchors, ctx_len=ctx_len, block_size=BLOCK)
         groups = HEADS // KV_HEADS
         reference = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
