@@ -44,3 +44,32 @@ def test_one_graph_each_for_every_shape(monkeypatch):
         torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
     assert counters["stats"]["unique_graphs"] == 2  # the block mask's and flex attention's
     torch._dynamo.reset()
+
+
+def test_eagle3_ttt_attention_compiles_once_for_every_length_and_step(monkeypatch):
+    """The TTT block mask (cached per length and step) and flex attention over the keys of every step:
+    one graph each for four lengths (one batch of one) and three steps, equal to the dense TTT mask."""
+    from drafter_worker.eagle3 import ttt_attention as ttt
+    from drafter_worker.eagle3.ttt import ttt_mask
+    monkeypatch.setattr(flex_compile, "BACKEND", "aot_eager")
+    monkeypatch.setattr(flex_compile, "_compiled", {})
+    monkeypatch.setattr(ttt, "_block_masks", type(ttt._block_masks)())
+    torch._dynamo.reset()
+    counters.clear()
+    g = torch.Generator().manual_seed(0)
+    for batch, seq_len in [(2, 10), (3, 17), (1, 9), (2, 40)]:
+        q = torch.randn(batch, HEADS, seq_len, HEAD_DIM, generator=g)
+        cache = []
+        for step in range(3):
+            cache.append((torch.randn(batch, KV_HEADS, seq_len, HEAD_DIM, generator=g),
+                          torch.randn(batch, KV_HEADS, seq_len, HEAD_DIM, generator=g)))
+            groups = HEADS // KV_HEADS
+            keys = torch.cat([k for k, _ in cache], dim=2).repeat_interleave(groups, 1)
+            values = torch.cat([v for _, v in cache], dim=2).repeat_interleave(groups, 1)
+            reference = F.scaled_dot_product_attention(q, keys, values, attn_mask=ttt_mask(seq_len, step))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                out = ttt.ttt_attention(q, cache, kind="flex", compiled=True)
+            torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 2
+    torch._dynamo.reset()
