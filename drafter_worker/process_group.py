@@ -181,6 +181,7 @@ class StepGroup:
             raise
         except (RuntimeError, ValueError) as exc:  # DistStoreError and friends: the others never came,
             # or rank 0's TCPStore went away with its process (DistNetworkError, at once)
+            self._abort()  # a group half built (its NCCL communicator failed to connect) is let go of too
             raise CollectiveFailed(f"rendezvous of membership {version} failed: {exc}") from None
         log.info("rank %d/%d of membership %d joined in %.2fs (%s)", rank, world_size, version,
                  time.monotonic() - started, backend)

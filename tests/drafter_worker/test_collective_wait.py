@@ -107,3 +107,19 @@ def test_the_nccl_watchdog_is_told_not_to_act(caplog):
     prepare_nccl_env(environ)
     assert environ == NCCL_ENV and environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=3 overridden" in caplog.text
+
+
+def test_a_group_that_fails_while_it_is_built_is_let_go_of(tmp_path, monkeypatch):
+    """init_process_group registering the group, then failing (as an NCCL communicator that cannot
+    connect at device_id's eager init would): the rank is left with no group, so the next opens."""
+    init = dist.init_process_group
+
+    def half_built(*args, **kwargs):
+        init(*args, **kwargs)
+        raise RuntimeError("NCCL error: remote process exited")
+    monkeypatch.setattr(dist, "init_process_group", half_built)
+    with pytest.raises(CollectiveFailed, match="rendezvous of membership 1 failed: NCCL error"):
+        _group(tmp_path, 1)
+    assert not dist.is_initialized()
+    monkeypatch.setattr(dist, "init_process_group", init)
+    _group(tmp_path, 2).close()
