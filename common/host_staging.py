@@ -24,44 +24,42 @@ import weakref
 
 import torch
 
+from common.shm_arena import CudaHostRuntime
+
 log = logging.getLogger("hsd.checkpoint")
-
-
-_CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context of the process, not just the current device's
-
-
-def _unregister(ptr: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 class PinnedBuffer:
     """A host tensor of exactly ``shape`` and ``dtype``, page-locked for async copies (pageable, and
-    said once, when the runtime refuses: the copies then still happen, synchronously)."""
+    said once, when the runtime refuses: the copies then still happen, synchronously; the refusal is
+    cleared so that the next kernel launch does not report it as its own)."""
 
     _refused_said = False
 
-    def __init__(self, shape: torch.Size, dtype: torch.dtype, device: torch.device):
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, device: torch.device, runtime: CudaHostRuntime):
         self.tensor = torch.empty(shape, dtype=dtype)  # the CPU allocator: exactly its bytes
         self.pinned = False
         nbytes = self.tensor.numel() * self.tensor.element_size()
         if nbytes == 0:
             return
         ptr = self.tensor.data_ptr()
-        with torch.cuda.device(device):
-            err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
+        err = runtime.host_register(ptr, nbytes, device)
         if err == 0:
             self.pinned = True
             # Run as this buffer goes, before its tensor's memory can (a copy handed out may hold it longer).
-            weakref.finalize(self, _unregister, ptr).atexit = False
-        elif not PinnedBuffer._refused_said:
+            weakref.finalize(self, runtime.host_unregister, ptr, device).atexit = False
+            return
+        runtime.clear_last_error()
+        if not PinnedBuffer._refused_said:
             PinnedBuffer._refused_said = True
-            log.warning("cudaHostRegister of a %d-byte checkpoint buffer failed (error %d): checkpoint copies "
-                        "stay synchronous", nbytes, err)
+            log.warning("cudaHostRegister of a %d-byte checkpoint buffer failed (%s): checkpoint copies stay "
+                        "synchronous", nbytes, runtime.error_string(err))
 
 
 class HostStaging:
-    def __init__(self) -> None:
+    def __init__(self, runtime: CudaHostRuntime | None = None) -> None:
         self._pinned: dict[str, PinnedBuffer] = {}  # name -> its buffer, reused while its shape holds
+        self._runtime = runtime  # made at the first CUDA tensor
 
     def copy(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Host copies of ``tensors`` (same names), complete when this returns."""
@@ -74,7 +72,9 @@ class HostStaging:
                 continue
             buffer = self._pinned.get(name)
             if buffer is None or buffer.tensor.shape != tensor.shape or buffer.tensor.dtype != tensor.dtype:
-                buffer = PinnedBuffer(tensor.shape, tensor.dtype, tensor.device)
+                if self._runtime is None:
+                    self._runtime = CudaHostRuntime()
+                buffer = PinnedBuffer(tensor.shape, tensor.dtype, tensor.device, self._runtime)
                 self._pinned[name] = buffer
             buffer.tensor.copy_(tensor, non_blocking=buffer.pinned)
             out[name] = buffer.tensor
