@@ -75,7 +75,8 @@ class NodeSlotReader:
         """The slot's batch on the reader's device (views into the staging slot on a CPU reader).
 
         A local slot is copied as with shm (on ``stream`` on a GPU); a remote one is read through
-        the engine with both generation checks before this returns, then moved to the GPU if any.
+        the engine with both generation checks before this returns, then moved to the GPU if any, on
+        ``stream`` too.
         """
         arena = self._local_arena(export, owner) if export.get("node") == self.node else None
         if arena is not None:
@@ -90,9 +91,17 @@ class NodeSlotReader:
         self._agents[owner] = export["agent"]
         batch = self._remote.read(export, slot, generation)
         self.num_remote += 1
-        if self.device.type != "cpu":
-            batch = batch.copy_to(self.device)
-        return SlotCopy(self._remote.view, generation, batch, device=self.device)  # the engine's own buffer
+        if self.device.type == "cpu":
+            return SlotCopy(self._remote.view, generation, batch, device=self.device)  # the engine's own buffer
+        # Onto the GPU on the copy stream, not the compute stream: it need not wait for the training
+        # queued there. The generation was checked on both sides of the read already.
+        stream = stream if stream is not None else torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(stream):
+            batch = batch.copy_to(self.device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return SlotCopy(self._remote.view, generation, batch, device=self.device, stream=stream, event=event,
+                        checked=True)
 
     def _local_arena(self, export: dict[str, Any], owner: str) -> SlotArena | None:
         """The owner's segment mapped, or None when its node has the drafter's name but no such segment:

@@ -182,20 +182,23 @@ class SlotCopy:
     """
 
     def __init__(self, view: SlotView, generation: int, batch: SlotBatch, *, device: torch.device,
-                 stream: torch.cuda.Stream | None = None, event: torch.cuda.Event | None = None):
+                 stream: torch.cuda.Stream | None = None, event: torch.cuda.Event | None = None,
+                 checked: bool = False):
         self.view = view
         self.device = device
         self.generation = generation
         self._batch = batch
         self.stream = stream
         self.event = event
+        self.checked = checked  # the generation was checked after the read already (a remote read)
 
     def wait(self) -> SlotBatch:
         if self.event is None:
             return self._batch
         self.event.synchronize()  # this copy only: compute queued on other streams runs on
-        with torch.cuda.stream(self.stream):  # a header on a GPU (cuda_ipc) is read on the copy stream too
-            self.view.expect_generation(self.generation, when="after")
+        if not self.checked:
+            with torch.cuda.stream(self.stream):  # a header on a GPU (cuda_ipc) is read on the copy stream too
+                self.view.expect_generation(self.generation, when="after")
         consumer = torch.cuda.current_stream(self.device)
         if self.stream != consumer:
             consumer.wait_event(self.event)

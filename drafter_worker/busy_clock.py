@@ -6,6 +6,9 @@ the GPU computed. There the clock records a pair of CUDA events on the compute s
 micro-batch and reads them only once the step's last event has completed — usually at the next
 step, after that step's one host read — so reading it never synchronises anything. A step's figure
 therefore comes a step late on a GPU; callers get it with the step it belongs to.
+
+The loop measures the micro-batch's compute alone, from after its slot's copy was waited for: a
+start event queued before that wait would fire on an idle stream and count the wait as compute.
 """
 
 from __future__ import annotations

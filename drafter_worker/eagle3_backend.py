@@ -77,4 +77,5 @@ class Eagle3Backend(DFlashBackend):
         started = time.perf_counter()
         self.trainer.micro_batch(batch.hs, batch.input_ids, batch.loss_mask, batch.seq_lens)
         self.window.append(int(job["job_id"]))
-        self.clock.add_compute(time.perf_counter() - started, int(batch.seq_lens.sum()))
+        # The token count from the slot's header, not from the lengths tensor: that may be on the device.
+        self.clock.add_compute(time.perf_counter() - started, batch.header.num_tokens)

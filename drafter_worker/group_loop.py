@@ -330,6 +330,7 @@ class GroupDrafterLoop(DrafterLoop):
     def _round(self, *, done: bool, flush: bool, leaving: bool) -> str | None:
         """One step of the group (or none when no rank has work); how the version ends, if it does."""
         assert self.group is not None
+        self.group.await_local_compute()  # the wait timed below is for the others, not this rank's own queue
         ready_at = time.perf_counter()
         # the compute time of this rank's latest round whose work completed (on a GPU: an earlier one)
         self._round_seq += 1

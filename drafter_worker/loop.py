@@ -179,12 +179,14 @@ class DrafterLoop(WorkerLoop):
                 return
 
     def _train_on(self, job: dict[str, Any], transport: DrafterTransport, reports: list[int]) -> None:
+        batch = self._read(job, transport, reports)
+        if batch is None:
+            return
+        reports.append(self.session.submit("consumed", job_id=job["job_id"]))
+        self._settle_commit()  # the previous step's commit was in flight during the copy
+        # The compute alone: on a GPU the clock's first event is queued once the copy is waited for,
+        # so a stream idle while the host waited for the copy (or the commit) is not counted.
         with self.clock.measure():
-            batch = self._read(job, transport, reports)
-            if batch is None:
-                return
-            reports.append(self.session.submit("consumed", job_id=job["job_id"]))
-            self._settle_commit()  # the previous step's commit was in flight during the copy
             self.backend.micro_batch(job, batch)
         self.window.append(job["job_id"])
 

@@ -4,25 +4,49 @@ The dispatcher names a fresh store per membership version — a ``FileStore`` pa
 rank 0's ``TCPStore`` under a key prefix of the version's own across nodes
 (:mod:`drafter_worker.rendezvous`); every rank opens it and joins with the rank it was given,
 first marking its arrival in the store (so a rendezvous that fails can say how many ranks came).
-Every collective carries ``drafter.collective_timeout_s``, so a rank whose peer died never waits
-longer than that (gloo usually notices a dead peer's closed socket at once, and a client of a
+Every collective is bounded by ``drafter.collective_timeout_s``, so a rank whose peer died never
+waits longer than that (gloo usually notices a dead peer's closed socket at once, and a client of a
 dead rank 0's TCPStore its closed connection). No pickle: job ids travel as fixed-size int64
 tensors, never through ``all_gather_object``.
+
+**On GPUs a dead peer must fail a collective the way it does under gloo**, never kill or hang a
+survivor. NCCL does neither by itself: its collectives return at once and the kernel then spins
+for the dead peer, a host read behind it blocks, and the watchdog's default answer to the timeout
+is SIGABRT. So:
+
+* the group has two backends (``cpu:gloo,cuda:nccl``): every small exchange — the job-id rows,
+  the commit outcome, whatever the host reads with ``.tolist()`` — is a CPU tensor and runs on
+  gloo; NCCL carries only device tensors (the gradient buckets, the step sums, a state transfer);
+* every collective is issued ``async_op=True`` and waited for by polling its completion against
+  the timeout (:func:`drafter_worker.collective_wait.wait_bounded`); past it, or on any error, the
+  rank aborts the communicator at once (``ncclCommAbort``: the spinning kernel returns) and raises
+  :class:`CollectiveFailed`, as gloo would have;
+* the watchdog is told not to act (``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``, no dump on timeout, no
+  heartbeat monitor: each of those ends in SIGABRT), since every wait is bounded on the host;
+* the NCCL communicator is built when the group opens (``device_id``), not lazily inside the first
+  step's all-reduce, and is released by abort, never ``ncclCommDestroy``: destroy waits for every
+  peer to destroy too, which a dead peer never does. Should abort itself not return (some NCCL
+  versions hang in it), the rank exits after ``ABORT_BOUND_S`` (code ``ABORT_HUNG_EXIT``) and
+  restarts as a joiner: a lost process, never a hung group.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _abort_process_group
 
 from common.protocol import parse_tcp_store, store_address
+from drafter_worker.collective_wait import wait_bounded
 from drafter_worker.rendezvous import RendezvousServer
 
 log = logging.getLogger("hsd.drafter")
@@ -32,6 +56,13 @@ HEAD = 6  # fields before the job ids in a row
 WATCH_S = 0.25  # a rank at the rendezvous asks this often whether its version still stands
 ARRIVAL_POLL_S = 0.02  # and looks this often whether every rank came (a TCPStore wait that times out logs a warning)
 ARRIVED_KEY = "hsd/arrived"  # + "/<rank>": set in the store by each rank that came to the rendezvous
+# What ProcessGroupNCCL's watchdog does about a timeout or an error: nothing. Each of these would end
+# in SIGABRT (tear down on error, dump and then terminate, terminate when the watchdog stalls);
+# every host wait of the group is bounded, and a failed communicator is aborted by the rank itself.
+NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+            "TORCH_NCCL_ENABLE_MONITORING": "0"}
+ABORT_BOUND_S = 60.0  # an abort that has not returned by then never will
+ABORT_HUNG_EXIT = 5  # exit code of a rank whose communicator abort hung
 
 
 AllReduce = Callable[[torch.Tensor], None]  # sums a tensor in place across the ranks of a group
@@ -101,6 +132,16 @@ class RankRound:
     busy_step: int = 0  # the step busy_us was measured on (a GPU's figures come a step late; 0: none yet)
 
 
+def prepare_nccl_env(environ=os.environ) -> None:
+    """Set :data:`NCCL_ENV` before a ProcessGroupNCCL is built (it reads them then); a different value
+    set by the user is overridden, and said."""
+    for key, value in NCCL_ENV.items():
+        if environ.get(key, value) != value:
+            log.warning("%s=%s overridden with %s: a data-parallel group aborts a failed communicator itself "
+                        "(a watchdog that acts would kill the survivors of a dead rank)", key, environ[key], value)
+        environ[key] = value
+
+
 class StepGroup:
     def __init__(self, *, store: str, rank: int, world_size: int, version: int, timeout_s: float,
                  max_jobs: int, device: torch.device | str = "cpu", rendezvous_timeout_s: float | None = None,
@@ -114,8 +155,20 @@ class StepGroup:
         self._still_current = still_current
         self.rank, self.world_size, self.version = rank, world_size, version
         self.max_jobs = max_jobs  # job ids one rank contributes to a step, at most
+        self.timeout_s = timeout_s  # every collective's bound
         self.device = torch.device(device)
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.broken = False  # a collective failed: the communicator was aborted
+        options = {}
+        if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(self.device)
+            prepare_nccl_env()
+            # gloo for the host's small exchanges, NCCL for device tensors; device_id builds the NCCL
+            # communicator now, at the rendezvous, instead of inside the first step's all-reduce
+            backend, options = "cpu:gloo,cuda:nccl", {"device_id": self.device}
+        else:
+            backend = "gloo"
         started = time.monotonic()
         wait_s = rendezvous_timeout_s if rendezvous_timeout_s is not None else timeout_s
         deadline = started + wait_s
@@ -123,11 +176,12 @@ class StepGroup:
             self._store = self._open_store(store, server, timeout_s=timeout_s, deadline=deadline)
             self._await_ranks(self._store, deadline, wait_s)
             dist.init_process_group(backend, store=self._store, rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=timeout_s))
+                                    timeout=datetime.timedelta(seconds=timeout_s), **options)
         except (RendezvousIncomplete, VersionEnded):
             raise
         except (RuntimeError, ValueError) as exc:  # DistStoreError and friends: the others never came,
             # or rank 0's TCPStore went away with its process (DistNetworkError, at once)
+            self._abort()  # a group half built (its NCCL communicator failed to connect) is let go of too
             raise CollectiveFailed(f"rendezvous of membership {version} failed: {exc}") from None
         log.info("rank %d/%d of membership %d joined in %.2fs (%s)", rank, world_size, version,
                  time.monotonic() - started, backend)
@@ -186,11 +240,24 @@ class StepGroup:
         if self._still_current is not None and not self._still_current():
             raise VersionEnded(f"membership {self.version} ended while rank {self.rank} waited at its rendezvous")
 
-    def _run(self, what: str, fn, *args) -> None:
+    def _run(self, what: str, collective, *args) -> None:
+        """``collective(*args)``, its host wait bounded by the timeout; a failure aborts the group."""
         try:
-            fn(*args)
+            work = collective(*args, async_op=True)
+            completed = wait_bounded(work, timeout_s=self.timeout_s)
         except (RuntimeError, ValueError) as exc:  # gloo raises RuntimeError for timeouts and closed peers
+            self._abort()
             raise CollectiveFailed(f"{what} of membership {self.version} failed: {exc}") from None
+        if not completed:  # NCCL: the kernel still spins for a peer that is gone
+            self._abort()
+            raise CollectiveFailed(f"{what} of membership {self.version} did not complete within "
+                                   f"{self.timeout_s:g}s: a peer is gone (the communicator was aborted)")
+
+    def await_local_compute(self) -> None:
+        """Block until the work this rank queued on its compute stream is done (on the CPU it is):
+        what the group then waits for is the others and the exchange, not this rank's own backlog."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum over the group, in place."""
@@ -201,7 +268,7 @@ class StepGroup:
         padding]`` per rank."""
         if len(mine.job_ids) > self.max_jobs:
             raise ValueError(f"a rank brings {len(mine.job_ids)} jobs to a step, more than {self.max_jobs}")
-        row = torch.full((HEAD + self.max_jobs,), NO_JOB, dtype=torch.int64, device=self.device)
+        row = torch.full((HEAD + self.max_jobs,), NO_JOB, dtype=torch.int64)  # on the CPU: gloo, read at no cost
         row[:HEAD] = torch.tensor([len(mine.job_ids), int(mine.done), int(mine.flush), mine.busy_us, int(mine.leaving),
                                    mine.busy_step])
         if mine.job_ids:
@@ -216,8 +283,8 @@ class StepGroup:
         return rounds
 
     def broadcast(self, *values: int) -> list[int]:
-        """Rank 0's ``values`` on every rank."""
-        tensor = torch.tensor(values, dtype=torch.int64, device=self.device)
+        """Rank 0's ``values`` on every rank (over gloo, on the CPU)."""
+        tensor = torch.tensor(values, dtype=torch.int64)
         self._run("broadcast", dist.broadcast, tensor, 0)
         return tensor.tolist()
 
@@ -227,8 +294,35 @@ class StepGroup:
 
     def close(self) -> None:
         self._store = None  # a client of rank 0's TCPStore disconnects once the group lets go of it too
-        if dist.is_initialized():
+        if not dist.is_initialized():
+            return
+        if self.device.type == "cuda":  # never ncclCommDestroy: it waits for peers that may be gone
+            self._abort()
+            return
+        try:
+            dist.destroy_process_group()
+        except (RuntimeError, ValueError) as exc:  # a broken group may not tear down cleanly
+            log.warning("closing the process group of membership %d: %s", self.version, exc)
+
+    def _abort(self) -> None:
+        """Abort every communicator of the group (a spinning NCCL kernel returns) and forget the group,
+        on a thread of its own: an abort that does not return within ``ABORT_BOUND_S`` ends the process."""
+        self.broken = True
+        if not dist.is_initialized():
+            return
+        done = threading.Event()
+
+        def abort() -> None:
             try:
-                dist.destroy_process_group()
-            except (RuntimeError, ValueError) as exc:  # a broken group may not tear down cleanly
-                log.warning("closing the process group of membership %d: %s", self.version, exc)
+                _abort_process_group()
+            except (RuntimeError, ValueError) as exc:
+                log.warning("aborting the process group of membership %d: %s", self.version, exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=abort, name="hsd-abort-group", daemon=True).start()
+        if not done.wait(ABORT_BOUND_S):
+            log.error("rank %d: aborting the communicator of membership %d did not return within %gs; exiting "
+                      "(the launcher restarts this rank, which joins again)", self.rank, self.version, ABORT_BOUND_S)
+            logging.shutdown()
+            os._exit(ABORT_HUNG_EXIT)

@@ -194,8 +194,11 @@ class AccumulatingTrainer:
 
     # -- training state (a subclass names what must match for a state to load: ``shape_keys``) ----
     def _state(self, **shape_keys) -> dict:
-        """Draft tensors, optimizer, scheduler and step, plus the settings a reload must match."""
-        return {"model": {k: v.detach().clone() for k, v in self.model.draft_state_dict().items()},
+        """Draft tensors, optimizer, scheduler and step, plus the settings a reload must match. The
+        tensors are the live ones, as the optimizer's state is: a caller that keeps them past the next
+        step copies them (a checkpoint's host copies: :class:`common.host_staging.HostStaging`), and
+        no clone of the weights takes their size again on the device first."""
+        return {"model": {k: v.detach() for k, v in self.model.draft_state_dict().items()},
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "step": self.step, **shape_keys}
 

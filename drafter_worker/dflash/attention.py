@@ -13,8 +13,8 @@ in one of three ways:
   log-sum-exp of its scores; combined by it, they are the softmax over both parts. The keys of
   other blocks are never touched.
 * ``flex`` (GPUs): one flex attention call over ``[context, blocks]`` with a ``BlockMask``; its
-  kernel skips the tiles the mask leaves empty. Compiled, with automatic dynamic shapes (a job's
-  batch shape follows its sorted lengths), as is the building of the block mask.
+  kernel skips the tiles the mask leaves empty. Compiled, one dynamic graph for every shape (a
+  job's batch shape follows its sorted lengths), as is the building of the block mask.
 * ``dense``: one SDPA call over every key with the boolean mask. The reference the others are
   tested against, and the path of a device that has neither kernel.
 """
@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from drafter_worker.dflash.mask import dense_block_mask, flex_block_mask
+from drafter_worker.flex_compile import flex_attention
 
 # The CPU's fused SDPA kernel, called directly: unlike F.scaled_dot_product_attention it also returns
 # the log-sum-exp of the scores, and its backward takes the log-sum-exp it should use.
@@ -92,28 +93,6 @@ class _SplitAttention(torch.autograd.Function):
         return dq, dk_ctx, dv_ctx, _from_blocks(dk_b, batch), _from_blocks(dv_b, batch), None, None, None
 
 
-_compiled_flex = None
-MAX_COMPILED_SHAPES = 64  # shapes flex attention is compiled for before dynamo would give up on new ones
-
-
-def _flex_attention(q, k, v, block_mask):
-    """Flex attention; compiled on GPU (the eager version materialises the scores)."""
-    global _compiled_flex
-    from torch.nn.attention.flex_attention import flex_attention
-    if q.device.type != "cuda":
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
-    if _compiled_flex is None:
-        # Batches of sorted lengths (schedule.batching=sorted) give a job its own [sequences, length]
-        # shape, so static shapes would compile for nearly every job. Automatic dynamic shapes
-        # (dynamic=None): the first shape is compiled as it is, and a dimension seen to change is
-        # made symbolic on the one recompile that follows. The raised recompile limit covers what
-        # is left (anchor widths, dtypes): past it a new shape would run eagerly, materialising
-        # every score.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MAX_COMPILED_SHAPES)
-        _compiled_flex = torch.compile(flex_attention, dynamic=None)
-    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True)
-
-
 class DraftAttention:
     """The block-sparse attention of one forward pass (anchors ``[batch, N]``), for every layer."""
 
@@ -142,8 +121,8 @@ class DraftAttention:
         """``q [B, Hq, N*blk, D]``, ``k/v_ctx [B, Hkv, S, D]``, ``k/v_blk [B, Hkv, N*blk, D]``; returns
         ``[B, Hq, N*blk, D]``."""
         if self.kind == "flex":
-            return _flex_attention(q, torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2),
-                                   self._block_mask)
+            return flex_attention(q, torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2),
+                                  self._block_mask)
         groups = q.shape[1] // k_ctx.shape[1]
         k_ctx, v_ctx, k_blk, v_blk = (t.repeat_interleave(groups, dim=1) for t in (k_ctx, v_ctx, k_blk, v_blk))
         if self.kind == "split":

@@ -57,15 +57,25 @@ def block_positions(anchors_BN: torch.Tensor, block_size: int) -> torch.Tensor:
     return (anchors_BN.unsqueeze(-1) + offsets).flatten(1)
 
 
-def flex_block_mask(anchors_BN: torch.Tensor, *, ctx_len: int, block_size: int):
+def flex_block_mask(anchors_BN: torch.Tensor, *, ctx_len: int, block_size: int, compiled: bool | None = None):
     """The same pattern as a flex-attention ``BlockMask`` (built on the anchors' device).
 
-    The anchors differ in every micro-batch, so the mask is built for each; on GPU its building is
-    compiled, so that it neither materialises the dense mask nor runs eagerly."""
+    The anchors differ in every micro-batch, so the mask is built for each; on GPU (``compiled``
+    defaults to it) its building is compiled, one graph for every shape
+    (:mod:`drafter_worker.flex_compile`), so that it neither materialises the dense mask nor runs eagerly."""
+    from drafter_worker import flex_compile
+    if compiled is None:
+        compiled = anchors_BN.device.type == "cuda"
+    if not compiled:
+        return _build_block_mask(anchors_BN, ctx_len, block_size)
+    flex_compile.mark_dynamic(anchors_BN, 0, 1)
+    return flex_compile.call("dflash_block_mask", _build_block_mask, anchors_BN, ctx_len, block_size)
+
+
+def _build_block_mask(anchors_BN: torch.Tensor, ctx_len: int, block_size: int):
     from torch.nn.attention.flex_attention import create_block_mask
 
     batch, num_blocks = anchors_BN.shape
     num_q = num_blocks * block_size
     mask_mod = block_mask_predicate(anchors_BN, ctx_len=ctx_len, block_size=block_size)
-    return create_block_mask(mask_mod, batch, None, num_q, ctx_len + num_q, device=anchors_BN.device,
-                             _compile=anchors_BN.device.type == "cuda")
+    return create_block_mask(mask_mod, batch, None, num_q, ctx_len + num_q, device=anchors_BN.device)

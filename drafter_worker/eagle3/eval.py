@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from drafter_worker.eagle3.model import Eagle3DraftModel
-from drafter_worker.eagle3.ttt import ttt_mask
 from drafter_worker.eagle3.vocab import draft_to_target
 
 
@@ -36,7 +35,7 @@ class Eagle3Proposer:
         cache: list = []
         positions = torch.arange(num_ctx, device=seq_ids.device).unsqueeze(0)
         stream, normed = model.step(model.fuse(ctx_hs.unsqueeze(0)), seq_ids[1:].unsqueeze(0), positions, cache,
-                                    ttt_mask(num_ctx, 0, device=seq_ids.device))
+                                    ttt=True)  # step 0: causal over the prefix
         drafts = [self._to_target(normed[0, -1])]
         stream = stream[:, -1:]
         for k in range(1, self.num_drafts):

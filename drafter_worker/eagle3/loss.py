@@ -22,31 +22,28 @@ def step_weights(ttt_steps: int, loss_decay: float) -> list[float]:
 
 
 @dataclass
-class TargetRows:
-    """The target's distribution over the draft vocabulary at the rows a step may be trained against."""
-    probs_RV: torch.Tensor     # [R, draft_vocab] float32
-    row_of_BS: torch.Tensor    # [B, S] int64: row of (b, j) in probs_RV, -1 where not computed
+class TargetProbs:
+    """The target's distribution over the draft vocabulary at every position of a micro-batch."""
+    probs_BSV: torch.Tensor    # [B, S, draft_vocab] float32
     in_vocab_BS: torch.Tensor  # [B, S] bool: the target's argmax at (b, j) is a draft token
 
 
 @torch.no_grad()
-def target_rows(final_BSH: torch.Tensor, head_VH: torch.Tensor, t2d: torch.Tensor, needed_BS: torch.Tensor, *,
-                chunk_size: int) -> TargetRows:
-    """Target logits ``final @ head.T`` at the ``needed`` positions, ``chunk_size`` rows at a time (the
-    full-vocabulary logits of a sequence would be the largest tensor of a step)."""
-    draft_ids = t2d.nonzero().squeeze(1)
-    finals = final_BSH[needed_BS]
+def target_probs(final_BSH: torch.Tensor, head_VH: torch.Tensor, draft_ids: torch.Tensor, t2d: torch.Tensor, *,
+                 chunk_size: int) -> TargetProbs:
+    """Target logits ``final @ head.T`` at every position, ``chunk_size`` rows at a time (the
+    full-vocabulary logits of a sequence would be the largest tensor of a step), restricted to the
+    draft vocabulary (``draft_ids``: its target ids) and softmaxed. Every position, not only those
+    some step is trained against: selecting those would read their count on the host."""
+    batch, seq_len, hidden = final_BSH.shape
+    finals = final_BSH.reshape(batch * seq_len, hidden)
     probs = torch.empty(finals.shape[0], draft_ids.numel(), dtype=torch.float32, device=final_BSH.device)
     in_vocab = torch.empty(finals.shape[0], dtype=torch.bool, device=final_BSH.device)
     for start in range(0, finals.shape[0], chunk_size):
         logits = F.linear(finals[start:start + chunk_size].to(head_VH.dtype), head_VH).float()
         in_vocab[start:start + chunk_size] = t2d[logits.argmax(-1)]
         probs[start:start + chunk_size] = logits[:, draft_ids].softmax(-1)
-    row_of = torch.full(needed_BS.shape, -1, dtype=torch.long, device=final_BSH.device)
-    row_of[needed_BS] = torch.arange(finals.shape[0], device=final_BSH.device)
-    in_vocab_BS = torch.zeros(needed_BS.shape, dtype=torch.bool, device=final_BSH.device)
-    in_vocab_BS[needed_BS] = in_vocab
-    return TargetRows(probs_RV=probs, row_of_BS=row_of, in_vocab_BS=in_vocab_BS)
+    return TargetProbs(probs_BSV=probs.view(batch, seq_len, -1), in_vocab_BS=in_vocab.view(batch, seq_len))
 
 
 def soft_ce(logits_PV: torch.Tensor, probs_PV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,22 +53,29 @@ def soft_ce(logits_PV: torch.Tensor, probs_PV: torch.Tensor) -> tuple[torch.Tens
     return -(probs_PV * logq).sum(), hits
 
 
-def _chunk_soft_ce(normed_CH, head_VH, probs_CV):
-    return soft_ce(F.linear(normed_CH.to(head_VH.dtype), head_VH), probs_CV)
+def _chunk_soft_ce(normed_CH, head_VH, probs_CV, supervised_C):
+    logits = F.linear(normed_CH.to(head_VH.dtype), head_VH)
+    logq = F.log_softmax(logits.float(), dim=-1)
+    ce = torch.where(supervised_C, -(probs_CV * logq).sum(-1), 0.0)
+    hits = (logits.detach().argmax(-1) == probs_CV.argmax(-1)) & supervised_C
+    return ce.sum(), hits.sum()
 
 
-def soft_ce_chunked(normed_PH: torch.Tensor, head_VH: torch.Tensor, probs_PV: torch.Tensor, *,
-                    chunk_size: int) -> tuple[torch.Tensor, int]:
-    """:func:`soft_ce` from the drafter's normed states: each chunk's logits are recomputed in the
-    backward pass instead of kept. Returns (differentiable sum, number of hits)."""
+def soft_ce_chunked(normed_PH: torch.Tensor, head_VH: torch.Tensor, probs_PV: torch.Tensor,
+                    supervised_P: torch.Tensor, *, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`soft_ce` over the ``supervised`` positions, from the drafter's normed states: each
+    chunk's logits are recomputed in the backward pass instead of kept. The shapes stay fixed (an
+    unsupervised position weighs 0): nothing is read on the host. Returns (differentiable sum,
+    number of hits), both tensors."""
     total = normed_PH.new_zeros((), dtype=torch.float32)
-    hits = 0
+    hits = torch.zeros((), dtype=torch.long, device=normed_PH.device)
     for start in range(0, normed_PH.shape[0], chunk_size):
-        args = (normed_PH[start:start + chunk_size], head_VH, probs_PV[start:start + chunk_size])
+        args = (normed_PH[start:start + chunk_size], head_VH, probs_PV[start:start + chunk_size],
+                supervised_P[start:start + chunk_size])
         if torch.is_grad_enabled() and normed_PH.requires_grad:
             part, part_hits = checkpoint(_chunk_soft_ce, *args, use_reentrant=False)
         else:
             part, part_hits = _chunk_soft_ce(*args)
         total = total + part
-        hits += int(part_hits.sum())
+        hits = hits + part_hits
     return total, hits

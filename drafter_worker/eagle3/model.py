@@ -21,12 +21,10 @@ from torch import nn
 from drafter_worker.dflash.model import DFlashMLP, RMSNorm, apply_rope, rope_cos_sin
 from drafter_worker.draft_tensors import DraftTensors
 from drafter_worker.eagle3.config import NUM_FUSED_LAYERS, Eagle3Config
+from drafter_worker.eagle3.ttt_attention import KVCache, ttt_attention
 from drafter_worker.eagle3.vocab import check_vocab
 
 SHARED_PREFIXES = ("embed_tokens.",)  # the target's embedding: never trained, never exported
-
-KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # (keys, values) [B, kv_heads, T, D] of every step so far
-
 
 class Eagle3Attention(nn.Module):
     def __init__(self, config: Eagle3Config):
@@ -41,16 +39,21 @@ class Eagle3Attention(nn.Module):
     def _heads(self, x: torch.Tensor, num_heads: int) -> torch.Tensor:
         return x.view(*x.shape[:2], num_heads, self.head_dim).transpose(1, 2)  # [B, heads, T, D]
 
-    def forward(self, x_BT2H, rope, cache: KVCache, mask) -> torch.Tensor:
-        """Queries of this step attend to the keys of every step in ``cache`` and its own (appended)."""
+    def forward(self, x_BT2H, rope, cache: KVCache, ttt: str | None) -> torch.Tensor:
+        """Queries of this step attend to the keys of the steps in ``cache`` and its own (appended):
+        under the training-time test's pattern with kernel ``ttt`` (:mod:`drafter_worker.eagle3.ttt_attention`),
+        or every key when ``ttt`` is None (a drafted token at inference, after the prefix)."""
         q = apply_rope(self._heads(self.q_proj(x_BT2H), self.num_heads), *rope)
         k = apply_rope(self._heads(self.k_proj(x_BT2H), self.num_kv_heads), *rope)
         v = self._heads(self.v_proj(x_BT2H), self.num_kv_heads)
         cache.append((k, v))
-        keys, values = torch.cat([c[0] for c in cache], dim=2), torch.cat([c[1] for c in cache], dim=2)
-        groups = self.num_heads // self.num_kv_heads
-        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask)
+        if ttt is not None:
+            out = ttt_attention(q, cache, kind=ttt)
+        else:
+            keys, values = torch.cat([c[0] for c in cache], dim=2), torch.cat([c[1] for c in cache], dim=2)
+            groups = self.num_heads // self.num_kv_heads
+            keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+            out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype))
         return self.o_proj(out.transpose(1, 2).flatten(2))
 
 
@@ -63,9 +66,9 @@ class Eagle3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DFlashMLP(config)  # the SwiGLU MLP both drafters share
 
-    def forward(self, embed_BTH, hidden_BTH, rope, cache: KVCache, mask) -> torch.Tensor:
+    def forward(self, embed_BTH, hidden_BTH, rope, cache: KVCache, ttt: str | None) -> torch.Tensor:
         x = torch.cat([self.input_layernorm(embed_BTH), self.hidden_norm(hidden_BTH)], dim=-1)
-        stream = hidden_BTH + self.self_attn(x, rope, cache, mask)
+        stream = hidden_BTH + self.self_attn(x, rope, cache, ttt)
         return stream + self.mlp(self.post_attention_layernorm(stream))
 
 
@@ -90,6 +93,7 @@ class Eagle3DraftModel(DraftTensors):
         self.embed_tokens = nn.Embedding.from_pretrained(embed_weight, freeze=True)
         self.register_buffer("d2t", d2t.clone())
         self.register_buffer("t2d", t2d.clone())
+        self.attention = "structured"  # the TTT attention kernel (ttt_attention); the trainer picks flex on GPUs
 
     def load_draft_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         check_vocab(state["d2t"].long(), state["t2d"].bool())
@@ -99,11 +103,14 @@ class Eagle3DraftModel(DraftTensors):
         """The step-0 hidden state from the three captured target layers."""
         return self.fc(aux_BT3H.to(self.fc.weight.dtype))
 
-    def step(self, hidden_BTH, tokens_BT, positions_BT, cache: KVCache, mask=None):
-        """One step: (stream ``[B, T, H]`` the next step reads, normed output for :meth:`logits`)."""
+    def step(self, hidden_BTH, tokens_BT, positions_BT, cache: KVCache, *, ttt: bool = False):
+        """One step: (stream ``[B, T, H]`` the next step reads, normed output for :meth:`logits`).
+
+        ``ttt``: the step sees keys as the training-time test lets it (step 0 causal, each later
+        step its own position's key of every earlier step); otherwise every key in ``cache``."""
         embed = self.embed_tokens(tokens_BT).to(self.fc.weight.dtype)
         rope = rope_cos_sin(positions_BT, self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
-        stream = self.midlayer(embed, hidden_BTH, rope, cache, mask)
+        stream = self.midlayer(embed, hidden_BTH, rope, cache, self.attention if ttt else None)
         return stream, self.norm(stream)
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:

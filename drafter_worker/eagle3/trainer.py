@@ -10,6 +10,12 @@ Gradient weighting: ``micro_batch`` backpropagates the step-weighted soft CE sum
 supervised (step, position) pairs; ``apply_step`` divides the gradients by the step's total weight
 (a data-parallel group's, once :meth:`Eagle3Trainer.adopt_group_sums` took the group's sums), so
 one process accumulating micro-batches and a group splitting them train the same step.
+
+A micro-batch reads nothing on the host (as DFlash's): the target's distribution is computed at
+every position, each step's loss covers every position it could be trained against with the
+unsupervised ones weighing 0, and the sums accumulate as tensors; the step's one read is in
+:meth:`apply_step`. On GPUs the TTT attention is flex attention with a block mask cached per
+length (:mod:`drafter_worker.eagle3.ttt_attention`).
 """
 
 from __future__ import annotations
@@ -20,19 +26,48 @@ from dataclasses import dataclass
 import torch
 
 from drafter_worker.eagle3.config import NUM_FUSED_LAYERS, Eagle3TrainConfig
-from drafter_worker.eagle3.loss import soft_ce_chunked, step_weights, target_rows
+from drafter_worker.eagle3.loss import soft_ce_chunked, step_weights, target_probs
 from drafter_worker.eagle3.model import Eagle3DraftModel, build_drafter
-from drafter_worker.eagle3.ttt import shift_left, step_targets, ttt_mask
+from drafter_worker.eagle3.ttt import shift_left, step_targets
 from drafter_worker.recipe import AccumulatingTrainer, build_optimizer, resolve_dtype
 
 
 @dataclass
 class MicroStats:
-    loss: float            # weighted soft CE of this micro-batch alone (nan when nothing was supervised)
-    weight: float          # total step weight of its supervised (step, position) pairs
-    num_tokens: int        # real tokens of its sequences
-    correct: list[int]     # top-1 hits per TTT step
-    count: list[int]       # predicted positions per TTT step, out-of-draft-vocabulary ones included
+    """One micro-batch's figures, tensors on the device (each property below is a host read)."""
+    weighted_sum: torch.Tensor  # weighted soft CE of this micro-batch
+    weight_sum: torch.Tensor    # total step weight of its supervised (step, position) pairs
+    num_tokens: torch.Tensor    # real tokens of its sequences
+    correct_K: torch.Tensor     # top-1 hits per TTT step
+    count_K: torch.Tensor       # predicted positions per TTT step, out-of-draft-vocabulary ones included
+
+    @property
+    def loss(self) -> float:
+        """Weighted soft CE of this micro-batch alone (nan when nothing was supervised)."""
+        weight = float(self.weight_sum)
+        return float(self.weighted_sum) / weight if weight > 0 else math.nan
+
+    @property
+    def weight(self) -> float:
+        return float(self.weight_sum)
+
+    @property
+    def correct(self) -> list[int]:
+        return [int(c) for c in self.correct_K.tolist()]
+
+    @property
+    def count(self) -> list[int]:
+        return [int(c) for c in self.count_K.tolist()]
+
+
+def _resolve_attention(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "structured"
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        return "structured"
+    return "flex"
 
 
 class Eagle3Trainer(AccumulatingTrainer):
@@ -51,6 +86,8 @@ class Eagle3Trainer(AccumulatingTrainer):
         self.params = [p for _, p in self.model.draft_named_parameters()]
         self.optimizer, self.scheduler = build_optimizer(self.params, config)
         self.weights = step_weights(self.model_config.ttt_steps, self.model_config.loss_decay)
+        self.draft_ids = t2d.nonzero().squeeze(1).to(self.device)  # target ids of the draft tokens, read once
+        self.model.attention = _resolve_attention(self.device)
         self.step = 0
         self._reset_accumulators()
 
@@ -71,45 +108,42 @@ class Eagle3Trainer(AccumulatingTrainer):
                              f"and (3 layers + final norm) x H = {width}")
         device = self.device
         hs, input_ids = hs.to(device, non_blocking=True), input_ids.to(device, non_blocking=True).long()
-        loss_mask, seq_lens = loss_mask.to(device).bool(), seq_lens.to(device).long()
+        loss_mask = loss_mask.to(device, non_blocking=True).bool()
+        seq_lens = seq_lens.to(device, non_blocking=True).long()
         batch, seq_len = input_ids.shape
-        # Target position j is trained against when token j+1 is a response token (some step predicts it).
-        needed = step_targets(input_ids, loss_mask, seq_lens, -1)[1]
-        target = target_rows(hs[..., -hidden_size:], self.target_head, self.model.t2d, needed,
-                             chunk_size=self.config.loss_chunk_size)
+        target = target_probs(hs[..., -hidden_size:], self.target_head, self.draft_ids, self.model.t2d,
+                              chunk_size=self.config.loss_chunk_size)
         positions = torch.arange(seq_len, device=device).expand(batch, seq_len)
         correct = torch.zeros_like(self._correct)
         count = torch.zeros_like(self._count)
         total = torch.zeros((), dtype=torch.float32, device=device)
-        weight_total = 0.0
+        weight_total = torch.zeros((), dtype=torch.float64, device=device)
         with self._autocast():
             hidden = self.model.fuse(hs[..., :NUM_FUSED_LAYERS * hidden_size])
             cache: list = []
             for k, weight in enumerate(self.weights):
                 tokens, predicted = step_targets(input_ids, loss_mask, seq_lens, k)
-                rows = shift_left(target.row_of_BS, 1 + k, fill=-1)
                 # The loss trains where the target's choice is a draft token; the accuracy counts every
                 # predicted position, as a served drafter is judged: out of its vocabulary is a miss.
                 supervised = predicted & shift_left(target.in_vocab_BS, 1 + k, fill=False)
-                mask = ttt_mask(seq_len, k, device=device)
-                hidden, normed = self.model.step(hidden, tokens, positions + k, cache, mask)
-                step_sum, hits = soft_ce_chunked(normed[supervised], self.model.lm_head.weight,
-                                                 target.probs_RV[rows[supervised]],
-                                                 chunk_size=self.config.loss_chunk_size)
-                num = int(supervised.sum())
+                hidden, normed = self.model.step(hidden, tokens, positions + k, cache, ttt=True)
+                # Step k at position t is trained against the target at t + 1 + k: the positions that
+                # have one (the last 1 + k have none, and are never predicted).
+                span = seq_len - 1 - k
+                if span <= 0:
+                    continue
+                step_sum, hits = soft_ce_chunked(normed[:, :span].flatten(0, 1), self.model.lm_head.weight,
+                                                 target.probs_BSV[:, 1 + k:].flatten(0, 1),
+                                                 supervised[:, :span].flatten(), chunk_size=self.config.loss_chunk_size)
                 total = total + weight * step_sum
-                weight_total += weight * num
-                correct[k], count[k] = hits, int(predicted.sum())
-        if weight_total > 0:
+                weight_total = weight_total + weight * supervised.sum().double()  # float64, as the step's sums
+                correct[k], count[k] = hits, predicted.sum()
+        if total.requires_grad:  # a graph exists (zeros when nothing was supervised): no need to read it
             total.backward()
-        self._weighted_sum += float(total.detach())
-        self._weight_total += weight_total
-        self._num_micro_batches += 1
-        self._correct += correct
-        self._count += count
-        return MicroStats(loss=float(total.detach()) / weight_total if weight_total else math.nan,
-                          weight=weight_total, num_tokens=int(seq_lens.sum()), correct=correct.tolist(),
-                          count=count.tolist())
+        weighted_sum = total.detach()
+        self._accumulate(weighted_sum, weight_total, correct, count)
+        return MicroStats(weighted_sum=weighted_sum, weight_sum=weight_total, num_tokens=seq_lens.sum(),
+                          correct_K=correct, count_K=count)
 
     def state_dict(self) -> dict:
         """Model (draft tensors and vocabulary) + optimizer + scheduler + step."""

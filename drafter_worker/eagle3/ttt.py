@@ -20,7 +20,9 @@ import torch
 
 def ttt_mask(seq_len: int, step: int, *, device=None) -> torch.Tensor:
     """Bool ``[seq_len, (step + 1) * seq_len]``, True where step ``step``'s query ``t`` may attend: keys
-    are ``step + 1`` blocks of ``seq_len`` (step 0's, then one block per later step)."""
+    are ``step + 1`` blocks of ``seq_len`` (step 0's, then one block per later step). The rule as a
+    dense mask, the reference of the tests; training computes it without one
+    (:mod:`drafter_worker.eagle3.ttt_attention`)."""
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
     own_chain = torch.eye(seq_len, dtype=torch.bool, device=device)
     return torch.cat([causal] + [own_chain] * step, dim=1)

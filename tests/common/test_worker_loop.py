@@ -286,3 +286,20 @@ def test_target_queues_its_next_job_before_it_waits_for_the_last_slot_copy(tmp_p
     assert [r.fields["job_id"] for r in ready] == [1, 2]
     assert all(r.at >= waited[r.fields["job_id"]] for r in ready)  # job_ready follows the copy's completion
     assert [fake.arena.slot(s).read_header().job_id for s in (0, 1)] == [1, 2]
+
+
+def test_a_slow_copy_is_not_counted_as_compute(tmp_path, fake, monkeypatch):
+    """The busy seconds a commit reports (what the step-cost model learns from) are the micro-batch's
+    compute, not the wait for its slot's copy: on a GPU that wait leaves the compute stream idle."""
+    from common.slots import SlotCopy
+    fake.add_ready_job(1, slot=0)
+    wait = SlotCopy.wait
+
+    def slow_wait(copy):
+        time.sleep(0.4)
+        return wait(copy)
+    monkeypatch.setattr(SlotCopy, "wait", slow_wait)
+    loop = drafter(tmp_path, fake)  # sim_cost_per_token=0: the micro-batch itself costs nothing
+    with running(loop):
+        fake.wait_for(lambda f: len(f.ops("commit_step")) == 1, what="a commit")
+    assert fake.ops("commit_step")[0].fields["busy_s"] < 0.2

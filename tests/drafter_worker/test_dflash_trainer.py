@@ -89,6 +89,15 @@ def test_state_round_trip_continues_identically(tiny_target, tiny_target_model, 
         assert torch.equal(p, _params(trainer)[name])
 
 
+def test_the_state_dict_holds_the_live_weights_not_device_clones(tiny_target):
+    """A checkpoint copies the weights to the host once (common/host_staging.py); a clone on the
+    device first would take the weights' size again in GPU memory."""
+    trainer = make_trainer(tiny_target, seed=3, total_steps=10)
+    state = trainer.state_dict()["model"]
+    for name, p in trainer.model.draft_named_parameters():
+        assert state[name].data_ptr() == p.data_ptr(), name
+
+
 def test_warmup_then_cosine():
     factor = warmup_cosine(100, 0.04, 0.0)
     assert [factor(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]

@@ -83,3 +83,22 @@ def test_checkpoint_resumes_exactly_and_exports_the_eagle3_layout(tiny_target, t
     prompts = [jobs[0][1].input_ids[0, :6].long().tolist(), jobs[1][1].input_ids[1, :5].long().tolist()]
     result = evaluate(tiny_target, str(exported), prompts, 10, target=tiny_target_model)  # raises unless == greedy
     assert result["block_size"] == 3 + 1 and len(result["per_position"]) == 3 and result["tau"] >= 1.0
+
+
+def test_an_optimizer_step_reads_the_host_once(tiny_target, tiny_target_model, tmp_path):
+    """Two micro-batches and the step, as the drafter loop calls them: the only read is the step's
+    figures at its end, as for DFlash (tests/drafter_worker/test_dflash_backend.py). On a GPU every
+    read waits for the queued work: one per TTT step and micro-batch would keep the next slot's copy
+    from overlapping compute."""
+    import math
+
+    from host_reads import HostReads
+    config = backend_config(tiny_target, tmp_path / "run", random_prepared(tmp_path / "data"), "eagle3.log_every=1")
+    backend = Eagle3Backend(config, "drafter-0", schedule_jobs=8)
+    jobs = _jobs(tiny_target_model, 2)
+    with HostReads() as reads:
+        for job, batch in jobs:
+            backend.micro_batch(job, batch)
+        metrics = backend.apply_step([0, 1])
+    assert reads.names == ["tolist"], reads.names
+    assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0

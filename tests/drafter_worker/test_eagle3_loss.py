@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from drafter_worker.eagle3.loss import soft_ce, soft_ce_chunked, step_weights, target_rows
+from drafter_worker.eagle3.loss import soft_ce, soft_ce_chunked, step_weights, target_probs
 from drafter_worker.eagle3.ttt import step_targets
 from drafter_worker.eagle3.vocab import draft_vocab_from_counts
 from eagle3_testing import random_batch, make_trainer
@@ -20,8 +20,12 @@ def test_soft_cross_entropy_by_hand():
     entropy = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
     assert math.isclose(total.item(), entropy + math.log(2.0), rel_tol=1e-6)  # row 2: -log(1/2)
     assert hits.tolist() == [1, 1]  # argmax 1 vs 1; a tie takes index 0 on both sides
-    chunked, num_hits = soft_ce_chunked(torch.eye(2), logits.T.contiguous(), probs, chunk_size=1)
-    assert math.isclose(chunked.item(), total.item(), rel_tol=1e-6) and num_hits == 2
+    chunked, num_hits = soft_ce_chunked(torch.eye(2), logits.T.contiguous(), probs, torch.tensor([True, True]),
+                                        chunk_size=1)
+    assert math.isclose(chunked.item(), total.item(), rel_tol=1e-6) and num_hits.item() == 2
+    only_first, first_hits = soft_ce_chunked(torch.eye(2), logits.T.contiguous(), probs, torch.tensor([True, False]),
+                                             chunk_size=1)  # an unsupervised position weighs nothing
+    assert math.isclose(only_first.item(), entropy, rel_tol=1e-6) and first_hits.item() == 1
     assert step_weights(3, 0.8) == [1.0, 0.8, 0.8 ** 2]
 
 
@@ -31,11 +35,10 @@ def test_target_distribution_is_restricted_to_the_draft_vocabulary_and_masked_by
     final = torch.tensor([[[0.0, 0.0, math.log(3.0), 0.0],      # argmax 2: in the draft vocabulary
                            [0.0, 5.0, 0.0, 0.0],                # argmax 1: not a draft token
                            [1.0, 1.0, 1.0, 1.0]]])              # not needed
-    needed = torch.tensor([[True, True, False]])
-    rows = target_rows(final, head, t2d, needed, chunk_size=1)
-    torch.testing.assert_close(rows.probs_RV[0], torch.tensor([0.2, 0.6, 0.2]))  # softmax of [0, ln 3, 0]
-    assert rows.row_of_BS.tolist() == [[0, 1, -1]]
-    assert rows.in_vocab_BS.tolist() == [[True, False, False]]
+    target = target_probs(final, head, t2d.nonzero().squeeze(1), t2d, chunk_size=2)
+    torch.testing.assert_close(target.probs_BSV[0, 0], torch.tensor([0.2, 0.6, 0.2]))  # softmax of [0, ln 3, 0]
+    assert target.probs_BSV.shape == (1, 3, 3)
+    assert target.in_vocab_BS.tolist() == [[True, False, True]]  # the last: a tie, taken by target id 0
 
 
 def test_a_step_is_deterministic_and_the_loss_weighs_steps_by_decay(tiny_target, tiny_target_model):

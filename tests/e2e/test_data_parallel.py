@@ -58,6 +58,9 @@ def test_a_rank_sigkilled_inside_a_step_the_survivor_goes_on_from_its_own_weight
     assert any(len(m["ranks"]) == 2 and alone[0] < m["version"] < alone[1] for m in memberships), memberships
     logs = "".join(p.read_text() for p in (run_dir / "logs").glob("drafter-*.log"))
     assert "SIGKILL at backward of step 4" in logs and "SIGKILL at allreduce of step" in logs
+    # the survivor of the all-reduce kill saw it in its own gradient sum: the group's bounded wait
+    # raised, the group was aborted, and the next version opened
+    assert "failed: all_reduce of membership" in logs, logs[-3000:]
 
 
 def test_a_rank_whose_peer_never_comes_gives_up_after_group_wait_s(run_dir, tmp_path):

@@ -1,0 +1,49 @@
+"""Waiting for a collective without trusting it to end on its own.
+
+Under gloo a collective whose peer died raises: the peer's socket closed, or gloo's own timeout
+expired. Under NCCL it does not: the host only queues the kernel, which then spins on the GPU
+waiting for the dead peer's data, and any host read queued behind it (``.tolist()``, a
+synchronize) blocks until NCCL's watchdog gives up — whose default answer is to kill the
+process. So every collective of a group is issued ``async_op=True`` and its host waits here:
+:func:`wait_bounded` polls the work's completion against a deadline, and past it the caller
+aborts the communicator (which ends the spinning kernel) instead of waiting any longer.
+
+The poll starts at a few tens of microseconds and backs off to a millisecond: a step's gradient
+buckets are summed one after another, and a coarse poll would leave the link idle between them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Protocol
+
+POLL_FIRST_S = 20e-6  # the first pause between two looks at the work
+POLL_MAX_S = 1e-3  # the longest: what a completed collective may wait before the host sees it
+
+
+class Work(Protocol):
+    """What :func:`wait_bounded` needs of ``torch.distributed``'s ``Work``."""
+
+    def is_completed(self) -> bool: ...
+
+    def wait(self) -> object: ...
+
+
+def wait_bounded(work: Work, *, timeout_s: float, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> bool:
+    """True once ``work`` completed, False when ``timeout_s`` passed first (the work may still be
+    running: the caller aborts the communicator; it must not call ``work.wait()`` then, which on a
+    GPU would make the compute stream wait for a kernel that never ends).
+
+    A completed work is then waited on: that raises the collective's error if it failed (gloo's
+    closed peer, NCCL's async error) and, on a GPU, orders the caller's stream after it."""
+    deadline = clock() + timeout_s
+    pause = POLL_FIRST_S
+    while not work.is_completed():
+        now = clock()
+        if now >= deadline:
+            return False
+        sleep(min(pause, deadline - now))
+        pause = min(2 * pause, POLL_MAX_S)
+    work.wait()
+    return True

@@ -1,0 +1,36 @@
+"""A rank SIGKILLed inside the gradient all-reduce: the survivor's collective fails within a fraction
+of its bound (gloo sees the closed socket), its group is aborted, and it opens the next version
+and sums again. On GPUs the same path runs with the gradients on NCCL, the rest on gloo
+(drafter_worker/process_group.py); here, on the CPU, every collective is gloo's."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+from abort_ranks import TIMEOUT_S, rank_main
+from hsd_testing import child_message
+
+
+def test_a_rank_killed_inside_the_all_reduce_fails_the_survivors_collective_and_it_goes_on(tmp_path):
+    ctx = mp.get_context("spawn")
+    queues = [(ctx.Queue(), ctx.Queue()) for _ in range(2)]
+    procs = [ctx.Process(target=rank_main, args=(rank, str(tmp_path), *queues[rank])) for rank in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        assert child_message(queues[0][0], procs[0]) == "entering"
+        queues[1][1].put("go")
+        procs[1].join(timeout=120)
+        assert procs[1].exitcode == -9
+        kind, waited_s, message = child_message(queues[0][0], procs[0])
+        assert kind == "CollectiveFailed" and "all_reduce of membership 1" in message, (kind, message)
+        assert waited_s < TIMEOUT_S / 4, waited_s  # the closed socket, not the bound
+        assert child_message(queues[0][0], procs[0]) == (True, False)  # aborted, before close
+        assert child_message(queues[0][0], procs[0]) == 3.0  # version 2, alone
+        procs[0].join(timeout=60)
+        assert procs[0].exitcode == 0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
