@@ -45,6 +45,7 @@ SWEEP_INTERVAL_S = 0.25
 PROGRESS_INTERVAL_S = 5.0
 METRICS_INTERVAL_S = 1.0
 MAX_WAIT_MS = 30_000
+FAIL_CLOSED_EXIT_CODE = 3  # the journal failed: stopped, having acknowledged nothing that was not durable
 HARD_MESSAGE_LIMIT = 64 << 20  # beyond this ZeroMQ drops the peer instead of buffering the message
 
 
@@ -180,7 +181,7 @@ class DispatcherServer:
         except JournalFailed as exc:
             log.critical("%s. Stopping (fail closed): nothing that was not durable was acknowledged; workers keep "
                          "their state and register with the next dispatcher on this run directory.", exc)
-            self.exit_code = 3
+            self.exit_code = FAIL_CLOSED_EXIT_CODE
         finally:
             self.close()
         return self.exit_code
