@@ -111,6 +111,8 @@ class DispatcherServer:
             log.info("Prometheus metrics on http://%s:%d/metrics", config.dispatcher.metrics_host, self.metrics.port)
         log.info("serving %s (stats %s), run %s, %s", config.control_endpoint, config.stats_endpoint,
                  self.run_id, self.data_plane.describe())
+        if self.core.contract is not None:  # else the first worker that declares one sets it (logged then)
+            log.info("capture contract of this run (from the target model's config.json): %s", self.core.contract)
         needed = config.target.count * config.pool.target_credits + config.pool.min_ready
         if self.data_plane.kind == "shm" and config.pool.slots < needed:
             log.warning("pool.slots=%d < target.count x pool.target_credits + pool.min_ready = %d: targets will "
