@@ -97,13 +97,30 @@ class AccumulatingTrainer:
     data-parallel group adds up, and the step that divides by the total before clipping. The sums
     are float64 tensors on the trainer's device (the counts are integers, exact in float64).
 
-    A subclass sets ``params``, ``optimizer``, ``scheduler``, ``config`` (a :class:`TrainingRecipe`),
-    ``device``, ``compute_dtype`` and ``step``, and names ``num_positions`` (the length of the
-    per-position counts) and ``first_reported`` (the first position the accuracy reports).
+    A subclass sets ``params``, ``config`` (a :class:`TrainingRecipe`), ``device``,
+    ``compute_dtype`` and ``step``, and names ``num_positions`` (the length of the per-position
+    counts) and ``first_reported`` (the first position the accuracy reports).
+
+    The optimizer and its schedule (:func:`build_optimizer` over ``params``) are built on first
+    use: creating a ``torch.optim`` optimizer imports ``torch._dynamo``, seconds of a drafter's
+    start that it then spends after registering, not before.
     """
 
     num_positions: int
     first_reported = 0
+    _optimizer: torch.optim.Optimizer | None = None
+    _scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        if self._optimizer is None:
+            self._optimizer, self._scheduler = build_optimizer(self.params, self.config)
+        return self._optimizer
+
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler:
+        self.optimizer
+        return self._scheduler
 
     def _reset_accumulators(self) -> None:
         def zeros(*shape):
@@ -189,7 +206,8 @@ class AccumulatingTrainer:
 
     def drop_step(self) -> None:
         """Forget the accumulated micro-batches (the dispatcher refused the step)."""
-        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.params:  # what the optimizer's zero_grad(set_to_none=True) does, without building it
+            p.grad = None
         self._reset_accumulators()
 
     # -- training state (a subclass names what must match for a state to load: ``shape_keys``) ----
