@@ -41,14 +41,22 @@ def test_drafter_restarts_from_an_older_checkpoint_while_the_dispatcher_runs(run
     args = sim_args(run_dir, "run.epochs=1", "target.count=2", "drafter.count=2", "drafter.checkpoint_every=4",
                     "target.sim_cost_per_token=3e-5")
     with running_hsd("launch", *args, log_path=tmp_path / "launch.log") as launch:
-        def a_drafter_between_checkpoints(s):
+        def a_drafter_frozen_between_checkpoints(s):
+            """A drafter stopped (SIGSTOP) while the ledger holds steps of its model past the latest
+            checkpoint on disk: it can write none before it is killed."""
             for model, state in (s.get("models") or {}).items():
-                if state["step"] >= 5 and state["step"] > state["checkpoint"]:
-                    return model
+                victim = next((w for w in s["workers"] if w["name"] == model), None)
+                if victim is None or not (state["step"] >= 5 and state["step"] > state["checkpoint"]):
+                    continue
+                os.kill(victim["pid"], signal.SIGSTOP)
+                on_disk = latest_checkpoint(run_dir, model)
+                now = stats(run_dir)
+                if now and now["models"][model]["step"] > (on_disk.step if on_disk else 0):
+                    return model, victim
+                os.kill(victim["pid"], signal.SIGCONT)
             return None
-        model = wait_for_stats(run_dir, a_drafter_between_checkpoints, 120, interval=0.05,
-                               what="a model past its checkpoint")
-        victim = next(w for w in stats(run_dir)["workers"] if w["name"] == model)
+        model, victim = wait_for_stats(run_dir, a_drafter_frozen_between_checkpoints, 120, interval=0.05,
+                                       what="a model past its checkpoint")
         os.kill(victim["pid"], signal.SIGKILL)   # it comes back (hsd launch restarts it) from its checkpoint
         assert launch.wait(timeout=240) == 0, (tmp_path / "launch.log").read_text()[-3000:]
     rollbacks = [e for e in read_journal(run_dir) if e["ev"] == "rollback" and e["model"] == model and e["jobs"]]
