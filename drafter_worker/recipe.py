@@ -103,18 +103,25 @@ class AccumulatingTrainer:
 
     The optimizer and its schedule (:func:`build_optimizer` over ``params``) are built on first
     use: creating a ``torch.optim`` optimizer imports ``torch._dynamo``, seconds of a drafter's
-    start that it then spends after registering, not before.
+    start that it then spends after registering, not before. A state loaded before that (a
+    checkpoint a restarted rank resumes) keeps their part until they are built.
     """
 
     num_positions: int
     first_reported = 0
     _optimizer: torch.optim.Optimizer | None = None
     _scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    _loaded: tuple[dict, dict] | None = None  # (optimizer, scheduler) state loaded before they were built
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         if self._optimizer is None:
             self._optimizer, self._scheduler = build_optimizer(self.params, self.config)
+            if self._loaded is not None:
+                optimizer_state, scheduler_state = self._loaded
+                self._loaded = None
+                self._optimizer.load_state_dict(optimizer_state)
+                self._scheduler.load_state_dict(scheduler_state)
         return self._optimizer
 
     @property
@@ -225,7 +232,10 @@ class AccumulatingTrainer:
         if mine != theirs:
             raise ValueError(f"training state was saved for ({', '.join(names)}) = {theirs}, this trainer has {mine}")
         self.model.load_draft_state_dict({k: v.to(self.device) for k, v in state["model"].items()})
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        if self._optimizer is None:
+            self._loaded = (state["optimizer"], state["scheduler"])
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         self.drop_step()
