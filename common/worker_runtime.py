@@ -47,15 +47,6 @@ class DispatcherGone(Exception):
     """The dispatcher stayed unreachable for RECONNECT_S."""
 
 
-def since_process_start() -> tuple[float, float]:
-    """Wall seconds since this process started, and the CPU seconds it has used (what its start-up
-    costs, apart from waiting for a busy machine)."""
-    import psutil
-    process = psutil.Process()
-    cpu = process.cpu_times()
-    return time.time() - process.create_time(), cpu.user + cpu.system
-
-
 class WorkerSession:
     def __init__(self, config: Config, role: str, name: str, *, gpu: int | None = None):
         self.config = config
@@ -193,3 +184,12 @@ class WorkerSession:
         if deregister:
             self.close_registration()
         self.channel.close()
+
+
+def since_process_start() -> tuple[float, float]:
+    """Wall seconds since this process started, and the CPU seconds it has used (what its start-up
+    costs, apart from waiting for a busy machine)."""
+    import psutil
+    process = psutil.Process()
+    cpu = process.cpu_times()
+    return time.time() - process.create_time(), cpu.user + cpu.system
