@@ -34,7 +34,7 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks.chaos_figures import clean_up, figures, format_figures
+from benchmarks.chaos_figures import START_MARK, clean_up, figures, format_figures
 from benchmarks.chaos_plan import ATTACH, DETACH, KILL, ChaosEvent, build_plan
 from common.config import ConfigError, DrafterSection, load_config, write_resolved
 from dispatcher.launch import _die_with_parent  # a killed bench takes its run with it, as hsd launch does
@@ -66,15 +66,17 @@ class ChaosSetup:
 
 
 def sim_setup(run_dir: Path, minutes: float, seed: int) -> ChaosSetup:
-    # Sized to outlast the window: the 2 sim targets extract at most 12 jobs/s (0.16 s a job each),
-    # about 4.5 under chaos on the loaded 2-core CI machine; ~1 job per sample over 3 epochs. A
-    # short window still gets at least 100 jobs, so an idle machine does not finish the run first.
+    # The 2 sim targets extract at most 12 jobs/s (0.16 s a job each), about 4.5 under chaos on the
+    # loaded 2-core CI machine. At least 100 samples (90 jobs over the 3 epochs): the plan's events
+    # are due at shares of those jobs, and a machine that works faster than the plan's clock has its
+    # targets held until the clock catches up, so every event fires inside the work. A target held
+    # longer than the dispatcher's worker timeout would be declared dead: 10 s, above a gap.
     samples = max(100, int(minutes * 60 * 6))
     return ChaosSetup(
         overrides=(f"run.dir={run_dir}", f"run.seed={seed}", "run.epochs=3", f"data.synthetic_samples={samples}",
                    "target.sim=true", "drafter.sim=true", "target.count=2", "drafter.count=2",
                    "target.sim_cost_per_token=2e-5", "drafter.accum_steps=2", "drafter.checkpoint_every=4",
-                   "dispatcher.heartbeat_s=0.2", "dispatcher.worker_timeout_s=3"),
+                   "dispatcher.heartbeat_s=0.2", "dispatcher.worker_timeout_s=10"),
         num_targets=2, num_drafters=2, min_drafters=1, max_drafters=4,
         mean_gap_s=max(1.0, minutes * 60 / EVENTS_PER_WINDOW), paired_attach=False, settle_timeout_s=120 + minutes * 60)
 
@@ -140,15 +142,19 @@ class ChaosSupervisor:
         self.skipped = 0                                     # plan events dropped as not applicable
         self.reattached = 0
         self._serving, self._serving_checked = False, 0.0
+        self.progress = 0.0                                  # share of the run's jobs committed (last stats)
+        self.held: set[int] = set()                          # pids of targets held (SIGSTOP) while the work is ahead
         self.window: tuple[float | None, float | None] = (None, None)  # wall clock (journal time) of the window
         self.dispatcher_done = False
 
     # -- processes ------------------------------------------------------------------------------
-    def start(self, name: str, role: str) -> Proc:
+    def start(self, name: str, role: str, why: str = "start") -> Proc:
         argv = [sys.executable, "-m", "dispatcher.cli", role, "--config", str(self.config_path)]
         if role != "dispatcher":
             argv += ["--name", name]
         with open(self.logs_dir / f"{name}.log", "ab") as out:
+            out.write(f"{START_MARK} {why}\n".encode())  # one log holds every incarnation: where each begins
+            out.flush()
             popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True, preexec_fn=_die_with_parent,
                                      env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -195,7 +201,26 @@ class ChaosSupervisor:
             self._serving_checked = now
             stats = run_stats_or_none(self.run_dir) if self.dispatcher_ready() else None
             self._serving = bool(stats and stats.get("workers"))
+            if stats:
+                self.progress = committed_share(stats)
         return self._serving and self.dispatcher_ready()
+
+    def hold_targets(self, hold: bool) -> None:
+        """SIGSTOP the live targets while the work is ahead of the plan's clock; SIGCONT them after."""
+        if hold:
+            for proc in self.procs.values():
+                if proc.role == "target" and proc.popen.poll() is None and proc.popen.pid not in self.held:
+                    if not self.held:
+                        self.log.event("hold", "target", "-", None, f"(the work is ahead of the plan: "
+                                                                   f"{self.progress:.0%} of the jobs committed)")
+                    _signal(proc.popen, signal.SIGSTOP)
+                    self.held.add(proc.popen.pid)
+        elif self.held:
+            for popen in self.started:
+                if popen.pid in self.held:
+                    _signal(popen, signal.SIGCONT)
+            self.held.clear()
+            self.log.event("resume", "target", "-", None)
 
     def possible(self, event: ChaosEvent) -> bool:
         # drafters of the run: running or about to be restarted, and not leaving
@@ -211,7 +236,7 @@ class ChaosSupervisor:
         if event.action == ATTACH:
             name = f"drafter-{self.next_drafter}"
             self.next_drafter += 1
-            proc = self.start(name, "drafter")
+            proc = self.start(name, "drafter", ATTACH)
             self.log.event(ATTACH, "drafter", name, proc.popen.pid)
         else:
             candidates = [self.procs["dispatcher"]] if event.role == "dispatcher" else self.live(event.role)
@@ -234,7 +259,7 @@ class ChaosSupervisor:
         now = time.monotonic()
         for due, name, role in [r for r in self.restarts if r[0] <= now]:
             self.restarts.remove((due, name, role))
-            proc = self.start(name, role)
+            proc = self.start(name, role, "restart")
             self.log.event("restart", role, name, proc.popen.pid)
         for proc in list(self.procs.values()):
             code = proc.popen.poll()
@@ -260,11 +285,12 @@ class ChaosSupervisor:
         for name, state in models.items():
             proc = self.procs.get(name)
             if proc is not None and proc.detached and proc.popen.poll() is not None and state["step"] > state["checkpoint"]:
-                new = self.start(name, "drafter")
+                new = self.start(name, "drafter", "reattach")
                 self.reattached += 1
                 self.log.event("reattach", "drafter", name, new.popen.pid, "its model's last step is not checkpointed")
 
     def stop_all(self) -> None:
+        self.hold_targets(False)  # a held process would take its SIGTERM only once continued
         workers = [p for p in self.procs.values() if p.role != "dispatcher"]
         for group in (workers, [p for p in self.procs.values() if p.role == "dispatcher"]):
             for proc in group:
@@ -302,6 +328,17 @@ def _signal(popen: subprocess.Popen, signum: int) -> None:
             pass
 
 
+def committed_share(stats: dict) -> float:
+    """The share of the run's jobs committed, from a stats snapshot: the epochs started so far give
+    the jobs an epoch has (they differ a little with the batching), times the run's epochs."""
+    epochs = stats.get("epochs") or []
+    if not epochs:
+        return 0.0
+    per_epoch = sum(e["jobs"] for e in epochs) / len(epochs)
+    total = per_epoch * max(stats.get("epochs_total") or 1, len(epochs))
+    return sum(e["committed"] for e in epochs) / total if total else 0.0
+
+
 def wait_until_training(supervisor: ChaosSupervisor, run_dir: Path) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
     while not ((run_stats_or_none(run_dir) or {}).get("steps") or 0):
@@ -327,8 +364,10 @@ def drive(setup: ChaosSetup, plan: list[ChaosEvent], run_dir: Path, *, window_s:
                   f"{setup.num_targets} target(s), {setup.num_drafters} drafter(s), {len(plan)} events planned")
         # The plan's clock runs only while the run serves (the dispatcher up, workers registered
         # with it): on a loaded machine, where a restarted process takes seconds to come back, every
-        # event still lands on a working run, at the same point of the plan.
-        clock, last, settle_end, next_stats = 0.0, time.monotonic(), None, 0.0
+        # event still lands on a working run, at the same point of the plan. An event fires once its
+        # time has come and its share of the jobs is committed; while the work is ahead of the clock
+        # (a fast machine) the targets are held, so the run cannot end before the plan does.
+        clock, last, settle_end, next_stats, due_since = 0.0, time.monotonic(), None, 0.0, None
         wall_limit = log.started + window_s * WINDOW_WALL_FACTOR + READY_TIMEOUT_S
         while not supervisor.dispatcher_done:
             now = time.monotonic()
@@ -336,20 +375,26 @@ def drive(setup: ChaosSetup, plan: list[ChaosEvent], run_dir: Path, *, window_s:
             if serving:
                 clock += now - last
             last = now
-            if settle_end is None and (clock >= window_s or now > wall_limit):
+            if settle_end is None and ((clock >= window_s and not pending) or now > wall_limit):
                 settle_end = now + setup.settle_timeout_s
                 supervisor.window = (supervisor.window[0], time.time())
                 log.event("settle", "run", "-", None, f"chaos window over ({clock:.1f}s of serving time)")
             if settle_end is not None and now > settle_end:
                 return supervisor, False
             supervisor.tend()
-            if settle_end is None and serving and pending and clock >= pending[0].at_s:
+            if (settle_end is None and serving and pending and clock >= pending[0].at_s
+                    and supervisor.progress >= pending[0].at_progress):
+                due_since = clock if due_since is None else due_since
                 if supervisor.possible(pending[0]):
                     supervisor.fire(pending.pop(0))
-                elif clock - pending[0].at_s > max(setup.mean_gap_s, SKIP_AFTER_S):  # a detach with one drafter left
+                    due_since = None
+                elif clock - due_since > max(setup.mean_gap_s, SKIP_AFTER_S):  # a detach with one drafter left
                     event = pending.pop(0)
                     supervisor.skipped += 1
+                    due_since = None
                     log.event("skipped", event.role, event.action, None, "(not possible for a whole gap)")
+            # the work never runs past the next event's share of it before that event fired
+            supervisor.hold_targets(settle_end is None and bool(pending) and supervisor.progress >= pending[0].at_progress)
             if settle_end is not None and now >= next_stats:  # detached drafters stay away while the window lasts
                 next_stats = now + 2.0
                 stats = run_stats_or_none(run_dir)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
+import statistics
 from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable
@@ -49,6 +51,28 @@ def rollbacks_from_journal(events: Iterable[dict]) -> dict[str, int]:
     return dict(rolled)
 
 
+START_MARK = "chaos: process started:"  # the supervisor's line in a process's log before each incarnation
+_REGISTERED = re.compile(r"registered as \S+ with run \S+, ([\d.]+)s after the process started")
+_FIRST_STEP = re.compile(r"first step \d+ applied ([\d.]+)s after the process started")
+
+
+def joiner_starts(logs_dir: Path) -> dict[str, dict[str, float]]:
+    """How soon a drafter started into the running run (an attach, a restart) takes part: seconds
+    from its process start to its first registration, and to its first step applied as a member of
+    a group (a group's ranks log it), each as {count, median, max}, from the drafters' own logs."""
+    register, first_step = [], []
+    for path in sorted(logs_dir.glob("drafter-*.log")):
+        for incarnation in path.read_text(errors="replace").split(START_MARK)[1:]:
+            if incarnation.split("\n", 1)[0].strip() == "start":
+                continue  # started with the run, before the chaos: not a joiner
+            for pattern, found in ((_REGISTERED, register), (_FIRST_STEP, first_step)):
+                match = pattern.search(incarnation)
+                if match:
+                    found.append(float(match.group(1)))
+    return {name: {"count": len(v), "median": round(statistics.median(v), 1), "max": round(max(v), 1)}
+            for name, v in (("register_s", register), ("first_step_s", first_step)) if v}
+
+
 def steps_in(events: Iterable[dict], start: float | None, end: float | None) -> int:
     """Commit records journaled between ``start`` and ``end`` (wall clock; an open end: to the last)."""
     if start is None:
@@ -85,6 +109,7 @@ def figures(supervisor, run_dir: Path, finished: bool) -> tuple[dict[str, Any], 
         "steps": report["steps"],
         "steps_during_window": during,  # commits while the chaos lasted: does training go on under it?
         "wall_s": report["wall_s"],
+        "joiners": joiner_starts(supervisor.logs_dir),  # process start to register, to first step as a member
         "run_dir": str(run_dir),
     }, segments, orphans
 
@@ -111,4 +136,7 @@ def format_figures(f: dict[str, Any], *, seed: int, mode: str) -> str:
         f"witness   duplicates {f['witness_duplicates']}  missing {f['witness_missing']} (the models' own records)",
         f"rollback  {f['steps_rolled_back']} committed step(s) rolled back ({causes})",
         f"leftover  shm segments {f['shm_leftover']}  processes {f['orphans']}",
+        "joiners   " + ("; ".join(f"process start to {what.removesuffix('_s').replace('_', ' ')} median {v['median']}s, "
+                                 f"max {v['max']}s ({v['count']})" for what, v in f["joiners"].items())
+                        or "none started into the run"),
     ])

@@ -1,8 +1,11 @@
 """The seeded fault plan of ``hsd bench chaos``, and the journal figures it is judged by. Pure code.
 
-A plan is a list of events, each ``(at_s, action, role, pick)``: at ``at_s`` seconds into the run,
-``kill`` (SIGKILL) a process of ``role``, ``detach`` a drafter (SIGTERM: it finishes its step and
-leaves) or ``attach`` one more drafter. ``pick`` in [0, 1) names the victim among the live
+A plan is a list of events, each ``(at_s, at_progress, action, role, pick)``: at ``at_s`` seconds
+into the run, once ``at_progress`` of its jobs are committed, ``kill`` (SIGKILL) a process of
+``role``, ``detach`` a drafter (SIGTERM: it finishes its step and leaves) or ``attach`` one more
+drafter. The progress marks spread the events over the first PROGRESS_SPAN of the run's work, so
+they all fall inside it however fast the machine is (the bench holds the targets while the clock
+is behind the work). ``pick`` in [0, 1) names the victim among the live
 processes of the role sorted by name, resolved when the event fires: the same seed gives the same
 plan, and the same choices as far as the run's timing lets the same processes be alive.
 
@@ -31,9 +34,13 @@ SHARES: dict[tuple[str, str], float] = {
 }
 
 
+PROGRESS_SPAN = 0.75  # the last event is due by 75 % of the run's jobs: the rest of the work follows it
+
+
 @dataclass(frozen=True)
 class ChaosEvent:
     at_s: float
+    at_progress: float         # share of the run's jobs committed before it fires
     action: str
     role: str
     pick: float                # which live process of the role: index int(pick * count) in name order
@@ -60,7 +67,8 @@ def build_plan(*, seed: int, duration_s: float, mean_gap_s: float, paired_attach
     events = []
     for i, (action, role) in enumerate(kinds):
         at_s = gap * (i + 1) + rng.uniform(-0.5, 0.5) * gap
-        events.append(ChaosEvent(round(at_s, 2), action, role, rng.random(), round(rng.uniform(0.5, 2.5), 2)))
+        events.append(ChaosEvent(round(at_s, 2), round(PROGRESS_SPAN * at_s / duration_s, 4), action, role,
+                                 rng.random(), round(rng.uniform(0.5, 2.5), 2)))
     return events
 
 

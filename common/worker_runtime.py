@@ -124,7 +124,9 @@ class WorkerSession:
         self.token = reply.get("token")
         self.registration = reply
         self.channel.set_heartbeat(reply["heartbeat_s"], self._heartbeat_fields)
-        log.info("%s registered as %s with run %s", self.name, self.worker_id, reply["run_id"])
+        wall_s, cpu_s = since_process_start()
+        log.info("%s registered as %s with run %s, %.1fs after the process started (%.1fs of CPU)", self.name,
+                 self.worker_id, reply["run_id"], wall_s, cpu_s)
         return reply
 
     # -- requests -----------------------------------------------------------------------------
@@ -191,3 +193,12 @@ class WorkerSession:
         if deregister:
             self.close_registration()
         self.channel.close()
+
+
+def since_process_start() -> tuple[float, float]:
+    """Wall seconds since this process started, and the CPU seconds it has used (what its start-up
+    costs, apart from waiting for a busy machine)."""
+    import psutil
+    process = psutil.Process()
+    cpu = process.cpu_times()
+    return time.time() - process.create_time(), cpu.user + cpu.system

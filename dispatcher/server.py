@@ -47,6 +47,7 @@ SWEEP_INTERVAL_S = 0.25
 PROGRESS_INTERVAL_S = 5.0
 METRICS_INTERVAL_S = 1.0
 MAX_WAIT_MS = 30_000
+FAIL_CLOSED_EXIT_CODE = 3  # the journal failed: stopped, having acknowledged nothing that was not durable
 HARD_MESSAGE_LIMIT = 64 << 20  # beyond this ZeroMQ drops the peer instead of buffering the message
 
 
@@ -113,6 +114,8 @@ class DispatcherServer:
             log.info("Prometheus metrics on http://%s:%d/metrics", config.dispatcher.metrics_host, self.metrics.port)
         log.info("serving %s (stats %s), run %s, %s", config.control_endpoint, config.stats_endpoint,
                  self.run_id, self.data_plane.describe())
+        if self.core.contract is not None:  # else the first worker that declares one sets it (logged then)
+            log.info("capture contract of this run (from the target model's config.json): %s", self.core.contract)
         needed = config.target.count * config.pool.target_credits + config.pool.min_ready
         if self.data_plane.kind == "shm" and config.pool.slots < needed:
             log.warning("pool.slots=%d < target.count x pool.target_credits + pool.min_ready = %d: targets will "
@@ -183,7 +186,7 @@ class DispatcherServer:
         except JournalFailed as exc:
             log.critical("%s. Stopping (fail closed): nothing that was not durable was acknowledged; workers keep "
                          "their state and register with the next dispatcher on this run directory.", exc)
-            self.exit_code = 3
+            self.exit_code = FAIL_CLOSED_EXIT_CODE
         finally:
             self.close()
         return self.exit_code

@@ -97,13 +97,37 @@ class AccumulatingTrainer:
     data-parallel group adds up, and the step that divides by the total before clipping. The sums
     are float64 tensors on the trainer's device (the counts are integers, exact in float64).
 
-    A subclass sets ``params``, ``optimizer``, ``scheduler``, ``config`` (a :class:`TrainingRecipe`),
-    ``device``, ``compute_dtype`` and ``step``, and names ``num_positions`` (the length of the
-    per-position counts) and ``first_reported`` (the first position the accuracy reports).
+    A subclass sets ``params``, ``config`` (a :class:`TrainingRecipe`), ``device``,
+    ``compute_dtype`` and ``step``, and names ``num_positions`` (the length of the per-position
+    counts) and ``first_reported`` (the first position the accuracy reports).
+
+    The optimizer and its schedule (:func:`build_optimizer` over ``params``) are built on first
+    use: creating a ``torch.optim`` optimizer imports ``torch._dynamo``, seconds of a drafter's
+    start that it then spends after registering, not before. A state loaded before that (a
+    checkpoint a restarted rank resumes) keeps their part until they are built.
     """
 
     num_positions: int
     first_reported = 0
+    _optimizer: torch.optim.Optimizer | None = None
+    _scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    _loaded: tuple[dict, dict] | None = None  # (optimizer, scheduler) state loaded before they were built
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        if self._optimizer is None:
+            self._optimizer, self._scheduler = build_optimizer(self.params, self.config)
+            if self._loaded is not None:
+                optimizer_state, scheduler_state = self._loaded
+                self._loaded = None
+                self._optimizer.load_state_dict(optimizer_state)
+                self._scheduler.load_state_dict(scheduler_state)
+        return self._optimizer
+
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler:
+        self.optimizer
+        return self._scheduler
 
     def _reset_accumulators(self) -> None:
         def zeros(*shape):
@@ -189,7 +213,8 @@ class AccumulatingTrainer:
 
     def drop_step(self) -> None:
         """Forget the accumulated micro-batches (the dispatcher refused the step)."""
-        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.params:  # what the optimizer's zero_grad(set_to_none=True) does, without building it
+            p.grad = None
         self._reset_accumulators()
 
     # -- training state (a subclass names what must match for a state to load: ``shape_keys``) ----
@@ -210,7 +235,10 @@ class AccumulatingTrainer:
         if mine != theirs:
             raise ValueError(f"training state was saved for ({', '.join(names)}) = {theirs}, this trainer has {mine}")
         self.model.load_draft_state_dict({k: v.to(self.device) for k, v in state["model"].items()})
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        if self._optimizer is None:
+            self._loaded = (state["optimizer"], state["scheduler"])
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         self.drop_step()

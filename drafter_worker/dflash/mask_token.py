@@ -16,13 +16,22 @@ With ``dflash.mask_token_id`` unset (-1) the default is, in order:
 skipping any candidate that occurs in the prepared training data (``data.path``) or is not a row
 of the target's embedding. With none left the drafter fails at start, naming
 ``dflash.mask_token_id``. An explicit id is used as given.
+
+The choice is kept in the run directory (``mask_token.json``), under a key made of the target's
+tokenizer files, the dataset's manifest and token file, and the embedding's size: a drafter that
+starts again, or joins a group, reads it there instead of loading the tokenizer (transformers) and
+scanning the data; anything the choice depends on changing makes it choose again.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -36,6 +45,10 @@ UNSET = -1
 _RESERVED_NAME = re.compile(r"reserved|unused", re.IGNORECASE)
 _MASK_NAME = re.compile(r"^(<\|?mask\|?>|\[mask\])$", re.IGNORECASE)
 _SCAN_CHUNK = 1 << 24  # tokens compared at once when the data is searched for a candidate
+CHOICE_FILE = "mask_token.json"  # in the run directory: {"key": ..., "token_id": ..., "token": ..., "why": ...}
+# Files of a model directory a tokenizer is read from (transformers' names, all versions).
+_TOKENIZER_FILES = re.compile(r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\..*|merges\.txt|"
+                              r"chat_template\..*|.*\.model)$")
 
 
 @dataclass(frozen=True)
@@ -86,16 +99,64 @@ def token_occurs(tokens: np.ndarray, token_id: int) -> bool:
     return False
 
 
+def choice_key(config: Config, *, vocab_size: int) -> str:
+    """What the default depends on: the tokenizer's files, the dataset's manifest and token file
+    (size and modification time: the data is not read), the embedding's size."""
+    from common.prepared import MANIFEST_FILE, TOKENS_FILE
+    digest = hashlib.sha256(f"vocab_size={vocab_size}".encode())
+    model_dir = Path(config.target.model)
+    for path in sorted(model_dir.iterdir()):
+        if path.is_file() and _TOKENIZER_FILES.match(path.name):
+            digest.update(f"\0{path.name}\0".encode())
+            digest.update(path.read_bytes())
+    if config.data.path:
+        data = Path(config.data.path)
+        digest.update((data / MANIFEST_FILE).read_bytes())
+        tokens = (data / TOKENS_FILE).stat()
+        digest.update(f"\0{tokens.st_size}:{tokens.st_mtime_ns}".encode())
+    return digest.hexdigest()
+
+
+def _read_choice(path: Path, key: str) -> MaskToken | None:
+    try:
+        doc = json.loads(path.read_text())
+        if doc.get("key") == key:
+            return MaskToken(int(doc["token_id"]), str(doc["token"]), str(doc["why"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+def _write_choice(path: Path, key: str, chosen: MaskToken) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": key, "token_id": chosen.token_id, "token": chosen.token, "why": chosen.why}))
+        os.replace(tmp, path)
+    except OSError as exc:  # the next start chooses again
+        log.warning("the mask token choice was not kept in %s: %s", path, exc)
+
+
 def resolve_mask_token_id(config: Config, *, vocab_size: int) -> int:
-    """``dflash.mask_token_id``, or its default from ``target.model``'s tokenizer and ``data.path``."""
+    """``dflash.mask_token_id``, or its default from ``target.model``'s tokenizer and ``data.path``
+    (as chosen before in this run directory, when nothing it depends on changed)."""
     if config.dflash.mask_token_id != UNSET:
         return config.dflash.mask_token_id
+    key = choice_key(config, vocab_size=vocab_size) if Path(config.target.model).is_dir() else None
+    kept = config.run_dir / CHOICE_FILE
+    chosen = _read_choice(kept, key) if key else None
+    if chosen is not None:
+        log.info("%s unset: the mask token is %r (id %d), %s, absent from the training data (as chosen before, %s)",
+                 KEY, chosen.token, chosen.token_id, chosen.why, kept)
+        return chosen.token_id
     from common.prepared import PreparedDataset, load_tokenizer
     tokenizer = load_tokenizer(config.target.model)
     tokens = PreparedDataset(config.data.path).tokens if config.data.path else np.zeros(0, dtype=np.int32)
     chosen = choose_mask_token(tokenizer, vocab_size=vocab_size, occurs_in_data=lambda i: token_occurs(tokens, i))
     log.info("%s unset: the mask token is %r (id %d), %s, absent from the training data", KEY, chosen.token,
              chosen.token_id, chosen.why)
+    if key:
+        _write_choice(kept, key, chosen)
     return chosen.token_id
 
 

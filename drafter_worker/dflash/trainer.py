@@ -27,7 +27,7 @@ from drafter_worker.dflash.anchors import check_anchors, block_labels, sample_an
 from drafter_worker.dflash.config import DFlashTrainConfig
 from drafter_worker.dflash.loss import position_weights, weighted_ce_chunked
 from drafter_worker.dflash.model import DFlashDraftModel, build_drafter
-from drafter_worker.recipe import AccumulatingTrainer, build_optimizer, resolve_dtype
+from drafter_worker.recipe import AccumulatingTrainer, resolve_dtype
 from drafter_worker.recipe import StepStats, warmup_cosine  # noqa: F401  (re-exported: callers import them from here)
 
 
@@ -75,7 +75,6 @@ class DFlashTrainer(AccumulatingTrainer):
         self.model.to(self.device)
         self.model.attention = _resolve_attention(config, self.device)
         self.params = [p for _, p in self.model.draft_named_parameters()]
-        self.optimizer, self.scheduler = build_optimizer(self.params, config)
         # Anchors are drawn on the device from a generator of the trainer's own: checkpointed, and
         # independent of whatever else uses the global RNG in the process.
         self.anchor_generator = torch.Generator(device=self.device).manual_seed(seed)

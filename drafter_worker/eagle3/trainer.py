@@ -29,7 +29,7 @@ from drafter_worker.eagle3.config import NUM_FUSED_LAYERS, Eagle3TrainConfig
 from drafter_worker.eagle3.loss import soft_ce_chunked, step_weights, target_probs
 from drafter_worker.eagle3.model import Eagle3DraftModel, build_drafter
 from drafter_worker.eagle3.ttt import shift_left, step_targets
-from drafter_worker.recipe import AccumulatingTrainer, build_optimizer, resolve_dtype
+from drafter_worker.recipe import AccumulatingTrainer, resolve_dtype
 
 
 @dataclass
@@ -84,7 +84,6 @@ class Eagle3Trainer(AccumulatingTrainer):
         self.model.init_weights(seed)
         self.model.to(self.device)
         self.params = [p for _, p in self.model.draft_named_parameters()]
-        self.optimizer, self.scheduler = build_optimizer(self.params, config)
         self.weights = step_weights(self.model_config.ttt_steps, self.model_config.loss_decay)
         self.draft_ids = t2d.nonzero().squeeze(1).to(self.device)  # target ids of the draft tokens, read once
         self.model.attention = _resolve_attention(self.device)

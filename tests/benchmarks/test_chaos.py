@@ -1,6 +1,7 @@
 """benchmarks/chaos.py: `hsd bench chaos` kills every role of a real sim run and the witness holds.
 
-A short window (12 s of serving time, about 12 events) on a small 3-epoch run: every role is
+A short window (12 s of serving time, about 12 events, each also due at a share of the run's
+jobs: a machine faster than the plan has its targets held) on a small 3-epoch run: every role is
 SIGKILLed at least once (the dispatcher included), drafters attach and detach, and the run still
 finishes with every job trained exactly once by the models' own records, nothing left in /dev/shm
 and no process of the run alive. The plan and the rollback figures are checked as pure code.
@@ -13,7 +14,7 @@ import pytest
 
 from benchmarks.chaos import JSON_KEYS
 from benchmarks.chaos_figures import rollbacks_from_journal
-from benchmarks.chaos_plan import ATTACH, DETACH, KILL, SHARES, build_plan, count_events
+from benchmarks.chaos_plan import ATTACH, DETACH, KILL, PROGRESS_SPAN, SHARES, build_plan, count_events
 from common.client import run_id_for
 from common.shm_arena import list_segments
 from hsd_testing import assert_session_ended, run_hsd_in_session
@@ -53,6 +54,9 @@ def test_the_plan_follows_from_the_seed_and_hits_every_role():
     assert len(plan) == 20 and all(counts[kind] >= int(20 * share) for kind, share in SHARES.items())
     assert sum(n for (action, _), n in counts.items() if action == KILL) >= 10
     assert [e.at_s for e in plan] == sorted(e.at_s for e in plan) and 0 < plan[0].at_s and plan[-1].at_s < 180
+    # each event is also due at a share of the run's jobs, all of them inside the first PROGRESS_SPAN
+    marks = [e.at_progress for e in plan]
+    assert marks == sorted(marks) and 0 < marks[0] and marks[-1] <= PROGRESS_SPAN
     paired = build_plan(seed=7, duration_s=180, mean_gap_s=9, paired_attach=True)
     for before, after in zip(paired, paired[1:]):   # a fixed-size group takes a rank only where one left
         if after.action == ATTACH:

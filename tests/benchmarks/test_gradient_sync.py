@@ -11,4 +11,6 @@ def test_bench_gradsync_json():
     assert result["world_size"] == 2 and [r["hidden"] for r in result["rows"]] == [16, 32]
     for row in result["rows"]:
         assert row["tensors"] == 2 + 11 and row["per_tensor_ms"] > 0 and row["bucketed_ms"] > 0
+        # two ranks: each element is one float32 addition, whichever way it is summed
+        assert (row["ways_differ_by"], row["sum_error"]) == (0.0, 0.0), row
     assert hsd("bench", "gradsync", "--layers", "0", check=False).returncode != 0

@@ -6,6 +6,7 @@ import re
 import shutil
 import socket
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
@@ -52,9 +53,21 @@ def _k8s_objects(recipe: str) -> list[dict]:
     return load_objects(DEPLOY / recipe)
 
 
+def _assert_loads_as_written(path: Path) -> None:
+    """The config loads (unknown sections or keys, ill-typed or inconsistent values raise ConfigError)
+    and holds every value the file sets, as the file sets it (a relative run.dir made absolute)."""
+    config = load_config(path)
+    for section, values in (yaml.safe_load(path.read_text()) or {}).items():
+        for key, written in (values or {}).items():
+            loaded = getattr(getattr(config, section), key)
+            if (section, key) == ("run", "dir"):
+                loaded, written = Path(loaded), Path(written).resolve()
+            assert loaded == written, f"{path.name}: {section}.{key} loads as {loaded!r}, the file says {written!r}"
+
+
 @pytest.mark.parametrize("path", sorted(DEPLOY.glob("configs/*.y*ml")), ids=_name)
 def test_config_files_load(path):
-    load_config(path)  # unknown sections or keys, ill-typed or inconsistent values raise ConfigError
+    _assert_loads_as_written(path)
 
 
 @pytest.mark.parametrize("recipe", K8S_RECIPES)
@@ -65,7 +78,7 @@ def test_k8s_configmap_holds_a_valid_config(tmp_path, recipe):
         for name, text in cm["data"].items():
             if name.endswith((".yaml", ".yml")):
                 (tmp_path / name).write_text(text)
-                load_config(tmp_path / name)
+                _assert_loads_as_written(tmp_path / name)
 
 
 @pytest.mark.parametrize("recipe", K8S_RECIPES)

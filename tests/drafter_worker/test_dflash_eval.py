@@ -32,11 +32,20 @@ class GreedyOracle:
         return torch.tensor([t if k < self.num_right else (t + 1) % VOCAB for k, t in enumerate(right)])
 
 
+def _accounted(result: dict) -> None:
+    """tau (tokens per verify step) and the per-position acceptance describe the same verify steps:
+    tau = 1 + the mean accepted drafts = 1 + the sum of the rates at which each position was accepted."""
+    assert result["tau"] == pytest.approx(1 + sum(result["per_position"]), abs=1e-12)
+
+
 def test_random_drafter_output_equals_greedy(tiny_target, tiny_target_model):
     trainer = make_trainer(tiny_target, num_draft_layers=1)
     result = evaluate(tiny_target, trainer.model, PROMPTS, 12, target=tiny_target_model)
     assert result["matches_greedy"] and result["num_new_tokens"] == 3 * 12
-    assert result["tau"] >= 1.0
+    _accounted(result)
+    # An untrained drafter's guesses among 300 tokens are rarely the target's: well under the
+    # 1 + 1.0 a drafter trained on the target's output reaches (the test below).
+    assert result["tau"] < 1.5, result
     rates = result["per_position"]
     assert len(rates) == 3 and all(a >= b for a, b in zip(rates, rates[1:]))
 
@@ -101,7 +110,13 @@ def test_hsd_eval_cli(tiny_target, tmp_path, capsys):
     assert main(["eval", "--config", str(config), "--drafter", str(tmp_path / "drafter"), "--prompts", "3",
                  "--max-new-tokens", "6", "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert result["num_prompts"] == 3 and result["num_new_tokens"] == 18 and result["tau"] >= 1.0
+    assert result["num_prompts"] == 3 and result["num_new_tokens"] == 18
+    # the command's figures are those of speculative decoding with that drafter on the first 3
+    # held-out prompts, as the chat template renders them
+    from transformers import AutoTokenizer
+    from drafter_worker.dflash.prompts import load_chat_prompts
+    prompts = load_chat_prompts(target_dir / "heldout.jsonl", AutoTokenizer.from_pretrained(target_dir), 3)
+    assert result == evaluate(target_dir, str(tmp_path / "drafter"), prompts, 6)
     assert main(["eval", "--config", str(config), "--drafter", str(tmp_path / "drafter"), "--prompts", "1",
                  "--max-new-tokens", "3"]) == 0
     text = capsys.readouterr().out

@@ -4,15 +4,17 @@ the training data, else an error naming dflash.mask_token_id — never a token o
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
-from common.config import ConfigError
+from common.config import ConfigError, write_resolved
 from common.prepared import load_tokenizer
 from common.witness import latest_checkpoint, servable_dir
 from dflash_run import write_dataset
 from dflash_testing import backend_config, make_target
-from drafter_worker.dflash.mask_token import resolve_mask_token_id
+from drafter_worker.dflash.mask_token import CHOICE_FILE, resolve_mask_token_id
 from drafter_worker.dflash_backend import DFlashBackend
 from tiny_tokenizers import save_tiny_tokenizer, save_word_tokenizer
 
@@ -80,3 +82,35 @@ def test_no_mask_token_and_no_reserved_token_fails_at_start(tmp_path):
     save_word_tokenizer(target, ["hello", "world"], special_tokens=["<|endoftext|>", "<|im_start|>"])
     with pytest.raises(ConfigError, match="dflash.mask_token_id: the target's tokenizer has no mask token"):
         DFlashBackend(_config(target, tmp_path, [[2, 3]]), "drafter-0", schedule_jobs=4)
+
+
+AGAIN = """
+import sys
+from common.config import load_config
+from drafter_worker.dflash.mask_token import resolve_mask_token_id
+print(resolve_mask_token_id(load_config(sys.argv[1]), vocab_size=300), "transformers" in sys.modules)
+"""
+
+
+def test_the_choice_is_kept_in_the_run_directory_and_made_again_when_the_tokenizer_changes(tmp_path):
+    target = tmp_path / "target"
+    make_target(target)
+    save_word_tokenizer(target, ["hello", "world"], special_tokens=["<|endoftext|>", *RESERVED])
+    first = load_tokenizer(target).convert_tokens_to_ids(RESERVED[0])
+    config = _config(target, tmp_path, [[3, 4, 3]])
+    assert resolve_mask_token_id(config, vocab_size=300) == first
+    kept = json.loads((config.run_dir / CHOICE_FILE).read_text())
+    assert (kept["token_id"], kept["token"]) == (first, RESERVED[0])
+    path = write_resolved(config)
+
+    def again() -> tuple[int, bool]:
+        proc = subprocess.run([sys.executable, "-c", AGAIN, str(path)], capture_output=True, text=True, timeout=120,
+                              check=True)
+        token_id, loaded = proc.stdout.split()
+        return int(token_id), loaded == "True"
+    # A drafter starting again: the kept choice, no tokenizer loaded (transformers never imported).
+    assert again() == (first, False)
+    # The tokenizer changed under the run: its reserved tokens moved, the choice is made again.
+    save_word_tokenizer(target, ["hello", "world"], special_tokens=["<|endoftext|>", "<|im_start|>", *RESERVED])
+    moved = load_tokenizer(target).convert_tokens_to_ids(RESERVED[0])
+    assert moved != first and again() == (moved, True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import re
 import time
 
 import pytest
@@ -20,6 +21,8 @@ from drafter_worker.process_group import RendezvousIncomplete, StepGroup, Versio
 from drafter_worker.rendezvous import GLOO_IFNAME_ENV, RendezvousServer, address_towards, interface_of
 from hsd_testing import child_message, free_port
 from rendezvous_ranks import TIMEOUT_S, rank_main
+
+CONNECTION_LOST = re.compile(r"connection reset|connection closed|broken pipe|closed by peer", re.IGNORECASE)
 
 
 def test_ranks_meet_on_rank_0s_store_versions_stay_apart_and_a_dead_rank_0_fails_the_wait_at_once():
@@ -38,11 +41,11 @@ def test_ranks_meet_on_rank_0s_store_versions_stay_apart_and_a_dead_rank_0_fails
         for _, orders in queues:
             orders.put("on")
         assert [child_message(out, p) for (out, _), p in zip(queues, procs)] == ["waiting", "waiting"]
-        killed_at = time.monotonic()
         procs[0].kill()  # SIGKILL: no goodbye on the store's connections
-        kind, failed_at, message = child_message(queues[1][0], procs[1])
+        kind, _, message = child_message(queues[1][0], procs[1])
         # the closed connection to rank 0's store, not the wait's bound and not the dispatcher
-        assert kind == "CollectiveFailed" and failed_at - killed_at < TIMEOUT_S / 4, (kind, message)
+        assert kind == "CollectiveFailed" and CONNECTION_LOST.search(message), (kind, message)
+        assert not re.search(r"time ?out|timed out", message, re.IGNORECASE), message
         procs[1].join(timeout=60)
         assert procs[1].exitcode == 0
     finally:
@@ -60,11 +63,10 @@ def test_a_rank_0_whose_store_is_not_there_is_waited_for_until_the_version_ends_
         asked.append(time.monotonic())
         return len(asked) < 3
 
-    started = time.monotonic()
-    with pytest.raises(VersionEnded):
+    with pytest.raises(VersionEnded):  # the version's end, asked of still_current, not the bound (an error of its own)
         StepGroup(store=tcp_store_name(nobody, "m/i0-v1"), rank=1, world_size=2, version=1, timeout_s=TIMEOUT_S,
                   max_jobs=1, still_current=still_current)
-    assert len(asked) == 3 and time.monotonic() - started < TIMEOUT_S / 4
+    assert len(asked) == 3
     with pytest.raises(RendezvousIncomplete, match="rank 0's store at 127.0.0.1:.* did not answer") as info:
         StepGroup(store=tcp_store_name(nobody, "m/i0-v2"), rank=1, world_size=2, version=2, timeout_s=TIMEOUT_S,
                   max_jobs=1, rendezvous_timeout_s=0.5)

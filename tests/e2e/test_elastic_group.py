@@ -85,8 +85,8 @@ def _frozen_mid_step(ranks, run_dir):
 @pytest.mark.timeout(600)
 def test_drafters_attach_and_leave_a_running_run(tmp_path, monkeypatch):
     """1 drafter; a second attaches; then two attach at once (one version change, the 4-rank group
-    steps right after); one of them leaves on SIGTERM seconds after it attached, and the 3 left
-    commit their next step within seconds."""
+    steps right after); one of them leaves on SIGTERM once the 4 ranks have stepped twice, and the 3
+    left commit their next step in the version that follows, no collective failing on the way."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv(LOG_CHECKSUMS_ENV, "1")
     run_dir = tmp_path / "run"
@@ -115,13 +115,15 @@ def test_drafters_attach_and_leave_a_running_run(tmp_path, monkeypatch):
         g = _await_group(run_dir, lambda g: g["world_size"] == 4 and g["steps_since_change"] >= 1, 120,
                          "4 ranks stepping")
         assert g["version"] == v2 + 1  # both joiners came in at one step boundary
-        time.sleep(2)
+        _await_group(run_dir, lambda g: g["version"] == v2 + 1 and g["steps_since_change"] >= 2, 120,
+                     "the 4 ranks' second step")
+        leaver = next(w for w in stats(run_dir)["workers"] if w["name"] == "drafter-3")
         left_at = time.monotonic()
         procs[-1].send_signal(signal.SIGTERM)
-        g = _await_group(run_dir, lambda g: g["world_size"] == 3 and g["steps_since_change"] >= 1, 60,
+        g = _await_group(run_dir, lambda g: g["world_size"] == 3 and g["steps_since_change"] >= 1, 240,
                          "3 ranks stepping after one left")
         next_step_s = time.monotonic() - left_at
-        assert g["version"] == v2 + 2 and next_step_s < 20, next_step_s
+        assert g["version"] == v2 + 2
         assert procs[-1].wait(timeout=60) == 0
         assert v2 == v1 + 1
         assert launch.wait(timeout=400) == 0, (tmp_path / "launch.log").read_text()[-4000:]
@@ -138,6 +140,11 @@ def test_drafters_attach_and_leave_a_running_run(tmp_path, monkeypatch):
     for name, _, step in CRC_LINE.findall(_logs(run_dir)):
         ranks_per_step[int(step)].add(name)
     assert max(len(v) for v in ranks_per_step.values()) == 4  # four ranks applied the same steps, bit-identical
+    # The one that left said so (deregister, not a silence the dispatcher had to time out), and the
+    # 3 left went on without waiting out a collective with it: its version ended for them, none failed.
+    assert [e["reason"] for e in events if e["ev"] == "leave" and e["w"] == leaver["id"]] == ["left"]
+    failed = re.findall(rf"(drafter-\d+): membership {v2 + 1} failed: (.*)", _logs(run_dir))
+    assert not failed, failed
     print(f"\njoiner start to first step: {joiner_start}; SIGTERM to the next step of the 3 left: "
           f"{next_step_s:.1f}s; run {time.monotonic() - started:.0f}s, "
           f"{len([e for e in events if e['ev'] == 'commit'])} steps")

@@ -6,10 +6,13 @@ import json
 import os
 import signal
 
+import psutil
+
 from common.client import run_id_for
 from common.shm_arena import list_segments
 from dispatcher.journal import read_journal
-from hsd_testing import assert_exactly_once, hsd, report, running_hsd, sim_args, wait_for_stats
+from hsd_testing import assert_exactly_once, hsd, report, running_hsd, sim_args, stats, wait_for, wait_for_stats
+from target_worker.loop import STOP_IN_JOB_ENV
 
 
 def test_launch_5_targets_3_drafters_two_epochs_exactly_once(run_dir):
@@ -30,23 +33,30 @@ def test_launch_5_targets_3_drafters_two_epochs_exactly_once(run_dir):
     assert "exited with code" not in proc.stdout + proc.stderr  # no worker crashed or was restarted
 
 
-def test_sigkilled_target_job_is_extracted_again(run_dir, tmp_path):
-    args = sim_args(run_dir, "run.epochs=1", "target.count=2", "drafter.count=2", "target.sim_cost_per_token=4e-5",
-                    "target.max_restarts=2")
+def test_sigkilled_target_job_is_extracted_again(run_dir, tmp_path, monkeypatch):
+    # The first target to take a job stops itself before extracting it: the job it is killed
+    # holding is known, whatever the machine's speed.
+    held_at = tmp_path / "stopped-in-job.json"
+    monkeypatch.setenv(STOP_IN_JOB_ENV, str(held_at))
+    args = sim_args(run_dir, "run.epochs=1", "target.count=2", "drafter.count=2", "target.max_restarts=2",
+                    "dispatcher.worker_timeout_s=120")  # it dies by the SIGKILL, not by its silence while stopped
     with running_hsd("launch", *args, log_path=tmp_path / "launch.log") as launch:
-        def busy_target(s):
-            busy = [w for w in s["workers"] if w["role"] == "target" and w["held"]]
-            return busy[0] if busy else None
-        victim = wait_for_stats(run_dir, busy_target, 120, what="a target holding a job")
+        held = wait_for(lambda: held_at.exists() and json.loads(held_at.read_text()), 120,
+                        what="a target stopped inside a job")
+        wait_for(lambda: psutil.Process(held["pid"]).status() == psutil.STATUS_STOPPED, 60, interval=0.05,
+                 what="the target stopped")
+        victim = next(w for w in stats(run_dir)["workers"] if w["pid"] == held["pid"])
+        assert held["job_id"] in victim["held"]
         os.kill(victim["pid"], signal.SIGKILL)
         assert launch.wait(timeout=240) == 0, (tmp_path / "launch.log").read_text()[-3000:]
     r = report(run_dir)
     assert_exactly_once(r)
     assert r["given_back"].get("dead", 0) >= 1
     events = list(read_journal(run_dir))
-    given_back = {e["job"] for e in events if e["ev"] == "give_back" and e["was"] == "extracting"}
-    assert set(victim["held"]) & given_back
-    for job in set(victim["held"]) & given_back:
+    given_back = {e["job"] for e in events if e["ev"] == "give_back" and e["was"] == "extracting"
+                  and e["w"] == victim["id"]}
+    assert held["job_id"] in given_back
+    for job in given_back:
         back_at = next(i for i, e in enumerate(events) if e["ev"] == "give_back" and e["job"] == job)
         assert any(e["ev"] == "ready" and e["job"] == job for e in events[back_at:]), "job was not extracted again"
     assert "restart 1/2" in (tmp_path / "launch.log").read_text()
