@@ -31,6 +31,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -349,9 +350,10 @@ def wait_until_training(supervisor: ChaosSupervisor, run_dir: Path) -> None:
 
 
 def drive(setup: ChaosSetup, plan: list[ChaosEvent], run_dir: Path, *, window_s: float,
-          log: ChaosLog) -> tuple[ChaosSupervisor, bool]:
-    """Run the plan over the window, then let the run finish; returns the supervisor and whether
-    the run finished within the settle timeout."""
+          log: ChaosLog) -> tuple[ChaosSupervisor, dict[str, Any] | None]:
+    """Run the plan over the window, then let the run finish; returns the supervisor and, for a run
+    that did not finish within the settle timeout, what it waited for then (``waiting_for`` of its
+    stats; None once it finished)."""
     config = load_config(setup.config_file, list(setup.overrides))
     supervisor = ChaosSupervisor(setup, write_resolved(config), run_dir, log)
     pending = list(plan)
@@ -380,7 +382,10 @@ def drive(setup: ChaosSetup, plan: list[ChaosEvent], run_dir: Path, *, window_s:
                 supervisor.window = (supervisor.window[0], time.time())
                 log.event("settle", "run", "-", None, f"chaos window over ({clock:.1f}s of serving time)")
             if settle_end is not None and now > settle_end:
-                return supervisor, False
+                stats = run_stats_or_none(run_dir)
+                if stats is None:
+                    return supervisor, {"reasons": ["no dispatcher answers"]}
+                return supervisor, stats.get("waiting_for") or {"reasons": ["done, but the dispatcher has not exited"]}
             supervisor.tend()
             if (settle_end is None and serving and pending and clock >= pending[0].at_s
                     and supervisor.progress >= pending[0].at_progress):
@@ -401,7 +406,7 @@ def drive(setup: ChaosSetup, plan: list[ChaosEvent], run_dir: Path, *, window_s:
                 if stats:
                     supervisor.reattach_unsaved_models(stats.get("models") or {})
             time.sleep(0.05)
-        return supervisor, True
+        return supervisor, None
     finally:
         supervisor.stop_all()
         for event in pending:
@@ -433,13 +438,16 @@ def run_chaos_bench(*, minutes: float, seed: int, real: bool, as_json: bool, wor
     plan = build_plan(seed=seed, duration_s=window_s, mean_gap_s=setup.mean_gap_s, paired_attach=setup.paired_attach)
     log = ChaosLog(quiet=quiet)
     signal.signal(signal.SIGTERM, _interrupt)  # a stopped bench stops its run's processes first (drive's finally)
-    supervisor, finished = drive(setup, plan, run_dir, window_s=window_s, log=log)
+    supervisor, waiting = drive(setup, plan, run_dir, window_s=window_s, log=log)
+    finished = waiting is None
     result, segments, orphans = figures(supervisor, run_dir, finished)
+    if not finished:  # what it waited for, and where its logs stay
+        result["waiting_for"], result["logs"] = waiting, str(base)
     clean_up(segments, orphans)
     (base / "chaos-events.log").write_text("\n".join(log.lines) + "\n")
     print(json.dumps(result) if as_json else format_figures(result, seed=seed, mode="real" if real else "sim"),
           flush=True)
-    if not keep and work_dir is None:
+    if finished and not keep and work_dir is None:
         shutil.rmtree(base, ignore_errors=True)
     ok = finished and result["witness_duplicates"] == 0 and result["witness_missing"] == 0
     return 0 if ok else 1

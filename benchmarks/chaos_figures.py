@@ -139,4 +139,6 @@ def format_figures(f: dict[str, Any], *, seed: int, mode: str) -> str:
         "joiners   " + ("; ".join(f"process start to {what.removesuffix('_s').replace('_', ' ')} median {v['median']}s, "
                                  f"max {v['max']}s ({v['count']})" for what, v in f["joiners"].items())
                         or "none started into the run"),
+        *([f"waiting   {reason}" for reason in f["waiting_for"].get("reasons", [])]
+          + [f"logs      kept in {f['logs']}"] if "waiting_for" in f else []),
     ])

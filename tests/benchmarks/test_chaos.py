@@ -29,7 +29,7 @@ def test_short_chaos_run_keeps_exactly_once_and_leaves_nothing(tmp_path):
     run_dir = work / "run"
     alive = [p.pid for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])]
     assert not alive and not list_segments(run_id_for(run_dir))   # judged here too, not only by the bench
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"  # a run not done says why
     f = json.loads(run.stdout)
     assert set(JSON_KEYS) <= set(f)
     assert f["finished"] and f["committed"] == f["jobs_total"] > 0
