@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dispatcher.journal import Journal
+from dispatcher.journal import Journal, last_segment_number
 from dispatcher.ledger import JobLedger
 from dispatcher.recovery import ModelRecord, Recovered, Snapshot, SnapshotWriter, map_arrays
 from dispatcher.schedule import EpochSchedule, load_schedule
@@ -81,6 +81,9 @@ class EpochStore:
         snapshot = recovered.snapshot
         if snapshot is not None:
             self._segment = snapshot.segment
+        # a segment archived after that snapshot (its own snapshot never published: the dispatcher
+        # died between the two) was replayed; the next segment takes a new number, never its
+        self._segment = max(self._segment, last_segment_number(self.run_dir))
         for epoch in sorted(recovered.epochs_started):
             schedule = load_schedule(self.run_dir, epoch)
             if schedule is None:

@@ -241,3 +241,29 @@ def test_a_commit_whose_answer_was_lost_is_applied_when_the_ledger_holds_it(tmp_
                          model={"id": "m0", "step": m.step, "pending": {"step": last[0], "job_ids": list(last[1])}})
     assert w.pending_committed and resumed.ledger.model_step["m0"] == last[0]
     assert not [e for e in read_journal(tmp_path) if e["ev"] == "rollback" and e["jobs"]]
+
+
+def test_a_segment_archived_without_its_snapshot_is_never_overwritten(tmp_path):
+    """The dispatcher died between closing a journal segment and publishing the snapshot that covers
+    it: the next one recovers from the previous snapshot and replays that segment, and its own next
+    segment must get a new number — reusing it would replace acknowledged commits on disk."""
+    lengths = small_lengths(scale=4)
+    m = Model("m0")
+    core = make_core(tmp_path, lengths=lengths)
+    targets = register(core, "target", 1)
+    sim = ModelSim(core, targets, register_models(core, [m]), every=0)
+    sim.run(until=lambda s: m.step >= 2)
+    assert core.maybe_snapshot(force=True)
+    core.store.wait_for_snapshot()                      # snapshot of segment 0 published
+    sim.run(until=lambda s: m.step >= 4)
+    core.journal.rotate(core.store._segment + 1)        # segment 1 archived; its snapshot never published
+    sim.run(until=lambda s: m.step >= 5)
+    committed = [e["step"] for e in read_journal(tmp_path) if e["ev"] == "commit"]
+    resumed = restart(core, tmp_path, lengths=lengths)
+    sim2 = ModelSim(resumed, register(resumed, "target", 1), register_models(resumed, [m]), every=0)
+    sim2.run(until=lambda s: m.step >= 6)
+    assert resumed.maybe_snapshot(force=True)
+    resumed.store.wait_for_snapshot()
+    assert [e["step"] for e in read_journal(tmp_path) if e["ev"] == "commit"][:len(committed)] == committed
+    again = restart(resumed, tmp_path, lengths=lengths)
+    assert again.ledger.model_step["m0"] == m.step == 6
