@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from common.host_staging import PinnedBuffer
+from common.shm_arena import CudaHostRuntime, cuda_host_runtime
 from common.slot_layout import HEADER_BYTES, StaleSlotError
 from common.slots import SlotBatch, SlotLayout, SlotView
 from common.transport_info import ENGINE_MODULES, INSTALL_HINT, engine_missing
@@ -70,12 +72,19 @@ class SlotExporter:
 
 
 class RemoteSlotReader:
-    """The reader's side: one agent, one registered staging slot, every remote owner added once."""
+    """The reader's side: one agent, one registered staging slot, every remote owner added once.
 
-    def __init__(self, layout: SlotLayout):
+    Where CUDA is present the slot is page-locked (exactly its bytes, ``cudaHostRegister``), so the
+    copy of a read batch onto the GPU is asynchronous; pageable when the runtime refuses."""
+
+    def __init__(self, layout: SlotLayout, *, runtime: CudaHostRuntime | None = None):
         self.layout = layout
         self.agent = _agent("reader")
-        self._staging = torch.zeros(layout.slot_bytes, dtype=torch.uint8)
+        runtime = runtime if runtime is not None else cuda_host_runtime()
+        self._pinned = (PinnedBuffer(torch.Size([layout.slot_bytes]), torch.uint8, torch.device("cuda", 0), runtime)
+                        if runtime is not None else None)
+        self._staging = self._pinned.tensor.zero_() if self._pinned is not None else torch.zeros(
+            layout.slot_bytes, dtype=torch.uint8)
         self._registered = self.agent.register_memory([(*_dram(self._staging), "")], "DRAM")
         self._view = SlotView(self._staging, layout)
         self._generation = torch.zeros(1, dtype=torch.int64)  # the after-check lands here, apart from the data
@@ -88,6 +97,10 @@ class RemoteSlotReader:
     def view(self) -> SlotView:
         """The registered slot every remote read lands in."""
         return self._view
+
+    @property
+    def pinned(self) -> bool:
+        return self._pinned is not None and self._pinned.pinned
 
     def _peer(self, export: dict[str, Any]) -> str:
         name = self._peers.get(export["agent"])
