@@ -86,7 +86,8 @@ class CaptureContract:
 
 
 def default_layer_ids(num_layers: int, num_capture_layers: int = 5) -> list[int]:
-    """The DFlash choice: K layers evenly spaced from layer 1 to layer N−3; one layer → the middle one.
+    """The DFlash choice: K layers evenly spaced from layer 1 to layer N−3; one layer → the middle one
+    (at most N−2: the last layer's output is one no serving engine captures).
 
     Python's ``round`` (half to even) places the in-between layers, as the published DFlash drafters
     record them, so a drafter trained here lists the same ids as theirs for the same target.
@@ -94,7 +95,7 @@ def default_layer_ids(num_layers: int, num_capture_layers: int = 5) -> list[int]
     if num_capture_layers <= 0:
         raise ValueError(f"the number of capture layers must be positive, got {num_capture_layers}")
     if num_capture_layers == 1:
-        return [num_layers // 2]
+        return [max(0, min(num_layers // 2, num_layers - 2))]
     first, last = 1, num_layers - 3
     if last - first + 1 < num_capture_layers:
         raise ValueError(f"{num_capture_layers} capture layers do not fit between layer {first} and layer "

@@ -155,3 +155,8 @@ def test_slot_layout_comes_from_the_model(tmp_path):
     # Sim targets keep the hand-set keys, the model notwithstanding.
     sim = load_config(None, [f"target.model={model}", "target.sim=true", "target.hidden_size=64"])
     assert SlotLayout.from_config(sim).hidden_size == 64
+
+
+def test_one_default_layer_is_the_middle_one_an_engine_serves():
+    from common.capture_contract import default_layer_ids
+    assert [default_layer_ids(n, 1) for n in (2, 3, 4, 36)] == [[0], [1], [2], [18]]
