@@ -244,19 +244,23 @@ def server_from_config(curve) -> CurveServer | None:
     return CurveServer(public=public, secret=secret, allowed=_allowed_keys(curve.allowed_client_keys))
 
 
-def handshake_refused(endpoint: str, curve: CurveClient | None, *, timeout_s: float = 1.0) -> bool:
+def handshake_refused(endpoint: str, curve: CurveClient | None, *, timeout_s: float = 5.0) -> bool:
     """Whether a connection to ``endpoint`` with ``curve`` (None: without CURVE) fails its handshake
-    (a CURVE dispatcher meeting a plain client, or refusing its key) rather than finding no listener:
-    a dispatcher that never answers is then told apart from one that will not talk to this client."""
+    (a CURVE dispatcher meeting a plain client, or refusing its key) rather than succeeding or finding
+    no listener: a dispatcher that never answers is then told apart from one that will not talk to
+    this client. It returns at the handshake's outcome (``timeout_s``: with no listener)."""
+    from zmq.utils.monitor import recv_monitor_message
     context = zmq.Context.instance()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     if curve is not None:
         curve.apply(sock)
-    monitor = sock.get_monitor_socket(HandshakeMonitor.EVENTS)
+    monitor = sock.get_monitor_socket(HandshakeMonitor.EVENTS | zmq.EVENT_HANDSHAKE_SUCCEEDED)
     try:
         sock.connect(endpoint)
-        return bool(monitor.poll(int(timeout_s * 1000)))
+        if not monitor.poll(int(timeout_s * 1000)):
+            return False
+        return bool(recv_monitor_message(monitor)["event"] & HandshakeMonitor.EVENTS)
     finally:
         sock.disable_monitor()
         monitor.close(linger=0)

@@ -46,6 +46,9 @@ def resolve_stats_endpoint(endpoint: str | None, run_dir: str | None, *, config_
     return config.stats_endpoint, config.dispatcher.secret, client_from_config(config.curve)
 
 
+STATS_TIMEOUT_S = 10.0  # hsd stats: how long a dispatcher may take to answer before it is said not to
+
+
 def fetch_stats(endpoint: str, secret: str = "", timeout_s: float = 3.0, *,
                 curve: CurveClient | None = None) -> dict[str, Any]:
     client = DispatcherClient(endpoint, secret=secret, timeout_s=timeout_s, curve=curve)
@@ -296,14 +299,20 @@ def run_stats(*, endpoint: str | None, run_dir: str | None, as_json: bool, watch
                                                      keys_dir=keys_dir, client=client, secret=secret)
     commit_rate, previous = CommitRate(), None
     while True:
+        # Over TCP the handshake is asked first (it answers at once, either way, from a listening
+        # dispatcher): a refused one is said as such, not waited out as a dispatcher that is down.
+        if endpoint.startswith("tcp://") and handshake_refused(endpoint, curve):
+            print(f"CURVE handshake refused at {endpoint}: pass --config or the keys (--keys DIR [--client NAME])"
+                  + (" of a key pair the dispatcher allows" if curve else ""))
+            if not watch_s:
+                return 1
+            time.sleep(watch_s)
+            continue
         try:
-            stats = fetch_stats(endpoint, secret, curve=curve)
+            # a loaded host's dispatcher may take seconds to answer, over CURVE too: wait that long
+            stats = fetch_stats(endpoint, secret, timeout_s=STATS_TIMEOUT_S, curve=curve)
         except DispatcherUnavailable:
-            if endpoint.startswith("tcp://") and handshake_refused(endpoint, curve):
-                print(f"CURVE handshake refused at {endpoint}: pass --config or the keys (--keys DIR [--client NAME])"
-                      + (" of a key pair the dispatcher allows" if curve else ""))
-            else:
-                print(f"no dispatcher answers at {endpoint}")
+            print(f"no dispatcher answers at {endpoint}")
             if not watch_s:
                 return 1
         else:
