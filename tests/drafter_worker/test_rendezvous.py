@@ -22,7 +22,8 @@ from drafter_worker.rendezvous import GLOO_IFNAME_ENV, RendezvousServer, address
 from hsd_testing import child_message, free_port
 from rendezvous_ranks import TIMEOUT_S, rank_main
 
-CONNECTION_LOST = re.compile(r"connection reset|connection closed|broken pipe|closed by peer", re.IGNORECASE)
+CONNECTION_LOST = re.compile(r"connection reset|connection closed|connection was likely closed|broken pipe|closed by peer",
+                             re.IGNORECASE)
 
 
 def test_ranks_meet_on_rank_0s_store_versions_stay_apart_and_a_dead_rank_0_fails_the_wait_at_once():
