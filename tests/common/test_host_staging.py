@@ -12,31 +12,7 @@ import logging
 import torch
 
 from common.host_staging import HostStaging, PinnedBuffer
-
-
-class FakeRuntime:
-    """common.shm_arena.CudaHostRuntime's calls, recorded."""
-
-    def __init__(self, refuse: bool = False):
-        self.refuse = refuse
-        self.registered: list[tuple[int, int]] = []
-        self.unregistered: list[int] = []
-        self.cleared = 0
-
-    def host_register(self, ptr, nbytes, device):
-        self.registered.append((ptr, nbytes))
-        return 1 if self.refuse else 0
-
-    def host_unregister(self, ptr, device):
-        self.unregistered.append(ptr)
-        return 0
-
-    def clear_last_error(self):
-        self.cleared += 1
-        return 1
-
-    def error_string(self, err):
-        return f"invalid value (error {err})"
+from fake_cuda_runtime import FakeRuntime
 
 
 DEVICE = torch.device("cuda", 0)

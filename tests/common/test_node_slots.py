@@ -97,25 +97,9 @@ def test_the_remote_read_buffer_is_pinned_where_cuda_is(refuse):
     """The slot every remote read lands in is page-locked at exactly its bytes where a CUDA runtime
     is (a recording stand-in for the runtime here: no GPU on this machine), pageable when refused."""
     from common.nixl_engine import RemoteSlotReader
+    from fake_cuda_runtime import FakeRuntime
 
-    class FakeRuntime:  # common.shm_arena.CudaHostRuntime's calls, recorded
-        registered, cleared = [], 0
-
-        def host_register(self, ptr, nbytes, device):
-            self.registered.append((ptr, nbytes))
-            return 1 if refuse else 0
-
-        def host_unregister(self, ptr, device):
-            return 0
-
-        def clear_last_error(self):
-            self.cleared += 1
-            return 0
-
-        def error_string(self, err):
-            return f"error {err}"
-
-    runtime = FakeRuntime()
+    runtime = FakeRuntime(refuse=refuse)
     reader = RemoteSlotReader(LAYOUT, runtime=runtime)
     assert runtime.registered == [(reader.view.buffer.data_ptr(), LAYOUT.slot_bytes)]
     assert reader.pinned is not refuse and runtime.cleared == int(refuse)
