@@ -24,6 +24,10 @@ _BITS = {torch.bfloat16: (torch.int16, 0x3FFF), torch.float16: (torch.int16, 0x3
 _OFFSET_RANGE = 1 << 20
 _MAX_ELEMENTS = (1 << 31) - _OFFSET_RANGE  # int32 positions plus a job offset must not overflow
 _iota_cache: dict[torch.device, torch.Tensor] = {}
+_table_cache: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+# Slots of up to 2^22 elements (a small one first), then up to 2^25, read their pattern from a table (at most
+# 66 MiB of int16 patterns, 132 of int32, per device); a larger slot's is computed for each job.
+_TABLE_SIZES = (1 << 22, 1 << 25)
 
 
 class SlotIntegrityError(RuntimeError):
@@ -48,14 +52,33 @@ def _job_offset(job_id: int, salt: int) -> int:
     return (job_id * 40503 + salt) % _OFFSET_RANGE
 
 
+def _bits_table(dtype: torch.dtype, length: int, device: torch.device) -> torch.Tensor:
+    """Every value of the pattern ``g(x) = (x ^ (x >> 13)) & mask`` for ``x`` in ``[0, length)``.
+
+    A job's pattern is ``g(position + offset)``, a slice of this table: a fill is then one copy and a
+    check one comparison, instead of four passes over the slot to compute it each time."""
+    int_dtype, mask = _BITS[dtype]
+    key = (int_dtype, device)
+    cached = _table_cache.get(key)
+    if cached is None or cached.numel() < length:
+        v = torch.arange(length, dtype=torch.int32, device=device)
+        v ^= v >> 13  # fold high position bits into the kept low ones, so rows far apart still differ
+        v &= mask
+        cached = _table_cache[key] = v.to(int_dtype)
+    return cached
+
+
 def _hs_bits(job_id: int, num_elements: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if dtype not in _BITS:
         raise ValueError(f"no integrity pattern for dtype {dtype}")
     if num_elements > _MAX_ELEMENTS:
         raise ValueError(f"{num_elements} hidden-state elements exceed the pattern's int32 range")
-    int_dtype, mask = _BITS[dtype]
-    v = _iota(num_elements, device) + _job_offset(job_id, 12345)
-    # Fold high position bits into the kept low ones, so rows far apart still differ.
+    offset = _job_offset(job_id, 12345)
+    for bound in _TABLE_SIZES:
+        if num_elements <= bound:
+            return _bits_table(dtype, bound + _OFFSET_RANGE, device)[offset:offset + num_elements]
+    int_dtype, mask = _BITS[dtype]  # a slot too large to tabulate: computed for the job
+    v = _iota(num_elements, device) + offset
     v ^= v >> 13
     v &= mask
     return v.to(int_dtype)
