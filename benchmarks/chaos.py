@@ -38,7 +38,7 @@ import psutil
 from benchmarks.chaos_figures import START_MARK, clean_up, figures, format_figures
 from benchmarks.chaos_plan import ATTACH, DETACH, KILL, ChaosEvent, build_plan
 from common.config import ConfigError, DrafterSection, load_config, write_resolved
-from dispatcher.launch import _die_with_parent  # a killed bench takes its run with it, as hsd launch does
+from dispatcher.launch import die_with_parent  # a killed bench takes its run with it, as hsd launch does
 from dispatcher.rundir import STATE_FILE
 from dispatcher.stats_view import run_stats_or_none
 
@@ -157,7 +157,7 @@ class ChaosSupervisor:
             out.write(f"{START_MARK} {why}\n".encode())  # one log holds every incarnation: where each begins
             out.flush()
             popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, preexec_fn=_die_with_parent,
+                                     start_new_session=True, preexec_fn=die_with_parent,
                                      env=dict(os.environ, PYTHONUNBUFFERED="1"))
         self.sessions.add(popen.pid)
         self.started.append(popen)

@@ -35,7 +35,9 @@ STOP_GRACE_S = 10.0
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """A child's ``preexec_fn``: it is SIGKILLed when the process that started it dies (Linux), so a
+    killed launcher (or a bench that starts hsd processes itself) takes its run with it."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
@@ -94,7 +96,7 @@ class Launcher:
         log_file = open(self.log_dir / f"{child.name}.log", "ab")
         child.process = subprocess.Popen(child.argv, env=child.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True,
-                                         preexec_fn=_die_with_parent, cwd=os.getcwd())
+                                         preexec_fn=die_with_parent, cwd=os.getcwd())
         child.pump = threading.Thread(target=self._pump, args=(child.name, child.process, log_file), daemon=True)
         child.pump.start()
 
