@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.gpu_sections import CheckContext, Skip, save_random_qwen3
-from dispatcher.stats_view import run_stats_or_none
+from ops.stats_view import run_stats_or_none
 
 RUN_OVERRIDES = ("run.epochs=1", "run.seed=0", "target.capture_layers=[1,2]", "target.count=1",
                  "drafter.accum_steps=2", "drafter.checkpoint_every=2", "schedule.buckets=[32,64]",

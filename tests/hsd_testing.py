@@ -54,7 +54,7 @@ def assert_exactly_once(r: dict) -> None:
 
 def stats(run_dir: Path) -> dict | None:
     """The dispatcher's stats snapshot, or None while none answers (asked in-process: fast)."""
-    from dispatcher.stats_view import run_stats_or_none
+    from ops.stats_view import run_stats_or_none
     return run_stats_or_none(run_dir)
 
 

@@ -25,8 +25,8 @@ from pathlib import Path
 from common.config import Config, write_resolved
 from common.worker_runtime import EXIT_UNUSABLE
 from dispatcher.journal import read_journal
-from dispatcher.report import build_report, format_report
 from dispatcher.rundir import STATE_FILE
+from ops.report import build_report, format_report
 
 log = logging.getLogger("hsd.launch")
 
