@@ -150,7 +150,7 @@ class ChaosSupervisor:
 
     # -- processes ------------------------------------------------------------------------------
     def start(self, name: str, role: str, why: str = "start") -> Proc:
-        argv = [sys.executable, "-m", "dispatcher.cli", role, "--config", str(self.config_path)]
+        argv = [sys.executable, "-m", "hsd.cli", role, "--config", str(self.config_path)]
         if role != "dispatcher":
             argv += ["--name", name]
         with open(self.logs_dir / f"{name}.log", "ab") as out:

@@ -69,7 +69,7 @@ def write_launch_inputs(root: Path, *, num_samples: int, hidden: int) -> tuple[P
 
 
 def _hsd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "dispatcher.cli", *args]
+    return [sys.executable, "-m", "hsd.cli", *args]
 
 
 def _stop(proc: subprocess.Popen) -> None:

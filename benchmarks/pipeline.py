@@ -106,7 +106,7 @@ def run_policy(name: str, setup: BenchSetup, base_dir: Path, extra: list[str], *
               file=sys.stderr, flush=True)
     started = time.monotonic()
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "dispatcher.cli", "launch", *overrides], stdout=log,
+        proc = subprocess.Popen([sys.executable, "-m", "hsd.cli", "launch", *overrides], stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         try:
             code = proc.wait(timeout=RUN_TIMEOUT_S)

@@ -76,7 +76,7 @@ class Launcher:
     def _command(self, *args: str) -> list[str]:
         # The resolved config leaves nodes.name empty (it is node-local): this node's children get it here.
         node = [f"nodes.name={self.config.nodes.name}"] if self.config.nodes.name else []
-        return [sys.executable, "-m", "dispatcher.cli", *args, *node]
+        return [sys.executable, "-m", "hsd.cli", *args, *node]
 
     def _plan(self, config_path: Path) -> list[Child]:
         base_env = dict(os.environ, PYTHONUNBUFFERED="1")

@@ -70,7 +70,7 @@ def test_bench_pipeline_small_topology(tmp_path):
 
 
 def test_bad_topology_is_a_clear_error():
-    proc = subprocess.run([sys.executable, "-m", "dispatcher.cli", "bench", "pipeline", "--topology", "5by3"],
+    proc = subprocess.run([sys.executable, "-m", "hsd.cli", "bench", "pipeline", "--topology", "5by3"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "TARGETSxDRAFTERS" in proc.stderr
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from dispatcher.cli import main
+from hsd.cli import main
 from drafter_worker.dflash.bench import spaced_layer_ids
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from common.config import ConfigError
-from dispatcher.cli_common import add_config_args, config_of, require_model
+from hsd.shared import add_config_args, config_of, require_model
 
 
 def cmd_bench(args) -> int:

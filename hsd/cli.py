@@ -10,8 +10,8 @@ from pathlib import Path
 
 from common.config import ConfigError, describe
 from common.worker_runtime import EXIT_UNUSABLE, WorkerUnusable
-from dispatcher.cli_bench import add_bench_parser
-from dispatcher.cli_common import add_config_args, config_of, require_model, setup_logging
+from hsd.bench import add_bench_parser
+from hsd.shared import add_config_args, config_of, require_model, setup_logging
 
 
 def cmd_keys(args) -> int:
