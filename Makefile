@@ -27,8 +27,10 @@ demo-sim: install
 # Two workers (pytest-xdist): most tests wait on real processes and sockets, so two at a time
 # keep the 2 cores busy; then the few marked serial, alone (they act on the whole machine's shared
 # memory, or time seeded kills that the others' load and cleanups disturb). A short temporary root
-# keeps the tests' ipc:// socket paths under the 100-byte limit of a Unix socket.
+# keeps the tests' ipc:// socket paths under the 100-byte limit of a Unix socket. First of all, the
+# import layers (pyproject.toml's [tool.importlinter] contract): an upward import fails make test.
 test: install
+	$(BIN)/lint-imports --no-logo
 	@tmp=$$(mktemp -d /tmp/hsdt-XXXXXX); \
 	$(BIN)/pytest -q -n 2 -m "not serial" --durations=15 --basetemp=$$tmp/t; rc=$$?; \
 	$(BIN)/pytest -q -m serial --basetemp=$$tmp/s; rc2=$$?; \
@@ -53,4 +55,4 @@ gpu-wheels:
 	@ls .whl
 
 clean:
-	rm -rf runs .pytest_cache
+	rm -rf runs .pytest_cache .import_linter_cache

@@ -34,7 +34,7 @@ python - "$tmp/venv" <<'EOF' || fail "module imports"
 import importlib, pkgutil, sys
 venv = sys.argv[1]
 failed, count = [], 0
-for top in ("common", "dispatcher", "target_worker", "drafter_worker", "benchmarks"):
+for top in ("common", "dispatcher", "target_worker", "drafter_worker", "ops", "benchmarks", "hsd"):
     package = importlib.import_module(top)
     assert package.__file__.startswith(venv), f"{top} imported from {package.__file__}, not the venv"
     for info in pkgutil.walk_packages(package.__path__, prefix=f"{top}."):

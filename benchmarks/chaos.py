@@ -38,9 +38,9 @@ import psutil
 from benchmarks.chaos_figures import START_MARK, clean_up, figures, format_figures
 from benchmarks.chaos_plan import ATTACH, DETACH, KILL, ChaosEvent, build_plan
 from common.config import ConfigError, DrafterSection, load_config, write_resolved
-from dispatcher.launch import _die_with_parent  # a killed bench takes its run with it, as hsd launch does
 from dispatcher.rundir import STATE_FILE
-from dispatcher.stats_view import run_stats_or_none
+from ops.launch import die_with_parent  # a killed bench takes its run with it, as hsd launch does
+from ops.stats_view import run_stats_or_none
 
 JSON_KEYS = ("kills", "attaches", "detaches", "jobs_total", "committed", "witness_duplicates", "witness_missing",
              "steps_rolled_back", "shm_leftover", "orphans")
@@ -150,14 +150,14 @@ class ChaosSupervisor:
 
     # -- processes ------------------------------------------------------------------------------
     def start(self, name: str, role: str, why: str = "start") -> Proc:
-        argv = [sys.executable, "-m", "dispatcher.cli", role, "--config", str(self.config_path)]
+        argv = [sys.executable, "-m", "hsd.cli", role, "--config", str(self.config_path)]
         if role != "dispatcher":
             argv += ["--name", name]
         with open(self.logs_dir / f"{name}.log", "ab") as out:
             out.write(f"{START_MARK} {why}\n".encode())  # one log holds every incarnation: where each begins
             out.flush()
             popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, preexec_fn=_die_with_parent,
+                                     start_new_session=True, preexec_fn=die_with_parent,
                                      env=dict(os.environ, PYTHONUNBUFFERED="1"))
         self.sessions.add(popen.pid)
         self.started.append(popen)
@@ -415,7 +415,7 @@ def drive(setup: ChaosSetup, plan: list[ChaosEvent], run_dir: Path, *, window_s:
 
 def real_inputs(inputs_dir: Path) -> tuple[list[str], Path]:
     """The demo's config, tiny target and prepared data under ``inputs_dir`` (made once, then reused)."""
-    from drafter_worker.demo import DEFAULT_CONFIG, prepare_inputs
+    from ops.demo import DEFAULT_CONFIG, prepare_inputs
     with contextlib.redirect_stdout(sys.stderr):  # stdout is the figures' (--json)
         overrides = prepare_inputs(inputs_dir.resolve(), config_path=None, overrides=[], samples=200, timings={})
     return overrides, DEFAULT_CONFIG

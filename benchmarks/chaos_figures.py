@@ -20,7 +20,7 @@ from benchmarks.chaos_plan import ATTACH, DETACH, KILL, ROLES
 from common.client import run_id_for
 from common.shm_segment import ShmSegment, list_segments
 from dispatcher.journal import read_journal
-from dispatcher.report import build_report
+from ops.report import build_report
 
 
 def rollbacks_from_journal(events: Iterable[dict]) -> dict[str, int]:

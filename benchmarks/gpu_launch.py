@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.gpu_sections import CheckContext, Skip, save_random_qwen3
-from dispatcher.stats_view import run_stats_or_none
+from ops.stats_view import run_stats_or_none
 
 RUN_OVERRIDES = ("run.epochs=1", "run.seed=0", "target.capture_layers=[1,2]", "target.count=1",
                  "drafter.accum_steps=2", "drafter.checkpoint_every=2", "schedule.buckets=[32,64]",
@@ -39,7 +39,7 @@ RUN_OVERRIDES = ("run.epochs=1", "run.seed=0", "target.capture_layers=[1,2]", "t
 def write_launch_inputs(root: Path, *, num_samples: int, hidden: int) -> tuple[Path, Path]:
     """(target directory, prepared dataset) of a small real run; reused when already written."""
     from common.prepared import FORMAT, MANIFEST_FILE, load_tokenizer, tokenizer_fingerprint
-    from target_worker.prepare import _Writer
+    from target_worker.prepare import DatasetWriter
     from target_worker.synthetic_language import make_splits
     from target_worker.tiny_tokenizer import SPECIAL_TOKENS, build_tokenizer
     import torch
@@ -55,7 +55,7 @@ def write_launch_inputs(root: Path, *, num_samples: int, hidden: int) -> tuple[P
         tokenizer.save_pretrained(str(target_dir))
         rng = np.random.default_rng(0)
         data_dir.mkdir(parents=True, exist_ok=True)
-        writer = _Writer(data_dir)
+        writer = DatasetWriter(data_dir)
         lengths = rng.integers(12, 60, size=num_samples).tolist()
         for length in lengths:
             # Ordinary tokens only: the special ones (ids 0-3, the mask token the drafter defaults to among
@@ -69,7 +69,7 @@ def write_launch_inputs(root: Path, *, num_samples: int, hidden: int) -> tuple[P
 
 
 def _hsd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "dispatcher.cli", *args]
+    return [sys.executable, "-m", "hsd.cli", *args]
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -207,8 +207,8 @@ def save_random_qwen3(path: Path, *, hidden: int, heads: int, kv_heads: int, hea
 
 def capture(ctx: CheckContext) -> dict[str, Any]:
     """``hsd bench target`` on a random Qwen3 with 8B-like layers: capture vs the plain forward, tok/s."""
+    from benchmarks.target_capture import bench_target
     from common.config import load_config
-    from target_worker.bench import bench_target
     s = ctx.shapes
     model_dir = save_random_qwen3(ctx.tmp / "capture-target", hidden=s.hidden, heads=s.heads, kv_heads=s.kv_heads,
                                   head_dim=s.head_dim, intermediate=s.intermediate, vocab=s.vocab,
@@ -229,7 +229,7 @@ def capture(ctx: CheckContext) -> dict[str, Any]:
 def dflash_step(ctx: CheckContext) -> dict[str, Any]:
     """Optimizer steps of a DFlash drafter at 8B-like shapes (flex attention, compiled, on a GPU):
     tok/s, peak memory and an MFU estimate (:func:`dflash_step_flops`)."""
-    from drafter_worker.dflash.bench import spaced_layer_ids, write_fake_target
+    from benchmarks.dflash_step import spaced_layer_ids, write_fake_target
     from drafter_worker.dflash.config import DFlashTrainConfig
     from drafter_worker.dflash.trainer import DFlashTrainer
     s, device = ctx.shapes, ctx.device

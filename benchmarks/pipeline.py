@@ -36,12 +36,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.pipeline_figures import pipeline_figures
 from common.client import run_id_for
 from common.config import ConfigError, load_config
 from common.shm_segment import sweep_dead_segments
 from dispatcher.journal import read_journal
-from dispatcher.report import build_report
-from benchmarks.pipeline_figures import pipeline_figures
+from ops.report import build_report
 
 POLICIES: dict[str, tuple[str, ...]] = {
     "fair": ("schedule.order=interleave", "schedule.assignment=shared", "pool.pull=deficit"),
@@ -106,7 +106,7 @@ def run_policy(name: str, setup: BenchSetup, base_dir: Path, extra: list[str], *
               file=sys.stderr, flush=True)
     started = time.monotonic()
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "dispatcher.cli", "launch", *overrides], stdout=log,
+        proc = subprocess.Popen([sys.executable, "-m", "hsd.cli", "launch", *overrides], stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         try:
             code = proc.wait(timeout=RUN_TIMEOUT_S)

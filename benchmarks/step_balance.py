@@ -29,7 +29,7 @@ from pathlib import Path
 
 from common.config import ConfigError, load_config
 from dispatcher.journal import read_journal
-from dispatcher.report import build_report
+from ops.report import build_report
 
 POLICIES = ("count", "cost")
 SETUPS = ("modeled", "dflash")
@@ -40,7 +40,7 @@ MODELED = ["target.sim=true", "target.hidden_size=16", "target.num_capture_layer
 
 def _run(policy: str, inputs: list[str], config_file: Path | None, run_dir: Path, *, ranks: int, epochs: int,
          seed: int, accum_steps: int) -> dict:
-    from dispatcher.launch import Launcher
+    from ops.launch import Launcher
     shutil.rmtree(run_dir, ignore_errors=True)
     config = load_config(config_file, [*inputs, f"run.dir={run_dir}", f"run.epochs={epochs}", f"run.seed={seed}",
                                        f"drafter.count={ranks}", "drafter.data_parallel=true",

@@ -20,7 +20,7 @@ from prometheus_client import start_http_server
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from dispatcher.stats_view import pool_usage
+from dispatcher.stats_figures import pool_usage
 
 WORKER_STATES = ("busy", "idle", "starved", "blocked")
 ROLES = ("target", "drafter")

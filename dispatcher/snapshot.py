@@ -12,7 +12,7 @@ from typing import Any
 from dispatcher.core import DispatcherCore
 from dispatcher.core_types import Worker
 from dispatcher.ledger import JobState
-from dispatcher.stats_view import format_q_hsb
+from dispatcher.stats_figures import format_q_hsb
 from dispatcher.step_balance import FEATURES
 
 

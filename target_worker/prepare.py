@@ -81,8 +81,9 @@ def length_histogram(lengths: Counter) -> list[dict]:
     return rows
 
 
-class _Writer:
-    """Appends samples to the output files (under temporary names until :meth:`finish`)."""
+class DatasetWriter:
+    """Appends samples to the output files (under temporary names until :meth:`finish`). Also for
+    whoever writes a prepared dataset of made-up token ids (tests, ``hsd bench gpu``'s launch inputs)."""
 
     def __init__(self, out_dir: Path):
         self.out_dir = out_dir
@@ -136,7 +137,7 @@ def prepare_dataset(input_path: str | os.PathLike, tokenizer_dir: str | os.PathL
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / MANIFEST_FILE).unlink(missing_ok=True)  # the old manifest must not vouch for new files
-    writer = _Writer(out_dir)
+    writer = DatasetWriter(out_dir)
     bad: Counter = Counter()
     examples: list[dict] = []
     formats: Counter = Counter()

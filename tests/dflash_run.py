@@ -11,7 +11,7 @@ import numpy as np
 from common.config import Config, load_config
 from common.prepared import FORMAT, MANIFEST_FILE
 from dflash_testing import VOCAB, make_target
-from target_worker.prepare import _Writer
+from target_worker.prepare import DatasetWriter
 
 NUM_TARGET_LAYERS = 4
 CAPTURE_LAYERS = [1, 2]
@@ -23,7 +23,7 @@ def write_dataset(out_dir: Path, lengths: list[int], *, seed: int = 0, prompt_le
     loss mask covers everything after a short prompt."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    writer = _Writer(out_dir)
+    writer = DatasetWriter(out_dir)
     for length in lengths:
         ids = rng.integers(1, VOCAB - 1, size=length).tolist()
         writer.add(ids, [0] * prompt_len + [1] * (length - prompt_len))

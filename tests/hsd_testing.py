@@ -17,7 +17,7 @@ import psutil
 
 def hsd(*args: str, timeout: float = 240, check: bool = True,
         env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "dispatcher.cli", *args], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "hsd.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(f"hsd {' '.join(args)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
@@ -27,7 +27,7 @@ def hsd(*args: str, timeout: float = 240, check: bool = True,
 def start_hsd(*args: str, log_path: Path) -> subprocess.Popen:
     """Start an `hsd` command in its own process group (so a test can kill the whole tree)."""
     log = open(log_path, "wb")
-    return subprocess.Popen([sys.executable, "-m", "dispatcher.cli", *args], stdout=log, stderr=subprocess.STDOUT,
+    return subprocess.Popen([sys.executable, "-m", "hsd.cli", *args], stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
 
 
@@ -54,7 +54,7 @@ def assert_exactly_once(r: dict) -> None:
 
 def stats(run_dir: Path) -> dict | None:
     """The dispatcher's stats snapshot, or None while none answers (asked in-process: fast)."""
-    from dispatcher.stats_view import run_stats_or_none
+    from ops.stats_view import run_stats_or_none
     return run_stats_or_none(run_dir)
 
 
@@ -164,7 +164,7 @@ class SessionRun:
 def run_hsd_in_session(*args: str, timeout: float) -> SessionRun:
     """Run an `hsd` command to its end in a session of its own (output captured), noting the
     processes of the session as it goes; past ``timeout`` the whole session is killed."""
-    proc = subprocess.Popen([sys.executable, "-m", "dispatcher.cli", *args], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "hsd.cli", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     seen: set[int] = set()
     deadline = time.monotonic() + timeout

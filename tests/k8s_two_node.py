@@ -22,8 +22,8 @@ from k8s_recipe import Pod, container_env, expand, hsd_invocations, matches, pod
 from common.config import ConfigError, load_config
 from common.curve import client_from_config, server_from_config
 from common.slot_layout import SlotLayout
-from dispatcher.cli import build_parser
-from dispatcher.cli import main as cli_main
+from hsd.cli import build_parser
+from hsd.cli import main as cli_main
 
 RECIPE = DEPLOY / "k8s-2node"
 INDEX_FIELD = "metadata.annotations['batch.kubernetes.io/job-completion-index']"

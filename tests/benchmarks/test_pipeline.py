@@ -17,9 +17,9 @@ from benchmarks.pipeline_figures import target_queues
 from common.client import run_id_for
 from common.shm_arena import list_segments
 from dispatcher.journal import read_journal
-from dispatcher.report import build_report
 from dispatcher.schedule import load_schedule
 from hsd_testing import assert_session_ended, run_hsd_in_session
+from ops.report import build_report
 
 SMALL_COSTS = ("target.sim_cost_per_token=1e-6", "target.sim_cost_attention=1e-9",
                "drafter.sim_cost_per_token=1e-6", "drafter.sim_cost_per_sequence=2e-3")
@@ -70,7 +70,7 @@ def test_bench_pipeline_small_topology(tmp_path):
 
 
 def test_bad_topology_is_a_clear_error():
-    proc = subprocess.run([sys.executable, "-m", "dispatcher.cli", "bench", "pipeline", "--topology", "5by3"],
+    proc = subprocess.run([sys.executable, "-m", "hsd.cli", "bench", "pipeline", "--topology", "5by3"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "TARGETSxDRAFTERS" in proc.stderr
 

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from common.servable import ExportError, export_servable, find_checkpoint, weights_files
 from common.witness import TrainedJobs, save_checkpoint, servable_dir
-from dispatcher.cli import main as cli_main
+from hsd.cli import main as cli_main
 
 
 def _checkpoint(run_dir, model: str, step: int, *, servable: bool = True):

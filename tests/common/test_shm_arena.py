@@ -167,11 +167,11 @@ def test_a_run_sweeps_only_its_own_dead_segments_and_cleanup_all_dead_takes_the_
     try:
         assert sweep_dead_segments(run_id) == []
         assert others.exists() and others.name in {s.name for s in dead_segments()}
-        done = subprocess.run([sys.executable, "-m", "dispatcher.cli", "cleanup", "--all-dead"], cwd=REPO,
+        done = subprocess.run([sys.executable, "-m", "hsd.cli", "cleanup", "--all-dead"], cwd=REPO,
                               capture_output=True, text=True, timeout=TIMEOUT_S)
         assert done.returncode == 0, done.stderr
         assert not others.exists() and others.name in done.stdout
-        both = subprocess.run([sys.executable, "-m", "dispatcher.cli", "cleanup"], cwd=REPO,
+        both = subprocess.run([sys.executable, "-m", "hsd.cli", "cleanup"], cwd=REPO,
                               capture_output=True, text=True, timeout=TIMEOUT_S)
         assert both.returncode != 0 and "--all-dead" in both.stderr
     finally:

@@ -186,7 +186,7 @@ def _run_with_stub(tmp_path, script, *args, env_extra: dict) -> dict[str, list[s
 
 
 def _resolved(argv: list[str]):
-    from dispatcher.cli import build_parser
+    from hsd.cli import build_parser
     args = build_parser().parse_args(argv)
     return load_config(args.config, args.overrides)
 

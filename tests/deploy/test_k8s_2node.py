@@ -18,7 +18,7 @@ import pytest
 from k8s_recipe import Pod, container_env, hsd_invocations, kubelet_argv, load_objects, pods, shell_script
 from k8s_two_node import DOWNWARD, RECIPE, documented, keys_command, make_keys, two_node_problems
 
-from dispatcher.cli import build_parser
+from hsd.cli import build_parser
 
 
 # -- the checks ------------------------------------------------------------------------------------

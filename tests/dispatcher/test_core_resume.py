@@ -194,7 +194,7 @@ def test_replay_lowers_the_known_checkpoint_on_a_rollback_as_the_live_path_does(
 
 def test_a_run_that_is_not_done_says_what_it_waits_for(tmp_path):
     from dispatcher.snapshot import build_snapshot
-    from dispatcher.stats_view import waiting_lines
+    from ops.stats_view import waiting_lines
     lengths = small_lengths(scale=2)
     models = [Model("m0"), Model("m1")]
     core = make_core(tmp_path, lengths=lengths, epochs=1)

@@ -167,7 +167,7 @@ def test_a_joiner_whose_source_died_before_any_step_says_its_step_before_the_led
 def test_the_stats_and_metrics_show_the_group(tmp_path):
     from dispatcher.metrics import render_prometheus
     from dispatcher.snapshot import build_snapshot
-    from dispatcher.stats_view import format_stats
+    from ops.stats_view import format_stats
     core, a, v1 = _lone_rank_stepping(tmp_path, 2, extra_jobs=1)
     _consume(core, a.id, v1)  # a step in flight: a joiner waits
     _rank(core, "b", size=1)

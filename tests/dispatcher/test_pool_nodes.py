@@ -11,7 +11,7 @@ from core_harness import Sim, make_core, small_lengths
 
 from dispatcher.nodes import format_nodes, node_summary
 from dispatcher.pool import LOCAL_SLACK, HSPool
-from dispatcher.report import build_report
+from ops.report import build_report
 
 
 def _pool(**kw) -> HSPool:

@@ -8,7 +8,7 @@ from common.protocol import ProtocolError
 from core_harness import make_core, register
 from dispatcher.request_fields import MAX_STEP_METRICS, step_metrics
 from dispatcher.snapshot import build_snapshot
-from dispatcher.stats_view import step_metric_lines
+from ops.stats_view import step_metric_lines
 
 
 def test_commit_metrics_show_in_the_snapshot(tmp_path):

@@ -1,4 +1,6 @@
-"""The dispatcher never imports torch on shm (it costs seconds at start and a GB of address space).
+"""The dispatcher never imports torch on shm (it costs seconds at start and a GB of address space),
+nor do the ``hsd`` command line and the operator's tools (ops/) at import: a subcommand loads torch
+only when it runs a worker, a benchmark or the demo.
 
 The witness is the running process itself: a module torch loads (its C extension, libtorch) would
 show up in the dispatcher's memory maps.
@@ -24,8 +26,10 @@ def _torch_libraries(pid: int) -> list[str]:
 
 
 def test_importing_the_dispatcher_and_cli_leaves_torch_out():
-    code = ("import sys, dispatcher.server, dispatcher.cli, dispatcher.transport_setup, common.shm_segment, "
-            "common.transport_info, common.slot_layout; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    code = ("import sys, dispatcher.server, dispatcher.transport_setup, common.shm_segment, common.transport_info, "
+            "common.slot_layout, hsd.cli, hsd.bench, hsd.shared, ops.launch, ops.stats_view, ops.report, ops.planner, "
+            "ops.schedule_view, ops.demo, ops.configs; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

@@ -18,9 +18,9 @@ from dflash_run import tiny_run, write_dataset
 from dflash_testing import LAYER_IDS, backend_config, random_batch
 from host_reads import HostReads
 from drafter_worker.dflash.export import load_drafter
-from dispatcher.cli import main as cli_main
 from dispatcher.schedule import build_epoch_schedule
 from drafter_worker.dflash_backend import DFlashBackend, derive_schedule_jobs, jobs_per_epoch
+from hsd.cli import main as cli_main
 
 
 def _jobs(target_model, count: int):

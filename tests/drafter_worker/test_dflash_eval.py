@@ -11,7 +11,7 @@ import torch
 from dflash_testing import LAYER_IDS, VOCAB, make_trainer, target_states
 from drafter_worker.dflash.eval import evaluate, greedy_generate
 from drafter_worker.dflash.export import save_drafter
-from dispatcher.cli import main
+from hsd.cli import main
 
 PROMPTS = [[5, 17, 42, 8, 99, 3], [250, 11, 7], [60, 61, 62, 63, 64, 65, 66, 67]]
 

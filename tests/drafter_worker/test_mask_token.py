@@ -32,9 +32,9 @@ def _config(target_dir, tmp_path, data_tokens: list[list[int]] | None = None, *e
 def _dataset(out, sequences: list[list[int]], tokenizer_dir):
     """A prepared dataset holding exactly ``sequences``."""
     from common.prepared import FORMAT, MANIFEST_FILE, tokenizer_fingerprint
-    from target_worker.prepare import _Writer
+    from target_worker.prepare import DatasetWriter
     out.mkdir(parents=True)
-    writer = _Writer(out)
+    writer = DatasetWriter(out)
     for ids in sequences:
         writer.add(ids, [1] * len(ids))
     writer.finish()

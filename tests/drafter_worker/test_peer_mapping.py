@@ -15,9 +15,9 @@ from common.client import run_id_for
 from common.cuda_ipc import PeerMappingError
 from common.transport import DrafterTransport
 from common.worker_runtime import EXIT_UNUSABLE, WorkerUnusable
-from dispatcher import cli
 from drafter_worker.loop import DrafterLoop
 from drafter_worker.sim import SimDrafter
+from hsd import cli
 from loop_harness import FakeDispatcher, worker_config
 
 

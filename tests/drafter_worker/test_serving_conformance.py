@@ -16,12 +16,12 @@ from common.capture_contract import contract_from_config
 from common.slots import SlotBatch, SlotHeader
 from common.witness import latest_checkpoint, servable_dir
 from dflash_testing import VOCAB, backend_config, load_target, make_target, random_batch
-from dispatcher.cli import main as cli_main
 from drafter_worker.dflash_backend import DFlashBackend
 from drafter_worker.eagle3_backend import Eagle3Backend
 from eagle3_testing import backend_config as eagle3_config
 from eagle3_testing import random_batch as eagle3_batch
 from eagle3_testing import random_prepared
+from hsd.cli import main as cli_main
 from serving_loaders import ENGINES, load_problems
 
 MASK = "<|mask|>"

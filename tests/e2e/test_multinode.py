@@ -28,7 +28,7 @@ needs_engine = pytest.mark.skipif(engine_missing() is not None, reason="NIXL is 
 
 # The dispatcher as on a host without NIXL: its modules cannot be found (find_spec answers None).
 _WITHOUT_ENGINE = ("import sys\nfor name in ('nixl', 'nixl_cu12', 'nixl_cu13'): sys.modules[name] = None\n"
-                   "from dispatcher.cli import main\nsys.exit(main(sys.argv[1:]))")
+                   "from hsd.cli import main\nsys.exit(main(sys.argv[1:]))")
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from common.config import load_config
 from common.shm_arena import SlotArena
 from common.slots import SlotLayout, copy_out
-from dispatcher import cli
+from hsd import cli
 from target_worker import offline
 from target_worker.hf_backend import HFTargetBackend
 from tiny_target import NpzSamples, random_samples, save_tiny_model

@@ -9,8 +9,8 @@ from dispatcher.journal import encode_line
 import pytest
 
 from common.config import load_config
-from dispatcher.cli import main
-from dispatcher.planner import StageRates, evaluate_split, plan_splits, rates_from_config, rates_from_run, recommend
+from hsd.cli import main
+from ops.planner import StageRates, evaluate_split, plan_splits, rates_from_config, rates_from_run, recommend
 
 
 def test_split_arithmetic_is_pinned():

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import setuptools
 
-from dispatcher.configs import bundled_config
-from drafter_worker import demo
+from ops import demo
+from ops.configs import bundled_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,11 +25,11 @@ def test_every_package_with_an_init_is_in_the_wheel_and_no_test_is() -> None:
 
 def test_the_demo_configs_are_package_data() -> None:
     data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    assert data == {"dispatcher.configs": ["*.yaml"]}
-    shipped = sorted(p.name for p in (REPO / "dispatcher" / "configs").glob("*.yaml"))
+    assert data == {"ops.configs": ["*.yaml"]}
+    shipped = sorted(p.name for p in (REPO / "ops" / "configs").glob("*.yaml"))
     links = sorted((REPO / "deploy" / "configs").glob("*.yaml"))
     assert shipped == [p.name for p in links] and shipped
-    assert all(p.resolve() == (REPO / "dispatcher" / "configs" / p.name).resolve() for p in links)
+    assert all(p.resolve() == (REPO / "ops" / "configs" / p.name).resolve() for p in links)
     for path, _, _ in demo.OBJECTIVES.values():
-        assert path.is_file() and path.parent.name == "configs" and path.parent.parent.name == "dispatcher"
+        assert path.is_file() and path.parent.name == "configs" and path.parent.parent.name == "ops"
     assert bundled_config("demo-sim.yaml").read_text() == (REPO / "deploy" / "configs" / "demo-sim.yaml").read_text()

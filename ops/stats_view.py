@@ -17,13 +17,9 @@ from common.client import DispatcherClient, DispatcherUnavailable
 from common.config import ConfigError, load_config, load_run_config
 from common.curve import CurveClient, client_from_config, client_from_keys, handshake_refused
 from dispatcher.nodes import format_nodes
+from dispatcher.stats_figures import format_q_hsb, pool_usage
 
 DEFAULT_RUN_DIR = "runs/demo"
-
-
-def format_q_hsb(q_hsb: dict) -> str:
-    """Ready slots per bucket as ``b0:1  b1:0  ...``: every bucket, empty ones as 0."""
-    return "  ".join(f"b{b}:{n}" for b, n in q_hsb.items()) or "(no bucket)"
 
 
 def resolve_stats_endpoint(endpoint: str | None, run_dir: str | None, *, config_path: str | None = None,
@@ -81,17 +77,6 @@ def _duration(seconds: float) -> str:
     if seconds < 3600:
         return f"{seconds // 60}m{seconds % 60:02d}s"
     return f"{seconds // 3600}h{seconds // 60 % 60:02d}m"
-
-
-# -- pool bytes ------------------------------------------------------------------------------------
-def pool_usage(s: dict[str, Any]) -> tuple[int, int] | None:
-    """(bytes held by a job, bytes of the pool), from the slot states and the transport's slot size."""
-    transport, pool = s.get("transport"), s.get("pool")
-    if not transport or not pool:
-        return None
-    slot_bytes = transport["slot_bytes"]
-    total_slots = sum(pool.values())
-    return (total_slots - pool.get("free", 0)) * slot_bytes, total_slots * slot_bytes
 
 
 # -- epoch and run ETA ---------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import sys
 
 from common.config import load_config
 from common.worker_runtime import EXIT_UNUSABLE
-from dispatcher.launch import Child, Launcher
+from ops.launch import Child, Launcher
 
 
 def _child(name: str, role: str, code: int, max_restarts: int) -> Child:

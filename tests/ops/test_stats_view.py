@@ -6,8 +6,9 @@ import copy
 
 from core_harness import make_core, register
 from dispatcher.snapshot import build_snapshot
-from dispatcher.stats_view import (CommitRate, WAIT_THRESHOLD, bottleneck_line, eta_line, format_q_hsb, format_stats,
-                                   name_bottleneck, pool_usage, remaining_jobs, stage_waits)
+from dispatcher.stats_figures import format_q_hsb, pool_usage
+from ops.stats_view import (CommitRate, WAIT_THRESHOLD, bottleneck_line, eta_line, format_stats, name_bottleneck,
+                            remaining_jobs, stage_waits)
 
 
 def worker(wid: str, role: str, *, alive_s: float, wait_s: float, state: str = "busy") -> dict:

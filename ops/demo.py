@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from common.config import ConfigError, load_config
-from dispatcher.configs import bundled_config
+from ops.configs import bundled_config
 
 log = logging.getLogger("hsd.demo")
 
@@ -122,7 +122,7 @@ def run_demo(*, out: str | os.PathLike, config_path: str | os.PathLike | None, o
     config = load_config(config_path or DEFAULT_CONFIG, [*inputs, f"run.dir={run_dir}"])
     import shutil
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run each time: the figures describe this one
-    from dispatcher.launch import Launcher
+    from ops.launch import Launcher
     started = _stage(4, f"launch: dispatcher + {config.target.count} target + {config.drafter.count} {drafter_kind} drafter "
                         f"process(es), {config.run.epochs} epoch(s), shm data plane")
     code = Launcher(config).run()
@@ -150,7 +150,7 @@ def run_demo(*, out: str | os.PathLike, config_path: str | os.PathLike | None, o
     timings["eval"] = _done(started, f"tau {before['tau']:.2f} -> {after['tau']:.2f}")
 
     steps = _step_log(run_dir)
-    from dispatcher.report import build_report
+    from ops.report import build_report
     report = build_report(run_dir)
     summary = {
         "tau_before": round(before["tau"], 3),

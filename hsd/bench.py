@@ -1,12 +1,12 @@
 """``hsd bench ...``: the benchmark subcommands. Each is a thin shell around one module of
-``benchmarks/`` (or a worker's own bench), imported only when it runs."""
+``benchmarks/``, imported only when it runs."""
 
 from __future__ import annotations
 
 import sys
 
 from common.config import ConfigError
-from dispatcher.cli_common import add_config_args, config_of, require_model
+from hsd.shared import add_config_args, config_of, require_model
 
 
 def cmd_bench(args) -> int:
@@ -54,7 +54,7 @@ def cmd_bench_balance(args) -> int:
 def cmd_bench_target(args) -> int:
     config = config_of(args)
     require_model(config, "bench target")
-    from target_worker.bench import run_target_bench
+    from benchmarks.target_capture import run_target_bench
     return run_target_bench(config, as_json=args.json, warmup=args.warmup, reps=args.reps, num_samples=args.samples,
                             median=args.median, sigma=args.sigma, seed=args.seed)
 
@@ -73,7 +73,7 @@ def cmd_bench_gpu(args) -> int:
 
 
 def cmd_bench_dflash(args) -> int:
-    from drafter_worker.dflash.bench import run_dflash_bench
+    from benchmarks.dflash_step import run_dflash_bench
     return run_dflash_bench(hidden=args.hidden, intermediate=args.intermediate, heads=args.heads,
                             kv_heads=args.kv_heads, head_dim=args.head_dim, vocab=args.vocab,
                             num_target_layers=args.target_layers, num_capture=args.capture_layers,

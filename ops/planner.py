@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import Config, ConfigError, load_config
-from dispatcher.report import read_run
+from ops.report import read_run
 
 STAGES = ("target", "drafter")
 

@@ -25,8 +25,8 @@ from pathlib import Path
 from common.config import Config, write_resolved
 from common.worker_runtime import EXIT_UNUSABLE
 from dispatcher.journal import read_journal
-from dispatcher.report import build_report, format_report
 from dispatcher.rundir import STATE_FILE
+from ops.report import build_report, format_report
 
 log = logging.getLogger("hsd.launch")
 
@@ -35,7 +35,9 @@ STOP_GRACE_S = 10.0
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """A child's ``preexec_fn``: it is SIGKILLed when the process that started it dies (Linux), so a
+    killed launcher (or a bench that starts hsd processes itself) takes its run with it."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
@@ -74,7 +76,7 @@ class Launcher:
     def _command(self, *args: str) -> list[str]:
         # The resolved config leaves nodes.name empty (it is node-local): this node's children get it here.
         node = [f"nodes.name={self.config.nodes.name}"] if self.config.nodes.name else []
-        return [sys.executable, "-m", "dispatcher.cli", *args, *node]
+        return [sys.executable, "-m", "hsd.cli", *args, *node]
 
     def _plan(self, config_path: Path) -> list[Child]:
         base_env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -94,7 +96,7 @@ class Launcher:
         log_file = open(self.log_dir / f"{child.name}.log", "ab")
         child.process = subprocess.Popen(child.argv, env=child.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True,
-                                         preexec_fn=_die_with_parent, cwd=os.getcwd())
+                                         preexec_fn=die_with_parent, cwd=os.getcwd())
         child.pump = threading.Thread(target=self._pump, args=(child.name, child.process, log_file), daemon=True)
         child.pump.start()
 

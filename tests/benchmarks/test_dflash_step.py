@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import json
 
-from dispatcher.cli import main
-from drafter_worker.dflash.bench import spaced_layer_ids
+import pytest
+import torch
+
+from benchmarks.dflash_step import spaced_layer_ids
+from hsd.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)  # as the drafter tests run it: the timed micro-batches share the cores with others
 
 
 def test_spaced_layer_ids_follow_the_dflash_rule():

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from common.config import ConfigError, describe
 from common.worker_runtime import EXIT_UNUSABLE, WorkerUnusable
-from dispatcher.cli_bench import add_bench_parser
-from dispatcher.cli_common import add_config_args, config_of, require_model, setup_logging
+from hsd.bench import add_bench_parser
+from hsd.shared import add_config_args, config_of, require_model, setup_logging
 
 
 def cmd_keys(args) -> int:
@@ -108,18 +108,18 @@ def _hf_target(config):
 
 def cmd_launch(args) -> int:
     setup_logging("launch")
-    from dispatcher.launch import Launcher
+    from ops.launch import Launcher
     return Launcher(config_of(args)).run()
 
 
 def cmd_schedule(args) -> int:
-    from dispatcher.schedule_view import print_schedule
+    from ops.schedule_view import print_schedule
     return print_schedule(config_of(args), lengths_file=args.lengths, data_dir=args.data, epoch=args.epoch,
                           as_json=args.json)
 
 
 def cmd_stats(args) -> int:
-    from dispatcher.stats_view import run_stats
+    from ops.stats_view import run_stats
     if args.overrides and not args.config:
         raise ConfigError(f"hsd stats: overrides ({' '.join(args.overrides)}) go with --config")
     return run_stats(endpoint=args.endpoint, run_dir=args.run_dir, as_json=args.json, watch_s=args.watch,
@@ -128,14 +128,14 @@ def cmd_stats(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from dispatcher.report import build_report, format_report
+    from ops.report import build_report, format_report
     report = build_report(args.run_dir)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
 
 def cmd_plan(args) -> int:
-    from dispatcher.planner import run_plan
+    from ops.planner import run_plan
     return run_plan(config_path=args.config, overrides=args.overrides, num_gpus=args.gpus, from_run=args.from_run,
                     as_json=args.json)
 
@@ -224,7 +224,7 @@ def cmd_regenerate(args) -> int:
 
 def cmd_demo(args) -> int:
     setup_logging("demo")
-    from drafter_worker.demo import run_demo
+    from ops.demo import run_demo
     return run_demo(out=args.out, config_path=args.config, overrides=args.overrides, samples=args.samples,
                     eval_prompts=args.eval_prompts, max_new_tokens=args.max_new_tokens, tiny_steps=args.tiny_steps,
                     objective=args.objective)
