@@ -29,18 +29,20 @@ import torch
 from common.capture_contract import LEGACY_CAPTURE_POINT, capture_point_hint, contract_from_config
 from common.config import Config, ConfigError
 from common.mix import splitmix64
+from common.target_config import TargetDims
 from common.slots import SlotBatch
 from common.host_staging import HostStaging
 from common.witness import (CheckpointSnapshot, TrainedJobs, check_model_id, latest_checkpoint, servable_dir,
                             training_dir)
-from drafter_worker.dflash.config import DFlashTrainConfig, read_target_config
-from drafter_worker.dflash.export import export_config, write_drafter_files
+from drafter_worker.dflash.config import DFlashTrainConfig
+from drafter_worker.dflash.export import export_config
 from drafter_worker.dflash.mask_token import mask_token_text, resolve_mask_token_id
 from drafter_worker.dflash.state_io import flatten_state, load_state, write_state
 from drafter_worker.dflash.trainer import DFlashTrainer
 from drafter_worker.process_group import AllReduce, all_reduce_flat
 from drafter_worker.state_transfer import weights_checksum, witness_from_tensor, witness_tensor
 from drafter_worker.dflash_metrics import StepClock, TensorBoardLog, format_metrics, step_metrics
+from drafter_worker.layers import write_drafter_files
 
 log = logging.getLogger("hsd.dflash")
 
@@ -108,7 +110,7 @@ class DFlashBackend:
         self.mask_token = ""  # its text in the target's tokenizer, exported beside the id
         if self.section == "dflash":  # chosen once, at start: the tokenizer's mask token or a reserved one, never a token of the data
             section = dataclasses.replace(section, mask_token_id=resolve_mask_token_id(
-                config, vocab_size=read_target_config(self.target_dir)["vocab_size"]))
+                config, vocab_size=TargetDims.read(self.target_dir).vocab_size))
             self.mask_token = mask_token_text(self.target_dir, section.mask_token_id)
         self.train_config = self._train_config(section, schedule_jobs or derive_schedule_jobs(config, self.section))
         self.train_config.validate()

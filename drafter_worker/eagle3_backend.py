@@ -20,6 +20,7 @@ import torch
 from common.config import Config, ConfigError
 from common.prepared import PreparedDataset
 from common.slots import SlotBatch
+from common.target_config import TargetDims
 from drafter_worker.dflash_backend import DFlashBackend
 from drafter_worker.eagle3.config import Eagle3TrainConfig
 from drafter_worker.eagle3.export import export_config
@@ -59,9 +60,7 @@ class Eagle3Backend(DFlashBackend):
         if config.drafter.objective != "eagle3":
             raise ConfigError(f"drafter.objective is {config.drafter.objective!r}: an EAGLE-3 drafter needs eagle3 "
                               f"(the capture contract then carries the target's final-norm state)")
-        from common.capture_contract import read_model_config
-        doc = read_model_config(config.target.model)
-        vocab_size = int(doc.get("text_config", doc).get("vocab_size") or 0)  # multimodal: the language model's
+        vocab_size = TargetDims.read(config.target.model).vocab_size  # multimodal: the language model's
         self.d2t, self.t2d = draft_vocab_of_dataset(config.data.path, vocab_size, config.eagle3.draft_vocab)
         super().__init__(config, model_id, **kwargs)
 

@@ -21,7 +21,9 @@ from typing import Protocol
 
 import torch
 
+from common.target_model import find_decoder
 from drafter_worker.dflash.model import DFlashDraftModel
+from drafter_worker.layers import find_drafter_dir
 
 
 class SpeculativeMismatch(AssertionError):
@@ -64,7 +66,6 @@ def forward_capturing(target, ids: torch.Tensor, layer_ids: list[int]):
     """The target's forward and ``[T, K*H]`` of the first sequence: the raw outputs of ``layer_ids``
     (forward hooks on the decoder layers), as the target worker captures them and the engines feed a
     drafter; ``hidden_states[N]`` of ``output_hidden_states`` would be the final norm's output."""
-    from target_worker.capture import find_decoder
     decoder, layers_name = find_decoder(target)
     layers = decoder._modules[layers_name]
     outputs: dict[int, torch.Tensor] = {}
@@ -139,7 +140,6 @@ def _as_proposer(drafter, target_dir, device) -> Proposer:
     from drafter_worker.eagle3.export import is_eagle3_export
     from drafter_worker.eagle3.model import Eagle3DraftModel
     if isinstance(drafter, (str, os.PathLike)):
-        from drafter_worker.dflash.export import find_drafter_dir
         drafter = find_drafter_dir(drafter)  # an export, or a checkpoint's step directory
     if isinstance(drafter, (str, os.PathLike)) and is_eagle3_export(drafter):
         from drafter_worker.eagle3.export import load_drafter as load_eagle3

@@ -6,14 +6,16 @@ import json
 from pathlib import Path
 
 from common.config import Config, ConfigError
+from common.target_config import MODEL_CONFIG_NAME
 
 
 def run_eval(config: Config, *, drafter: str, num_prompts: int, prompts_file: str | None, max_new_tokens: int,
              device: str, as_json: bool) -> int:
     target_dir = config.target.model
-    if not target_dir or not (Path(target_dir) / "config.json").is_file():
-        raise ConfigError(f"target.model: {target_dir or '(empty)'} is not a model directory with a config.json")
-    from drafter_worker.dflash.export import find_drafter_dir
+    if not target_dir or not (Path(target_dir) / MODEL_CONFIG_NAME).is_file():
+        raise ConfigError(f"target.model: {target_dir or '(empty)'} is not a model directory with a "
+                          f"{MODEL_CONFIG_NAME}")
+    from drafter_worker.layers import find_drafter_dir
     try:
         drafter = str(find_drafter_dir(drafter))
     except FileNotFoundError as exc:
