@@ -1,4 +1,5 @@
-"""``hsd eval``: held-out prompts of the target, speculative decoding with an exported drafter."""
+"""``hsd eval``: held-out prompts of the target, speculative decoding with an exported drafter (DFlash
+or EAGLE-3: :mod:`drafter_worker.speculative_eval` loads the one the export names)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ def run_eval(config: Config, *, drafter: str, num_prompts: int, prompts_file: st
         raise ConfigError(f"--prompts must be positive, got {num_prompts}")
     from transformers import AutoTokenizer
 
-    from drafter_worker.dflash.eval import evaluate
     from drafter_worker.dflash.prompts import load_chat_prompts
+    from drafter_worker.speculative_eval import evaluate
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     prompts = load_chat_prompts(prompts_file or Path(target_dir) / "heldout.jsonl", tokenizer, num_prompts)
     result = evaluate(target_dir, drafter, prompts, max_new_tokens, device=device)

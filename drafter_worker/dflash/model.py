@@ -129,6 +129,11 @@ class DFlashDraftModel(DraftTensors):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden.to(self.lm_head.weight.dtype))
 
+    def proposer(self):
+        """This model drafting for ``hsd eval`` (:class:`drafter_worker.dflash.eval.DFlashProposer`)."""
+        from drafter_worker.dflash.eval import DFlashProposer
+        return DFlashProposer(self)
+
 
 def build_drafter(config: DFlashConfig, target_dir, *, dtype: torch.dtype = torch.float32) -> DFlashDraftModel:
     """A drafter with the target's embedding and LM head (read from ``target_dir``), untrained."""

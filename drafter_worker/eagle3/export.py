@@ -19,8 +19,7 @@ from safetensors import safe_open
 from common.target_config import rope_scaling_of, rope_theta_of
 from drafter_worker.eagle3.config import Eagle3Config
 from drafter_worker.eagle3.model import Eagle3DraftModel, build_drafter
-from drafter_worker.layers import (CONFIG_NAME, WEIGHTS_NAME, check_rope_scaling, read_export_config, rope_fields,
-                                   write_drafter_files)
+from drafter_worker.layers import WEIGHTS_NAME, check_rope_scaling, read_export_config, rope_fields, write_drafter_files
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -73,11 +72,6 @@ def config_from_export(doc: dict) -> Eagle3Config:
         rope_theta=rope_theta_of(doc), rope_scaling=check_rope_scaling(rope_scaling_of(doc)),
         max_position_embeddings=doc.get("max_position_embeddings", 40960),
         vocab_size=doc["vocab_size"], draft_vocab_size=doc["draft_vocab_size"])
-
-
-def is_eagle3_export(drafter_dir: str | os.PathLike) -> bool:
-    return (Path(drafter_dir) / CONFIG_NAME).is_file() and ARCHITECTURE in read_export_config(drafter_dir).get(
-        "architectures", [])
 
 
 def load_drafter(drafter_dir: str | os.PathLike, target_dir: str | os.PathLike, *,

@@ -117,6 +117,11 @@ class Eagle3DraftModel(DraftTensors):
         """Draft-vocabulary logits (map an argmax to a target id with ``d2t``)."""
         return self.lm_head(normed)
 
+    def proposer(self):
+        """This model drafting for ``hsd eval`` (:class:`drafter_worker.eagle3.eval.Eagle3Proposer`)."""
+        from drafter_worker.eagle3.eval import Eagle3Proposer
+        return Eagle3Proposer(self)
+
 
 def build_drafter(config: Eagle3Config, target_dir, *, d2t: torch.Tensor, t2d: torch.Tensor,
                   dtype: torch.dtype = torch.float32) -> tuple[Eagle3DraftModel, torch.Tensor]:
