@@ -116,7 +116,7 @@ class DFlashTrainConfig(DFlashSection):
     """The ``dflash`` config section as the trainer takes it. Its keys, defaults and help lines are
     the section's own (declared once, in :class:`common.config.DFlashSection`); what this adds is what a
     training run needs beyond a loadable config: ``total_steps`` resolved to a positive count (the
-    section's 0 means "derive it from the run", which :mod:`drafter_worker.dflash_backend` does) and
+    section's 0 means "derive it from the run", which :mod:`drafter_worker.drafter_backend` does) and
     the optimizer values checked before a model is built."""
 
     @classmethod

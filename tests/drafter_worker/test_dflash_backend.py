@@ -20,7 +20,8 @@ from host_reads import HostReads
 from drafter_worker.dflash.export import load_drafter
 from dispatcher.cli import main as cli_main
 from dispatcher.schedule import build_epoch_schedule
-from drafter_worker.dflash_backend import DFlashBackend, derive_schedule_jobs, jobs_per_epoch
+from drafter_worker.dflash_backend import DFlashBackend
+from drafter_worker.drafter_backend import derive_schedule_jobs, jobs_per_epoch
 
 
 def _jobs(target_model, count: int):
