@@ -46,23 +46,18 @@ from drafter_worker.state_transfer import weights_checksum, witness_from_tensor,
 EXIT_AFTER_STEP_ENV = "HSD_TEST_DRAFTER_EXIT_AFTER_STEP"
 
 
-def jobs_per_epoch(config: Config) -> int:
-    """Batches one epoch of ``data`` makes under ``schedule`` (the same count for every epoch and seed)."""
-    from dispatcher.dataset import load_lengths
-    from dispatcher.schedule import count_batches
-    return count_batches(load_lengths(config), bucket_max_lens=config.schedule.buckets,
-                         tokens_per_batch=config.schedule.tokens_per_batch, batching=config.schedule.batching)
-
-
-def derive_schedule_jobs(config: Config, section: str = "dflash") -> int:
+def derive_schedule_jobs(config: Config, section: str, *, jobs_per_epoch: int | None = None) -> int | None:
     """The learning-rate schedule's length in jobs trained (it advances by every step's job count,
-    so its position follows what was trained whatever the world size of a group did): every job of
-    every epoch, shared among ``drafter.count`` independent drafters; or ``<section>.total_steps``
-    steps of ``accum_steps x drafter.count`` jobs."""
+    so its position follows what was trained whatever the world size of a group did):
+    ``<section>.total_steps`` steps of ``accum_steps x drafter.count`` jobs; or every job of every
+    epoch, shared among ``drafter.count`` independent drafters. An epoch's jobs are the dispatcher's
+    count (the ``register`` reply's ``jobs_per_epoch``): None while it is not known."""
     num_drafters = max(1, config.drafter.count)
     if getattr(config, section).total_steps:
         return getattr(config, section).total_steps * config.drafter.accum_steps * num_drafters
-    num_jobs = jobs_per_epoch(config) * config.run.epochs
+    if jobs_per_epoch is None:
+        return None
+    num_jobs = jobs_per_epoch * config.run.epochs
     return max(1, math.ceil(num_jobs / (1 if config.drafter.grouped else num_drafters)))
 
 
@@ -90,6 +85,7 @@ class TrainerBackend:
                  schedule_jobs: int | None = None):
         if not config.target.model:
             raise ConfigError(f"target.model: {self.target_use}; set the target model directory")
+        self.config = config
         self.model_id = check_model_id(model_id)
         contract = contract_from_config(config)  # what the target derives too: the dispatcher compares them
         self.contract: dict[str, Any] = contract.to_dict()
@@ -98,9 +94,10 @@ class TrainerBackend:
         self.device = torch.device(device) if device is not None else default_device(config)
         self.seed = config.run.seed
         section = self._resolve_section(config, getattr(config, self.section))
-        # The trainer's total_steps are the schedule's length in jobs (one scheduler step per job trained).
-        self.train_config = self.train_config_class.from_section(
-            section, total_steps=schedule_jobs or derive_schedule_jobs(config, self.section))
+        # Known now when given or set by <section>.total_steps; else the first register reply brings
+        # the epoch's job count (adopt_registration), before the optimizer and its schedule are built.
+        self.schedule_jobs = schedule_jobs or derive_schedule_jobs(config, self.section)
+        self.train_config = self.train_config_class.from_section(section, total_steps=self.schedule_jobs or 1)
         self.train_config.validate()
         self.keep = config.drafter.checkpoint_keep
         self.export_dtype = section.export_dtype
@@ -140,6 +137,26 @@ class TrainerBackend:
         return self.trainer_class(self.train_config, target_dir=self.target_dir, layer_ids=self.layer_ids,
                                   device=self.device, seed=self.seed, **self._trainer_extras())
 
+    # -- the schedule's length, from the dispatcher ------------------------------------------
+    def adopt_registration(self, reply: dict[str, Any]) -> None:
+        """Take what a ``register`` reply says about training: the jobs of an epoch, which set the
+        learning-rate schedule's length unless it was given or set by ``<section>.total_steps``."""
+        if self.schedule_jobs is not None:
+            return
+        if reply.get("jobs_per_epoch") is None:
+            raise RuntimeError(f"{self.model_id}: the dispatcher's register reply has no jobs_per_epoch; the "
+                               f"learning-rate schedule needs it (or set {self.section}.total_steps)")
+        jobs_per_epoch = int(reply["jobs_per_epoch"])
+        self.schedule_jobs = derive_schedule_jobs(self.config, self.section, jobs_per_epoch=jobs_per_epoch)
+        self.train_config.total_steps = self.schedule_jobs
+        self.train_config.validate()
+
+    def _check_schedule(self) -> None:
+        """The optimizer builds its schedule on first use: never on a length not known yet."""
+        if self.schedule_jobs is None:
+            raise RuntimeError(f"{self.model_id}: the learning-rate schedule's length is not known before the "
+                               f"dispatcher's register reply (adopt_registration)")
+
     # -- checkpoints ------------------------------------------------------------------------
     def load_latest(self, run_dir: str | os.PathLike) -> int:
         checkpoint = latest_checkpoint(run_dir, self.model_id)
@@ -173,6 +190,7 @@ class TrainerBackend:
     # -- a joiner's state, from a live rank (drafter_worker/state_transfer.py) ---------------------
     def live_state(self) -> dict:
         """Everything a rank holds between steps: weights, optimizer, scheduler, RNGs, witness."""
+        self._check_schedule()
         return {"trainer": self.trainer.state_dict(), "torch_rng": torch.get_rng_state(), "step": self.step,
                 "trained": witness_tensor(self.trained)}
 
@@ -193,6 +211,7 @@ class TrainerBackend:
     def snapshot_checkpoint(self) -> CheckpointSnapshot:
         """The checkpoint at this step, on host copies of the state (pinned buffers on a GPU): a
         thread can write it while training goes on."""
+        self._check_schedule()
         tensors: dict[str, torch.Tensor] = {}
         structure = flatten_state({"trainer": self.trainer.state_dict(), "torch_rng": torch.get_rng_state()}, tensors,
                                   host=False)
@@ -245,6 +264,7 @@ class TrainerBackend:
     def apply_step(self, job_ids: list[int], *, total_weight: float | torch.Tensor | None = None) -> dict:
         """``job_ids``: every job of the step (a data-parallel group's: every rank's); the weights saw them all."""
         assert set(self.window) <= set(job_ids), f"committed {job_ids}, trained on {self.window}"
+        self._check_schedule()
         if total_weight is None:
             total_weight = self._synced_total
         self._synced_total = None
