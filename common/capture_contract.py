@@ -2,8 +2,9 @@
 
 A target and a drafter that disagree on it would train on the wrong features without any error
 (the bytes still fit a slot when only the layer ids differ), so the contract is derived once from
-the target model's ``config.json`` and compared wherever two sides meet. Deriving it needs no
-torch and no weights: the dispatcher, which imports no model code, sizes its slots from it.
+the target model's ``config.json`` (read by :mod:`common.target_config`, as the drafters read it) and
+compared wherever two sides meet. Deriving it needs no torch and no weights: the dispatcher, which
+imports no model code, sizes its slots from it.
 
 Layer ``i`` is the raw output of decoder layer ``i`` (0-based): the residual stream before any
 final norm, which is what vLLM and SGLang feed a drafter (``capture_point`` ``layer_output``). It
@@ -18,13 +19,13 @@ the final norm), so states or a drafter from such a run never pass as the curren
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-MODEL_CONFIG_NAME = "config.json"
+from common.target_config import model_shape, read_model_config
+
 CAPTURE_DTYPES = ("bfloat16", "float16", "float32")
 CAPTURE_POINT = "layer_output"  # every layer's raw output, before any final norm (the engines')
 LEGACY_CAPTURE_POINT = "hidden_states"  # a contract that names none: the last layer after the final norm
@@ -113,43 +114,6 @@ def eagle3_layer_ids(num_layers: int) -> list[int]:
         raise ValueError(f"the EAGLE-3 default layers 1, N/2-1, N-4 of a {num_layers}-layer target are {ids}, not "
                          f"three distinct ascending layers; list three in target.capture_layers")
     return ids
-
-
-def read_model_config(model_dir: str | Path) -> dict[str, Any]:
-    """The ``config.json`` of a local model directory, with a clear error when it is not one."""
-    path = Path(model_dir)
-    if not path.is_dir():
-        raise ValueError(f"target model directory {path} does not exist")
-    config_path = path / MODEL_CONFIG_NAME
-    if not config_path.is_file():
-        raise ValueError(f"{path} is not a Hugging Face model directory (no {MODEL_CONFIG_NAME})")
-    try:
-        doc = json.loads(config_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{config_path} is not valid JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise ValueError(f"{config_path}: expected a JSON object")
-    return doc
-
-
-def _text_config(doc: Mapping[str, Any]) -> Mapping[str, Any]:
-    # Multimodal checkpoints (Gemma 3, Qwen2.5-VL, ...) keep the language model's shape in text_config.
-    if "num_hidden_layers" not in doc and isinstance(doc.get("text_config"), Mapping):
-        return doc["text_config"]
-    return doc
-
-
-def model_shape(doc: Mapping[str, Any]) -> tuple[str, int, int]:
-    """(architecture, decoder layers, hidden size) of a parsed ``config.json``."""
-    text = _text_config(doc)
-    architectures = doc.get("architectures") or []
-    architecture = architectures[0] if architectures else str(doc.get("model_type", "unknown"))
-    try:
-        num_layers, hidden_size = int(text["num_hidden_layers"]), int(text["hidden_size"])
-    except (KeyError, TypeError, ValueError):
-        raise ValueError(f"model config of {architecture} has no integer num_hidden_layers and hidden_size: "
-                         f"not a decoder-only language model this target can run") from None
-    return architecture, num_layers, hidden_size
 
 
 def build_contract(doc: Mapping[str, Any], *, layer_ids: Sequence[int] = (), num_capture_layers: int = 5,

@@ -18,8 +18,9 @@ from typing import Any
 
 import yaml
 
-from common.capture_contract import contract_from_config, read_model_config
+from common.capture_contract import contract_from_config
 from common.serving_layers import unservable_reason
+from common.target_config import read_model_config
 from common.witness import check_model_id
 
 

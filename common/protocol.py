@@ -24,7 +24,9 @@ PROTOCOL_VERSION = 2
 REQUESTS: dict[str, tuple[str, ...]] = {
     # {role: target|drafter, name, pid, host, node?, gpu?, contract?, model?}
     #   -> {worker_id, token, run_id, transport, heartbeat_s, worker_timeout_s, accum_steps, buckets,
-    #       epochs, contract, model_step?}
+    #       epochs, contract, model_step?, jobs_per_epoch?}
+    # jobs_per_epoch (drafter): the jobs of one epoch's schedule (every epoch has as many); a drafter
+    #   whose <section>.total_steps is 0 spans its learning-rate schedule over run.epochs of them.
     # node: the node it runs on (default: host); with pool.transport=nixl the reply's transport map
     #   echoes it, a target's slots live on it and drafters are given their own node's slots first.
     # contract: the capture contract the worker produces (target) or expects (drafter); one that

@@ -35,6 +35,9 @@ class TargetBackend(Protocol):
 
 
 class DrafterBackend(Protocol):
+    """A backend may also take what each register reply says (``adopt_registration(reply)``, optional:
+    a trainer's learning-rate schedule spans the reply's ``jobs_per_epoch``)."""
+
     model_id: str
     contract: dict | None
     step: int  # optimizer steps applied (the model's state)

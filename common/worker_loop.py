@@ -82,6 +82,7 @@ class WorkerLoop:
                     if self.stopping:  # asked to stop while looking for a dispatcher: nothing to leave
                         return 0
                     raise
+                self._registered(registration)
                 transport = self._open_transport(registration["transport"])
                 try:
                     self._work(registration, transport)
@@ -100,6 +101,9 @@ class WorkerLoop:
 
     def _register(self) -> dict[str, Any]:
         return self.session.register(contract=self.backend.contract)
+
+    def _registered(self, registration: dict[str, Any]) -> None:
+        """After each registration, before the transport opens: what the reply tells the backend."""
 
     def _open_transport(self, info: dict[str, Any]) -> Any:
         raise NotImplementedError

@@ -155,6 +155,12 @@ class EpochStore:
     def open_epochs(self) -> list[int]:
         return [e for e in sorted(self.epoch_jobs) if not self.ledger.epoch_complete(e)]
 
+    @property
+    def jobs_per_epoch(self) -> int:
+        """The job count of an epoch: the first started one's, as every epoch's schedule makes as many
+        (:func:`dispatcher.schedule.count_batches`). A drafter's register reply carries it."""
+        return self.epoch_jobs[min(self.epoch_jobs)]
+
     # -- snapshots and sealing --------------------------------------------------------------
     def maybe_snapshot(self, models: dict[str, ModelRecord], num_starts: int, *, force: bool = False) -> bool:
         """Close the journal segment and snapshot the ledger when it is due; the write runs on a thread.

@@ -373,6 +373,8 @@ class DispatcherServer:
         c = self.config
         extra = ({"model_step": self.core.ledger.model_step.get(worker.model, 0),
                   "pending_committed": worker.pending_committed} if worker.model else {})
+        if role == "drafter":  # its learning-rate schedule spans run.epochs of them
+            extra["jobs_per_epoch"] = self.core.store.jobs_per_epoch
         return {"worker_id": worker.id, "token": worker.token, "contract": self.core.contract, **extra,
                 "run_id": self.run_id, "transport": self.data_plane.info(role, worker.node),
                 "heartbeat_s": c.dispatcher.heartbeat_s, "worker_timeout_s": c.dispatcher.worker_timeout_s,

@@ -1,26 +1,25 @@
 """The EAGLE-3 drafter behind the worker loop (``drafter.objective: eagle3``).
 
-Everything but the model is :class:`drafter_worker.dflash_backend.DFlashBackend`'s: checkpoints
-and the witness, the data-parallel group's sums (:meth:`sync_gradients`), commit-then-apply, the
-step metrics. What differs: the capture contract must carry the target's final-norm state (the
-drafter computes the target's distribution from it), the draft vocabulary is counted from the
-prepared dataset at start-up (every rank and every resume counts the same), and each checkpoint
-holds an EAGLE-3 export (:mod:`drafter_worker.eagle3.export`) beside the training state.
+Everything but the model is every drafter's (:class:`drafter_worker.drafter_backend.TrainerBackend`):
+checkpoints and the witness, the data-parallel group's sums (:meth:`sync_gradients`),
+commit-then-apply, the step metrics. What differs: the capture contract must carry the target's
+final-norm state (the drafter computes the target's distribution from it), the draft vocabulary is
+counted from the prepared dataset at start-up (every rank and every resume counts the same), and
+each checkpoint holds an EAGLE-3 export (:mod:`drafter_worker.eagle3.export`) beside the training
+state.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from common.config import Config, ConfigError
 from common.prepared import PreparedDataset
-from common.slots import SlotBatch
-from drafter_worker.dflash_backend import DFlashBackend
+from common.target_config import TargetDims
+from drafter_worker.drafter_backend import TrainerBackend
 from drafter_worker.eagle3.config import Eagle3TrainConfig
 from drafter_worker.eagle3.export import export_config
 from drafter_worker.eagle3.trainer import Eagle3Trainer
@@ -45,37 +44,23 @@ def draft_vocab_of_dataset(data_path: str, vocab_size: int, draft_vocab: int) ->
     return d2t, t2d
 
 
-class Eagle3Backend(DFlashBackend):
-    """A :class:`common.worker_backends.DrafterBackend` training an EAGLE-3 drafter with :class:`Eagle3Trainer`."""
+class Eagle3Backend(TrainerBackend):
+    """A :class:`common.worker_backends.GroupDrafterBackend` training an EAGLE-3 drafter with :class:`Eagle3Trainer`."""
 
     section = "eagle3"
+    train_config_class = Eagle3TrainConfig
+    trainer_class = Eagle3Trainer
     export_config = staticmethod(export_config)
+    target_use = "the EAGLE-3 drafter reads the target's config.json and uses its embedding and LM head"
     log = log
 
-    def __init__(self, config: Config, model_id: str, **kwargs: Any):
-        if not config.target.model:
-            raise ConfigError("target.model: the EAGLE-3 drafter reads the target's config.json and uses its "
-                              "embedding and LM head; set the target model directory")
+    def _resolve_section(self, config: Config, section):
         if config.drafter.objective != "eagle3":
             raise ConfigError(f"drafter.objective is {config.drafter.objective!r}: an EAGLE-3 drafter needs eagle3 "
                               f"(the capture contract then carries the target's final-norm state)")
-        from common.capture_contract import read_model_config
-        doc = read_model_config(config.target.model)
-        vocab_size = int(doc.get("text_config", doc).get("vocab_size") or 0)  # multimodal: the language model's
+        vocab_size = TargetDims.read(self.target_dir).vocab_size  # multimodal: the language model's
         self.d2t, self.t2d = draft_vocab_of_dataset(config.data.path, vocab_size, config.eagle3.draft_vocab)
-        super().__init__(config, model_id, **kwargs)
+        return section
 
-    def _train_config(self, section, schedule_jobs: int) -> Eagle3TrainConfig:
-        return Eagle3TrainConfig.from_section(section, total_steps=schedule_jobs)
-
-    def _new_trainer(self) -> Eagle3Trainer:
-        torch.manual_seed(self.seed)
-        return Eagle3Trainer(self.train_config, target_dir=self.target_dir, layer_ids=self.layer_ids,
-                             device=self.device, seed=self.seed, d2t=self.d2t, t2d=self.t2d)
-
-    def micro_batch(self, job: dict[str, Any], batch: SlotBatch) -> None:
-        started = time.perf_counter()
-        self.trainer.micro_batch(batch.hs, batch.input_ids, batch.loss_mask, batch.seq_lens)
-        self.window.append(int(job["job_id"]))
-        # The token count from the slot's header, not from the lengths tensor: that may be on the device.
-        self.clock.add_compute(time.perf_counter() - started, batch.header.num_tokens)
+    def _trainer_extras(self) -> dict[str, Any]:
+        return {"d2t": self.d2t, "t2d": self.t2d}

@@ -109,6 +109,12 @@ class DrafterLoop(WorkerLoop):
             self._check_registered_step(reply)
             return reply
 
+    def _registered(self, registration: dict[str, Any]) -> None:
+        # A trainer takes its learning-rate schedule's length from the reply (the jobs of an epoch).
+        adopt = getattr(self.backend, "adopt_registration", None)
+        if adopt is not None:
+            adopt(registration)
+
     def _settle_pending(self, reply: dict[str, Any]) -> None:
         """Apply the commit the last dispatcher never answered when the ledger holds it, else drop it."""
         if self.pending is None:

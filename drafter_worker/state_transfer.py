@@ -4,7 +4,7 @@ broadcast over the new membership's process group. Never pickle.
 A backend gives its whole training state as nested dicts of tensors and plain values
 (``live_state()``; the witness as an int64 tensor of job ids) and takes it back
 (``load_live_state()``). The source flattens it the way a checkpoint's ``state.json`` does
-(:mod:`drafter_worker.dflash.state_io`): the structure and each tensor's dtype and shape go as JSON
+(:mod:`drafter_worker.state_io`): the structure and each tensor's dtype and shape go as JSON
 bytes, the tensors' bytes as one flat uint8 stream broadcast in buckets of ``BUCKET_BYTES``. Every
 other rank rebuilds the tensors from it. The header carries the state's step and a CRC32 of the
 weights, which a receiver recomputes after loading (:func:`weights_checksum`) before it takes part
@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from common.witness import TrainedJobs
-from drafter_worker.dflash.state_io import flatten_state, unflatten_state
+from drafter_worker.state_io import flatten_state, unflatten_state
 
 BUCKET_BYTES = 64 << 20  # one broadcast moves at most this much: bounded staging memory on every rank
 

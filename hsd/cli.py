@@ -178,7 +178,7 @@ def cmd_capture(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from drafter_worker.dflash.eval_cli import run_eval
+    from drafter_worker.eval_cli import run_eval
     return run_eval(config_of(args), drafter=args.drafter, num_prompts=args.prompts, prompts_file=args.prompts_file,
                     max_new_tokens=args.max_new_tokens, device=args.device, as_json=args.json)
 

@@ -132,7 +132,7 @@ def run_demo(*, out: str | os.PathLike, config_path: str | os.PathLike | None, o
         return code
 
     from common.witness import latest_checkpoint, servable_dir
-    from drafter_worker.dflash.eval import evaluate
+    from drafter_worker.speculative_eval import evaluate
     from drafter_worker.dflash.prompts import load_chat_prompts
     if objective == "eagle3":
         from drafter_worker.eagle3_backend import Eagle3Backend as Backend

@@ -22,9 +22,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from common.target_model import find_decoder, text_config
+
 log = logging.getLogger("hsd.target")
 
-_LAYER_LIST_NAMES = ("layers", "h", "blocks")
 _FINAL_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_norm")
 
 
@@ -95,29 +96,6 @@ def load_target_model(model_dir: str | Path, *, dtype: torch.dtype, attn_impleme
     model.requires_grad_(False)
     model.eval()
     return model.to(device)
-
-
-def text_config(model: nn.Module):
-    """The language model's config (multimodal models keep it in ``text_config``)."""
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def find_decoder(model: nn.Module) -> tuple[nn.Module, str]:
-    """(decoder module, attribute name of its layer list) of a Hugging Face causal LM.
-
-    The decoder is the module whose forward runs embeddings, layers and final norm
-    (``model.model`` for Llama, Qwen, Mistral, Gemma; the language model of a multimodal model).
-    """
-    num_layers = text_config(model).num_hidden_layers
-    root = model.get_decoder() if hasattr(model, "get_decoder") else model
-    for module in root.modules():
-        for name in _LAYER_LIST_NAMES:
-            child = module._modules.get(name)
-            if isinstance(child, nn.ModuleList) and len(child) == num_layers:
-                return module, name
-    raise ValueError(f"cannot find the {num_layers} decoder layers of {type(model).__name__}: "
-                     f"expected a layer list named {' or '.join(_LAYER_LIST_NAMES)}")
 
 
 def contract_shape_of(model: nn.Module) -> tuple[str, int, int]:

@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from drafter_worker.dflash.model import apply_rope, rope_cos_sin
 from drafter_worker.eagle3.config import NUM_FUSED_LAYERS
 from drafter_worker.eagle3.loss import soft_ce
 from drafter_worker.eagle3.ttt import shift_left, step_targets, ttt_mask
+from drafter_worker.layers import apply_rope, rope_cos_sin
 
 
 def _dense_step(model, hidden, tokens, positions, cache, mask):

@@ -2,20 +2,22 @@
 (:class:`DFlashTrainConfig`, the run's ``dflash`` config section with its total steps resolved).
 
 The draft layers are Qwen3-style decoder layers whose dimensions default to the target's own
-(read from the target directory's ``config.json``): the fused context lives in the target's hidden
-space and the drafter reuses the target's embedding and LM head, so ``hidden_size`` and
-``vocab_size`` must match the target; the other dimensions could differ but rarely should.
+(its ``config.json``, read by :class:`common.target_config.TargetDims`): the fused context lives in
+the target's hidden space and the drafter reuses the target's embedding and LM head, so
+``hidden_size`` and ``vocab_size`` must match the target; the other dimensions could differ but
+rarely should.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import ConfigError, DFlashSection, opt
+from common.target_config import TargetDims
+from drafter_worker.layers import check_rope_scaling
 from drafter_worker.recipe import validate_recipe
 
 # Loss decay gamma per block size, as published with the method; other block sizes need an explicit gamma.
@@ -27,44 +29,6 @@ def default_gamma(block_size: int) -> float:
         raise ConfigError(f"no default loss decay gamma for block_size {block_size} "
                           f"(known: {sorted(DEFAULT_GAMMA)}): set gamma explicitly")
     return DEFAULT_GAMMA[block_size]
-
-
-def read_target_config(target_dir: str | Path) -> dict:
-    """The target's language-model config (``config.json``; a multimodal wrapper's ``text_config``)."""
-    path = Path(target_dir) / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"target directory {target_dir} has no config.json")
-    target = json.loads(path.read_text())
-    return target.get("text_config", target)  # multimodal wrappers keep the language model's config inside
-
-
-_ROPE_TYPES = ("linear", "llama3")  # the scalings the drafters' RoPE implements (drafter_worker.dflash.model)
-
-
-def rope_scaling_of(doc: dict) -> dict | None:
-    """A config's RoPE scaling as one dict with ``rope_type`` (None for plain RoPE), from the top-level
-    ``rope_scaling`` (transformers 4) or ``rope_parameters`` (transformers 5, which holds the base too)."""
-    raw = doc.get("rope_scaling") or doc.get("rope_parameters") or {}
-    scaling = {key: value for key, value in raw.items() if key not in ("rope_theta", "type")}
-    rope_type = raw.get("rope_type") or raw.get("type") or "default"
-    if rope_type == "default":
-        return None
-    if rope_type not in _ROPE_TYPES:
-        raise ConfigError(f"the target's RoPE scaling {rope_type!r} is not one the drafter implements "
-                          f"({', '.join(_ROPE_TYPES)})")
-    return {**scaling, "rope_type": rope_type}
-
-
-def rope_theta_of(doc: dict) -> float:
-    """A config's RoPE base: top-level ``rope_theta`` or ``rope_parameters.rope_theta`` (1e6 when neither)."""
-    return float(doc.get("rope_theta") or (doc.get("rope_parameters") or {}).get("rope_theta", 1e6))
-
-
-def rope_fields(theta: float, scaling: dict | None) -> dict:
-    """The exported RoPE keys: ``rope_theta`` and ``rope_scaling`` at the top level (what SGLang and
-    transformers 4 read) and ``rope_parameters`` (where transformers 5 and vLLM look)."""
-    return {"rope_theta": theta, "rope_scaling": dict(scaling) if scaling else None,
-            "rope_parameters": {"rope_type": "default", "rope_theta": theta, **(scaling or {})}}
 
 
 @dataclass
@@ -125,21 +89,20 @@ class DFlashConfig:
     @classmethod
     def from_target(cls, target_dir: str | Path, *, layer_ids: list[int], **overrides) -> "DFlashConfig":
         """Draft dimensions from the target's ``config.json``; ``overrides`` set any field."""
-        target = read_target_config(target_dir)
-        num_heads = target["num_attention_heads"]
+        target = TargetDims.read(target_dir)
         fields = dict(
             target_layer_ids=list(layer_ids),
-            num_target_layers=target["num_hidden_layers"],
-            hidden_size=target["hidden_size"],
-            intermediate_size=target["intermediate_size"],
-            num_attention_heads=num_heads,
-            num_key_value_heads=target.get("num_key_value_heads") or num_heads,
-            head_dim=target.get("head_dim") or target["hidden_size"] // num_heads,
-            rms_norm_eps=target.get("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta_of(target),
-            rope_scaling=rope_scaling_of(target),
-            max_position_embeddings=target.get("max_position_embeddings", 40960),
-            vocab_size=target["vocab_size"],
+            num_target_layers=target.num_layers,
+            hidden_size=target.hidden_size,
+            intermediate_size=target.intermediate_size,
+            num_attention_heads=target.num_attention_heads,
+            num_key_value_heads=target.num_key_value_heads,
+            head_dim=target.head_dim,
+            rms_norm_eps=target.rms_norm_eps,
+            rope_theta=target.rope_theta,
+            rope_scaling=check_rope_scaling(target.rope_scaling),
+            max_position_embeddings=target.max_position_embeddings,
+            vocab_size=target.vocab_size,
         )
         unknown = set(overrides) - set(cls.__dataclass_fields__)
         if unknown:
@@ -153,7 +116,7 @@ class DFlashTrainConfig(DFlashSection):
     """The ``dflash`` config section as the trainer takes it. Its keys, defaults and help lines are
     the section's own (declared once, in :class:`common.config.DFlashSection`); what this adds is what a
     training run needs beyond a loadable config: ``total_steps`` resolved to a positive count (the
-    section's 0 means "derive it from the run", which :mod:`drafter_worker.dflash_backend` does) and
+    section's 0 means "derive it from the run", which :mod:`drafter_worker.drafter_backend` does) and
     the optimizer values checked before a model is built."""
 
     @classmethod

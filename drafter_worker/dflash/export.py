@@ -10,27 +10,24 @@ checkpoint keeps them beside this directory, never inside it: see :mod:`common.w
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-from common.witness import servable_dir
-from drafter_worker.dflash.config import DFlashConfig, rope_fields, rope_scaling_of, rope_theta_of
+from common.target_config import rope_scaling_of, rope_theta_of
+from drafter_worker.dflash.config import DFlashConfig
 from drafter_worker.dflash.model import DFlashDraftModel, build_drafter
+from drafter_worker.layers import (WEIGHTS_NAME, check_rope_scaling, find_drafter_dir, read_export_config, rope_fields,
+                                   write_drafter_files)
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-SERVABLE_MODE = 0o644  # an engine serving as another user reads both files (whatever the umask)
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+ARCHITECTURE = "DFlashDraftModel"
 
 
 def export_config(config: DFlashConfig, dtype: str) -> dict:
     return {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
@@ -63,27 +60,6 @@ def export_config(config: DFlashConfig, dtype: str) -> dict:
     }
 
 
-def write_drafter_files(tensors: dict[str, torch.Tensor], config_doc: dict, out_dir: str | os.PathLike, *,
-                        dtype: str) -> Path:
-    """``config.json`` + ``model.safetensors`` (floating tensors cast to ``dtype``, integer and bool
-    tensors as they are) into ``out_dir``, each file replaced atomically."""
-    if dtype not in _DTYPES:
-        raise ValueError(f"export dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().to("cpu", _DTYPES[dtype] if t.is_floating_point() else t.dtype).contiguous()
-               for name, t in tensors.items()}
-    tmp = out_dir / (WEIGHTS_NAME + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.chmod(tmp, SERVABLE_MODE)
-    os.replace(tmp, out_dir / WEIGHTS_NAME)
-    tmp = out_dir / (CONFIG_NAME + ".tmp")
-    tmp.write_text(json.dumps(config_doc, indent=2) + "\n")
-    os.chmod(tmp, SERVABLE_MODE)
-    os.replace(tmp, out_dir / CONFIG_NAME)
-    return out_dir
-
-
 def save_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, *, dtype: str = "bfloat16") -> Path:
     """Write ``config.json`` + ``model.safetensors`` into ``out_dir`` (files replaced atomically)."""
     return write_drafter_files(model.draft_state_dict(), export_config(model.config, dtype), out_dir, dtype=dtype)
@@ -91,7 +67,7 @@ def save_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, *, dtype: 
 
 def config_from_export(doc: dict) -> DFlashConfig:
     dflash = doc.get("dflash_config") or {}
-    if "DFlashDraftModel" not in doc.get("architectures", []) or "target_layer_ids" not in dflash:
+    if ARCHITECTURE not in doc.get("architectures", []) or "target_layer_ids" not in dflash:
         raise ValueError("config.json is not a DFlash drafter's (needs architectures DFlashDraftModel and "
                          "dflash_config.target_layer_ids)")
     training = doc.get("hsd_training") or {}
@@ -103,21 +79,9 @@ def config_from_export(doc: dict) -> DFlashConfig:
         mask_token_id=dflash["mask_token_id"], hidden_size=doc["hidden_size"],
         intermediate_size=doc["intermediate_size"], num_attention_heads=doc["num_attention_heads"],
         num_key_value_heads=doc["num_key_value_heads"], head_dim=doc["head_dim"],
-        rms_norm_eps=doc["rms_norm_eps"], rope_theta=rope_theta_of(doc), rope_scaling=rope_scaling_of(doc),
-        mask_token=dflash.get("mask_token", ""),
+        rms_norm_eps=doc["rms_norm_eps"], rope_theta=rope_theta_of(doc),
+        rope_scaling=check_rope_scaling(rope_scaling_of(doc)), mask_token=dflash.get("mask_token", ""),
         max_position_embeddings=doc.get("max_position_embeddings", 40960), vocab_size=doc["vocab_size"])
-
-
-def find_drafter_dir(path: str | os.PathLike) -> Path:
-    """The exported drafter at ``path``: the directory itself, or the servable part of a run's
-    step directory (``step-NNNNNNNN/model``)."""
-    path = Path(path)
-    if not (path / CONFIG_NAME).is_file() and (servable_dir(path) / CONFIG_NAME).is_file():
-        return servable_dir(path)
-    if not (path / CONFIG_NAME).is_file():
-        raise FileNotFoundError(f"drafter directory {path} has no {CONFIG_NAME} (give an exported drafter "
-                                f"directory or a checkpoint's step directory)")
-    return path
 
 
 def load_drafter(drafter_dir: str | os.PathLike, target_dir: str | os.PathLike, *,
@@ -125,8 +89,7 @@ def load_drafter(drafter_dir: str | os.PathLike, target_dir: str | os.PathLike, 
     """An exported drafter (or a checkpoint's step directory) with the target's embedding and LM
     head, in ``dtype`` on ``device``."""
     drafter_dir = find_drafter_dir(drafter_dir)
-    config_path = drafter_dir / CONFIG_NAME
-    config = config_from_export(json.loads(config_path.read_text()))
+    config = config_from_export(read_export_config(drafter_dir))
     model = build_drafter(config, target_dir, dtype=dtype)
     with safe_open(str(drafter_dir / WEIGHTS_NAME), framework="pt") as f:
         state = {name: f.get_tensor(name).to(torch.float32) for name in f.keys()}

@@ -21,66 +21,16 @@ can be saved as is and served without conversion.
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from drafter_worker.dflash.config import DFlashConfig
 from drafter_worker.dflash.attention import DraftAttention, attention_kind
 from drafter_worker.dflash.mask import block_positions
 from drafter_worker.draft_tensors import DraftTensors
+from drafter_worker.layers import RMSNorm, SwiGLUMLP, apply_rope, load_target_head, rope_cos_sin
 
 SHARED_PREFIXES = ("embed_tokens.", "lm_head.")  # the target's tensors: never trained, never exported
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None, *, device=None) -> torch.Tensor:
-    """Rotary frequencies ``[head_dim / 2]``, with the target's scaling: ``linear`` divides them by
-    ``factor``; ``llama3`` divides the low frequencies (wavelengths past
-    ``original_max_position_embeddings / low_freq_factor``) by ``factor``, keeps the high ones
-    (below ``... / high_freq_factor``) and blends linearly in between."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    if not scaling:
-        return inv_freq
-    factor = float(scaling["factor"])
-    if scaling["rope_type"] == "linear":
-        return inv_freq / factor
-    context = float(scaling["original_max_position_embeddings"])
-    low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
-    wavelength = 2 * math.pi / inv_freq
-    blend = ((context / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 0 at the low end, 1 at the high
-    return inv_freq / factor * (1 - blend) + inv_freq * blend
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
-                 scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin ``[..., head_dim]`` for integer positions, in the half-split layout of Qwen3."""
-    inv_freq = rope_inv_freq(head_dim, theta, scaling, device=positions.device)
-    angles = positions.float().unsqueeze(-1) * inv_freq
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x [B, heads, T, D]``, ``cos/sin [B, T, D]``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
 class DFlashAttention(nn.Module):
@@ -111,24 +61,13 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).flatten(2))
 
 
-class DFlashMLP(nn.Module):
-    def __init__(self, config: DFlashConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DFlashDecoderLayer(nn.Module):
     def __init__(self, config: DFlashConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = DFlashAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = DFlashMLP(config)
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, x_BQH, ctx_BSH, rope_q, rope_ctx, attend: DraftAttention) -> torch.Tensor:
         x_BQH = x_BQH + self.self_attn(self.input_layernorm(x_BQH), ctx_BSH, rope_q, rope_ctx, attend)
@@ -190,10 +129,14 @@ class DFlashDraftModel(DraftTensors):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden.to(self.lm_head.weight.dtype))
 
+    def proposer(self):
+        """This model drafting for ``hsd eval`` (:class:`drafter_worker.dflash.eval.DFlashProposer`)."""
+        from drafter_worker.dflash.eval import DFlashProposer
+        return DFlashProposer(self)
+
 
 def build_drafter(config: DFlashConfig, target_dir, *, dtype: torch.dtype = torch.float32) -> DFlashDraftModel:
     """A drafter with the target's embedding and LM head (read from ``target_dir``), untrained."""
-    from drafter_worker.dflash.target_head import load_target_head
     embed, head = load_target_head(target_dir)
     if 0 <= config.mask_token_id < embed.shape[0] and not bool(embed[config.mask_token_id].any()):
         # A zero row makes every masked position's first query zero, which RoPE cannot rotate: the

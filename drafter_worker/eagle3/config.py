@@ -1,21 +1,21 @@
 """Configs of the EAGLE-3 drafter: the model's shape (:class:`Eagle3Config`) and how it trains
 (:class:`Eagle3TrainConfig`, the run's ``eagle3`` section with its total steps resolved).
 
-The one decoder layer is Llama-shaped with the target's dimensions (read from the target's
-``config.json``): its attention reads ``2 × hidden`` features (the token embedding beside the fused
-hidden state), the target's embedding is shared and frozen, and the LM head is the drafter's own,
-over the draft vocabulary.
+The one decoder layer is Llama-shaped with the target's dimensions (its ``config.json``, read by
+:class:`common.target_config.TargetDims`): its attention reads ``2 × hidden`` features (the token
+embedding beside the fused hidden state), the target's embedding is shared and frozen, and the LM
+head is the drafter's own, over the draft vocabulary.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import ConfigError, Eagle3Section, opt
-from drafter_worker.dflash.config import rope_scaling_of, rope_theta_of
+from common.target_config import TargetDims
+from drafter_worker.layers import check_rope_scaling
 from drafter_worker.recipe import validate_recipe
 
 NUM_FUSED_LAYERS = 3  # serving engines build fc as 3 x hidden -> hidden
@@ -60,20 +60,14 @@ class Eagle3Config:
     @classmethod
     def from_target(cls, target_dir: str | Path, *, layer_ids: list[int], **overrides) -> "Eagle3Config":
         """Dimensions from the target's ``config.json``; ``overrides`` set any field."""
-        path = Path(target_dir) / "config.json"
-        if not path.is_file():
-            raise ConfigError(f"target directory {target_dir} has no config.json")
-        target = json.loads(path.read_text())
-        target = target.get("text_config", target)
-        num_heads = target["num_attention_heads"]
+        target = TargetDims.read(target_dir)
         fields = dict(
-            target_layer_ids=list(layer_ids), num_target_layers=target["num_hidden_layers"],
-            hidden_size=target["hidden_size"], intermediate_size=target["intermediate_size"],
-            num_attention_heads=num_heads, num_key_value_heads=target.get("num_key_value_heads") or num_heads,
-            head_dim=target.get("head_dim") or target["hidden_size"] // num_heads,
-            rms_norm_eps=target.get("rms_norm_eps", 1e-6), rope_theta=rope_theta_of(target),
-            rope_scaling=rope_scaling_of(target),
-            max_position_embeddings=target.get("max_position_embeddings", 40960), vocab_size=target["vocab_size"],
+            target_layer_ids=list(layer_ids), num_target_layers=target.num_layers,
+            hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
+            num_attention_heads=target.num_attention_heads, num_key_value_heads=target.num_key_value_heads,
+            head_dim=target.head_dim, rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
+            rope_scaling=check_rope_scaling(target.rope_scaling),
+            max_position_embeddings=target.max_position_embeddings, vocab_size=target.vocab_size,
         )
         fields["draft_vocab_size"] = min(int(overrides.pop("draft_vocab", 32000)), fields["vocab_size"])
         unknown = set(overrides) - set(cls.__dataclass_fields__)

@@ -1,4 +1,4 @@
-"""EAGLE-3 chain drafting for :func:`drafter_worker.dflash.eval.evaluate` (``hsd eval``).
+"""EAGLE-3 chain drafting for :func:`drafter_worker.speculative_eval.evaluate` (``hsd eval``).
 
 From the verified prefix ``x_0..x_{L-1}`` (``x_{L-1}`` the target's bonus token) and the target's
 captured layers of positions ``0..L-2``: step 0 runs over every position ``t`` with token
@@ -10,6 +10,8 @@ each mapped to a target id through ``d2t``; the target then verifies them greedi
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from drafter_worker.eagle3.model import Eagle3DraftModel
@@ -17,7 +19,7 @@ from drafter_worker.eagle3.vocab import draft_to_target
 
 
 class Eagle3Proposer:
-    """A :class:`drafter_worker.dflash.eval.Proposer` drafting ``ttt_steps`` tokens by chaining."""
+    """A :class:`drafter_worker.speculative_eval.Proposer` drafting ``ttt_steps`` tokens by chaining."""
 
     def __init__(self, model: Eagle3DraftModel):
         self.model = model.eval()
@@ -43,3 +45,9 @@ class Eagle3Proposer:
             stream, normed = model.step(stream, drafts[-1].view(1, 1), position, cache)
             drafts.append(self._to_target(normed[0, -1]))
         return torch.stack(drafts)
+
+
+def load_proposer(drafter_dir: str | os.PathLike, target_dir, *, device="cpu") -> Eagle3Proposer:
+    """An exported EAGLE-3 drafter, drafting on ``device``."""
+    from drafter_worker.eagle3.export import load_drafter
+    return Eagle3Proposer(load_drafter(drafter_dir, target_dir, device=device))

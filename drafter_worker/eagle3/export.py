@@ -10,17 +10,16 @@ as layer ids and adds 1 itself. ``model.safetensors`` holds ``fc``, ``midlayer.*
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from drafter_worker.dflash.config import rope_fields, rope_scaling_of, rope_theta_of
-from drafter_worker.dflash.export import CONFIG_NAME, WEIGHTS_NAME, write_drafter_files
+from common.target_config import rope_scaling_of, rope_theta_of
 from drafter_worker.eagle3.config import Eagle3Config
 from drafter_worker.eagle3.model import Eagle3DraftModel, build_drafter
+from drafter_worker.layers import WEIGHTS_NAME, check_rope_scaling, read_export_config, rope_fields, write_drafter_files
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -70,20 +69,16 @@ def config_from_export(doc: dict) -> Eagle3Config:
         ttt_steps=training["ttt_steps"], loss_decay=training["loss_decay"], hidden_size=doc["hidden_size"],
         intermediate_size=doc["intermediate_size"], num_attention_heads=doc["num_attention_heads"],
         num_key_value_heads=doc["num_key_value_heads"], head_dim=doc["head_dim"], rms_norm_eps=doc["rms_norm_eps"],
-        rope_theta=rope_theta_of(doc), rope_scaling=rope_scaling_of(doc), max_position_embeddings=doc.get("max_position_embeddings", 40960),
+        rope_theta=rope_theta_of(doc), rope_scaling=check_rope_scaling(rope_scaling_of(doc)),
+        max_position_embeddings=doc.get("max_position_embeddings", 40960),
         vocab_size=doc["vocab_size"], draft_vocab_size=doc["draft_vocab_size"])
-
-
-def is_eagle3_export(drafter_dir: str | os.PathLike) -> bool:
-    path = Path(drafter_dir) / CONFIG_NAME
-    return path.is_file() and ARCHITECTURE in json.loads(path.read_text()).get("architectures", [])
 
 
 def load_drafter(drafter_dir: str | os.PathLike, target_dir: str | os.PathLike, *,
                  dtype: torch.dtype = torch.float32, device="cpu") -> Eagle3DraftModel:
     """An exported drafter with the target's embedding, in ``dtype`` on ``device``."""
     drafter_dir = Path(drafter_dir)
-    config = config_from_export(json.loads((drafter_dir / CONFIG_NAME).read_text()))
+    config = config_from_export(read_export_config(drafter_dir))
     with safe_open(str(drafter_dir / WEIGHTS_NAME), framework="pt") as f:
         state = {name: f.get_tensor(name) for name in f.keys()}
     for name in ("d2t", "t2d"):

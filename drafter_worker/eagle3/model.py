@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafter_worker.dflash.model import DFlashMLP, RMSNorm, apply_rope, rope_cos_sin
 from drafter_worker.draft_tensors import DraftTensors
 from drafter_worker.eagle3.config import NUM_FUSED_LAYERS, Eagle3Config
 from drafter_worker.eagle3.ttt_attention import KVCache, ttt_attention
 from drafter_worker.eagle3.vocab import check_vocab
+from drafter_worker.layers import RMSNorm, SwiGLUMLP, apply_rope, load_target_head, rope_cos_sin
 
 SHARED_PREFIXES = ("embed_tokens.",)  # the target's embedding: never trained, never exported
 
@@ -64,7 +64,7 @@ class Eagle3DecoderLayer(nn.Module):
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Eagle3Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = DFlashMLP(config)  # the SwiGLU MLP both drafters share
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, embed_BTH, hidden_BTH, rope, cache: KVCache, ttt: str | None) -> torch.Tensor:
         x = torch.cat([self.input_layernorm(embed_BTH), self.hidden_norm(hidden_BTH)], dim=-1)
@@ -117,12 +117,16 @@ class Eagle3DraftModel(DraftTensors):
         """Draft-vocabulary logits (map an argmax to a target id with ``d2t``)."""
         return self.lm_head(normed)
 
+    def proposer(self):
+        """This model drafting for ``hsd eval`` (:class:`drafter_worker.eagle3.eval.Eagle3Proposer`)."""
+        from drafter_worker.eagle3.eval import Eagle3Proposer
+        return Eagle3Proposer(self)
+
 
 def build_drafter(config: Eagle3Config, target_dir, *, d2t: torch.Tensor, t2d: torch.Tensor,
                   dtype: torch.dtype = torch.float32) -> tuple[Eagle3DraftModel, torch.Tensor]:
     """An untrained drafter with the target's embedding, and the target's LM head ``[V, H]`` (frozen,
     in ``dtype``: the trainer turns the captured final-norm states into the target's logits with it)."""
-    from drafter_worker.dflash.target_head import load_target_head
     embed, head = load_target_head(target_dir)
     embed = embed.to(dtype)
     head = embed if head is embed else head.to(dtype)

@@ -350,3 +350,31 @@ def test_a_worker_whose_capture_contract_differs_is_refused_naming_both(tmp_path
                       contract={**contract, "layer_ids": [1, 4, 6]})
     message = str(refused.value)
     assert "this run" in message and "drafter drafter-1" in message and "[1, 3, 5]" in message and "[1, 4, 6]" in message
+
+
+@pytest.mark.parametrize("batching", ["sorted", "fixed"])
+def test_the_jobs_of_an_epoch_a_drafter_is_told_are_every_epochs_schedule(tmp_path, batching):
+    """A drafter's learning-rate schedule spans run.epochs epochs of the count its register reply
+    carries: the jobs of the first epoch's schedule, which every epoch's schedule makes, for any seed
+    (what count_batches counts from the lengths alone)."""
+    from core_harness import BUCKETS, TOKENS, small_lengths
+    from dispatcher.core import DispatcherCore
+    from dispatcher.core_types import CoreOptions
+    from dispatcher.journal import Journal
+    from dispatcher.pool import HSPool
+    from dispatcher.schedule import build_epoch_schedule, count_batches
+    lengths = small_lengths(seed=5, scale=3)
+    options = CoreOptions(lease_s=1000.0, worker_timeout_s=1e6, epochs=3, run_seed=11, buckets=list(BUCKETS),
+                          tokens_per_batch=TOKENS, order="interleave", batching=batching)
+    pool = HSPool(min_ready=2, target_credits=2, pull="deficit", seed=1, num_buckets=len(BUCKETS))
+    core = DispatcherCore(options, run_dir=tmp_path, lengths=lengths, journal=Journal(tmp_path), pool=pool,
+                          shared_slots=6, now=0.0)
+    jobs = core.store.jobs_per_epoch
+    assert jobs == core.schedule(0).num_jobs == count_batches(lengths, bucket_max_lens=BUCKETS,
+                                                               tokens_per_batch=TOKENS, batching=batching)
+    for seed, epoch in ((11, 1), (11, 2), (4, 0)):
+        assert build_epoch_schedule(lengths, bucket_max_lens=BUCKETS, tokens_per_batch=TOKENS, run_seed=seed,
+                                    epoch=epoch, batching=batching).num_jobs == jobs
+    if batching == "fixed":  # per bucket, its samples over the batch size of its longest: 8, 4, 2
+        sizes = [sum(1 for n in lengths if lo < n <= hi) for lo, hi in zip([0, *BUCKETS], BUCKETS)]
+        assert jobs == sum(-(-n // (TOKENS // hi)) for n, hi in zip(sizes, BUCKETS))

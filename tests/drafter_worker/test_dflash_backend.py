@@ -10,16 +10,15 @@ import torch
 from safetensors.torch import load_file
 
 from common.capture_contract import contract_from_config
-from common.config import load_config
 from common.slots import SlotBatch, SlotHeader
 from common.servable import weights_files
 from common.witness import latest_checkpoint, servable_dir, training_dir
-from dflash_run import tiny_run, write_dataset
+from dflash_run import tiny_run
 from dflash_testing import LAYER_IDS, backend_config, random_batch
 from host_reads import HostReads
 from drafter_worker.dflash.export import load_drafter
-from dispatcher.schedule import build_epoch_schedule
-from drafter_worker.dflash_backend import DFlashBackend, derive_schedule_jobs, jobs_per_epoch
+from drafter_worker.dflash_backend import DFlashBackend
+from drafter_worker.drafter_backend import derive_schedule_jobs
 from hsd.cli import main as cli_main
 
 
@@ -169,27 +168,24 @@ def test_sync_gradients_sums_over_ranks(tiny_target, tiny_target_model, tmp_path
         torch.testing.assert_close(pair.trainer.model.draft_state_dict()[name], tensor)
 
 
-def test_schedule_length_from_the_data_and_schedule(tmp_path):
-    config = tiny_run(tmp_path, tmp_path / "run", num_samples=32, epochs=3,
-                      extra=("drafter.accum_steps=3",))
-    lengths = [int(n) for n in (tmp_path / "data" / "lengths.txt").read_text().split()]
-    short = sum(n <= 32 for n in lengths)
-    fixed = load_config(None, [*_overrides(config), "schedule.batching=fixed"])
-    assert jobs_per_epoch(fixed) == -(-short // 4) + -(-(len(lengths) - short) // 2)  # 128 tokens a batch
-    for epoch in (0, 1):  # sorted batching: the count of the schedule the dispatcher builds, every epoch
-        schedule = build_epoch_schedule(lengths, bucket_max_lens=config.schedule.buckets, tokens_per_batch=128,
-                                        run_seed=config.run.seed, epoch=epoch, batching="sorted")
-        assert jobs_per_epoch(config) == schedule.num_jobs
-    assert derive_schedule_jobs(config) == jobs_per_epoch(config) * config.run.epochs
-    assert derive_schedule_jobs(load_config(None, [*_overrides(config), "dflash.total_steps=17"])) == 17 * 3
-    write_dataset(tmp_path / "empty", [8])
-    assert jobs_per_epoch(load_config(None, [*_overrides(config), f"data.path={tmp_path / 'empty'}"])) == 1
-
-
-def _overrides(config):
-    return [f"run.dir={config.run.dir}", f"data.path={config.data.path}", f"target.model={config.target.model}",
-            f"run.epochs={config.run.epochs}", "drafter.accum_steps=3", "schedule.buckets=[32,64]",
-            "schedule.tokens_per_batch=128", "target.capture_layers=[1,2]"]
+def test_schedule_length_from_the_dispatchers_count_of_an_epoch(tmp_path):
+    """Every job of every epoch, as the dispatcher counts an epoch's (its register reply's
+    jobs_per_epoch: tests/dispatcher/test_core.py checks it is every epoch's schedule), or
+    dflash.total_steps steps; the optimizer's schedule is never built before the count is known."""
+    config = tiny_run(tmp_path, tmp_path / "run", num_samples=32, epochs=3, extra=("drafter.accum_steps=3",))
+    assert derive_schedule_jobs(config, "dflash") is None  # the dispatcher's to count
+    assert derive_schedule_jobs(config, "dflash", jobs_per_epoch=11) == 11 * config.run.epochs
+    fixed = tiny_run(tmp_path, tmp_path / "run", num_samples=32, epochs=3,
+                     extra=("drafter.accum_steps=3", "dflash.total_steps=17"))
+    assert derive_schedule_jobs(fixed, "dflash") == derive_schedule_jobs(fixed, "dflash", jobs_per_epoch=11) == 17 * 3
+    backend = DFlashBackend(config, "drafter-0")
+    with pytest.raises(RuntimeError, match="register reply"):
+        backend.apply_step([])
+    backend.adopt_registration({"jobs_per_epoch": 11})
+    assert backend.schedule_jobs == backend.trainer.config.total_steps == 11 * 3
+    backend.adopt_registration({"jobs_per_epoch": 5})  # a later registration changes nothing
+    assert backend.trainer.config.total_steps == 11 * 3
+    assert DFlashBackend(fixed, "drafter-1").trainer.config.total_steps == 17 * 3  # known without a reply
 
 
 def test_the_learning_rate_follows_the_jobs_trained_whatever_the_world_size(tiny_target, tmp_path):

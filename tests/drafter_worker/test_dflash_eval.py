@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from dflash_testing import LAYER_IDS, VOCAB, make_trainer, target_states
-from drafter_worker.dflash.eval import evaluate, greedy_generate
 from drafter_worker.dflash.export import save_drafter
+from drafter_worker.speculative_eval import evaluate, greedy_generate
 from hsd.cli import main
 
 PROMPTS = [[5, 17, 42, 8, 99, 3], [250, 11, 7], [60, 61, 62, 63, 64, 65, 66, 67]]
@@ -128,7 +128,7 @@ def test_hsd_eval_cli(tiny_target, tmp_path, capsys):
 def test_evaluation_feeds_the_drafter_raw_layer_outputs(tiny_target_model):
     """hsd eval gives the drafter what training and the engines give it: the last layer's block is
     that layer's raw output, not hidden_states[N] (the final norm's output)."""
-    from drafter_worker.dflash.eval import forward_capturing
+    from drafter_worker.speculative_eval import forward_capturing
     ids = torch.randint(1, VOCAB - 1, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         plain = tiny_target_model(ids, output_hidden_states=True)

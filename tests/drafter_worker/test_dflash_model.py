@@ -12,7 +12,7 @@ from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 from dflash_testing import LAYER_IDS, VOCAB
 from drafter_worker.dflash.config import DFlashConfig
 from drafter_worker.dflash.model import build_drafter
-from drafter_worker.dflash.target_head import load_target_head
+from drafter_worker.layers import load_target_head
 
 
 def _drafter(target_dir, *, block_size=4, num_layers=1, seed=0):
@@ -186,12 +186,12 @@ def test_rope_scaling_equals_the_transformers_frequencies(scaling):
     transformers' own for the same config (modelling_rope_utils' init functions, as the target runs)."""
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    from drafter_worker.dflash.config import rope_scaling_of
-    from drafter_worker.dflash.model import rope_inv_freq
+    from common.target_config import rope_scaling_of
+    from drafter_worker.layers import check_rope_scaling, rope_inv_freq
     config = LlamaConfig(hidden_size=256, num_attention_heads=4, head_dim=64, rope_theta=500000.0,
                          max_position_embeddings=512, rope_scaling=dict(scaling))
     expected, _ = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](config, "cpu")
-    ours = rope_scaling_of(config.to_dict())
+    ours = check_rope_scaling(rope_scaling_of(config.to_dict()))
     assert ours["rope_type"] == scaling["rope_type"] and ours["factor"] == scaling["factor"]
     torch.testing.assert_close(rope_inv_freq(64, 500000.0, ours), expected.float(), rtol=1e-6, atol=0)
     assert not torch.equal(rope_inv_freq(64, 500000.0, None), expected.float())

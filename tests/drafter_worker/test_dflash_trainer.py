@@ -9,7 +9,7 @@ import torch
 from dflash_testing import make_trainer, random_batch
 from drafter_worker.dflash.anchors import IGNORE, PAD_ANCHOR, block_labels
 from drafter_worker.dflash.loss import weighted_ce
-from drafter_worker.dflash.state_io import load_state, save_state
+from drafter_worker.state_io import load_state, save_state
 from drafter_worker.dflash.trainer import warmup_cosine
 
 

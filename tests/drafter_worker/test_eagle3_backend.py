@@ -12,9 +12,9 @@ from safetensors import safe_open
 from common.capture_contract import contract_from_config
 from common.slots import SlotBatch, SlotHeader
 from common.witness import latest_checkpoint, servable_dir
-from drafter_worker.dflash.eval import evaluate
 from drafter_worker.eagle3.export import load_drafter
 from drafter_worker.eagle3_backend import Eagle3Backend
+from drafter_worker.speculative_eval import evaluate
 from eagle3_testing import DRAFT_VOCAB, LAYER_IDS, backend_config, random_batch, random_prepared
 
 HIDDEN = 64  # the tiny target's

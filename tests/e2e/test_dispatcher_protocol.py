@@ -97,6 +97,23 @@ def test_bad_messages_get_typed_errors_and_the_dispatcher_keeps_serving(dispatch
     assert snapshot["given_back"]
 
 
+def test_a_drafters_registration_says_how_many_jobs_an_epoch_has(dispatcher, run_dir):
+    """A drafter's learning-rate schedule spans run.epochs epochs: its register reply carries the jobs
+    of one, as the dispatcher's schedule counts them (a target's reply has no need of it)."""
+    client = DispatcherClient(endpoint(run_dir), secret="s3cret", timeout_s=5)
+    try:
+        drafter = client.call("register", role="drafter", name="probe-d", pid=os.getpid(), host="elsewhere",
+                              model={"id": "probe-model", "step": 0})
+        target = client.call("register", role="target", name="probe-t", pid=os.getpid(), host="elsewhere")
+        epochs = stats(run_dir)["epochs"]
+        assert drafter["jobs_per_epoch"] == epochs[0]["jobs"] > 0
+        assert "jobs_per_epoch" not in target
+        for reply in (drafter, target):
+            client.call("deregister", worker_id=reply["worker_id"], token=reply["token"])
+    finally:
+        client.close()
+
+
 def test_stats_socket_is_read_only(dispatcher, run_dir):
     client = DispatcherClient(f"ipc://{run_dir / 'stats.sock'}", secret="s3cret", timeout_s=5)
     try:
