@@ -22,10 +22,11 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 MODEL_CONFIG_NAME = "config.json"
-CAPTURE_DTYPES = ("bfloat16", "float16", "float32")
+CaptureDtype = Literal["bfloat16", "float16", "float32"]  # target.dtype is one of these or auto
+CAPTURE_DTYPES = get_args(CaptureDtype)
 CAPTURE_POINT = "layer_output"  # every layer's raw output, before any final norm (the engines')
 LEGACY_CAPTURE_POINT = "hidden_states"  # a contract that names none: the last layer after the final norm
 
