@@ -71,7 +71,7 @@ def config_from_export(doc: dict) -> Eagle3Config:
         intermediate_size=doc["intermediate_size"], num_attention_heads=doc["num_attention_heads"],
         num_key_value_heads=doc["num_key_value_heads"], head_dim=doc["head_dim"], rms_norm_eps=doc["rms_norm_eps"],
         rope_theta=rope_theta_of(doc), rope_scaling=rope_scaling_of(doc), max_position_embeddings=doc.get("max_position_embeddings", 40960),
-        vocab_size=doc["vocab_size"], draft_vocab_size=doc["draft_vocab_size"])
+        vocab_size=doc["vocab_size"], draft_vocab=doc["draft_vocab_size"])
 
 
 def is_eagle3_export(drafter_dir: str | os.PathLike) -> bool:
