@@ -15,13 +15,14 @@ from common.config.loading import (RESOLVED_CONFIG_NAME, describe, load_config, 
                                    validate, write_resolved)
 from common.config.sections import (Batching, Config, CurveSection, DataSection, DFlashModelKeys, DFlashSection,
                                     DispatcherSection, DrafterSection, Eagle3ModelKeys, Eagle3Section, ElasticBatch,
-                                    NodesSection, Objective, Order, PoolSection, RunSection, ScheduleSection,
-                                    StepBalance, TargetSection, TrainingRecipe, Transport, model_keys, step_jobs)
+                                    Locality, NodesSection, Objective, Order, PoolSection, Pull, RunSection,
+                                    ScheduleSection, StepBalance, TargetSection, TrainingRecipe, Transport, model_keys,
+                                    step_jobs)
 
 __all__ = [
     "RESOLVED_CONFIG_NAME", "Batching", "Config", "ConfigError", "CurveSection", "DFlashModelKeys", "DFlashSection",
     "DataSection", "DispatcherSection", "DrafterSection", "Eagle3ModelKeys", "Eagle3Section", "ElasticBatch",
-    "NodesSection", "Objective", "Order", "PoolSection", "RunSection", "ScheduleSection", "Section", "StepBalance",
-    "TargetSection", "TrainingRecipe", "Transport", "coerce", "describe", "load_config", "load_run_config",
-    "model_keys", "opt", "parse_override", "step_jobs", "validate", "write_resolved",
+    "Locality", "NodesSection", "Objective", "Order", "PoolSection", "Pull", "RunSection", "ScheduleSection",
+    "Section", "StepBalance", "TargetSection", "TrainingRecipe", "Transport", "coerce", "describe", "load_config",
+    "load_run_config", "model_keys", "opt", "parse_override", "step_jobs", "validate", "write_resolved",
 ]

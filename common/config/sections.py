@@ -64,6 +64,7 @@ class ScheduleSection(Section):
                               f"of the longest bucket ({buckets[-1]})")
 
 
+Pull = Literal["deficit", "random"]
 Transport = Literal["auto", "shm", "cuda_ipc", "nixl"]
 
 
@@ -73,7 +74,7 @@ class PoolSection(Section):
     slots: int = opt(16, "Number of hidden-state slots (each holds one batch); bounds memory.")
     min_ready: int = opt(6, "Drafters are served only while this many slots are ready, except at an epoch's tail.")
     target_credits: int = opt(2, "Slots one target may hold while extracting (its prefetch depth).")
-    pull: Literal["deficit", "random"] = opt("deficit", "Pull policy: deficit (largest consumption deficit) or random (naive, for comparison).")
+    pull: Pull = opt("deficit", "Pull policy: deficit (largest consumption deficit) or random (naive, for comparison).")
     transport: Transport = opt("auto", "Hidden-state transport: auto, shm or cuda_ipc (one node), or nixl (across nodes: each target holds its share of pool.slots in its own node's memory, as with cuda_ipc).")
 
     def check(self) -> None:
@@ -119,11 +120,14 @@ class CurveSection(Section):
         return bool(self.server_public_key)
 
 
+Locality = Literal["prefer", "any"]
+
+
 @dataclass
 class NodesSection(Section):
     section = "nodes"
     name: str = opt("", "This process's node, which a worker names when it registers (hsd target/drafter --node); empty = the hostname.")
-    locality: Literal["prefer", "any"] = opt("prefer", "prefer: a drafter reads its own node's slots first, another node's only when the fairness bound or its starvation asks for it; any: no preference.")
+    locality: Locality = opt("prefer", "prefer: a drafter reads its own node's slots first, another node's only when the fairness bound or its starvation asks for it; any: no preference.")
     remote_after_s: float = opt(0.0, "With locality=prefer: how long a drafter with no eligible slot on its node waits before it reads another node's.")
 
     def check(self) -> None:
