@@ -23,11 +23,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
 from benchmarks.gpu_sections import CheckContext, Skip
+from common.config import Objective
 
 REPO = Path(__file__).resolve().parent.parent
 CUDA_TESTS = ("tests/common/test_cuda_ipc.py", "tests/common/test_cuda_ipc_cache.py", "tests/common/test_shm_pinning.py")
@@ -260,7 +261,7 @@ def _resume_one(ctx: CheckContext, objective: str) -> dict[str, Any]:
 
 def resume(ctx: CheckContext) -> dict[str, Any]:
     """Both backends: two steps, a checkpoint, a fresh backend resumes it, two more steps vs straight through."""
-    figures = {objective: _resume_one(ctx, objective) for objective in ("dflash", "eagle3")}
+    figures = {objective: _resume_one(ctx, objective) for objective in get_args(Objective)}
     figures["ok"] = all(f["resumed_step"] == 2 and f["loss_diff_vs_uninterrupted"] < 1e-2
                         for f in figures.values() if isinstance(f, dict))
     return figures

@@ -26,12 +26,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import get_args
 
-from common.config import ConfigError, load_config
+from common.config import ConfigError, StepBalance, load_config
 from dispatcher.journal import read_journal
 from ops.report import build_report
 
-POLICIES = ("count", "cost")
+POLICIES = get_args(StepBalance)
 SETUPS = ("modeled", "dflash")
 SLOTS = 24  # a deep pool: the ranks rarely wait for hidden states, so their waits are each other's
 MODELED = ["target.sim=true", "target.hidden_size=16", "target.num_capture_layers=2", "target.sim_cost_per_token=1e-6",

@@ -22,11 +22,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from common.target_config import model_shape, read_model_config
 
-CAPTURE_DTYPES = ("bfloat16", "float16", "float32")
+CaptureDtype = Literal["bfloat16", "float16", "float32"]  # target.dtype is one of these or auto
+CAPTURE_DTYPES = get_args(CaptureDtype)
 CAPTURE_POINT = "layer_output"  # every layer's raw output, before any final norm (the engines')
 LEGACY_CAPTURE_POINT = "hidden_states"  # a contract that names none: the last layer after the final norm
 

@@ -12,11 +12,13 @@ import importlib.util
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, get_args
 
+from common.config import Transport
 from common.slot_layout import SlotLayout
 
-TRANSPORT_KINDS = ("shm", "cuda_ipc", "nixl")
+TRANSPORT_CHOICES = get_args(Transport)  # pool.transport: auto or a kind
+TRANSPORT_KINDS = tuple(choice for choice in TRANSPORT_CHOICES if choice != "auto")
 # The meta package ``nixl`` picks a CUDA build; the builds themselves work as well without it.
 ENGINE_MODULES = ("nixl", "nixl_cu12", "nixl_cu13")
 INSTALL_HINT = "pip install 'hsdispatch[multinode]' (NIXL)"
@@ -27,7 +29,6 @@ def engine_missing() -> str | None:
     if any(importlib.util.find_spec(name) is not None for name in ENGINE_MODULES):
         return None
     return f"pool.transport=nixl (runs across nodes) needs NIXL, which is not installed here: {INSTALL_HINT}"
-TRANSPORT_CHOICES = ("auto",) + TRANSPORT_KINDS
 
 
 def cuda_ipc_possible() -> bool:

@@ -39,8 +39,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import get_args
 
-from common.config import step_jobs
+from common.config import ElasticBatch, StepBalance, step_jobs
 from common.protocol import tcp_store_name
 
 GROUPS_DIR = "groups"
@@ -66,8 +67,11 @@ class GroupSpec:
     def check(self) -> None:
         if self.size < 1 or self.min_ranks < 1 or self.max_ranks < 0:
             raise ValueError("a group needs size >= 1, min_ranks >= 1 and max_ranks >= 0")
-        if self.balance not in ("cost", "count") or self.elastic_batch not in ("tokens", "ranks") or self.accum_steps < 1:
-            raise ValueError("a group needs balance cost or count, elastic_batch tokens or ranks, and accum_steps >= 1")
+        # The sizes come in a rank's registration: its config checked them, this dispatcher did not.
+        balances, batches = get_args(StepBalance), get_args(ElasticBatch)
+        if self.balance not in balances or self.elastic_batch not in batches or self.accum_steps < 1:
+            raise ValueError(f"a group needs balance {' or '.join(balances)}, elastic_batch {' or '.join(batches)}, "
+                             f"and accum_steps >= 1")
         if self.max_ranks and not self.min_ranks <= self.size <= self.max_ranks:
             raise ValueError(f"a group needs min_ranks <= size <= max_ranks, got {self.min_ranks}, {self.size}, "
                              f"{self.max_ranks}")

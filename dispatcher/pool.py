@@ -28,10 +28,12 @@ import enum
 import random
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, get_args
 
-PULL_POLICIES = ("deficit", "random")
-LOCALITY_POLICIES = ("prefer", "any")
+from common.config import Locality, Pull
+
+PULL_POLICIES = get_args(Pull)  # pool.pull's choices
+LOCALITY_POLICIES = get_args(Locality)  # nodes.locality's
 
 
 class SlotState(str, enum.Enum):

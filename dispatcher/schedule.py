@@ -42,16 +42,17 @@ import shutil
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Sequence
+from typing import Sequence, get_args
 
 import numpy as np
 
+from common.config import Batching, Order
 from common.durable import fsync_dir
 from common.slot_layout import max_seqs_per_batch
 from dispatcher.fairness import prefix_deviation_array, tail_skew
 
-ORDERS = ("interleave", "shuffle")
-BATCHINGS = ("sorted", "fixed")
+ORDERS = get_args(Order)  # schedule.order's choices, the default first
+BATCHINGS = get_args(Batching)
 SCHEDULE_DIR = "schedule"
 # Largest relative change of a length in the within-class order of sorted batching. Larger mixes
 # wider neighbourhoods into a batch each epoch, at the cost of padding: on the lognormal mix of the

@@ -7,8 +7,9 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import get_args
 
-from common.config import ConfigError, describe
+from common.config import ConfigError, Objective, describe
 from common.worker_runtime import EXIT_UNUSABLE, WorkerUnusable
 from hsd.bench import add_bench_parser
 from hsd.shared import add_config_args, config_of, require_model, setup_logging
@@ -245,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-prompts", type=int, default=12, help="held-out prompts of the tau evaluation")
     p.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per evaluation prompt")
     p.add_argument("--tiny-steps", type=int, help="training steps of the tiny target (default: its full recipe)")
-    p.add_argument("--objective", choices=("dflash", "eagle3"), default="dflash",
+    p.add_argument("--objective", choices=get_args(Objective), default="dflash",
                    help="drafter to train (default dflash; eagle3 runs deploy/configs/demo-eagle3.yaml)")
     p.set_defaults(func=cmd_demo)
 

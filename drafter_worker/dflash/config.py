@@ -1,5 +1,6 @@
-"""Configs of the DFlash drafter: the model's shape (:class:`DFlashConfig`) and how it trains
-(:class:`DFlashTrainConfig`, the run's ``dflash`` config section with its total steps resolved).
+"""Configs of the DFlash drafter: the model's shape (:class:`DFlashConfig`: the ``dflash`` section's
+model keys and the dimensions read from the target) and how it trains (:class:`DFlashTrainConfig`,
+the run's ``dflash`` config section with its total steps resolved).
 
 The draft layers are Qwen3-style decoder layers whose dimensions default to the target's own
 (its ``config.json``, read by :class:`common.target_config.TargetDims`): the fused context lives in
@@ -15,7 +16,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.config import ConfigError, DFlashSection, opt
+from common.config import ConfigError, DFlashModelKeys, DFlashSection, model_keys, opt
 from common.target_config import TargetDims
 from drafter_worker.layers import check_rope_scaling
 from drafter_worker.recipe import validate_recipe
@@ -32,16 +33,12 @@ def default_gamma(block_size: int) -> float:
 
 
 @dataclass
-class DFlashConfig:
-    block_size: int = opt(16, "Tokens per draft block: the anchor token plus block_size - 1 masked positions.")
-    num_draft_layers: int = opt(5, "Number of draft decoder layers.")
-    num_anchors: int = opt(512, "Most anchors (blocks) sampled per training sequence.")
-    gamma: float = opt(0.0, "Loss decay: position k weighs exp(-(k-1)/gamma); 0 = the default for block_size.")
+class DFlashConfig(DFlashModelKeys):
+    """The draft model: the ``dflash`` section's model keys (block_size, num_draft_layers, num_anchors,
+    gamma, mask_token_id: declared once, in :class:`common.config.DFlashModelKeys`) and what is read
+    from the target (:meth:`from_target`) or an export."""
     target_layer_ids: list[int] = opt([], "Target layers whose outputs are fused (layer i = the raw output of decoder layer i, before any final norm).")
     num_target_layers: int = opt(0, "Decoder layers of the target (exported for serving engines).")
-    # A run's default comes from the tokenizer (drafter_worker.dflash.mask_token); -1 here, for a
-    # model built directly (tests and benches on random tokens), is the embedding's last row.
-    mask_token_id: int = opt(-1, "Token id of the masked block positions; -1 = the last row of the target embedding.")
     hidden_size: int = opt(0, "Hidden size (must equal the target's).")
     intermediate_size: int = opt(0, "SwiGLU inner size of the draft layers.")
     num_attention_heads: int = opt(0, "Query heads of the draft layers.")
@@ -57,6 +54,9 @@ class DFlashConfig:
     def __post_init__(self) -> None:
         if self.gamma == 0.0:
             self.gamma = default_gamma(self.block_size)
+        # A run resolves mask_token_id -1 from the tokenizer (drafter_worker.dflash.mask_token) before it
+        # builds the model; here, for a model built directly (tests and benches on random tokens), -1 is
+        # the embedding's last row.
         if self.mask_token_id == -1 and self.vocab_size > 0:
             self.mask_token_id = self.vocab_size - 1
         self.validate()
@@ -126,10 +126,7 @@ class DFlashTrainConfig(DFlashSection):
 
     def validate(self) -> None:
         validate_recipe("dflash", self)
-        if self.attention not in ("auto", "flex", "sdpa"):
-            raise ConfigError(f"dflash attention {self.attention!r} is not one of auto, flex, sdpa")
 
     def model_config(self, target_dir: str | Path, layer_ids: list[int]) -> DFlashConfig:
-        return DFlashConfig.from_target(target_dir, layer_ids=layer_ids, block_size=self.block_size,
-                                        num_draft_layers=self.num_draft_layers, num_anchors=self.num_anchors,
-                                        gamma=self.gamma, mask_token_id=self.mask_token_id)
+        """The draft model of this section's model keys on the target at ``target_dir``."""
+        return DFlashConfig.from_target(target_dir, layer_ids=layer_ids, **model_keys(DFlashModelKeys, self))

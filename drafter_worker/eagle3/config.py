@@ -1,5 +1,6 @@
-"""Configs of the EAGLE-3 drafter: the model's shape (:class:`Eagle3Config`) and how it trains
-(:class:`Eagle3TrainConfig`, the run's ``eagle3`` section with its total steps resolved).
+"""Configs of the EAGLE-3 drafter: the model's shape (:class:`Eagle3Config`: the ``eagle3`` section's
+model keys and the target's dimensions) and how it trains (:class:`Eagle3TrainConfig`, the run's
+``eagle3`` section with its total steps resolved).
 
 The one decoder layer is Llama-shaped with the target's dimensions (its ``config.json``, read by
 :class:`common.target_config.TargetDims`): its attention reads ``2 × hidden`` features (the token
@@ -13,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.config import ConfigError, Eagle3Section, opt
+from common.config import ConfigError, Eagle3ModelKeys, Eagle3Section, model_keys, opt
 from common.target_config import TargetDims
 from drafter_worker.layers import check_rope_scaling
 from drafter_worker.recipe import validate_recipe
@@ -22,11 +23,11 @@ NUM_FUSED_LAYERS = 3  # serving engines build fc as 3 x hidden -> hidden
 
 
 @dataclass
-class Eagle3Config:
+class Eagle3Config(Eagle3ModelKeys):
+    """The draft model: the ``eagle3`` section's model keys (ttt_steps, draft_vocab, loss_decay: declared
+    once, in :class:`common.config.Eagle3ModelKeys`) and the target's dimensions (:meth:`from_target`)."""
     target_layer_ids: list[int] = opt([], "Target layers whose outputs are fused (layer i = the raw output of decoder layer i, before any final norm).")
     num_target_layers: int = opt(0, "Decoder layers of the target.")
-    ttt_steps: int = opt(7, "Training-time test steps (tokens drafted per verify step at evaluation).")
-    loss_decay: float = opt(0.8, "TTT step k weighs loss_decay ** k.")
     hidden_size: int = opt(0, "Hidden size (the target's).")
     intermediate_size: int = opt(0, "SwiGLU inner size.")
     num_attention_heads: int = opt(0, "Query heads.")
@@ -37,11 +38,15 @@ class Eagle3Config:
     rope_scaling: dict | None = opt(None, "The target's RoPE scaling (rope_type linear or llama3 and its keys); None = plain RoPE.")
     max_position_embeddings: int = opt(40960, "Longest position the model is configured for (exported as is).")
     vocab_size: int = opt(0, "The target's vocabulary size.")
-    draft_vocab_size: int = opt(0, "Tokens the drafter's LM head scores (a subset of the target's vocabulary).")
+
+    @property
+    def draft_vocab_size(self) -> int:
+        """Tokens the drafter's LM head scores: draft_vocab, capped at the target's vocabulary."""
+        return min(self.draft_vocab, self.vocab_size)
 
     def __post_init__(self) -> None:
         for key in ("num_target_layers", "ttt_steps", "hidden_size", "intermediate_size", "num_attention_heads",
-                    "num_key_value_heads", "head_dim", "vocab_size", "draft_vocab_size"):
+                    "num_key_value_heads", "head_dim", "vocab_size", "draft_vocab"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"eagle3 {key} must be positive, got {getattr(self, key)}")
         if len(self.target_layer_ids) != NUM_FUSED_LAYERS:
@@ -49,8 +54,6 @@ class Eagle3Config:
         if not all(0 <= i < self.num_target_layers for i in self.target_layer_ids):
             raise ConfigError(f"target_layer_ids {self.target_layer_ids} out of range for a target with "
                               f"{self.num_target_layers} layers")
-        if self.draft_vocab_size > self.vocab_size:
-            raise ConfigError(f"draft_vocab_size {self.draft_vocab_size} exceeds the target's vocabulary {self.vocab_size}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                               f"num_key_value_heads ({self.num_key_value_heads})")
@@ -69,7 +72,6 @@ class Eagle3Config:
             rope_scaling=check_rope_scaling(target.rope_scaling),
             max_position_embeddings=target.max_position_embeddings, vocab_size=target.vocab_size,
         )
-        fields["draft_vocab_size"] = min(int(overrides.pop("draft_vocab", 32000)), fields["vocab_size"])
         unknown = set(overrides) - set(cls.__dataclass_fields__)
         if unknown:
             raise ConfigError(f"unknown EAGLE-3 config keys: {', '.join(sorted(unknown))}")
@@ -89,5 +91,5 @@ class Eagle3TrainConfig(Eagle3Section):
         validate_recipe("eagle3", self)
 
     def model_config(self, target_dir: str | Path, layer_ids: list[int]) -> Eagle3Config:
-        return Eagle3Config.from_target(target_dir, layer_ids=layer_ids, ttt_steps=self.ttt_steps,
-                                        loss_decay=self.loss_decay, draft_vocab=self.draft_vocab)
+        """The draft model of this section's model keys on the target at ``target_dir``."""
+        return Eagle3Config.from_target(target_dir, layer_ids=layer_ids, **model_keys(Eagle3ModelKeys, self))

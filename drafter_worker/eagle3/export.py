@@ -71,7 +71,7 @@ def config_from_export(doc: dict) -> Eagle3Config:
         num_key_value_heads=doc["num_key_value_heads"], head_dim=doc["head_dim"], rms_norm_eps=doc["rms_norm_eps"],
         rope_theta=rope_theta_of(doc), rope_scaling=check_rope_scaling(rope_scaling_of(doc)),
         max_position_embeddings=doc.get("max_position_embeddings", 40960),
-        vocab_size=doc["vocab_size"], draft_vocab_size=doc["draft_vocab_size"])
+        vocab_size=doc["vocab_size"], draft_vocab=doc["draft_vocab_size"])
 
 
 def load_drafter(drafter_dir: str | os.PathLike, target_dir: str | os.PathLike, *,

@@ -1,13 +1,15 @@
-"""common/config.py: defaults, YAML + overrides, validation errors naming the key, resolved round trip."""
+"""common.config: defaults, YAML + overrides, validation errors naming the key, resolved round trip."""
 
 import json
+import typing
 from pathlib import Path
 
 import pytest
 import yaml
 
-from common.config import (RESOLVED_CONFIG_NAME, Config, ConfigError, describe, load_config, load_run_config,
-                           parse_override, write_resolved)
+from common.config import (RESOLVED_CONFIG_NAME, Config, ConfigError, DFlashSection, DispatcherSection, PoolSection,
+                           coerce, describe, load_config, load_run_config, parse_override, write_resolved)
+from common.config.fields import key_types
 
 
 @pytest.fixture(autouse=True)
@@ -315,3 +317,54 @@ def test_eagle3_capture_layers_are_three_and_a_short_target_needs_them_listed(tm
 ])
 def test_a_group_meets_over_tcp_by_default_only_across_nodes(overrides, meets):
     assert load_config(None, overrides).group_rendezvous == meets
+
+
+# -- sections check themselves --------------------------------------------------------------------
+
+def test_every_section_is_named_as_its_key_in_config():
+    for name, section_type in typing.get_type_hints(Config).items():
+        assert section_type.section == name
+
+
+def test_a_choice_error_lists_the_literal_values():
+    """Every choice key rejects a value outside its Literal and names the allowed values."""
+    for name, section_type in typing.get_type_hints(Config).items():
+        for key, hint in key_types(section_type).items():
+            if typing.get_origin(hint) is typing.Literal:
+                with pytest.raises(ConfigError) as info:
+                    load_config(None, [f"{name}.{key}=nosuch"])
+                assert str(info.value) == (f"{name}.{key}: 'nosuch' is not one of "
+                                           f"{', '.join(typing.get_args(hint))}")
+
+
+def test_a_section_built_in_code_is_checked_and_coerced():
+    with pytest.raises(ConfigError, match="pool.pull: 'greedy' is not one of deficit, random"):
+        PoolSection(pull="greedy")
+    with pytest.raises(ConfigError, match=r"pool.min_ready \(5\) must be below pool.slots \(4\)"):
+        PoolSection(slots=4, min_ready=5)
+    with pytest.raises(ConfigError, match="dflash.attention"):
+        DFlashSection(attention="xformers")
+    section = DispatcherSection(heartbeat_s=1, lease_s="1e2")
+    assert (section.heartbeat_s, section.lease_s) == (1.0, 100.0) and type(section.heartbeat_s) is float
+
+
+@pytest.mark.parametrize("value, hint, expected", [
+    (None, int | None, None),
+    (3, int | None, 3),
+    ([[1, 2], []], list[list[int]], [[1, 2], []]),
+    ((1, 2), list[float], [1.0, 2.0]),
+    ("1e-3", float, 1e-3),
+    (7, str, "7"),
+])
+def test_coerce(value, hint, expected):
+    assert coerce("s.k", value, hint) == expected
+
+
+@pytest.mark.parametrize("value, hint, message", [
+    ("x", int | None, "s.k: expected an integer, got 'x'"),
+    ([[1, "a"]], list[list[int]], r"s.k\[0\]\[1\]: expected an integer, got 'a'"),
+    (True, typing.Literal["a", "b"], "s.k: True is not one of a, b"),
+])
+def test_coerce_errors_name_the_key(value, hint, message):
+    with pytest.raises(ConfigError, match=message):
+        coerce("s.k", value, hint)
