@@ -47,14 +47,13 @@ slowest rank plus the exchange itself) is logged per step with its share of the 
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import time
 from typing import Any
 
 import psutil
 import torch
 
+from common import faults
 from common.config import Config
 from common.protocol import ErrorCode, ProtocolError
 from common.transport import DrafterTransport
@@ -72,14 +71,6 @@ COMMITTED, REFUSED, ABORTED, PENDING = 1, 0, -1, 2
 GROUP_NEVER_FORMED_EXIT = 4  # exit code of a rank that found no version to train in within drafter.group_wait_s
 DONE, NEXT_VERSION, LEAVE = "done", "next", "leave"  # how a version ends for a rank
 JOIN_POLL_MS = 1000
-# Test-only faults: "<name>@<point>:<step>,..." SIGKILLs the drafter named ``name`` at ``point``
-# (micro_batch: before its second micro-batch; backward: inside the backward of its second
-# micro-batch; allreduce: as it enters the gradient sum, its peers already in it; committed: rank 0
-# with its commit durable, before the outcome goes out to its peers) of its first step
-# numbered ``step`` or later that it trains with peers, once per run directory (a marker file keeps
-# its restart from doing it again).
-KILL_AT_ENV = "HSD_TEST_DRAFTER_KILL_AT"
-LOG_CHECKSUMS_ENV = "HSD_TEST_LOG_WEIGHT_CHECKSUMS"  # log the weights' CRC32 after every applied step
 
 
 class GroupChanged(WorkerLost):
@@ -118,8 +109,9 @@ class GroupDrafterLoop(DrafterLoop):
         self.sync_wait_s = 0.0  # summed over applied steps
         self.step_wall_s = 0.0
         self._step_started = time.perf_counter()
-        self._kill_at = os.environ.get(KILL_AT_ENV, "")
-        self._log_checksums = bool(os.environ.get(LOG_CHECKSUMS_ENV))
+        # test-only faults (common.faults): kill_at points of this rank, the weights' CRC32 logged per step
+        self._kill_at = faults.kills_armed()
+        self._log_checksums = faults.log_weight_checksums()
 
     def run(self) -> int:
         """The worker loop; no version to train in is an error exit (the session has left by then)."""
@@ -498,14 +490,6 @@ class GroupDrafterLoop(DrafterLoop):
             self.checkpointed_step = self.backend.step
 
     def _test_fault(self, point: str) -> None:
-        if not self._kill_at:
-            return
-        for fault in self._kill_at.split(","):
-            name, _, at = fault.partition("@")
-            where, _, step = at.partition(":")
-            marker = os.path.join(self.run_dir, f"test-killed-{name}-{where}-{step}")
-            if ((name, where) == (self.name, point) and int(step) <= self.backend.step + 1
-                    and self.membership["world_size"] > 1 and not os.path.exists(marker)):
-                open(marker, "w").close()
-                log.error("%s: SIGKILL at %s of step %s (%s)", self.name, point, step, KILL_AT_ENV)
-                os.kill(os.getpid(), signal.SIGKILL)
+        """``kill_at``: only in a step this rank trains with peers."""
+        if self._kill_at and self.membership["world_size"] > 1:
+            faults.kill_at(self.name, point, step=self.backend.step + 1, run_dir=self.run_dir)
