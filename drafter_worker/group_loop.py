@@ -57,7 +57,7 @@ from common import faults
 from common.config import Config
 from common.protocol import ErrorCode, ProtocolError
 from common.transport import DrafterTransport
-from common.worker_runtime import CALL_TIMEOUT_S, RECONNECT_S, DispatcherGone, NoReply, WorkerLost
+from common.worker_runtime import CALL_TIMEOUT_S, DispatcherGone, NoReply, WorkerLost
 from drafter_worker.loop import DrafterLoop
 from drafter_worker.process_group import CollectiveFailed, RankRound, RendezvousIncomplete, StepGroup
 from drafter_worker.rendezvous import RendezvousServer
@@ -456,27 +456,20 @@ class GroupDrafterLoop(DrafterLoop):
         version = self.membership["membership"]
         fields = {"model": self.backend.model_id, "step": self.backend.step + 1, "job_ids": job_ids,
                   "busy_s": busy_s, "sync_wait_s": wait_s, "step_s": step_s, "membership": version, **costs}
-        deadline = time.monotonic() + RECONNECT_S
-        request_id = self.session.submit("commit_step", **fields)
-        while True:
-            try:
-                reply = self.session.result(request_id, timeout_s=CALL_TIMEOUT_S)
-                return COMMITTED, int(reply.get("membership", version))
-            except NoReply:
-                if time.monotonic() > deadline:
-                    return ABORTED, version
-                log.warning("%s: commit of step %d got no reply; sending it again", self.name, fields["step"])
-            except WorkerLost:
-                return PENDING, version  # the dispatcher forgot us: every rank registers again, asking
-            except ProtocolError as exc:
-                if exc.code == ErrorCode.BAD_STATE:
-                    log.warning("%s: step %d refused, dropped: %s", self.name, fields["step"], exc.message)
-                    return REFUSED, version
-                if exc.code == ErrorCode.INTERNAL and time.monotonic() <= deadline:
-                    time.sleep(1.0)  # not made durable: the same commit goes to the next dispatcher
-                else:
-                    return ABORTED, version
-            request_id = self.session.submit("commit_step", **fields)
+        # Sent again as a lone drafter's commit is; but where that one raises (and registers again),
+        # rank 0 turns every end into an outcome: its peers wait for it in the broadcast that follows.
+        try:
+            reply = self._commit_until_answered(fields)
+        except NoReply:
+            return ABORTED, version
+        except WorkerLost:
+            return PENDING, version  # the dispatcher forgot us: every rank registers again, asking
+        except ProtocolError as exc:
+            if exc.code != ErrorCode.BAD_STATE:
+                return ABORTED, version  # internal past RECONNECT_S, or any other error
+            log.warning("%s: step %d refused, dropped: %s", self.name, fields["step"], exc.message)
+            return REFUSED, version
+        return COMMITTED, int(reply.get("membership", version))
 
     def _group_checkpoint(self, *, all_leave: bool = False) -> None:
         """Rank 0 saves, off its training thread (every rank holds the same weights); the others
