@@ -69,14 +69,8 @@ log = logging.getLogger("hsd.drafter")
 # answered; every rank keeps the step and asks the next one when it registers)
 COMMITTED, REFUSED, ABORTED, PENDING = 1, 0, -1, 2
 GROUP_NEVER_FORMED_EXIT = 4  # exit code of a rank that found no version to train in within drafter.group_wait_s
-DONE, NEXT_VERSION, LEAVE = "done", "next", "leave"  # how a version ends for a rank
+RUN_DONE, NEXT_VERSION, LEAVE = "done", "next", "leave"  # how a version ends for a rank
 JOIN_POLL_MS = 1000
-
-
-class GroupChanged(WorkerLost):
-    """The membership version ended (the dispatcher said so): drop the step, join the next one."""
-
-    what = "the data-parallel membership changed"
 
 
 class GroupNeverFormed(RuntimeError):
@@ -220,7 +214,7 @@ class GroupDrafterLoop(DrafterLoop):
                 self.num_dropped_steps += 1
                 self.window = []
                 self.clock.discard_open()
-            if ended in (DONE, LEAVE):
+            if ended in (RUN_DONE, LEAVE):
                 return
             after = version
 
@@ -293,7 +287,7 @@ class GroupDrafterLoop(DrafterLoop):
                 reports = self._collect(reports, wait=True)
                 ended = self._round(done=done and not leaving, flush=flush, leaving=leaving)
                 if ended is not None:
-                    if ended == DONE:
+                    if ended == RUN_DONE:
                         log.info("%s: run complete, rank %d, model %s at step %d (%d memberships, %d steps dropped, "
                                  "all-reduce wait %.1f%% of step time)", self.name, self.rank, self.backend.model_id,
                                  self.backend.step, self.num_versions, self.num_dropped_steps,
@@ -336,7 +330,7 @@ class GroupDrafterLoop(DrafterLoop):
             if all(r.flush or r.done or r.leaving for r in rounds) and self.backend.step > self.checkpointed_step:
                 self._group_checkpoint(all_leave=all(r.leaving for r in rounds))
             if any(r.done for r in rounds):
-                return DONE
+                return RUN_DONE
             return (LEAVE if leaving else NEXT_VERSION) if someone_leaves else None
         self.backend.sync_gradients(self._all_reduce)
         wait_s = time.perf_counter() - ready_at
