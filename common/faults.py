@@ -4,8 +4,8 @@
 
     HSD_TEST_FAULTS="kill_at=drafter-0@committed:3,kill_at=drafter-1@committed:3,checkpoint_delay_s=0.5"
 
-Each fault is an entry of :data:`FAULTS` (what it does, where, and the value it takes); ``kill_at``
-may be given several times, every other name once. The variable is parsed once per process (again
+Each fault is an entry of :data:`FAULTS` (what it does, where, and the value it takes; no value
+holds a comma); ``kill_at`` may be given several times, every other name once. The variable is parsed once per process (again
 only if it changes, as a test's monkeypatch does in-process), at import: an unknown name or a value
 that does not parse stops the process there, the message naming the entry. Production runs never
 set it, and each point below then costs one environment lookup.
