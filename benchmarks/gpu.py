@@ -46,6 +46,7 @@ import torch
 
 from benchmarks import gpu_checks, gpu_launch, gpu_sections
 from benchmarks.gpu_sections import CheckContext, Skip
+from common.durable import atomic_write
 
 BUDGET_S = 450.0
 NO_CUDA = "no CUDA"
@@ -102,16 +103,16 @@ class Output:
         if self.bundle is not None:
             _write_json(self.bundle / "bench-gpu.json", {**self.meta, "sections": self.results})
             if self.out is not None:
-                partial = self.bundle / "bench-gpu.tar.gz.part"
-                with tarfile.open(partial, "w:gz") as tar:
-                    tar.add(self.out, arcname="bench-gpu")
-                partial.replace(self.bundle / "bench-gpu.tar.gz")
+                out = self.out
+
+                def pack(tmp: Path) -> None:
+                    with tarfile.open(tmp, "w:gz") as tar:
+                        tar.add(out, arcname="bench-gpu")
+                atomic_write(self.bundle / "bench-gpu.tar.gz", pack, tmp_name="bench-gpu.tar.gz.part")
 
 
 def _write_json(path: Path, value: Any) -> None:
-    partial = path.with_name(path.name + ".part")
-    partial.write_text(json.dumps(value, indent=1))
-    partial.replace(path)
+    atomic_write(path, json.dumps(value, indent=1), tmp_name=path.name + ".part")
 
 
 def _logs_since(root: Path, started: float) -> list[Path]:

@@ -15,9 +15,9 @@ written waits for it (:meth:`wait`) before its snapshot is taken, rather than be
 exists at a time. The wait costs training time only when writing a checkpoint takes longer than
 ``checkpoint_every`` steps.
 
-Two test-only faults, read from the environment at start: ``HSD_TEST_CHECKPOINT_DELAY_S`` makes
-every write pause that long with its files on disk before it is published, and
-``HSD_TEST_CHECKPOINT_EXIT_AT_STEP=N`` kills the process at that point of the write of step N.
+Two test-only faults (:mod:`common.faults`), read at start: ``checkpoint_delay_s`` makes every
+write pause that long with its files on disk before it is published, and
+``checkpoint_exit_at_step=N`` kills the process at that point of the write of step N.
 """
 
 from __future__ import annotations
@@ -29,13 +29,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from common import faults
 from common.witness import Checkpoint, CheckpointSnapshot
 
 log = logging.getLogger("hsd.checkpoint")
-
-DELAY_ENV = "HSD_TEST_CHECKPOINT_DELAY_S"
-EXIT_AT_STEP_ENV = "HSD_TEST_CHECKPOINT_EXIT_AT_STEP"
-EXIT_MID_WRITE = 3  # exit code of a process killed by EXIT_AT_STEP_ENV
 
 
 class CheckpointWriteFailed(RuntimeError):
@@ -48,7 +45,7 @@ class CheckpointWriter:
         self.run_dir = Path(run_dir)
         self.name = name
         # Runs on the writer thread once the files are on disk, before the rename (tests pause or kill there).
-        self.before_publish: Callable[[Path, int], None] | None = _fault_from_env()
+        self.before_publish: Callable[[Path, int], None] | None = faults.checkpoint_before_publish()
         self._thread: threading.Thread | None = None
         self._in_flight: CheckpointSnapshot | None = None
         self._durable: Checkpoint | None = None  # written, not yet handed out by poll() or wait()
@@ -104,19 +101,3 @@ class CheckpointWriter:
     def _take(self) -> Checkpoint | None:
         durable, self._durable = self._durable, None
         return durable
-
-
-def _fault_from_env() -> Callable[[Path, int], None] | None:
-    delay_s = float(os.environ.get(DELAY_ENV) or 0)
-    exit_at = int(os.environ.get(EXIT_AT_STEP_ENV) or 0)
-    if not delay_s and not exit_at:
-        return None
-
-    def fault(tmp: Path, step: int) -> None:
-        if delay_s:
-            time.sleep(delay_s)
-        if step == exit_at:
-            log.error("checkpoint of step %d written to %s, not published: exiting (%s)", step, tmp, EXIT_AT_STEP_ENV)
-            logging.shutdown()
-            os._exit(EXIT_MID_WRITE)
-    return fault

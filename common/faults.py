@@ -1,17 +1,163 @@
-"""Faults a test switches on through the environment, to force the order of events it needs.
+"""Faults a test switches on, to force the order of events it needs: all of them behind one variable.
 
-Each fires once per run directory (a marker file there keeps a restarted process from firing it
-again) and only where its variable is set; production runs never set them.
+``HSD_TEST_FAULTS`` holds comma-separated entries, each ``name=value`` (a flag: its name alone)::
+
+    HSD_TEST_FAULTS="kill_at=drafter-0@committed:3,kill_at=drafter-1@committed:3,checkpoint_delay_s=0.5"
+
+Each fault is an entry of :data:`FAULTS` (what it does, where, and the value it takes; no value
+holds a comma); ``kill_at`` may be given several times, every other name once. The variable is parsed once per process (again
+only if it changes, as a test's monkeypatch does in-process), at import: an unknown name or a value
+that does not parse stops the process there, the message naming the entry. Production runs never
+set it, and each point below then costs one environment lookup.
+
+Production code asks one function per point (:func:`checkpoint_before_publish`,
+:func:`exit_before_commit_reply`, :func:`exit_after_step`, :func:`kill_at`, ...), never the
+variable itself. A fault that must not fire again in the process that restarts (``kill_at``, the
+dispatcher's exit) fires once per run directory: a marker file there says it fired.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import signal
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
-# The dispatcher exits (os._exit) once the commit of a model step >= N is durable in the journal and
-# before its reply is sent: the drafter never hears that its step committed.
-EXIT_BEFORE_COMMIT_REPLY_ENV = "HSD_TEST_DISPATCHER_EXIT_BEFORE_COMMIT_REPLY"
+log = logging.getLogger("hsd.faults")
+
+ENV = "HSD_TEST_FAULTS"
+EXIT_MID_WRITE = 3  # exit code of a process stopped by checkpoint_exit_at_step or drafter_exit_after_step
+KILL_POINTS = ("micro_batch", "backward", "allreduce", "committed")
+
+
+class FaultSpecError(ValueError):
+    """``HSD_TEST_FAULTS`` names an unknown fault, or gives one a value that does not parse."""
+
+
+@dataclass(frozen=True)
+class KillAt:
+    """SIGKILL the drafter named ``worker`` at ``point`` of its first step numbered ``step`` or later."""
+
+    worker: str
+    point: str
+    step: int
+
+
+def _step(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise ValueError("a step is a positive integer")
+    return value
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError("a count is an integer >= 0")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise ValueError("seconds are a number >= 0")
+    return value
+
+
+def _path(text: str) -> str:
+    if not text:
+        raise ValueError("a path is not empty")
+    return text
+
+
+def _kill_at(text: str) -> KillAt:
+    worker, at, rest = text.partition("@")
+    point, colon, step = rest.partition(":")
+    if not (worker and at and colon):
+        raise ValueError("the form is <drafter name>@<point>:<step>")
+    if point not in KILL_POINTS:
+        raise ValueError(f"the point is one of {', '.join(KILL_POINTS)}")
+    return KillAt(worker, point, _step(step))
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    parse: Callable[[str], Any] | None  # None: a flag, written without a value
+    what: str
+    repeated: bool = False
+
+
+FAULTS = {fault.name: fault for fault in (
+    Fault("checkpoint_delay_s", _seconds, "common.checkpoint_writer: every checkpoint write pauses this long with its "
+          "files on disk, before it is published (a slow disk)"),
+    Fault("checkpoint_exit_at_step", _step, "common.checkpoint_writer: the process exits (EXIT_MID_WRITE) with the "
+          "checkpoint of this step written and not published; on every write of that step"),
+    Fault("dispatcher_exit_before_commit_reply", _step, "dispatcher.server: the dispatcher exits once the commit of a "
+          "model step >= this one is durable and before its reply is sent (the drafter never hears that it "
+          "committed); once per run directory"),
+    Fault("drafter_exit_after_step", _step, "drafter_worker.dflash_backend: the drafter exits (EXIT_MID_WRITE) right "
+          "after it applies this step, between a commit and the next checkpoint (a resumed run must train exactly "
+          "as an uninterrupted one); each time it does"),
+    Fault("kill_at", _kill_at, "drafter_worker.group_loop: <name>@<point>:<step> SIGKILLs the drafter named <name> at "
+          "<point> (micro_batch: before its second micro-batch; backward: inside the backward of its second "
+          "micro-batch; allreduce: as it enters the gradient sum, its peers already in it; committed: rank 0 with "
+          "its commit durable, before the outcome goes out to its peers) of its first step numbered <step> or "
+          "later that it trains with peers; once per run directory", repeated=True),
+    Fault("log_weight_checksums", None, "drafter_worker.group_loop: log the weights' CRC32 after every applied step"),
+    Fault("target_stop_in_job", _path, "target_worker.loop: the first target of the run to take a job writes "
+          "{name, pid, job_id} to this path and stops itself (SIGSTOP) before extracting it; once per path"),
+    Fault("journal_fsync_fails_after", _count, "dispatcher.journal: every fsync of the journal after this many "
+          "fails with EIO"),
+    Fault("witness_duplicate", _count, "drafter_worker.sim: the sim drafter records this job id twice in its witness"),
+    Fault("witness_drop", _count, "drafter_worker.sim: the sim drafter never records this job id in its witness"),
+)}
+
+
+def parse(text: str) -> dict[str, Any]:
+    """``HSD_TEST_FAULTS``' value as {name: value} (``kill_at``: a tuple of :class:`KillAt`)."""
+    found: dict[str, Any] = {}
+    for entry in (e.strip() for e in text.split(",")):
+        if not entry:
+            continue
+        name, eq, value = entry.partition("=")
+        fault = FAULTS.get(name.strip())
+        if fault is None:
+            raise FaultSpecError(f"{ENV}: unknown fault {name.strip()!r} in {entry!r} (known: {', '.join(FAULTS)})")
+        if fault.parse is None:
+            if eq:
+                raise FaultSpecError(f"{ENV}: {entry!r}: {fault.name} is a flag, written without a value")
+            parsed: Any = True
+        elif not eq:
+            raise FaultSpecError(f"{ENV}: {entry!r}: {fault.name} takes a value ({fault.name}=...)")
+        else:
+            try:
+                parsed = fault.parse(value.strip())
+            except ValueError as exc:
+                raise FaultSpecError(f"{ENV}: {entry!r}: bad value for {fault.name} ({exc})") from None
+        if fault.repeated:
+            found[fault.name] = (*found.get(fault.name, ()), parsed)
+        elif fault.name in found:
+            raise FaultSpecError(f"{ENV}: {entry!r}: {fault.name} is given twice")
+        else:
+            found[fault.name] = parsed
+    return found
+
+
+_parsed: tuple[str, dict[str, Any]] = ("", {})
+
+
+def active() -> dict[str, Any]:
+    """The faults switched on ({} when none): parsed when the variable's value is new to this process."""
+    global _parsed
+    text = os.environ.get(ENV, "")
+    if text != _parsed[0]:
+        _parsed = (text, parse(text))
+    return _parsed[1]
 
 
 def fires_once(run_dir: str | os.PathLike, name: str) -> bool:
@@ -24,6 +170,83 @@ def fires_once(run_dir: str | os.PathLike, name: str) -> bool:
     return True
 
 
+# -- the points -------------------------------------------------------------------------------------
+def checkpoint_before_publish() -> Callable[[Path, int], None] | None:
+    """The checkpoint writer's hook (files on disk, not yet published), or None when no fault needs it."""
+    faults = active()
+    delay_s, exit_at = faults.get("checkpoint_delay_s", 0.0), faults.get("checkpoint_exit_at_step", 0)
+    if not delay_s and not exit_at:
+        return None
+
+    def fault(tmp: Path, step: int) -> None:
+        if delay_s:
+            time.sleep(delay_s)
+        if step == exit_at:
+            log.error("checkpoint of step %d written to %s, not published: exiting (%s checkpoint_exit_at_step)",
+                      step, tmp, ENV)
+            logging.shutdown()
+            os._exit(EXIT_MID_WRITE)
+    return fault
+
+
 def exit_before_commit_reply(run_dir: str | os.PathLike, step: int) -> bool:
-    at = os.environ.get(EXIT_BEFORE_COMMIT_REPLY_ENV)
-    return bool(at) and step >= int(at) and fires_once(run_dir, "exit-before-commit-reply")
+    """Whether the dispatcher exits instead of replying to the commit of ``step`` (once it is durable)."""
+    at = active().get("dispatcher_exit_before_commit_reply")
+    return at is not None and step >= at and fires_once(run_dir, "exit-before-commit-reply")
+
+
+def exit_after_step(step: int, logger: logging.Logger, model_id: str) -> None:
+    """A drafter backend that just applied ``step`` exits there when ``drafter_exit_after_step`` says so."""
+    if active().get("drafter_exit_after_step") == step:
+        logger.error("%s: exiting after step %d (%s drafter_exit_after_step)", model_id, step, ENV)
+        os._exit(EXIT_MID_WRITE)
+
+
+def kills_armed() -> bool:
+    """Whether any ``kill_at`` is set (a loop installs its backward hook only then)."""
+    return bool(active().get("kill_at"))
+
+
+def kill_at(worker: str, point: str, *, step: int, run_dir: str | os.PathLike) -> None:
+    """SIGKILL this process if a ``kill_at`` names ``worker`` at ``point`` of ``step`` or an earlier step."""
+    for kill in active().get("kill_at", ()):
+        if ((kill.worker, kill.point) == (worker, point) and kill.step <= step
+                and fires_once(run_dir, f"kill-{worker}-{point}-{kill.step}")):
+            log.error("%s: SIGKILL at %s of step %s (%s kill_at)", worker, point, kill.step, ENV)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def log_weight_checksums() -> bool:
+    return bool(active().get("log_weight_checksums"))
+
+
+def stop_in_job(name: str, job: dict[str, Any]) -> None:
+    """``target_stop_in_job``: the first target to get here stops itself, its job held; once per path."""
+    path = active().get("target_stop_in_job")
+    if not path:
+        return
+    tmp = f"{path}.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({"name": name, "pid": os.getpid(), "job_id": job["job_id"]}, f)
+    try:
+        os.link(tmp, path)  # complete when it appears; fails when another target was first
+    except FileExistsError:
+        return
+    finally:
+        os.unlink(tmp)
+    log.error("%s: stopping inside job %d (%s target_stop_in_job)", name, job["job_id"], ENV)
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def journal_fsyncs_allowed() -> int | None:
+    """How many fsyncs the journal makes before every next one fails (None: no limit)."""
+    return active().get("journal_fsync_fails_after")
+
+
+def witness_faults() -> tuple[int | None, int | None]:
+    """The sim drafter's planted witness faults: (the job id recorded twice, the job id never recorded)."""
+    faults = active()
+    return faults.get("witness_duplicate"), faults.get("witness_drop")
+
+
+active()  # a malformed HSD_TEST_FAULTS stops the process as it starts, not when its point is first reached

@@ -14,7 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
-from common.durable import fsync_dir, fsync_tree
+from common.durable import atomic_write
 from common.witness import (MODELS_DIR, Checkpoint, latest_checkpoint, list_models, model_dir, servable_dir,
                             step_dir_name)
 
@@ -73,14 +73,9 @@ def export_servable(checkpoint: Checkpoint, out: str | os.PathLike, *, force: bo
     if out.is_dir() and any(out.iterdir()) and not force:
         raise ExportError(f"--out {out} is not empty: choose an empty directory, or --force to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(source, tmp)
-    for path in [tmp, *tmp.rglob("*")]:  # readable by an engine serving as another user, whatever the source mode
-        path.chmod(path.stat().st_mode | (0o755 if path.is_dir() else 0o644))
-    fsync_tree(tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    fsync_dir(out.parent)
-    return out
+
+    def copy(tmp: Path) -> None:
+        shutil.copytree(source, tmp)
+        for path in [tmp, *tmp.rglob("*")]:  # readable by an engine serving as another user, whatever the source mode
+            path.chmod(path.stat().st_mode | (0o755 if path.is_dir() else 0o644))
+    return atomic_write(out, copy, durable=True, tmp_name=f".{out.name}.tmp-{os.getpid()}")

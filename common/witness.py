@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-from common.durable import fsync_dir, fsync_tree
+from common.durable import atomic_write
 
 WITNESS_FILE = "trained_jobs.bin"
 STEP_FILE = "step.json"
@@ -144,27 +144,19 @@ def save_checkpoint(run_dir: str | os.PathLike, model_id: str, step: int, traine
     root = model_dir(run_dir, model_id)
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
-    tmp = root / f".tmp-{step_dir_name(step)}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    trained.save(tmp)
-    (tmp / STEP_FILE).write_text(json.dumps({"model": model_id, "step": step, "num_trained": len(trained)}))
-    for write, part in ((write_servable, servable_dir(tmp)), (write_training, training_dir(tmp))):
-        if write is not None:
-            part.mkdir()
-            write(part)
-    fsync_tree(tmp)
-    if before_publish is not None:
-        before_publish(tmp)
-    if final.exists():  # a checkpoint of this step written before a crash: the new one replaces it
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    latest_tmp = root / f".{LATEST_FILE}.tmp"
-    latest_tmp.write_text(final.name + "\n")
-    with open(latest_tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(latest_tmp, root / LATEST_FILE)
-    fsync_dir(root)
+
+    def write_parts(tmp: Path) -> None:
+        tmp.mkdir()
+        trained.save(tmp)
+        (tmp / STEP_FILE).write_text(json.dumps({"model": model_id, "step": step, "num_trained": len(trained)}))
+        for write, part in ((write_servable, servable_dir(tmp)), (write_training, training_dir(tmp))):
+            if write is not None:
+                part.mkdir()
+                write(part)
+    # a checkpoint of this step written before a crash: the new one replaces it
+    atomic_write(final, write_parts, durable=True, tmp_name=f".tmp-{final.name}-{os.getpid()}",
+                 before_publish=before_publish)
+    atomic_write(root / LATEST_FILE, final.name + "\n", durable=True, tmp_name=f".{LATEST_FILE}.tmp")
     steps = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-"))
     for old in steps[:-keep_last] if keep_last > 0 else []:
         if old != final:

@@ -20,12 +20,12 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-import time
 from typing import Any
 
 from common.config import Config
 from common.protocol import ErrorCode, ProtocolError
-from common.worker_runtime import CALL_TIMEOUT_S, RECONNECT_S, DispatcherGone, NoReply, WorkerLost, WorkerSession
+from common.worker_runtime import (CALL_TIMEOUT_S, RECONNECT_S, DispatcherGone, NoReply, WorkerLost, WorkerSession,
+                                   on_no_reply, resend_until_answered)
 
 log = logging.getLogger("hsd.worker")
 
@@ -122,18 +122,18 @@ class WorkerLoop:
         return self.session.submit(op, wait_ms=self.poll_ms)
 
     def _await_poll(self, request_id: int, op: str) -> dict[str, Any]:
-        """The reply to a long-poll; asked again while the dispatcher does not answer."""
-        deadline = time.monotonic() + RECONNECT_S
-        while True:
-            try:
-                return self.session.result(request_id, timeout_s=self.poll_ms / 1000 + CALL_TIMEOUT_S)
-            except NoReply:
-                if self.stopping:
-                    return dict(EMPTY_POLL)
-                if time.monotonic() > deadline:
-                    raise DispatcherGone(f"no dispatcher at {self.session.endpoint} for {RECONNECT_S:.0f}s") from None
-                log.warning("%s: %s got no reply; asking again", self.name, op)
-                request_id = self._poll(op)
+        """The reply to a long-poll; asked again while the dispatcher does not answer (a stop ends the wait)."""
+        try:
+            return resend_until_answered(lambda: self._poll(op),
+                                         lambda request_id: self.session.result(
+                                             request_id, timeout_s=self.poll_ms / 1000 + CALL_TIMEOUT_S),
+                                         request_id=request_id,
+                                         again=on_no_reply(log, "%s: %s got no reply; asking again", self.name, op,
+                                                           unless=lambda: self.stopping))
+        except NoReply:
+            if self.stopping:
+                return dict(EMPTY_POLL)
+            raise DispatcherGone(f"no dispatcher at {self.session.endpoint} for {RECONNECT_S:.0f}s") from None
 
     def _collect(self, request_ids: list[int], *, wait: bool = False) -> list[int]:
         """Settle pipelined reports whose replies are in (all of them with ``wait``); return the rest.

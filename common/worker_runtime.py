@@ -14,7 +14,7 @@ import os
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from common.client import DispatcherUnavailable
 from common.config import Config
@@ -54,6 +54,49 @@ EXIT_UNUSABLE = 78
 class WorkerUnusable(RuntimeError):
     """This worker cannot work in this run as configured (e.g. its GPU cannot map the targets' cuda_ipc
     slots): it exits with :data:`EXIT_UNUSABLE`, which ``hsd launch`` does not restart."""
+
+
+T = TypeVar("T")
+
+
+def resend_until_answered(send: Callable[[], int], wait: Callable[[int], T], *,
+                          again: Callable[[Exception], float | None], request_id: int | None = None,
+                          deadline_s: float = RECONNECT_S) -> T:
+    """The reply to a request the dispatcher may never answer (it is down, restarting, or lost it):
+    ``wait(request_id)`` for the one in flight (``send()`` first when there is none), and while that
+    fails, ``send()`` it again, until ``deadline_s`` from now has passed.
+
+    ``again(error)`` classifies each error before it is sent again: the seconds to pause first (0: at
+    once; it logs why, as each caller words it), or None when the error is final. A final error, and
+    any error once the deadline has passed, is raised: the caller says what it means.
+    """
+    deadline = time.monotonic() + deadline_s
+    if request_id is None:
+        request_id = send()
+    while True:
+        try:
+            return wait(request_id)
+        except Exception as exc:
+            if time.monotonic() > deadline:
+                raise
+            pause_s = again(exc)
+            if pause_s is None:
+                raise
+        if pause_s:
+            time.sleep(pause_s)
+        request_id = send()
+
+
+def on_no_reply(logger: logging.Logger, message: str, *args: Any,
+                unless: Callable[[], bool] = lambda: False) -> Callable[[Exception], float | None]:
+    """The ``again`` of :func:`resend_until_answered` for a request lost only when unanswered: NoReply
+    is sent again at once once ``message`` is logged, unless ``unless()``; any other error is final."""
+    def again(exc: Exception) -> float | None:
+        if not isinstance(exc, NoReply) or unless():
+            return None
+        logger.warning(message, *args)
+        return 0.0
+    return again
 
 
 class WorkerSession:
@@ -106,20 +149,18 @@ class WorkerSession:
         self.seen_grant = 0
         self.channel.set_heartbeat(None)
         fields = {k: v for k, v in extra.items() if v is not None}
-        deadline = time.monotonic() + RECONNECT_S
-        while True:
-            try:
-                reply = self.channel.call("register", role=self.role, name=self.name, pid=os.getpid(),
-                                          host=socket.gethostname(), node=self.node, gpu=self.gpu,
-                                          timeout_s=CALL_TIMEOUT_S, **fields)
-                break
-            except DispatcherUnavailable:
-                if time.monotonic() > deadline or self.stop_requested.is_set():
-                    hint = ("; with CURVE on, check that curve.server_public_key is the dispatcher's and that the "
-                            "public half of curve.client_secret_key is in its curve.allowed_client_keys (a refused "
-                            "key gets no answer at all)") if self.channel.curve is not None else ""
-                    raise DispatcherGone(f"no dispatcher at {self.endpoint} for {RECONNECT_S:.0f}s{hint}") from None
-                time.sleep(0.2)
+        try:  # unanswered: asked again 0.2 s later, unless asked to stop
+            reply = resend_until_answered(
+                lambda: self.channel.submit("register", role=self.role, name=self.name, pid=os.getpid(),
+                                            host=socket.gethostname(), node=self.node, gpu=self.gpu, **fields),
+                lambda request_id: self.channel.result(request_id, timeout_s=CALL_TIMEOUT_S),
+                again=lambda exc: 0.2 if isinstance(exc, DispatcherUnavailable) and not self.stop_requested.is_set()
+                else None)
+        except DispatcherUnavailable:
+            hint = ("; with CURVE on, check that curve.server_public_key is the dispatcher's and that the "
+                    "public half of curve.client_secret_key is in its curve.allowed_client_keys (a refused "
+                    "key gets no answer at all)") if self.channel.curve is not None else ""
+            raise DispatcherGone(f"no dispatcher at {self.endpoint} for {RECONNECT_S:.0f}s{hint}") from None
         self.worker_id = reply["worker_id"]
         self.token = reply.get("token")
         self.registration = reply
@@ -158,14 +199,12 @@ class WorkerSession:
 
     def call_until_answered(self, op: str, *, timeout_s: float = CALL_TIMEOUT_S, **fields: Any) -> dict[str, Any]:
         """An idempotent request, sent again while it gets no reply (up to RECONNECT_S)."""
-        deadline = time.monotonic() + RECONNECT_S
-        while True:
-            try:
-                return self.call(op, timeout_s=timeout_s, **fields)
-            except NoReply:
-                if time.monotonic() > deadline:
-                    raise DispatcherGone(f"no dispatcher at {self.endpoint} for {RECONNECT_S:.0f}s") from None
-                log.warning("%s: %s got no reply; sending it again", self.name, op)
+        try:
+            return resend_until_answered(lambda: self.submit(op, **fields),
+                                         lambda request_id: self.result(request_id, timeout_s=timeout_s),
+                                         again=on_no_reply(log, "%s: %s got no reply; sending it again", self.name, op))
+        except NoReply:
+            raise DispatcherGone(f"no dispatcher at {self.endpoint} for {RECONNECT_S:.0f}s") from None
 
     def report(self, op: str, **fields: Any) -> dict[str, Any] | None:
         """A state-changing call that the dispatcher may refuse because the job was already given back

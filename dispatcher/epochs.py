@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common.durable import atomic_write
 from dispatcher.journal import Journal, last_segment_number
 from dispatcher.ledger import JobLedger
 from dispatcher.recovery import ModelRecord, Recovered, Snapshot, SnapshotWriter, map_arrays
@@ -52,9 +53,7 @@ def check_data(run_dir: Path, lengths: np.ndarray, *, allow_changed: bool) -> No
                         previous[:12], fingerprint[:12])
     lengths_path = run_dir / LENGTHS_FILE
     if not path.exists() or path.read_text().strip() != fingerprint or not lengths_path.exists():
-        tmp = lengths_path.with_suffix(".tmp.npy")
-        np.save(tmp, lengths)
-        tmp.replace(lengths_path)
+        atomic_write(lengths_path, lambda tmp: np.save(tmp, lengths), tmp_name=lengths_path.with_suffix(".tmp.npy").name)
         path.write_text(fingerprint + "\n")
 
 

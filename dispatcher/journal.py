@@ -28,13 +28,13 @@ import zlib
 from pathlib import Path
 from typing import Any, Iterator
 
+from common import faults
 from common.durable import fsync_dir
 
 log = logging.getLogger("hsd.journal")
 
 JOURNAL_NAME = "journal.jsonl"
 _SEGMENT = re.compile(r"^journal-(\d{6})\.jsonl$")
-FAULT_FSYNC_ENV = "HSD_FAULT_FSYNC_AFTER"  # fault injection for tests: fail every fsync after this many
 # Background mode: the thread is woken to write once this many lines are queued, even with no
 # durable one among them, so the queue stays small between the loop's flushes.
 QUEUE_WAKE_LINES = 1024
@@ -107,8 +107,7 @@ class Journal:
         self.synced_seq = 0   # ... of which fsynced
         self.failed: BaseException | None = None
         self.num_lines = 0    # lines in the current segment (recorded by this process)
-        fault = os.environ.get(FAULT_FSYNC_ENV)
-        self._fsyncs_left = int(fault) if fault else None
+        self._fsyncs_left = faults.journal_fsyncs_allowed()  # a test fault: None in a real run
         self._syncer: threading.Thread | None = None
         if sync_in_background:
             self.notify_fd, self._notify_w = os.pipe()
@@ -121,7 +120,7 @@ class Journal:
     def _fsync(self) -> None:
         if self._fsyncs_left is not None:
             if self._fsyncs_left <= 0:
-                raise OSError(errno.EIO, f"fsync failed (injected by {FAULT_FSYNC_ENV})")
+                raise OSError(errno.EIO, f"fsync failed (injected by {faults.ENV})")
             self._fsyncs_left -= 1
         os.fsync(self._file.fileno())
 

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from common.durable import fsync_dir
+from common.durable import atomic_write
 from dispatcher.journal import read_journal
 
 SNAPSHOT_DIR = "snapshots"
@@ -90,26 +90,21 @@ def write_snapshot(run_dir: str | os.PathLike, snapshot: Snapshot,
     root = snapshot_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"snap-{snapshot.segment:06d}"
-    tmp = root / f".tmp-{final.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    for epoch in snapshot.commit_step:
-        np.save(tmp / array_file("commit_step", epoch), snapshot.commit_step[epoch])
-        np.save(tmp / array_file("commit_model", epoch), snapshot.commit_model[epoch])
-    for epoch, source in snapshot.linked.items():
-        for name in ("commit_step", "commit_model"):
-            os.link(source / array_file(name, epoch), tmp / array_file(name, epoch))
-    (tmp / "state.json").write_text(json.dumps({
-        "segment": snapshot.segment, "num_starts": snapshot.num_starts, "epochs_started": snapshot.epochs_started,
-        "models": {model: record.to_json() for model, record in snapshot.models.items()}}))
-    for name in os.listdir(tmp):
-        with open(tmp / name, "rb") as f:
-            os.fsync(f.fileno())
-    fsync_dir(tmp)  # its entries, linked ones included
-    if before_publish is not None:
-        before_publish()
-    os.replace(tmp, final)
-    fsync_dir(root)
+
+    def write_files(tmp: Path) -> None:
+        tmp.mkdir()
+        for epoch in snapshot.commit_step:
+            np.save(tmp / array_file("commit_step", epoch), snapshot.commit_step[epoch])
+            np.save(tmp / array_file("commit_model", epoch), snapshot.commit_model[epoch])
+        for epoch, source in snapshot.linked.items():
+            for name in ("commit_step", "commit_model"):
+                os.link(source / array_file(name, epoch), tmp / array_file(name, epoch))
+        (tmp / "state.json").write_text(json.dumps({
+            "segment": snapshot.segment, "num_starts": snapshot.num_starts, "epochs_started": snapshot.epochs_started,
+            "models": {model: record.to_json() for model, record in snapshot.models.items()}}))
+    # durable: every file fsynced (linked ones included), then the directory's entries
+    atomic_write(final, write_files, durable=True, tmp_name=f".tmp-{final.name}",
+                 before_publish=(lambda _tmp: before_publish()) if before_publish is not None else None)
     for old in root.iterdir():
         match = _SNAP.match(old.name)
         if match and int(match.group(1)) < snapshot.segment:

@@ -6,7 +6,6 @@ import fcntl
 import ipaddress
 import json
 import logging
-import os
 import socket
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from typing import Any
 import yaml
 
 from common.config import RESOLVED_CONFIG_NAME, Config, ConfigError
+from common.durable import atomic_write
 
 log = logging.getLogger("hsd.dispatcher")
 
@@ -94,6 +94,4 @@ def warn_about_changed_settings(run_dir: Path, config: Config) -> None:
 
 
 def write_state_file(run_dir: Path, state: dict[str, Any]) -> None:
-    tmp = run_dir / (STATE_FILE + ".tmp")
-    tmp.write_text(json.dumps(state))
-    os.replace(tmp, run_dir / STATE_FILE)
+    atomic_write(run_dir / STATE_FILE, json.dumps(state))

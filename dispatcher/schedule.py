@@ -38,7 +38,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
@@ -47,7 +46,7 @@ from typing import Sequence, get_args
 import numpy as np
 
 from common.config import Batching, Order
-from common.durable import fsync_dir
+from common.durable import atomic_write
 from common.slot_layout import max_seqs_per_batch
 from dispatcher.fairness import prefix_deviation_array, tail_skew
 
@@ -340,24 +339,15 @@ def save_schedule(schedule: EpochSchedule, run_dir: str | os.PathLike) -> Path:
     """Write atomically and durably: the schedule must exist before its first job is served."""
     path = schedule_path(run_dir, schedule.epoch)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    for name in _ARRAYS:
-        with open(tmp / f"{name}.npy", "wb") as f:
-            np.save(f, getattr(schedule, name))
-            f.flush()
-            os.fsync(f.fileno())
-    with open(tmp / "meta.json", "w") as f:
-        json.dump(schedule.meta(), f)
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_dir(tmp)
-    if path.exists():
-        shutil.rmtree(path)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-    return path
+
+    def write_files(tmp: Path) -> None:
+        tmp.mkdir()
+        for name in _ARRAYS:
+            with open(tmp / f"{name}.npy", "wb") as f:
+                np.save(f, getattr(schedule, name))
+        with open(tmp / "meta.json", "w") as f:
+            json.dump(schedule.meta(), f)
+    return atomic_write(path, write_files, durable=True)  # every file fsynced, then both directories
 
 
 def load_schedule(run_dir: str | os.PathLike, epoch: int) -> EpochSchedule | None:

@@ -25,7 +25,7 @@ from common.client import run_id_for
 from common.config import Config, write_resolved
 from common.protocol import ErrorCode, ProtocolError, field_of
 from dispatcher.core import DispatcherCore
-from common.faults import EXIT_BEFORE_COMMIT_REPLY_ENV, exit_before_commit_reply
+from common import faults
 from common.curve import HandshakeMonitor, ZapAuthorizer, auth_stats, server_from_config
 from dispatcher.core_types import DONE, STEP_FULL, CoreOptions, Incompatible, Unauthorized, UnknownWorker, Worker
 from dispatcher.groups import GroupChanged
@@ -326,7 +326,7 @@ class DispatcherServer:
             group = core.groups.group_of_rank(worker_id)
             extra = {"membership": group.version} if group is not None else {}
             reply = protocol.ok_reply(request.id, step=step, done=core.done, **extra)
-            if exit_before_commit_reply(self.run_dir, step):
+            if faults.exit_before_commit_reply(self.run_dir, step):
                 return self._when_durable(identity, reply, exit_once_durable=True), True
             return self._when_durable(identity, reply), True
         elif op == "step_outcome":
@@ -345,7 +345,7 @@ class DispatcherServer:
 
     def _when_durable(self, identity: bytes, reply: dict, *, exit_once_durable: bool = False) -> dict | None:
         """A commit is acknowledged only once the journal's sync thread has it on disk.
-        (``exit_once_durable``: the test fault of :func:`exit_before_commit_reply`.)"""
+        (``exit_once_durable``: the test fault of :func:`common.faults.exit_before_commit_reply`.)"""
         if not self.journal.unsynced and not exit_once_durable:
             return reply
         self.held_replies.append((self.journal.written_seq, identity, reply if not exit_once_durable else None))
@@ -359,7 +359,7 @@ class DispatcherServer:
         self.held_replies = [held for held in self.held_replies if held[0] > synced]
         for _, identity, reply in ready:
             if reply is None:  # the test fault: the commit is on disk, its answer never goes out
-                log.error("exiting with a commit durable and its reply not sent (%s)", EXIT_BEFORE_COMMIT_REPLY_ENV)
+                log.error("exiting with a commit durable and its reply not sent (%s)", faults.ENV)
                 os._exit(9)
             self._send(self.control, identity, reply)
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from common import faults
 from common.capture_contract import LEGACY_CAPTURE_POINT, capture_point_hint, contract_from_config
 from common.config import Config, ConfigError
 from common.host_staging import HostStaging
@@ -43,7 +44,6 @@ from drafter_worker.state_transfer import weights_checksum, witness_from_tensor,
 
 # Test-only fault: the process dies right after applying this step, between a commit and the next
 # checkpoint, so a test can show that a resumed run trains exactly as an uninterrupted one.
-EXIT_AFTER_STEP_ENV = "HSD_TEST_DRAFTER_EXIT_AFTER_STEP"
 
 
 def derive_schedule_jobs(config: Config, section: str, *, jobs_per_epoch: int | None = None) -> int | None:
@@ -110,7 +110,6 @@ class TrainerBackend:
         self.clock = StepClock()
         self.last_metrics: dict[str, float] = {}
         self.tensorboard = TensorBoardLog(config.run_dir, self.model_id)
-        self.exit_after_step = int(os.environ.get(EXIT_AFTER_STEP_ENV) or 0)
         self._synced_total: torch.Tensor | None = None  # the group's weight total, once sync_gradients ran
 
     # -- what a drafter names ----------------------------------------------------------------
@@ -279,9 +278,7 @@ class TrainerBackend:
         if self.step % self.log_every == 0:
             self.log.info("%s", format_metrics(self.model_id, self.step, self.last_metrics))
         self.tensorboard.write(self.step, self.last_metrics)
-        if self.step == self.exit_after_step:
-            self.log.error("%s: exiting after step %d (%s)", self.model_id, self.step, EXIT_AFTER_STEP_ENV)
-            os._exit(3)
+        faults.exit_after_step(self.step, self.log, self.model_id)
         return self.last_metrics
 
     def drop_step(self) -> None:

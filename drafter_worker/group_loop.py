@@ -47,18 +47,17 @@ slowest rank plus the exchange itself) is logged per step with its share of the 
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import time
 from typing import Any
 
 import psutil
 import torch
 
+from common import faults
 from common.config import Config
 from common.protocol import ErrorCode, ProtocolError
 from common.transport import DrafterTransport
-from common.worker_runtime import CALL_TIMEOUT_S, RECONNECT_S, DispatcherGone, NoReply, WorkerLost
+from common.worker_runtime import CALL_TIMEOUT_S, DispatcherGone, NoReply, WorkerLost
 from drafter_worker.loop import DrafterLoop
 from drafter_worker.process_group import CollectiveFailed, RankRound, RendezvousIncomplete, StepGroup
 from drafter_worker.rendezvous import RendezvousServer
@@ -70,22 +69,8 @@ log = logging.getLogger("hsd.drafter")
 # answered; every rank keeps the step and asks the next one when it registers)
 COMMITTED, REFUSED, ABORTED, PENDING = 1, 0, -1, 2
 GROUP_NEVER_FORMED_EXIT = 4  # exit code of a rank that found no version to train in within drafter.group_wait_s
-DONE, NEXT_VERSION, LEAVE = "done", "next", "leave"  # how a version ends for a rank
+RUN_DONE, NEXT_VERSION, LEAVE = "done", "next", "leave"  # how a version ends for a rank
 JOIN_POLL_MS = 1000
-# Test-only faults: "<name>@<point>:<step>,..." SIGKILLs the drafter named ``name`` at ``point``
-# (micro_batch: before its second micro-batch; backward: inside the backward of its second
-# micro-batch; allreduce: as it enters the gradient sum, its peers already in it; committed: rank 0
-# with its commit durable, before the outcome goes out to its peers) of its first step
-# numbered ``step`` or later that it trains with peers, once per run directory (a marker file keeps
-# its restart from doing it again).
-KILL_AT_ENV = "HSD_TEST_DRAFTER_KILL_AT"
-LOG_CHECKSUMS_ENV = "HSD_TEST_LOG_WEIGHT_CHECKSUMS"  # log the weights' CRC32 after every applied step
-
-
-class GroupChanged(WorkerLost):
-    """The membership version ended (the dispatcher said so): drop the step, join the next one."""
-
-    what = "the data-parallel membership changed"
 
 
 class GroupNeverFormed(RuntimeError):
@@ -118,8 +103,9 @@ class GroupDrafterLoop(DrafterLoop):
         self.sync_wait_s = 0.0  # summed over applied steps
         self.step_wall_s = 0.0
         self._step_started = time.perf_counter()
-        self._kill_at = os.environ.get(KILL_AT_ENV, "")
-        self._log_checksums = bool(os.environ.get(LOG_CHECKSUMS_ENV))
+        # test-only faults (common.faults): kill_at points of this rank, the weights' CRC32 logged per step
+        self._kill_at = faults.kills_armed()
+        self._log_checksums = faults.log_weight_checksums()
 
     def run(self) -> int:
         """The worker loop; no version to train in is an error exit (the session has left by then)."""
@@ -228,7 +214,7 @@ class GroupDrafterLoop(DrafterLoop):
                 self.num_dropped_steps += 1
                 self.window = []
                 self.clock.discard_open()
-            if ended in (DONE, LEAVE):
+            if ended in (RUN_DONE, LEAVE):
                 return
             after = version
 
@@ -301,7 +287,7 @@ class GroupDrafterLoop(DrafterLoop):
                 reports = self._collect(reports, wait=True)
                 ended = self._round(done=done and not leaving, flush=flush, leaving=leaving)
                 if ended is not None:
-                    if ended == DONE:
+                    if ended == RUN_DONE:
                         log.info("%s: run complete, rank %d, model %s at step %d (%d memberships, %d steps dropped, "
                                  "all-reduce wait %.1f%% of step time)", self.name, self.rank, self.backend.model_id,
                                  self.backend.step, self.num_versions, self.num_dropped_steps,
@@ -344,7 +330,7 @@ class GroupDrafterLoop(DrafterLoop):
             if all(r.flush or r.done or r.leaving for r in rounds) and self.backend.step > self.checkpointed_step:
                 self._group_checkpoint(all_leave=all(r.leaving for r in rounds))
             if any(r.done for r in rounds):
-                return DONE
+                return RUN_DONE
             return (LEAVE if leaving else NEXT_VERSION) if someone_leaves else None
         self.backend.sync_gradients(self._all_reduce)
         wait_s = time.perf_counter() - ready_at
@@ -464,27 +450,20 @@ class GroupDrafterLoop(DrafterLoop):
         version = self.membership["membership"]
         fields = {"model": self.backend.model_id, "step": self.backend.step + 1, "job_ids": job_ids,
                   "busy_s": busy_s, "sync_wait_s": wait_s, "step_s": step_s, "membership": version, **costs}
-        deadline = time.monotonic() + RECONNECT_S
-        request_id = self.session.submit("commit_step", **fields)
-        while True:
-            try:
-                reply = self.session.result(request_id, timeout_s=CALL_TIMEOUT_S)
-                return COMMITTED, int(reply.get("membership", version))
-            except NoReply:
-                if time.monotonic() > deadline:
-                    return ABORTED, version
-                log.warning("%s: commit of step %d got no reply; sending it again", self.name, fields["step"])
-            except WorkerLost:
-                return PENDING, version  # the dispatcher forgot us: every rank registers again, asking
-            except ProtocolError as exc:
-                if exc.code == ErrorCode.BAD_STATE:
-                    log.warning("%s: step %d refused, dropped: %s", self.name, fields["step"], exc.message)
-                    return REFUSED, version
-                if exc.code == ErrorCode.INTERNAL and time.monotonic() <= deadline:
-                    time.sleep(1.0)  # not made durable: the same commit goes to the next dispatcher
-                else:
-                    return ABORTED, version
-            request_id = self.session.submit("commit_step", **fields)
+        # Sent again as a lone drafter's commit is; but where that one raises (and registers again),
+        # rank 0 turns every end into an outcome: its peers wait for it in the broadcast that follows.
+        try:
+            reply = self._commit_until_answered(fields)
+        except NoReply:
+            return ABORTED, version
+        except WorkerLost:
+            return PENDING, version  # the dispatcher forgot us: every rank registers again, asking
+        except ProtocolError as exc:
+            if exc.code != ErrorCode.BAD_STATE:
+                return ABORTED, version  # internal past RECONNECT_S, or any other error
+            log.warning("%s: step %d refused, dropped: %s", self.name, fields["step"], exc.message)
+            return REFUSED, version
+        return COMMITTED, int(reply.get("membership", version))
 
     def _group_checkpoint(self, *, all_leave: bool = False) -> None:
         """Rank 0 saves, off its training thread (every rank holds the same weights); the others
@@ -498,14 +477,6 @@ class GroupDrafterLoop(DrafterLoop):
             self.checkpointed_step = self.backend.step
 
     def _test_fault(self, point: str) -> None:
-        if not self._kill_at:
-            return
-        for fault in self._kill_at.split(","):
-            name, _, at = fault.partition("@")
-            where, _, step = at.partition(":")
-            marker = os.path.join(self.run_dir, f"test-killed-{name}-{where}-{step}")
-            if ((name, where) == (self.name, point) and int(step) <= self.backend.step + 1
-                    and self.membership["world_size"] > 1 and not os.path.exists(marker)):
-                open(marker, "w").close()
-                log.error("%s: SIGKILL at %s of step %s (%s)", self.name, point, step, KILL_AT_ENV)
-                os.kill(os.getpid(), signal.SIGKILL)
+        """``kill_at``: only in a step this rank trains with peers."""
+        if self._kill_at and self.membership["world_size"] > 1:
+            faults.kill_at(self.name, point, step=self.backend.step + 1, run_dir=self.run_dir)

@@ -21,6 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from common.durable import atomic_write
 from common.config import ConfigError
 from common.target_config import MODEL_CONFIG_NAME
 from common.witness import servable_dir
@@ -169,14 +170,9 @@ def write_drafter_files(tensors: dict[str, torch.Tensor], config_doc: dict, out_
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.detach().to("cpu", EXPORT_DTYPES[dtype] if t.is_floating_point() else t.dtype).contiguous()
                for name, t in tensors.items()}
-    tmp = out_dir / (WEIGHTS_NAME + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.chmod(tmp, SERVABLE_MODE)
-    os.replace(tmp, out_dir / WEIGHTS_NAME)
-    tmp = out_dir / (CONFIG_NAME + ".tmp")
-    tmp.write_text(json.dumps(config_doc, indent=2) + "\n")
-    os.chmod(tmp, SERVABLE_MODE)
-    os.replace(tmp, out_dir / CONFIG_NAME)
+    atomic_write(out_dir / WEIGHTS_NAME, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}),
+                 mode=SERVABLE_MODE)
+    atomic_write(out_dir / CONFIG_NAME, json.dumps(config_doc, indent=2) + "\n", mode=SERVABLE_MODE)
     return out_dir
 
 

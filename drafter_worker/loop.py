@@ -43,7 +43,8 @@ from common.transport import DrafterTransport, open_drafter_transport
 from common.worker_backends import DrafterBackend
 from common.worker_loop import WorkerLoop
 from common.witness import Checkpoint, latest_checkpoint
-from common.worker_runtime import CALL_TIMEOUT_S, RECONNECT_S, DispatcherGone, NoReply, WorkerLost, WorkerUnusable
+from common.worker_runtime import (CALL_TIMEOUT_S, RECONNECT_S, DispatcherGone, NoReply, WorkerLost, WorkerUnusable,
+                                   resend_until_answered)
 from drafter_worker.busy_clock import BusyClock
 
 log = logging.getLogger("hsd.drafter")
@@ -244,41 +245,47 @@ class DrafterLoop(WorkerLoop):
         if self.commit is None:
             return
         fields, request_id = self.commit
-        deadline = time.monotonic() + RECONNECT_S
-        while True:
-            try:
-                self.session.result(request_id, timeout_s=CALL_TIMEOUT_S)
-                break
-            except NoReply:
-                if time.monotonic() > deadline:
-                    raise DispatcherGone(f"commit of step {fields['step']} unanswered for {RECONNECT_S:.0f}s") from None
-                log.warning("%s: commit of step %d got no reply; sending it again", self.name, fields["step"])
-                request_id = self.session.submit("commit_step", **fields)
-                self.commit = (fields, request_id)
-            except ProtocolError as exc:
-                if exc.code == ErrorCode.INTERNAL and time.monotonic() <= deadline:
-                    # Not made durable (the journal failed and that dispatcher stops): the same commit
-                    # goes to the next one, which answers unknown_worker, and the step is dropped then.
-                    log.warning("%s: commit of step %d failed (%s); sending it again", self.name, fields["step"],
-                                exc.message)
-                    time.sleep(1.0)
-                    request_id = self.session.submit("commit_step", **fields)
-                    self.commit = (fields, request_id)
-                    continue
-                if exc.code != ErrorCode.BAD_STATE:
-                    raise
-                log.warning("%s: step %d refused, dropped: %s", self.name, fields["step"], exc.message)
-                self.commit = None
-                self.backend.drop_step()
-                self.session.held.discard(fields["job_ids"])  # the next heartbeat gives them back
-                self.num_dropped_steps += 1
-                return
+        try:
+            self._commit_until_answered(fields, request_id)
+        except NoReply:
+            raise DispatcherGone(f"commit of step {fields['step']} unanswered for {RECONNECT_S:.0f}s") from None
+        except ProtocolError as exc:
+            if exc.code != ErrorCode.BAD_STATE:
+                raise
+            log.warning("%s: step %d refused, dropped: %s", self.name, fields["step"], exc.message)
+            self.commit = None
+            self.backend.drop_step()
+            self.session.held.discard(fields["job_ids"])  # the next heartbeat gives them back
+            self.num_dropped_steps += 1
+            return
         self.commit = None
         metrics = self.backend.apply_step(fields["job_ids"])
         log.debug("%s: step %d  %d jobs  %.3fs  %s", self.name, self.backend.step, len(fields["job_ids"]),
                   fields["busy_s"], metrics)
         if self.backend.step - self.checkpointed_step >= self.checkpoint_every:
             self._checkpoint()
+
+    def _commit_until_answered(self, fields: dict[str, Any], request_id: int | None = None) -> dict[str, Any]:
+        """The reply to the commit of ``fields`` (``request_id``: the one in flight), sent again while
+        RECONNECT_S allows: at once when unanswered (a commit is idempotent), a second later when that
+        dispatcher could not make it durable (``internal``: its journal failed and it stops; the same
+        commit goes to the next one, which answers unknown_worker, and the step is dropped then).
+
+        One classification for a lone drafter and a group's rank 0; what the errors left mean is each
+        caller's (NoReply once RECONNECT_S passed, ProtocolError: ``bad_state`` is a refusal, WorkerLost)."""
+        step = fields["step"]
+
+        def again(exc: Exception) -> float | None:
+            if isinstance(exc, NoReply):
+                log.warning("%s: commit of step %d got no reply; sending it again", self.name, step)
+                return 0.0
+            if isinstance(exc, ProtocolError) and exc.code == ErrorCode.INTERNAL:
+                log.warning("%s: commit of step %d failed (%s); sending it again", self.name, step, exc.message)
+                return 1.0
+            return None
+        return resend_until_answered(lambda: self.session.submit("commit_step", **fields),
+                                     lambda request_id: self.session.result(request_id, timeout_s=CALL_TIMEOUT_S),
+                                     again=again, request_id=request_id)
 
     def _checkpoint(self, *, best_effort: bool = False) -> None:
         """Start the checkpoint of the applied step: snapshot now, written on the writer's thread.

@@ -12,20 +12,11 @@ import os
 import time
 from typing import Any
 
+from common import faults
 from common.config import Config
 from common.slot_pattern import verify_against_dataset, verify_pattern
 from common.slots import SlotBatch
 from common.witness import CheckpointSnapshot, TrainedJobs, check_model_id, latest_checkpoint
-
-
-def _test_faults() -> tuple[int | None, int | None]:
-    """Test-only faults planted in the witness, so a test can show the report catches them:
-    ``HSD_TEST_WITNESS_DUPLICATE=<job id>`` records that job twice, ``HSD_TEST_WITNESS_DROP=<job id>``
-    never records it."""
-    def job(name: str) -> int | None:
-        value = os.environ.get(name, "")
-        return int(value) if value else None
-    return job("HSD_TEST_WITNESS_DUPLICATE"), job("HSD_TEST_WITNESS_DROP")
 
 
 class SimDrafter:
@@ -42,7 +33,8 @@ class SimDrafter:
         self.cost_per_sequence = config.drafter.sim_cost_per_sequence
         self.keep = config.drafter.checkpoint_keep
         self._window: list[int] = []
-        self._duplicate, self._drop = _test_faults()
+        # test-only faults planted in the witness (common.faults), so a test can show the report catches them
+        self._duplicate, self._drop = faults.witness_faults()
         # Behind a real target the slots hold a model's states, not a pattern: check them against the
         # prepared dataset the target read instead.
         self._dataset = None

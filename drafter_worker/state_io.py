@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from common.durable import atomic_write
+
 TENSORS_NAME = "state.safetensors"
 STRUCTURE_NAME = "state.json"
 
@@ -63,12 +65,9 @@ def write_state(structure, tensors: dict[str, torch.Tensor], out_dir: str | os.P
     """Write a flattened state (:func:`flatten_state`) into ``out_dir``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir / (TENSORS_NAME + ".tmp")
-    save_file({name: t.to("cpu").contiguous() for name, t in tensors.items()}, str(tmp))
-    os.replace(tmp, out_dir / TENSORS_NAME)
-    tmp = out_dir / (STRUCTURE_NAME + ".tmp")
-    tmp.write_text(json.dumps(structure))
-    os.replace(tmp, out_dir / STRUCTURE_NAME)
+    atomic_write(out_dir / TENSORS_NAME,
+                 lambda tmp: save_file({name: t.to("cpu").contiguous() for name, t in tensors.items()}, str(tmp)))
+    atomic_write(out_dir / STRUCTURE_NAME, json.dumps(structure))
     return out_dir
 
 

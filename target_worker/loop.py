@@ -10,14 +10,12 @@ reports the previous job ready only once its copy has landed and its header is p
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import signal
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from common import faults
 from common.config import Config
 from common.transport import TargetTransport, open_target_transport
 from common.worker_backends import PendingSlotWrite, TargetBackend
@@ -26,9 +24,6 @@ from common.worker_loop import WorkerLoop
 log = logging.getLogger("hsd.target")
 
 MAX_CONSECUTIVE_FAILURES = 3  # a backend that fails this many jobs in a row is broken, not unlucky
-# For tests: a path. The first target of the run to take a job writes {name, pid, job_id} there
-# and stops itself (SIGSTOP) before extracting it, so a test acts on a target that holds a job.
-STOP_IN_JOB_ENV = "HSD_TEST_TARGET_STOP_IN_JOB"
 
 
 class TargetLoop(WorkerLoop):
@@ -71,7 +66,7 @@ class TargetLoop(WorkerLoop):
             job = reply["job"]
             if job is None:
                 continue
-            _stop_in_job(self.name, job)
+            faults.stop_in_job(self.name, job)  # a test acts on a target that holds a job
             started = time.perf_counter()
             failure: Exception | None = None
             try:
@@ -115,24 +110,6 @@ class TargetLoop(WorkerLoop):
         if self._failures_in_a_row >= MAX_CONSECUTIVE_FAILURES:
             self._collect(self._reports, wait=True)
             raise exc
-
-
-def _stop_in_job(name: str, job: dict[str, Any]) -> None:
-    """STOP_IN_JOB_ENV: the first target to get here stops itself, its job held; once per path."""
-    path = os.environ.get(STOP_IN_JOB_ENV)
-    if not path:
-        return
-    tmp = f"{path}.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump({"name": name, "pid": os.getpid(), "job_id": job["job_id"]}, f)
-    try:
-        os.link(tmp, path)  # complete when it appears; fails when another target was first
-    except FileExistsError:
-        return
-    finally:
-        os.unlink(tmp)
-    log.error("%s: stopping inside job %d (%s)", name, job["job_id"], STOP_IN_JOB_ENV)
-    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 @dataclass

@@ -17,6 +17,7 @@ from typing import Iterator
 
 import numpy as np
 
+from common.durable import atomic_write, publish
 from common.prepared import (FORMAT, LENGTHS_FILE, LOSS_MASK_FILE, MANIFEST_FILE, OFFSET_DTYPE, OFFSETS_FILE,
                              TOKEN_DTYPE, TOKENS_FILE, load_tokenizer, tokenizer_fingerprint)
 from target_worker.chat_rows import TOO_LONG, RowError, parse_json_line, row_format, row_messages
@@ -115,7 +116,7 @@ class DatasetWriter:
             os.fsync(handle.fileno())
         self.close()
         for name in self.names:
-            os.replace(self.out_dir / f"{name}.partial", self.out_dir / name)
+            publish(self.out_dir / f"{name}.partial", self.out_dir / name)
 
     def discard(self) -> None:
         self.close()
@@ -206,9 +207,7 @@ def prepare_dataset(input_path: str | os.PathLike, tokenizer_dir: str | os.PathL
         "files": {"tokens": TOKENS_FILE, "loss_mask": LOSS_MASK_FILE, "offsets": OFFSETS_FILE,
                   "lengths": LENGTHS_FILE},
     }
-    tmp = out_dir / f"{MANIFEST_FILE}.partial"
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, out_dir / MANIFEST_FILE)
+    atomic_write(out_dir / MANIFEST_FILE, json.dumps(manifest, indent=2) + "\n", tmp_name=f"{MANIFEST_FILE}.partial")
     log.info("prepared %d samples (%d tokens, %d in the loss) from %d rows into %s; skipped %d",
              writer.num_samples, writer.num_tokens, writer.num_loss_tokens, num_rows, out_dir, sum(bad.values()))
     return manifest

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 from common.config import Config, ConfigError
+from common.durable import publish
 from target_worker.chat_rows import RowError, parse_json_line, row_messages, with_assistant_texts
 
 log = logging.getLogger("hsd.regenerate")
@@ -137,6 +138,6 @@ def regenerate_file(config: Config, input_path: str | os.PathLike, out_path: str
             if len(group) >= batch_size:
                 flush()
         flush()
-    os.replace(tmp, out_path)
+    publish(tmp, out_path)
     log.info("regenerated %d rows into %s (%d skipped)", counts["written"], out_path, counts["skipped"])
     return counts

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from common.durable import publish
+
 _DTYPE_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
                 torch.int32: "I32", torch.uint8: "U8"}
 
@@ -75,7 +77,7 @@ class StreamingSafetensorsWriter:
             raise ValueError(f"{len(missing)} declared tensor(s) never written, e.g. {missing[:3]}")
         self._open = False
         os.close(self._fd)
-        os.replace(self._tmp, self.path)
+        publish(self._tmp, self.path)
 
     def abort(self) -> None:
         """Drop the partial file (idempotent)."""

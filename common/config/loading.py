@@ -16,6 +16,7 @@ import yaml
 from common.capture_contract import contract_from_config
 from common.config.fields import ConfigError, is_text, key_types, type_name
 from common.config.sections import Config
+from common.durable import atomic_write
 from common.serving_layers import unservable_reason
 from common.target_config import read_model_config
 
@@ -141,12 +142,10 @@ def write_resolved(config: Config, run_dir: Path | None = None) -> Path:
     run_dir = Path(run_dir or config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     target = run_dir / RESOLVED_CONFIG_NAME
-    tmp = target.with_suffix(".tmp")
     doc = config.to_dict()
     doc["nodes"]["name"] = ""  # node-local: a worker started from this file on another node is not this one
-    tmp.write_text(RESOLVED_HEADER + yaml.safe_dump(doc, sort_keys=False))
-    os.replace(tmp, target)
-    return target
+    return atomic_write(target, RESOLVED_HEADER + yaml.safe_dump(doc, sort_keys=False),
+                        tmp_name=target.with_suffix(".tmp").name)
 
 
 def load_run_config(run_dir: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Config:

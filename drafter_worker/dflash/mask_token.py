@@ -37,6 +37,7 @@ from typing import Callable
 import numpy as np
 
 from common.config import Config, ConfigError
+from common.durable import atomic_write
 
 log = logging.getLogger("hsd.dflash")
 
@@ -130,9 +131,8 @@ def _read_choice(path: Path, key: str) -> MaskToken | None:
 def _write_choice(path: Path, key: str, chosen: MaskToken) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"key": key, "token_id": chosen.token_id, "token": chosen.token, "why": chosen.why}))
-        os.replace(tmp, path)
+        doc = {"key": key, "token_id": chosen.token_id, "token": chosen.token, "why": chosen.why}
+        atomic_write(path, json.dumps(doc), tmp_name=f"{path.name}.{os.getpid()}.tmp")
     except OSError as exc:  # the next start chooses again
         log.warning("the mask token choice was not kept in %s: %s", path, exc)
 

@@ -1,10 +1,10 @@
 """dispatcher/journal.py: checksummed records, torn tails repaired on open, fail-closed fsync, segments."""
 
-import os
 
 import pytest
 
-from dispatcher.journal import (FAULT_FSYNC_ENV, JOURNAL_NAME, Journal, JournalFailed, decode_line, encode_line,
+from common import faults
+from dispatcher.journal import (JOURNAL_NAME, Journal, JournalFailed, decode_line, encode_line,
                                 read_journal, segment_paths)
 from dispatcher.recovery import recover
 
@@ -39,7 +39,7 @@ def test_torn_tail_is_cut_on_open_so_the_next_record_survives(tmp_path):
 
 
 def test_fsync_failure_fails_closed(tmp_path, monkeypatch):
-    monkeypatch.setenv(FAULT_FSYNC_ENV, "1")
+    monkeypatch.setenv(faults.ENV, "journal_fsync_fails_after=1")
     journal = Journal(tmp_path)
     journal.record("epoch", durable=True, epoch=0)
     with pytest.raises(JournalFailed, match="fsync"):
@@ -50,7 +50,7 @@ def test_fsync_failure_fails_closed(tmp_path, monkeypatch):
 
 
 def test_background_fsync_failure_is_reported_not_swallowed(tmp_path, monkeypatch):
-    monkeypatch.setenv(FAULT_FSYNC_ENV, "0")
+    monkeypatch.setenv(faults.ENV, "journal_fsync_fails_after=0")
     journal = Journal(tmp_path, sync_in_background=True)
     journal.record("commit", durable=True, step=1)
     import select
@@ -105,7 +105,7 @@ def test_recover_without_snapshot_reads_every_segment(tmp_path):
 
 
 def test_a_failed_fsync_while_closing_a_segment_fails_the_waiting_snapshot(tmp_path, monkeypatch):
-    monkeypatch.setenv("HSD_FAULT_FSYNC_AFTER", "0")
+    monkeypatch.setenv(faults.ENV, "journal_fsync_fails_after=0")
     journal = Journal(tmp_path, sync_in_background=True)
     journal.record("epoch", durable=True, epoch=0)
     journal.rotate(0)

@@ -13,8 +13,9 @@ from __future__ import annotations
 import re
 import signal
 
+from common import faults
 from dispatcher.journal import read_journal
-from drafter_worker.group_loop import GROUP_NEVER_FORMED_EXIT, KILL_AT_ENV
+from drafter_worker.group_loop import GROUP_NEVER_FORMED_EXIT
 from hsd_testing import assert_exactly_once, kill_tree, report, start_hsd, stats, wait_for
 
 
@@ -32,7 +33,7 @@ def test_a_rank_sigkilled_inside_a_step_the_survivor_goes_on_from_its_own_weight
     takes drafter-0's state; then drafter-0 (rank 0, the rank that commits) kills itself inside the
     next step they train together, as it enters the gradient all-reduce: drafter-1 goes on alone
     from the state it received, and drafter-0 comes back the same way."""
-    monkeypatch.setenv(KILL_AT_ENV, "drafter-1@backward:4,drafter-0@allreduce:9")
+    monkeypatch.setenv(faults.ENV, "kill_at=drafter-1@backward:4,kill_at=drafter-0@allreduce:9")
     launch = start_hsd("launch", *_args(run_dir, "target.sim_cost_per_token=2e-5", "run.epochs=8"),
                        log_path=tmp_path / "launch.log")
     try:

@@ -14,7 +14,7 @@ import pytest
 
 from safetensors.torch import load_file
 
-from common.checkpoint_writer import DELAY_ENV, EXIT_AT_STEP_ENV
+from common import faults
 from common.client import run_id_for
 from common.shm_arena import list_segments
 from common.servable import weights_files
@@ -56,9 +56,9 @@ def test_real_run_exactly_once_and_resumed_run_trains_identically(tmp_path, monk
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
     args = tiny_run_args(tmp_path, straight_dir, num_samples=24, extra=SEQUENTIAL)
-    monkeypatch.setenv(DELAY_ENV, "2")  # a slow disk: every checkpoint takes 2 s to publish
+    monkeypatch.setenv(faults.ENV, "checkpoint_delay_s=2")  # a slow disk: every checkpoint takes 2 s to publish
     proc = hsd("launch", *args, timeout=400)
-    monkeypatch.delenv(DELAY_ENV)
+    monkeypatch.delenv(faults.ENV)
     assert "run complete: every epoch committed" in proc.stderr
     r = report(straight_dir)
     assert r["finished"] and (r["committed"], r["duplicates"], r["lost"]) == (r["jobs_total"], 0, 0)
@@ -72,14 +72,14 @@ def test_real_run_exactly_once_and_resumed_run_trains_identically(tmp_path, monk
     # The same run, its drafter killed while it writes the checkpoint of step 6 (on the writer's
     # thread, training going on), then launched again: step 4's checkpoint is still the latest.
     args = tiny_run_args(tmp_path, resumed_dir, num_samples=24, extra=(*SEQUENTIAL, "drafter.max_restarts=0"))
-    monkeypatch.setenv(EXIT_AT_STEP_ENV, "6")
+    monkeypatch.setenv(faults.ENV, "checkpoint_exit_at_step=6")
     first = hsd("launch", *args, timeout=400, check=False)
     assert first.returncode != 0 and "no drafter is left" in first.stderr
     assert latest_checkpoint(resumed_dir, "drafter-0").step == 4
     model_dir = latest_checkpoint(resumed_dir, "drafter-0").path.parent
     assert [p.name.rsplit("-", 1)[0] for p in model_dir.glob(".tmp-*")] == [".tmp-step-00000006"]  # killed mid-write
     assert not (model_dir / "step-00000006").exists()
-    monkeypatch.delenv(EXIT_AT_STEP_ENV)
+    monkeypatch.delenv(faults.ENV)
     proc = hsd("launch", *args, timeout=400)
     assert "resumes from its checkpoint at step 4" in proc.stdout
     assert not list(model_dir.glob(".tmp-*"))  # the next checkpoint removed what the killed writer left

@@ -18,11 +18,11 @@ from collections import defaultdict
 import psutil
 import pytest
 
+from common import faults
 from common.client import run_id_for
 from common.shm_arena import list_segments
 from dflash_run import tiny_run_args
 from dispatcher.journal import read_journal
-from drafter_worker.group_loop import KILL_AT_ENV, LOG_CHECKSUMS_ENV
 from hsd_testing import assert_exactly_once, kill_tree, report, start_hsd, stats, wait_for
 
 CRC_LINE = re.compile(r"(drafter-\d+): weights crc32 ([0-9a-f]{8}) at step (\d+)")
@@ -88,7 +88,7 @@ def test_drafters_attach_and_leave_a_running_run(tmp_path, monkeypatch):
     steps right after); one of them leaves on SIGTERM once the 4 ranks have stepped twice, and the 3
     left commit their next step in the version that follows, no collective failing on the way."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv(LOG_CHECKSUMS_ENV, "1")
+    monkeypatch.setenv(faults.ENV, "log_weight_checksums")
     run_dir = tmp_path / "run"
     # Long timeouts: the test holds the ranks (SIGSTOP) while two joiners start.
     args = tiny_run_args(tmp_path, run_dir, num_samples=32, epochs=40,

@@ -8,12 +8,13 @@ import os
 import signal
 import threading
 
+from common import faults
 from common.client import DispatcherClient, DispatcherUnavailable
 from common.protocol import ErrorCode, ProtocolError
 from common.witness import TrainedJobs, latest_checkpoint, list_models, save_checkpoint
-from dispatcher.journal import FAULT_FSYNC_ENV, read_journal
+from dispatcher.journal import read_journal
 from dispatcher.server import FAIL_CLOSED_EXIT_CODE
-from hsd_testing import hsd, report, running_hsd, sim_args, stats, wait_for, wait_for_stats
+from hsd_testing import hsd, report, running_hsd, sim_args, stats, wait_for_stats
 
 
 def exact(r: dict) -> bool:
@@ -66,7 +67,7 @@ def test_drafter_restarts_from_an_older_checkpoint_while_the_dispatcher_runs(run
 
 def test_fsync_failure_stops_the_dispatcher_and_a_relaunch_finishes_exactly_once(run_dir, tmp_path):
     args = sim_args(run_dir, "run.epochs=1", "target.count=2", "drafter.count=2")
-    env = dict(os.environ, **{FAULT_FSYNC_ENV: "12"})
+    env = dict(os.environ, **{faults.ENV: "journal_fsync_fails_after=12"})
     proc = hsd("launch", *args, timeout=400, check=False, env=env)
     # The dispatcher stopped itself (no reply it held kept it up), and the launch returned its code;
     # the launcher never had to kill it (workers, their dispatcher gone, it stops within its grace).

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import subprocess
 
-from common.faults import EXIT_BEFORE_COMMIT_REPLY_ENV
+from common import faults
 from dispatcher.journal import read_journal
-from drafter_worker.group_loop import KILL_AT_ENV
 from hsd_testing import assert_exactly_once, kill_tree, report, start_hsd, stats
 
 
@@ -35,7 +34,7 @@ def _steps_each_once(events):
 def test_rank0_killed_inside_its_commit_loses_no_step_and_no_survivor(run_dir, tmp_path, monkeypatch):
     # whichever rank is rank 0 when the group holds 2 ranks at step 3 or later dies there; the other,
     # rank 0 of the next pair, dies the same way once the first is back
-    monkeypatch.setenv(KILL_AT_ENV, "drafter-0@committed:3,drafter-1@committed:3")
+    monkeypatch.setenv(faults.ENV, "kill_at=drafter-0@committed:3,kill_at=drafter-1@committed:3")
     launch = start_hsd("launch", *_args(run_dir, "drafter.count=2", "target.sim_cost_per_token=2e-5", "run.epochs=6"),
                        log_path=tmp_path / "launch.log")
     try:
@@ -57,7 +56,7 @@ def test_rank0_killed_inside_its_commit_loses_no_step_and_no_survivor(run_dir, t
 
 
 def test_a_group_commit_whose_reply_died_with_the_dispatcher_is_applied(run_dir, tmp_path, monkeypatch):
-    monkeypatch.setenv(EXIT_BEFORE_COMMIT_REPLY_ENV, "3")
+    monkeypatch.setenv(faults.ENV, "dispatcher_exit_before_commit_reply=3")
     args = _args(run_dir, "drafter.count=2", "target.count=1", "target.sim_cost_per_token=2e-5", "run.epochs=3")
     procs = {}
     try:

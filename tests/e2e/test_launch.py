@@ -8,11 +8,11 @@ import signal
 
 import psutil
 
+from common import faults
 from common.client import run_id_for
 from common.shm_arena import list_segments
 from dispatcher.journal import read_journal
 from hsd_testing import assert_exactly_once, hsd, report, running_hsd, sim_args, stats, wait_for, wait_for_stats
-from target_worker.loop import STOP_IN_JOB_ENV
 
 
 def test_launch_5_targets_3_drafters_two_epochs_exactly_once(run_dir):
@@ -37,7 +37,7 @@ def test_sigkilled_target_job_is_extracted_again(run_dir, tmp_path, monkeypatch)
     # The first target to take a job stops itself before extracting it: the job it is killed
     # holding is known, whatever the machine's speed.
     held_at = tmp_path / "stopped-in-job.json"
-    monkeypatch.setenv(STOP_IN_JOB_ENV, str(held_at))
+    monkeypatch.setenv(faults.ENV, f"target_stop_in_job={held_at}")
     args = sim_args(run_dir, "run.epochs=1", "target.count=2", "drafter.count=2", "target.max_restarts=2",
                     "dispatcher.worker_timeout_s=120")  # it dies by the SIGKILL, not by its silence while stopped
     with running_hsd("launch", *args, log_path=tmp_path / "launch.log") as launch:

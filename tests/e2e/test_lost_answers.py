@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import signal
 
-from common.faults import EXIT_BEFORE_COMMIT_REPLY_ENV
+from common import faults
 from dispatcher.journal import read_journal
 from hsd_testing import assert_exactly_once, kill_tree, report, start_hsd, stats, wait_for_stats
 
@@ -68,7 +68,7 @@ def test_a_commit_durable_whose_reply_never_came_is_applied_not_rolled_back(run_
     """The dispatcher exits with a drafter's commit on disk and its reply not sent (test fault): the
     drafter keeps the step's gradients, and when it registers with the next dispatcher, which holds
     that commit, it applies the step — no committed step rolled back or trained twice."""
-    monkeypatch.setenv(EXIT_BEFORE_COMMIT_REPLY_ENV, "3")
+    monkeypatch.setenv(faults.ENV, "dispatcher_exit_before_commit_reply=3")
     args = [*_write_config(tmp_path), f"run.dir={run_dir}"]
     procs = {}
     try:

@@ -18,11 +18,11 @@ import sys
 import pytest
 import yaml
 from hsd_testing import (assert_exactly_once, curve_args, free_port, hsd, kill_tree, report, running_hsd, sim_args,
-                         start_hsd, wait_for, wait_for_stats)
+                         start_hsd, wait_for_stats)
 
+from common import faults
 from common.transport_info import engine_missing
 from dispatcher.journal import read_journal
-from drafter_worker.group_loop import KILL_AT_ENV
 
 needs_engine = pytest.mark.skipif(engine_missing() is not None, reason="NIXL is not installed (make install adds it)")
 
@@ -157,7 +157,7 @@ def test_a_group_with_a_rank_on_each_node_meets_without_a_shared_run_dir(run_dir
     """drafter-a (rank 0, on node a) and drafter-b (node b, whose run.dir is another directory) train
     one model; drafter-b kills itself inside step 3 and comes back as its node's supervisor would
     restart it: drafter-a commits alone meanwhile, and drafter-b rejoins by taking its state."""
-    monkeypatch.setenv(KILL_AT_ENV, "drafter-b@micro_batch:3")
+    monkeypatch.setenv(faults.ENV, "kill_at=drafter-b@micro_batch:3")
     node_b_config = tmp_path / "node-b.yaml"
     ranks = {}
 

@@ -1,0 +1,62 @@
+"""common/worker_runtime.py's resend_until_answered: which errors send a request again, and for how long."""
+
+import pytest
+
+from common import worker_runtime
+from common.protocol import ErrorCode, ProtocolError
+from common.worker_runtime import NoReply, on_no_reply, resend_until_answered
+
+
+class Dispatcher:
+    """Answers request N with ``answers[N]`` (an exception is raised); counts what was sent."""
+
+    def __init__(self, *answers):
+        self.answers = list(answers)
+        self.sent = 0
+
+    def send(self) -> int:
+        self.sent += 1
+        return self.sent - 1
+
+    def wait(self, request_id: int):
+        answer = self.answers[request_id]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+def test_sent_again_while_unanswered_then_the_reply(caplog):
+    d = Dispatcher(NoReply("lost"), NoReply("lost"), {"ok": True})
+    again = on_no_reply(worker_runtime.log, "%s: %s got no reply; sending it again", "w", "op")
+    assert resend_until_answered(d.send, d.wait, again=again) == {"ok": True} and d.sent == 3
+    assert [r.getMessage() for r in caplog.records].count("w: op got no reply; sending it again") == 2
+
+
+def test_the_request_in_flight_is_waited_for_first():
+    d = Dispatcher({"first": True})
+    assert resend_until_answered(d.send, d.wait, again=lambda exc: 0.0, request_id=0) == {"first": True}
+    assert d.sent == 0
+
+
+def test_a_final_error_is_raised_at_once():
+    d = Dispatcher(ProtocolError(ErrorCode.BAD_STATE, "refused"), {"ok": True})
+    with pytest.raises(ProtocolError, match="refused"):
+        resend_until_answered(d.send, d.wait, again=on_no_reply(worker_runtime.log, "again"))
+    assert d.sent == 1
+
+
+def test_past_the_deadline_the_last_error_is_raised_and_pauses_are_kept(monkeypatch):
+    now = [0.0]
+    slept = []
+    monkeypatch.setattr(worker_runtime.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(worker_runtime.time, "sleep", lambda s: (slept.append(s), now.__setitem__(0, now[0] + s)))
+    d = Dispatcher(*[ProtocolError(ErrorCode.INTERNAL, "not durable")] * 10)
+    with pytest.raises(ProtocolError, match="not durable"):
+        resend_until_answered(d.send, d.wait, again=lambda exc: 1.0, deadline_s=2.5)
+    assert slept == [1.0, 1.0, 1.0] and d.sent == 4  # the fourth failure came past the deadline
+
+
+def test_unless_makes_no_reply_final():
+    d = Dispatcher(NoReply("lost"), {"ok": True})
+    with pytest.raises(NoReply):
+        resend_until_answered(d.send, d.wait, again=on_no_reply(worker_runtime.log, "again", unless=lambda: True))
