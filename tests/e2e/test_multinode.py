@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 
+import psutil
 import pytest
 import yaml
 from hsd_testing import (assert_exactly_once, curve_args, free_port, hsd, kill_tree, report, running_hsd, sim_args,
@@ -46,7 +47,7 @@ def loopback_tcp(monkeypatch):
 
 def _node_a(run_dir, keys, *overrides: str) -> list[str]:
     return sim_args(run_dir, "run.epochs=1", "data.synthetic_samples=60", "pool.transport=nixl", "pool.slots=6", "pool.min_ready=3",
-                    "nodes.name=a", "target.sim_cost_per_token=1e-5",
+                    "nodes.name=a", "target.sim_cost_per_token=1e-5", "dispatcher.worker_timeout_s=120",
                     *curve_args(keys, free_port(), free_port(), allowed=("node-a", "node-b")), *overrides)
 
 
@@ -66,15 +67,26 @@ def _run(run_dir, keys, tmp_path, node_a: list[str], on_b: list[tuple[str, str]]
                                    and s["nodes"].get("a", {}).get("targets") else None, 120,
                                    what="node a's target and node b's drafters registered")
             assert set(nodes) == {"a", b}
-            assert f"node {b}:" in hsd("stats", "--run-dir", str(run_dir)).stdout
-            # as on node b: the run's config and node b's own key pair
-            assert f"node {b}:" in hsd("stats", "--config", str(run_dir / "config.yaml"),
-                                       f"curve.client_secret_key={keys / 'node-b.key_secret'}").stdout
-            # or the stats endpoint and node b's keys; without them the handshake is refused, said as such
-            endpoint = yaml.safe_load((run_dir / "config.yaml").read_text())["dispatcher"]["stats_endpoint"]
-            assert f"node {b}:" in hsd("stats", "--endpoint", endpoint, "--keys", str(keys), "--client", "node-b").stdout
-            refused = hsd("stats", "--endpoint", endpoint, check=False)
-            assert refused.returncode == 1 and "CURVE handshake refused" in refused.stdout, refused.stdout
+            # node a's targets held while the stats are asked: the run cannot end under the questions
+            targets = [p for p in psutil.Process(launch.pid).children(recursive=True)
+                       if " target " in " ".join(p.cmdline()) + " "]
+            assert targets, "no target process under hsd launch"
+            for target in targets:
+                target.suspend()
+            try:
+                assert f"node {b}:" in hsd("stats", "--run-dir", str(run_dir)).stdout
+                # as on node b: the run's config and node b's own key pair
+                assert f"node {b}:" in hsd("stats", "--config", str(run_dir / "config.yaml"),
+                                           f"curve.client_secret_key={keys / 'node-b.key_secret'}").stdout
+                # or the stats endpoint and node b's keys; without them the handshake is refused, said as such
+                endpoint = yaml.safe_load((run_dir / "config.yaml").read_text())["dispatcher"]["stats_endpoint"]
+                assert f"node {b}:" in hsd("stats", "--endpoint", endpoint, "--keys", str(keys),
+                                           "--client", "node-b").stdout
+                refused = hsd("stats", "--endpoint", endpoint, check=False)
+                assert refused.returncode == 1 and "CURVE handshake refused" in refused.stdout, refused.stdout
+            finally:
+                for target in targets:
+                    target.resume()
             assert launch.wait(timeout=240) == 0, (tmp_path / "launch.log").read_text()[-3000:]
             for worker in workers:
                 assert worker.wait(timeout=60) == 0, worker.args
@@ -94,7 +106,7 @@ def test_without_the_engine_a_multinode_run_fails_at_start(run_dir):
     assert "pool.transport=nixl (runs across nodes) needs NIXL" in proc.stderr
     assert "pip install 'hsdispatch[multinode]'" in proc.stderr
     # a one-node worker never imports the engine (an import of it would fail here)
-    imports = _WITHOUT_ENGINE.split("from dispatcher")[0] + "import common.transport, target_worker.loop, drafter_worker.loop"
+    imports = _WITHOUT_ENGINE.split("from hsd.cli")[0] + "import common.transport, target_worker.loop, drafter_worker.loop"
     proc = subprocess.run([sys.executable, "-c", imports], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
