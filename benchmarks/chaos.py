@@ -18,8 +18,6 @@ memory segments of its run id left in /dev/shm, and processes of its sessions st
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import json
 import os
 import shutil
@@ -37,7 +35,8 @@ import psutil
 
 from benchmarks.chaos_figures import START_MARK, clean_up, figures, format_figures
 from benchmarks.chaos_plan import ATTACH, DETACH, KILL, ChaosEvent, build_plan
-from common.config import ConfigError, DrafterSection, load_config, write_resolved
+from benchmarks.chaos_setups import ChaosSetup, real_inputs, real_setup, sim_setup
+from common.config import ConfigError, load_config, write_resolved
 from dispatcher.rundir import STATE_FILE
 from ops.launch import die_with_parent  # a killed bench takes its run with it, as hsd launch does
 from ops.stats_view import run_stats_or_none
@@ -48,54 +47,7 @@ STOP_GRACE_S = 20.0         # a detached or stopping worker gets this long to le
 READY_TIMEOUT_S = 120.0
 SETTLED_AFTER_S = 1.0       # a process started this long ago may be hit again
 SKIP_AFTER_S = 5.0          # an event not possible this long (and a whole gap) is skipped: the plan goes on
-EVENTS_PER_WINDOW = 20      # about 13 kills: a window of any length hits every role more than once
 WINDOW_WALL_FACTOR = 6      # a window whose run barely serves ends after this many times its length
-
-
-@dataclass(frozen=True)
-class ChaosSetup:
-    """The run a chaos bench drives: its config overrides, its drafters and the plan's pace."""
-    overrides: tuple[str, ...]
-    num_targets: int
-    num_drafters: int
-    min_drafters: int           # a detach never leaves fewer live drafters than this
-    max_drafters: int           # an attach never makes more
-    mean_gap_s: float           # between chaos events
-    paired_attach: bool         # attaches only where a drafter detached (a fixed-size group)
-    settle_timeout_s: float     # after the window: how long the run may take to finish
-    config_file: Path | None = None  # the base config the overrides apply to (None: the defaults)
-
-
-def sim_setup(run_dir: Path, minutes: float, seed: int) -> ChaosSetup:
-    # The 2 sim targets extract at most 12 jobs/s (0.16 s a job each), about 4.5 under chaos on the
-    # loaded 2-core CI machine. At least 100 samples (90 jobs over the 3 epochs): the plan's events
-    # are due at shares of those jobs, and a machine that works faster than the plan's clock has its
-    # targets held until the clock catches up, so every event fires inside the work. A target held
-    # longer than the dispatcher's worker timeout would be declared dead: 10 s, above a gap.
-    samples = max(100, int(minutes * 60 * 6))
-    return ChaosSetup(
-        overrides=(f"run.dir={run_dir}", f"run.seed={seed}", "run.epochs=3", f"data.synthetic_samples={samples}",
-                   "target.sim=true", "drafter.sim=true", "target.count=2", "drafter.count=2",
-                   "target.sim_cost_per_token=2e-5", "drafter.accum_steps=2", "drafter.checkpoint_every=4",
-                   "dispatcher.heartbeat_s=0.2", "dispatcher.worker_timeout_s=10"),
-        num_targets=2, num_drafters=2, min_drafters=1, max_drafters=4,
-        mean_gap_s=max(1.0, minutes * 60 / EVENTS_PER_WINDOW), paired_attach=False, settle_timeout_s=120 + minutes * 60)
-
-
-def real_setup(run_dir: Path, minutes: float, seed: int, inputs: list[str], config_file: Path) -> ChaosSetup:
-    # The demo's recipe in a group of 2 DFlash ranks: 5-19 epochs (39 jobs) a minute here under
-    # chaos, as the machine's load goes, and 19 on a quiet machine with sorted batching and
-    # cost-balanced steps (at 15 epochs a minute of window the run ended with 2 of its events not
-    # yet fired): 25 a minute outlast the window. A group whose size is elastic (drafter.min_ranks)
-    # takes attaches beyond its size; a fixed one only where a rank left.
-    elastic = "min_ranks" in {f.name for f in dataclasses.fields(DrafterSection)}
-    return ChaosSetup(
-        overrides=(*inputs, f"run.dir={run_dir}", f"run.seed={seed}", f"run.epochs={max(4, int(minutes * 25))}",
-                   "target.count=1", "drafter.count=2", "drafter.checkpoint_every=10",
-                   "drafter.collective_timeout_s=20", "dispatcher.heartbeat_s=0.5", "dispatcher.worker_timeout_s=10"),
-        num_targets=1, num_drafters=2, min_drafters=2 if elastic else 1, max_drafters=4 if elastic else 2,
-        mean_gap_s=max(4.0, minutes * 60 / EVENTS_PER_WINDOW), paired_attach=not elastic,
-        settle_timeout_s=300 + minutes * 120, config_file=config_file)
 
 
 @dataclass
@@ -411,14 +363,6 @@ def drive(setup: ChaosSetup, plan: list[ChaosEvent], run_dir: Path, *, window_s:
         supervisor.stop_all()
         for event in pending:
             log.event("not run", event.role, event.action, None, f"(planned at {event.at_s:.1f}s)")
-
-
-def real_inputs(inputs_dir: Path) -> tuple[list[str], Path]:
-    """The demo's config, tiny target and prepared data under ``inputs_dir`` (made once, then reused)."""
-    from ops.demo import DEFAULT_CONFIG, prepare_inputs
-    with contextlib.redirect_stdout(sys.stderr):  # stdout is the figures' (--json)
-        overrides = prepare_inputs(inputs_dir.resolve(), config_path=None, overrides=[], samples=200, timings={})
-    return overrides, DEFAULT_CONFIG
 
 
 def run_chaos_bench(*, minutes: float, seed: int, real: bool, as_json: bool, work_dir: str | None = None,

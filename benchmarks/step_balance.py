@@ -84,7 +84,7 @@ def run_balance_bench(*, setups: tuple[str, ...] = SETUPS, ranks: int = 2, epoch
     unknown = [s for s in setups if s not in SETUPS]
     if unknown or not setups:
         raise ConfigError(f"hsd bench balance: --setup is one of {', '.join(SETUPS)}, not {', '.join(unknown)}")
-    from benchmarks.chaos import real_inputs
+    from benchmarks.chaos_setups import real_inputs
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the ranks and the target share the machine's cores
     base = Path(work_dir or tempfile.mkdtemp(prefix="hsd-balance-")).resolve()
     results = []
