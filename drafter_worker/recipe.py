@@ -112,6 +112,17 @@ class AccumulatingTrainer:
     _scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
     _loaded: tuple[dict, dict] | None = None  # (optimizer, scheduler) state loaded before they were built
 
+    def _batch_on_device(self, hs, input_ids, loss_mask, seq_lens, *, width: int, width_is: str):
+        """A micro-batch checked (``hs [B, S, width]`` against ``input_ids [B, S]``; ``width_is`` says
+        what the width is made of) and moved to the trainer's device: hs as it is, the token ids and
+        lengths as int64, the loss mask as bool."""
+        if hs.dim() != 3 or hs.shape[-1] != width or hs.shape[:2] != input_ids.shape:
+            raise ValueError(f"hidden states {tuple(hs.shape)} do not match input_ids {tuple(input_ids.shape)} "
+                             f"and {width_is} = {width}")
+        device = self.device
+        return (hs.to(device, non_blocking=True), input_ids.to(device, non_blocking=True).long(),
+                loss_mask.to(device, non_blocking=True).bool(), seq_lens.to(device, non_blocking=True).long())
+
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         if self._optimizer is None:

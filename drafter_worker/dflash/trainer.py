@@ -94,13 +94,9 @@ class DFlashTrainer(AccumulatingTrainer):
         ``anchors [B, N]`` (``-1`` = unused) pins the blocks instead of drawing them (checked on the host).
         """
         num_fused = self.model_config.num_context_layers * self.model_config.hidden_size
-        if hs.dim() != 3 or hs.shape[-1] != num_fused or hs.shape[:2] != input_ids.shape:
-            raise ValueError(f"hidden states {tuple(hs.shape)} do not match input_ids {tuple(input_ids.shape)} "
-                             f"and K*H = {num_fused}")
+        hs, input_ids, loss_mask, seq_lens = self._batch_on_device(hs, input_ids, loss_mask, seq_lens, width=num_fused,
+                                                                   width_is="K*H")
         device = self.device
-        hs, input_ids = hs.to(device, non_blocking=True), input_ids.to(device, non_blocking=True).long()
-        loss_mask = loss_mask.to(device, non_blocking=True).bool()
-        seq_lens = seq_lens.to(device, non_blocking=True).long()
         if anchors is None:
             anchors = sample_anchors(loss_mask, seq_lens, num_anchors=self.model_config.num_anchors,
                                      generator=self.anchor_generator)

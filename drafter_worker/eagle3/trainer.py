@@ -102,13 +102,9 @@ class Eagle3Trainer(AccumulatingTrainer):
         """
         hidden_size = self.model_config.hidden_size
         width = (NUM_FUSED_LAYERS + 1) * hidden_size
-        if hs.dim() != 3 or hs.shape[-1] != width or hs.shape[:2] != input_ids.shape:
-            raise ValueError(f"hidden states {tuple(hs.shape)} do not match input_ids {tuple(input_ids.shape)} "
-                             f"and (3 layers + final norm) x H = {width}")
+        hs, input_ids, loss_mask, seq_lens = self._batch_on_device(hs, input_ids, loss_mask, seq_lens, width=width,
+                                                                   width_is="(3 layers + final norm) x H")
         device = self.device
-        hs, input_ids = hs.to(device, non_blocking=True), input_ids.to(device, non_blocking=True).long()
-        loss_mask = loss_mask.to(device, non_blocking=True).bool()
-        seq_lens = seq_lens.to(device, non_blocking=True).long()
         batch, seq_len = input_ids.shape
         target = target_probs(hs[..., -hidden_size:], self.target_head, self.draft_ids, self.model.t2d,
                               chunk_size=self.config.loss_chunk_size)
