@@ -160,6 +160,30 @@ def rope_fields(theta: float, scaling: dict | None) -> dict:
             "rope_parameters": {"rope_type": "default", "rope_theta": theta, **(scaling or {})}}
 
 
+def decoder_export_fields(config, *, architecture: str, model_type: str, num_layers: int, dtype: str) -> dict:
+    """The keys of an exported drafter's ``config.json`` that both drafters write alike: a decoder of
+    ``num_layers`` SwiGLU layers with the draft model's dimensions (``config``: a DFlash or EAGLE-3
+    model config), its RoPE, and no head of its own to tie (the target's LM head is used)."""
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "rms_norm_eps": config.rms_norm_eps,
+        **rope_fields(config.rope_theta, config.rope_scaling),
+        "max_position_embeddings": config.max_position_embeddings,
+        "vocab_size": config.vocab_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype,
+    }
+
+
 def write_drafter_files(tensors: dict[str, torch.Tensor], config_doc: dict, out_dir: str | os.PathLike, *,
                         dtype: str) -> Path:
     """``config.json`` + ``model.safetensors`` (floating tensors cast to ``dtype``, integer and bool

@@ -19,33 +19,19 @@ from safetensors import safe_open
 from common.target_config import rope_scaling_of, rope_theta_of
 from drafter_worker.dflash.config import DFlashConfig
 from drafter_worker.dflash.model import DFlashDraftModel, build_drafter
-from drafter_worker.layers import (WEIGHTS_NAME, check_rope_scaling, find_drafter_dir, read_export_config, rope_fields,
-                                   write_drafter_files)
+from drafter_worker.layers import (WEIGHTS_NAME, check_rope_scaling, decoder_export_fields, find_drafter_dir,
+                                   read_export_config, write_drafter_files)
 
 ARCHITECTURE = "DFlashDraftModel"
 
 
 def export_config(config: DFlashConfig, dtype: str) -> dict:
     return {
-        "architectures": [ARCHITECTURE],
-        "model_type": "qwen3",
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_draft_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "hidden_act": "silu",
-        "attention_bias": False,
+        **decoder_export_fields(config, architecture=ARCHITECTURE, model_type="qwen3",
+                                num_layers=config.num_draft_layers, dtype=dtype),
         "attention_dropout": 0.0,
-        "rms_norm_eps": config.rms_norm_eps,
-        **rope_fields(config.rope_theta, config.rope_scaling),
-        "max_position_embeddings": config.max_position_embeddings,
-        "vocab_size": config.vocab_size,
-        "tie_word_embeddings": False,  # the drafter has no head of its own to tie
         "layer_types": ["full_attention"] * config.num_draft_layers,
         "use_sliding_window": False,
-        "torch_dtype": dtype,
         "block_size": config.block_size,
         "num_target_layers": config.num_target_layers,
         "dflash_config": {

@@ -19,31 +19,17 @@ from safetensors import safe_open
 from common.target_config import rope_scaling_of, rope_theta_of
 from drafter_worker.eagle3.config import Eagle3Config
 from drafter_worker.eagle3.model import Eagle3DraftModel, build_drafter
-from drafter_worker.layers import WEIGHTS_NAME, check_rope_scaling, read_export_config, rope_fields, write_drafter_files
+from drafter_worker.layers import (WEIGHTS_NAME, check_rope_scaling, decoder_export_fields, read_export_config,
+                                   write_drafter_files)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 
 def export_config(config: Eagle3Config, dtype: str) -> dict:
     return {
-        "architectures": [ARCHITECTURE],
-        "model_type": "llama",
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": 1,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "hidden_act": "silu",
-        "attention_bias": False,
+        **decoder_export_fields(config, architecture=ARCHITECTURE, model_type="llama", num_layers=1, dtype=dtype),
         "mlp_bias": False,
-        "rms_norm_eps": config.rms_norm_eps,
-        **rope_fields(config.rope_theta, config.rope_scaling),
-        "max_position_embeddings": config.max_position_embeddings,
-        "vocab_size": config.vocab_size,
         "draft_vocab_size": config.draft_vocab_size,
-        "tie_word_embeddings": False,
-        "torch_dtype": dtype,
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
         "eagle_config": {"use_aux_hidden_state": True,
                          "eagle_aux_hidden_state_layer_ids": list(config.target_layer_ids)},
