@@ -103,12 +103,12 @@ FAULTS = {fault.name: fault for fault in (
     Fault("drafter_exit_after_step", _step, "drafter_worker.dflash_backend: the drafter exits (EXIT_MID_WRITE) right "
           "after it applies this step, between a commit and the next checkpoint (a resumed run must train exactly "
           "as an uninterrupted one); each time it does"),
-    Fault("kill_at", _kill_at, "drafter_worker.group_loop: <name>@<point>:<step> SIGKILLs the drafter named <name> at "
+    Fault("kill_at", _kill_at, "drafter_worker.loop: <name>@<point>:<step> SIGKILLs the drafter named <name> at "
           "<point> (micro_batch: before its second micro-batch; backward: inside the backward of its second "
           "micro-batch; allreduce: as it enters the gradient sum, its peers already in it; committed: rank 0 with "
           "its commit durable, before the outcome goes out to its peers) of its first step numbered <step> or "
           "later that it trains with peers; once per run directory", repeated=True),
-    Fault("log_weight_checksums", None, "drafter_worker.group_loop: log the weights' CRC32 after every applied step"),
+    Fault("log_weight_checksums", None, "drafter_worker.elastic_group: log the weights' CRC32 after every applied step"),
     Fault("target_stop_in_job", _path, "target_worker.loop: the first target of the run to take a job writes "
           "{name, pid, job_id} to this path and stops itself (SIGSTOP) before extracting it; once per path"),
     Fault("journal_fsync_fails_after", _count, "dispatcher.journal: every fsync of the journal after this many "

@@ -94,7 +94,8 @@ REQUESTS: dict[str, tuple[str, ...]] = {
     # ``step`` (its previous step + 1) on exactly these jobs. Journaled and fsynced before the reply.
     # Idempotent: the same (model, step, job_ids) again gets the first answer.
     # (verified: how many of the step's slots a sim drafter checked byte for byte; metrics: a few
-    # named floats of the drafter's previous step, loss and the like, shown by hsd stats)
+    # named floats of the drafter's previous step, loss and the like, and "step", the one they are
+    # of: shown by hsd stats, journaled with the commit)
     # A data-parallel group commits once per step (its rank 0, with membership: its version), naming
     # every rank's jobs; any jobs consumed by a current member count. The reply's membership is the
     # group's version after the commit: a newer one means waiting ranks join at this step boundary.
@@ -107,7 +108,8 @@ REQUESTS: dict[str, tuple[str, ...]] = {
     #   applies the step: its gradients are the group's). Answered once the journal is on disk; the
     #   version ``membership`` ends then, so no commit of it can land after a "not committed".
     "step_outcome": ("worker_id", "token", "model", "step", "job_ids", "membership"),
-    # {model, step} -> {}; the model's state at ``step`` (witness included) is durable on disk
+    # {model, step, metrics?} -> {}; the model's state at ``step`` (witness included) is durable on
+    # disk (metrics: that step's figures, as commit_step's, when the drafter applied it)
     "checkpoint": ("worker_id", "token", "model", "step"),
     # {} -> {}; leaving cleanly: leased jobs go back at once
     "deregister": ("worker_id", "token"),

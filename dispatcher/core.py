@@ -505,6 +505,8 @@ class DispatcherCore(GroupOps):
         self.journal.record("commit", durable=True, model=model, step=step, jobs=list(job_ids), w=worker_id,
                             buckets=sorted({j.bucket for j in jobs}), avail=stepper.window_avail,
                             mixed=stepper.window_mixed, tokens=num_tokens, busy_s=round(busy_s, 6), verified=verified,
+                            **({"metrics": {**metrics, "step": int(metrics["step"])}} if metrics and "step" in metrics
+                               else {}),  # the figures of that step (the drafter's previous one)
                             **({"membership": group.version, "sync_wait_s": round(sync_wait_s, 6),
                                 "step_s": round(step_s, 6),
                                 **({"rank_jobs": list(rank_jobs), "rank_busy_s": [round(b, 6) for b in rank_busy_s]}
@@ -515,7 +517,7 @@ class DispatcherCore(GroupOps):
             group.full = set()
             self._observe_step_costs(model, list(job_ids if cost_jobs is None else cost_jobs), rank_jobs, rank_busy_s)
         if metrics:
-            worker.metrics = dict(metrics)
+            worker.metrics = {k: v for k, v in metrics.items() if k != "step"}
         worker.num_jobs += len(jobs)
         worker.num_tokens += num_tokens
         for epoch in sorted({j.epoch for j in jobs}):
@@ -526,12 +528,15 @@ class DispatcherCore(GroupOps):
             self._maybe_open(group, now)  # the step boundary waiting ranks wait for
         return step
 
-    def checkpoint(self, worker_id: str, step: int, now: float, *, model: str | None = None) -> None:
-        """The model's state at ``step`` (its witness included) is durable on disk."""
+    def checkpoint(self, worker_id: str, step: int, now: float, *, model: str | None = None,
+                   metrics: dict[str, float] | None = None) -> None:
+        """The model's state at ``step`` (its witness included) is durable on disk; ``metrics``: that
+        step's figures (the last step's reach the journal this way: no commit follows it)."""
         worker = self.worker(worker_id, now)
         model = model or worker.model or worker_id
         held = self.ledger.model_step.get(model, 0)
         if step > held:
             raise LedgerError(f"model {model}: checkpoint of step {step} is ahead of the ledger's {held}")
         self.checkpoints[model] = max(self.checkpoints.get(model, 0), step)
-        self.journal.record("checkpoint", durable=True, model=model, step=step, w=worker_id)
+        self.journal.record("checkpoint", durable=True, model=model, step=step, w=worker_id,
+                            **({"metrics": {**metrics, "step": step}} if metrics else {}))

@@ -336,7 +336,8 @@ class DispatcherServer:
             return self._when_durable(identity, protocol.ok_reply(request.id, committed=committed,
                                                                   model_step=self._model_step(worker_id))), True
         elif op == "checkpoint":
-            core.checkpoint(worker_id, field_of(f, "step", int), now, model=field_of(f, "model", str))
+            core.checkpoint(worker_id, field_of(f, "step", int), now, model=field_of(f, "model", str),
+                            metrics=step_metrics(f.get("metrics")))
             return self._when_durable(identity, protocol.ok_reply(request.id, done=core.done)), True
         elif op == "deregister":
             self._drop_waiters(worker_id)

@@ -1,26 +1,38 @@
 """A drafter worker: accumulate a step of micro-batches, commit it, apply it once it is durable.
 
+One loop for a lone drafter and for a rank of a data-parallel group: a lone drafter is a group of
+one. The group-specific parts (membership versions, rendezvous, the job exchange, the gradient sum,
+the outcome's broadcast, state transfer) are its *step group* (:mod:`drafter_worker.step_group`:
+:class:`~drafter_worker.step_group.LoneGroup`, which opens nothing, and
+:class:`~drafter_worker.elastic_group.ElasticGroup`); the commit and its outcome are one path
+(:mod:`drafter_worker.commit`), checkpoints another (:mod:`drafter_worker.checkpointing`).
+
 The handshake with the dispatcher (protocol v2), in the order the loop keeps:
 
 - start: load the model's latest checkpoint and register with ``model: {id, step}``; the ledger
   rolls the model back to exactly that step. A model ahead of the ledger reloads its checkpoint and
-  registers again.
+  registers again. A rank then joins its group's version (:mod:`drafter_worker.elastic_group`).
 - a step: ``get_hs`` (the next one always in flight), copy the slot out, ``consumed``, the backend's
   ``micro_batch``. On a GPU the copy of slot N+1 runs on the transport's copy stream while
   micro-batch N computes (:meth:`common.transport.DrafterTransport.start_read`): the slot is
   released once the copy's event completes, and the compute stream waits on that event, not the
-  host on the compute stream. After ``accum_steps`` micro-batches (fewer when the dispatcher says ``flush``),
-  ``commit_step {model, step: current + 1, job_ids}``. The next slot is copied while the commit is
-  in flight; before the next micro-batch the loop waits for the answer: acknowledged → the backend
-  applies the step (weights, witness); refused → the step is dropped and its jobs leave the held
-  set, so the dispatcher gives them back. No answer → the same commit again (it is idempotent).
+  host on the compute stream. After its share of the step (``accum_steps`` micro-batches alone;
+  fewer when the dispatcher says ``flush``), the **round**: the ranks exchange their job ids and
+  flags, sum their gradients (nothing to do alone), rank 0 sends ``commit_step {model, step:
+  current + 1, job_ids}``, and once it is answered every rank applies the step (weights, witness)
+  when acknowledged, or drops it when refused (its jobs leave the held set, so the dispatcher gives
+  them back). No answer → the same commit again (it is idempotent).
+- what differs between a lone drafter and a rank is explicit and small, and comes from one fact: a
+  rank's peers wait for it, a lone drafter's do not. So a lone drafter sends its commit and copies
+  its next slot while it is in flight (it settles it before the next micro-batch); it leaves its
+  commit pending when the dispatcher restarts, and settles it when it registers again
+  (:mod:`drafter_worker.commit`); asked to stop it drops its partial step and stops, where a rank
+  brings its partial step to a last round; it sends its commit on the channel its ``consumed``
+  reports went ahead on, where rank 0 commits only once every rank's reports are answered.
 - checkpoints: every ``drafter.checkpoint_every`` steps, and when the dispatcher says nothing more
-  is coming (``flush`` with an empty window, or ``done``) while steps are not yet checkpointed:
-  the backend snapshots its state (host copies) and a thread writes it while training goes on
-  (:mod:`common.checkpoint_writer`, at most one in flight: the next waits for it); once it is
-  durable the loop sends ``checkpoint {model, step}``. The dispatcher says ``done`` only once every
-  model's last commit is checkpointed; the process exits only once its last write is on disk, and
-  reloads a checkpoint only with no write in flight.
+  is coming (``flush`` with an empty window, or ``done``) while steps are not yet checkpointed
+  (:mod:`drafter_worker.checkpointing`). The dispatcher says ``done`` only once every model's last
+  commit is checkpointed; the process exits only once its last write is on disk.
 - a slot rewritten before or under the copy (StaleSlotError, also when found once the copy's event
   completed): ``read_failed``, and on to the next job.
 - the dispatcher restarted (unknown worker): the pending step is dropped (its jobs were given back)
@@ -30,56 +42,71 @@ The handshake with the dispatcher (protocol v2), in the order the loop keeps:
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import Any
 
-from common.checkpoint_writer import CheckpointWriteFailed, CheckpointWriter
-from common.cuda_ipc import PeerMappingError
+import torch
+
+from common import faults
+from common.checkpoint_writer import CheckpointWriter
 from common.config import Config
+from common.cuda_ipc import PeerMappingError
 from common.protocol import ErrorCode, ProtocolError
 from common.slots import SlotBatch, StaleSlotError
 from common.transport import DrafterTransport, open_drafter_transport
 from common.worker_backends import DrafterBackend
 from common.worker_loop import WorkerLoop
-from common.witness import Checkpoint, latest_checkpoint
-from common.worker_runtime import (CALL_TIMEOUT_S, RECONNECT_S, DispatcherGone, NoReply, WorkerLost, WorkerUnusable,
-                                   resend_until_answered)
+from common.worker_runtime import DispatcherGone, WorkerLost, WorkerUnusable
 from drafter_worker.busy_clock import BusyClock
+from drafter_worker.checkpointing import Checkpoints
+from drafter_worker.commit import StepCommits, StepInFlight
+from drafter_worker.step_group import (GROUP_NEVER_FORMED_EXIT, LEAVE, NEXT_VERSION, RUN_DONE, GroupNeverFormed,
+                                       LoneGroup, RankRound)
 
 log = logging.getLogger("hsd.drafter")
 
 
-class DrafterLoop(WorkerLoop):
+class DrafterLoop(StepCommits, Checkpoints, WorkerLoop):
     role = "drafter"
 
-    def __init__(self, config: Config, name: str, backend: DrafterBackend, **kwargs: Any):
+    def __init__(self, config: Config, name: str, backend: DrafterBackend, *, grouped: bool = False, **kwargs: Any):
+        """``grouped``: a rank of a data-parallel group (drafter.data_parallel, several ranks), else a lone drafter."""
         super().__init__(config, name, backend, **kwargs)
         self.run_dir = config.run_dir
         self.checkpoint_every = config.drafter.checkpoint_every
-        self.checkpointed_step = 0  # the step of the latest checkpoint written or being written
+        self._init_checkpoints()
         self.writer = CheckpointWriter(config.run_dir, name=name)
-        self.unreported: Checkpoint | None = None  # durable, not yet acknowledged by the dispatcher
-        self.durable_step = 0  # the step of the newest checkpoint this process loaded or wrote (register says it)
         self.window: list[int] = []  # job ids of the step being accumulated
+        self.accum = config.drafter.accum_steps  # this rank's share of a step (the registration's, or its version's)
         self.clock = BusyClock(getattr(backend, "device", "cpu"))  # the micro-batches' compute time
-        self.commit: tuple[dict[str, Any], int] | None = None  # (fields, request id) of the commit in flight
+        self.commit: StepInFlight | None = None  # the step whose outcome is not yet applied
         # a commit whose dispatcher died before it answered: its gradients are kept, and the next
         # register asks whether it committed (then it is applied, else dropped)
         self.pending: dict[str, Any] | None = None
         self.num_dropped_steps = 0
         self.num_read_failures = 0
         self.read_s = 0.0  # time spent copying slots out (benchmarks read it)
+        self._kill_at = faults.kills_armed()  # test-only (common.faults): kill_at points of a rank with peers
+        if grouped:
+            from drafter_worker.elastic_group import ElasticGroup  # torch.distributed: only a rank loads it
+            self.group: Any = ElasticGroup(self)
+        else:
+            self.group = LoneGroup(self)
 
     def run(self) -> int:
-        """The worker loop; it returns (and the process exits) only once no checkpoint is being written."""
+        """The worker loop; it returns (and the process exits) only once no checkpoint is being written.
+        No version to train in is an error exit (the session has left by then)."""
         try:
-            code = super().run()
-        except BaseException:
-            self._wait_for_writer(quiet=True)
-            raise
-        self._wait_for_writer()
-        return code
+            try:
+                code = super().run()
+            except BaseException:
+                self._wait_for_writer(quiet=True)
+                raise
+            self._wait_for_writer()
+            return code
+        except GroupNeverFormed as exc:
+            log.error("%s: %s", self.name, exc)
+            return GROUP_NEVER_FORMED_EXIT
 
     # -- registration: the model's step ---------------------------------------------------------
     def _start(self) -> None:
@@ -99,7 +126,7 @@ class DrafterLoop(WorkerLoop):
                 # The model is ahead of the ledger (a commit it applied is not in the journal this
                 # dispatcher replayed): go back to the latest checkpoint and register from there.
                 ahead = backend.step
-                self._reload()
+                self.reload()
                 log.warning("%s: model %s at step %d refused (%s); reloaded its checkpoint at step %d",
                             self.name, backend.model_id, ahead, exc.message, backend.step)
                 if backend.step >= ahead:
@@ -107,7 +134,8 @@ class DrafterLoop(WorkerLoop):
                                        f"latest checkpoint is at step {backend.step}: {exc.message}") from None
                 continue
             self._settle_pending(reply)
-            self._check_registered_step(reply)
+            if self.group.lone:  # a rank's step matters only when its version opens (a live rank's state may replace it)
+                self._check_registered_step(reply)
             return reply
 
     def _registered(self, registration: dict[str, Any]) -> None:
@@ -115,20 +143,6 @@ class DrafterLoop(WorkerLoop):
         adopt = getattr(self.backend, "adopt_registration", None)
         if adopt is not None:
             adopt(registration)
-
-    def _settle_pending(self, reply: dict[str, Any]) -> None:
-        """Apply the commit the last dispatcher never answered when the ledger holds it, else drop it."""
-        if self.pending is None:
-            return
-        fields, self.pending = self.pending, None
-        self.session.held.discard(fields["job_ids"])
-        if reply.get("pending_committed"):
-            self.backend.apply_step(fields["job_ids"])
-            log.info("%s: step %d, sent to the last dispatcher, committed: applied", self.name, fields["step"])
-        else:
-            self.backend.drop_step()
-            self.num_dropped_steps += 1
-            log.info("%s: step %d, sent to the last dispatcher, did not commit: dropped", self.name, fields["step"])
 
     def _check_registered_step(self, reply: dict[str, Any]) -> None:
         ledger_step = reply.get("model_step", self.backend.step)
@@ -140,57 +154,95 @@ class DrafterLoop(WorkerLoop):
         # the checkpoint it holds: one written while no dispatcher listened is known from here on
         pending = {"pending": {k: self.pending[k] for k in ("step", "job_ids")}} if self.pending else {}
         return {"id": self.backend.model_id, "step": self.backend.step,
-                "checkpoint": min(self.durable_step, self.backend.step), **pending}
+                "checkpoint": min(self.durable_step, self.backend.step), **pending, **self.group.model_fields()}
 
     def _open_transport(self, info: dict[str, Any]) -> DrafterTransport:
         return open_drafter_transport(info, device=self._device(info))
 
     def _lost(self) -> None:
-        if self.commit is not None and not self.window:  # the step's gradients alone: keep them
-            self.pending = self.commit[0]
-        elif self.window or self.commit is not None:
+        self.group.close()
+        if self.commit is not None and not self.window:  # a lone drafter's commit in flight: keep its gradients
+            self.pending = {k: self.commit.fields[k] for k in ("step", "job_ids")}
+        if self.pending is None:  # (or a group's step the restarted dispatcher may hold: PENDING)
+            if self.window or self.commit is not None:
+                self.num_dropped_steps += 1
             self.backend.drop_step()
-            self.num_dropped_steps += 1
         self.window, self.commit = [], None
         self.clock.discard_open()
+
+    def _poll(self, op: str) -> int:
+        if op == "get_hs":
+            return self.session.submit(op, wait_ms=self.poll_ms, **self.group.poll_fields())
+        return super()._poll(op)
 
     # -- the loop -----------------------------------------------------------------------------
     def _work(self, registration: dict[str, Any], transport: DrafterTransport) -> None:
-        accum_steps = registration["accum_steps"]
-        self.window, self.commit = [], None
-        self.clock.discard_open()
-        reports: list[int] = []
-        poll = self._poll("get_hs")
+        self.group.start(registration)
         while True:
-            reply = self._await_poll(poll, "get_hs")
-            if self.stopping:
-                self._stop(reports)
-                return
-            done, flush, job = reply["done"], reply.get("flush", False), reply["job"]
-            if not done:
-                poll = self._poll("get_hs")  # prefetch: the next job is asked for before this one computes
-            self._report_durable()
-            reports = self._collect(reports)
-            if job is not None:
-                self._train_on(job, transport, reports)
-            if self.window and (len(self.window) >= accum_steps or flush or done):
-                self._send_commit()
-            if self.commit is not None and (job is None or flush or done or self.session.done(self.commit[1])):
-                self._settle_commit()  # idle, or answered already: no copy left to overlap it with
-            if (flush or done) and not self.window and self.backend.step > self.checkpointed_step:
-                self._checkpoint()
-            if done:
-                self._collect(reports, wait=True)
-                log.info("%s: run complete, model %s at step %d (%d steps dropped, %d stale reads)", self.name,
-                         self.backend.model_id, self.backend.step, self.num_dropped_steps, self.num_read_failures)
+            ended = self.group.run_version(lambda: self._train(transport))
+            if self.window:
+                self.backend.drop_step()
+                self.num_dropped_steps += 1
+                self.window = []
+                self.clock.discard_open()
+            if ended in (RUN_DONE, LEAVE):
                 return
 
+    def _train(self, transport: DrafterTransport) -> str:
+        """Train until this version ends (a lone drafter's: the run is done, or it stops); how it ended."""
+        self.window, self.commit = [], None
+        reports: list[int] = []
+        poll: int | None = self._poll("get_hs")
+        while True:
+            reply = self._await_poll(poll, "get_hs")
+            poll = None
+            leaving = self.stopping
+            done, flush, job = reply["done"], reply.get("flush", False), reply["job"]
+            # step_balance=cost: the dispatcher says when this rank holds its share of the step (a
+            # reply about a step that has committed since is stale)
+            full = reply.get("step_full") == self.backend.step + 1
+            if leaving and self.group.lone:
+                self._stop_alone(reports)
+            elif not leaving:
+                if not done:  # told step_full too: the dispatcher holds this poll until the step commits
+                    poll = self._poll("get_hs")  # prefetch: the next job is asked for before this one computes
+                self._report_durable()  # rank 0's checkpoint, once its writer has it on disk
+                reports = self._collect(reports)
+                if job is not None:
+                    self._train_on(job, transport, reports)
+            if leaving or full or len(self.window) >= self.accum or flush or done:
+                if not self.group.lone:  # rank 0 commits these jobs: consumed at the dispatcher before it does
+                    reports = self._collect(reports, wait=True)
+                ended = self._round(done=done and not leaving, flush=flush, leaving=leaving, no_job=job is None)
+                if ended is not None:
+                    if ended == RUN_DONE:
+                        self._collect(reports, wait=True)
+                        self.group.run_complete()
+                    return ended
+            elif self.commit is not None and (job is None or self.session.done(self.commit.request_id)):
+                self._settle_commit()  # idle, or answered already: no copy left to overlap it with
+            if poll is None:
+                poll = self._poll("get_hs")
+
     def _train_on(self, job: dict[str, Any], transport: DrafterTransport, reports: list[int]) -> None:
+        if len(self.window) == 1:
+            self._test_fault("micro_batch")
+            if self._kill_at:  # inside autograd's backward of this micro-batch, whatever the backend
+                def unpacked(tensor: torch.Tensor) -> torch.Tensor:  # autograd unpacks saved tensors in backward
+                    self._test_fault("backward")
+                    return tensor
+
+                with torch.autograd.graph.saved_tensors_hooks(lambda tensor: tensor, unpacked):
+                    self._micro_batch(job, transport, reports)
+                return
+        self._micro_batch(job, transport, reports)
+
+    def _micro_batch(self, job: dict[str, Any], transport: DrafterTransport, reports: list[int]) -> None:
         batch = self._read(job, transport, reports)
         if batch is None:
             return
         reports.append(self.session.submit("consumed", job_id=job["job_id"]))
-        self._settle_commit()  # the previous step's commit was in flight during the copy
+        self._settle_commit()  # a lone drafter's previous commit was in flight during the copy
         # The compute alone: on a GPU the clock's first event is queued once the copy is waited for,
         # so a stream idle while the host waited for the copy (or the commit) is not counted.
         with self.clock.measure():
@@ -224,125 +276,52 @@ class DrafterLoop(WorkerLoop):
         finally:
             self.read_s += time.perf_counter() - started
 
-    # -- commit, then apply ---------------------------------------------------------------------
-    def _send_commit(self) -> None:
-        assert self.commit is None, "one commit in flight at a time"
-        self.clock.close_step(self.backend.step + 1)
-        busy_s = sum(seconds for _, seconds in self.clock.completed())  # on a GPU: the steps done by now
-        fields: dict[str, Any] = {"model": self.backend.model_id, "step": self.backend.step + 1,
-                                  "job_ids": list(self.window), "busy_s": busy_s}
-        if getattr(self.backend, "verifies_slots", False):
-            fields["verified"] = len(self.window)
-        metrics = getattr(self.backend, "last_metrics", None)
-        if metrics:  # the previous step's figures (this one is applied only once acknowledged)
-            fields["metrics"] = {k: v for k, v in metrics.items() if math.isfinite(v)}
-        self.commit = (fields, self.session.submit("commit_step", **fields))
-        self.window = []
-        self.clock.discard_open()
+    # -- the round ------------------------------------------------------------------------------
+    def _round(self, *, done: bool, flush: bool, leaving: bool, no_job: bool) -> str | None:
+        """One step boundary of the group (a lone drafter: alone): every rank's jobs, the summed
+        gradients, rank 0's commit and its outcome; how the version ends, if it does. ``no_job``: none
+        came with this poll (a lone drafter has no copy to overlap its commit with)."""
+        self._settle_commit()  # a lone drafter's commit still in flight: its outcome comes first
+        group = self.group
+        group.await_local_compute()  # the wait timed below is for the others, not this rank's own queue
+        ready_at = time.perf_counter()
+        busy_step, busy_s = group.measure_round(self.clock, self.backend.step + 1, self.window)
+        rounds = group.exchange(RankRound(group.rank, list(self.window), done, flush, busy_us=int(busy_s * 1e6),
+                                          leaving=leaving, busy_step=busy_step))
+        job_ids = [job_id for r in rounds for job_id in r.job_ids]
+        if not job_ids:
+            return self._round_end(rounds, stepped=False, after=group.version)
+        group.sync_gradients(self.backend, self._all_reduce)
+        self._send_commit(job_ids, rounds, busy_s=busy_s, wait_s=time.perf_counter() - ready_at)
+        if group.lone and not (no_job or flush or done or self.session.done(self.commit.request_id)):
+            return None  # settled before the next micro-batch: the next slot is copied while it is in flight
+        return self._settle_commit()
 
-    def _settle_commit(self) -> None:
-        """Wait for the commit in flight; apply the step when acknowledged, drop it when refused."""
-        if self.commit is None:
-            return
-        fields, request_id = self.commit
-        try:
-            self._commit_until_answered(fields, request_id)
-        except NoReply:
-            raise DispatcherGone(f"commit of step {fields['step']} unanswered for {RECONNECT_S:.0f}s") from None
-        except ProtocolError as exc:
-            if exc.code != ErrorCode.BAD_STATE:
-                raise
-            log.warning("%s: step %d refused, dropped: %s", self.name, fields["step"], exc.message)
-            self.commit = None
-            self.backend.drop_step()
-            self.session.held.discard(fields["job_ids"])  # the next heartbeat gives them back
-            self.num_dropped_steps += 1
-            return
-        self.commit = None
-        metrics = self.backend.apply_step(fields["job_ids"])
-        log.debug("%s: step %d  %d jobs  %.3fs  %s", self.name, self.backend.step, len(fields["job_ids"]),
-                  fields["busy_s"], metrics)
-        if self.backend.step - self.checkpointed_step >= self.checkpoint_every:
-            self._checkpoint()
+    def _round_end(self, rounds: list[RankRound], *, stepped: bool, after: int) -> str | None:
+        """After a round (``stepped``: it applied a step; ``after``: the group's version then): the
+        checkpoints it calls for, and how the version ends. Every rank leaving saves what was applied;
+        nothing more coming does too, in a round that holds no jobs — the one after a group's last
+        step; a lone drafter has no other rank to hold that round with, so it needs no such round."""
+        mine = rounds[self.group.rank]
+        idle = not stepped or self.group.lone
+        if all(r.leaving for r in rounds):
+            self._save_applied(all_leave=True)
+        elif (idle and all(r.flush or r.done or r.leaving for r in rounds)
+              and self.backend.step > self.checkpointed_step):
+            self._save_applied()
+        if idle and any(r.done for r in rounds):
+            return RUN_DONE
+        if any(r.leaving for r in rounds):
+            return LEAVE if mine.leaving else NEXT_VERSION
+        if stepped and after != self.group.version:
+            return NEXT_VERSION  # ranks wait to join at this step boundary
+        if stepped and self.backend.step - self.checkpointed_step >= self.checkpoint_every:
+            self._save_applied()
+        return None
 
-    def _commit_until_answered(self, fields: dict[str, Any], request_id: int | None = None) -> dict[str, Any]:
-        """The reply to the commit of ``fields`` (``request_id``: the one in flight), sent again while
-        RECONNECT_S allows: at once when unanswered (a commit is idempotent), a second later when that
-        dispatcher could not make it durable (``internal``: its journal failed and it stops; the same
-        commit goes to the next one, which answers unknown_worker, and the step is dropped then).
-
-        One classification for a lone drafter and a group's rank 0; what the errors left mean is each
-        caller's (NoReply once RECONNECT_S passed, ProtocolError: ``bad_state`` is a refusal, WorkerLost)."""
-        step = fields["step"]
-
-        def again(exc: Exception) -> float | None:
-            if isinstance(exc, NoReply):
-                log.warning("%s: commit of step %d got no reply; sending it again", self.name, step)
-                return 0.0
-            if isinstance(exc, ProtocolError) and exc.code == ErrorCode.INTERNAL:
-                log.warning("%s: commit of step %d failed (%s); sending it again", self.name, step, exc.message)
-                return 1.0
-            return None
-        return resend_until_answered(lambda: self.session.submit("commit_step", **fields),
-                                     lambda request_id: self.session.result(request_id, timeout_s=CALL_TIMEOUT_S),
-                                     again=again, request_id=request_id)
-
-    def _checkpoint(self, *, best_effort: bool = False) -> None:
-        """Start the checkpoint of the applied step: snapshot now, written on the writer's thread.
-        The dispatcher hears of it once it is durable (:meth:`_report_durable`)."""
-        self._wait_for_writer()  # at most one in flight: the previous one is written first
-        self._report_durable(best_effort=best_effort)
-        snapshot = getattr(self.backend, "snapshot_checkpoint", None)
-        if snapshot is not None:
-            self.writer.start(snapshot())
-        else:  # a backend that can only write on this thread
-            self.backend.save_checkpoint(self.run_dir)
-            self._durable(latest_checkpoint(self.run_dir, self.backend.model_id))
-        self.checkpointed_step = self.backend.step
-
-    def _wait_for_writer(self, *, quiet: bool = False) -> None:
-        """Block until no checkpoint is being written (``quiet``: a failed write is logged, not raised)."""
-        try:
-            self._durable(self.writer.wait())
-        except CheckpointWriteFailed:
-            if not quiet:
-                raise
-            log.exception("%s: the last checkpoint was not written", self.name)
-
-    def _report_durable(self, *, best_effort: bool = False) -> None:
-        """Send ``checkpoint {model, step}`` for a checkpoint that became durable (the witness rule:
-        never before its files are on disk)."""
-        self._durable(self.writer.poll())
-        if self.unreported is None:
-            return
-        step = self.unreported.step
-        try:
-            if best_effort:
-                self.session.call("checkpoint", model=self.backend.model_id, step=step)
-            else:
-                self.session.call_until_answered("checkpoint", model=self.backend.model_id, step=step)
-        except (ProtocolError, WorkerLost, DispatcherGone) as exc:
-            if not best_effort:
-                raise  # unreported stays: it is sent again once the drafter has registered again
-            log.warning("%s: checkpoint at step %d saved, but not acknowledged: %s", self.name, step, exc)
-            return
-        self.unreported = None
-        log.info("%s: checkpoint of model %s at step %d", self.name, self.backend.model_id, step)
-
-    def _durable(self, checkpoint: Checkpoint | None) -> None:
-        """A checkpoint that became durable: to be reported (and said at the next register)."""
-        if checkpoint is not None:
-            self.unreported = checkpoint
-            self.durable_step = max(self.durable_step, checkpoint.step)
-
-    def _reload(self) -> None:
-        """Go back to the latest checkpoint, once the one being written (if any) is published."""
-        self._wait_for_writer()
-        self.pending = None  # the state it belonged to is gone
-        self.checkpointed_step = self.durable_step = self.backend.load_latest(self.run_dir)
-
-    def _stop(self, reports: list[int]) -> None:
-        """A clean stop: settle the commit in flight, drop the partial step, save what was applied."""
+    def _stop_alone(self, reports: list[int]) -> None:
+        """A lone drafter asked to stop: its commit in flight settled, its partial step dropped (its
+        jobs go back); its last round then saves what was applied."""
         try:
             self._settle_commit()
             self._collect(reports, wait=True)
@@ -354,11 +333,12 @@ class DrafterLoop(WorkerLoop):
             self.session.held.discard(self.window)
             self.window = []
         self.clock.discard_open()
-        self._finish_checkpoints()
 
-    def _finish_checkpoints(self) -> None:
-        """On a stop: checkpoint what was applied, wait for it to be written, tell the dispatcher if it listens."""
-        if self.backend.step > self.checkpointed_step:
-            self._checkpoint(best_effort=True)
-        self._wait_for_writer()
-        self._report_durable(best_effort=True)
+    def _all_reduce(self, tensor: torch.Tensor) -> None:
+        self._test_fault("allreduce")  # the peers are in the all-reduce, waiting for this rank
+        self.group.all_reduce(tensor)
+
+    def _test_fault(self, point: str) -> None:
+        """``kill_at``: only in a step this rank trains with peers."""
+        if self._kill_at and self.group.world_size > 1:
+            faults.kill_at(self.name, point, step=self.backend.step + 1, run_dir=self.run_dir)

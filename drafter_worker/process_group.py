@@ -38,7 +38,6 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -48,6 +47,7 @@ from torch.distributed.distributed_c10d import _abort_process_group
 from common.protocol import parse_tcp_store, store_address
 from drafter_worker.collective_wait import wait_bounded
 from drafter_worker.rendezvous import RendezvousServer
+from drafter_worker.step_group import CollectiveFailed, RankRound
 
 log = logging.getLogger("hsd.drafter")
 
@@ -103,10 +103,6 @@ def all_reduce_flat(tensors: list[torch.Tensor], all_reduce: AllReduce, *, bucke
         flush(members)
 
 
-class CollectiveFailed(RuntimeError):
-    """A collective of the group failed or timed out: a peer is gone."""
-
-
 class VersionEnded(CollectiveFailed):
     """The dispatcher ended this membership version while the rank waited at its rendezvous."""
 
@@ -117,19 +113,6 @@ class RendezvousIncomplete(CollectiveFailed):
     def __init__(self, message: str, *, arrived: int):
         super().__init__(message)
         self.arrived = arrived
-
-
-@dataclass(frozen=True)
-class RankRound:
-    """What every rank brings to a step: its job ids and what the dispatcher last told it."""
-
-    rank: int
-    job_ids: list[int]
-    done: bool
-    flush: bool
-    busy_us: int = 0  # microseconds the rank computed on its micro-batches (the step's busy time)
-    leaving: bool = False  # the rank leaves the group once this step ends (it was asked to stop)
-    busy_step: int = 0  # the step busy_us was measured on (a GPU's figures come a step late; 0: none yet)
 
 
 def prepare_nccl_env(environ=os.environ) -> None:

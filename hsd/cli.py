@@ -70,11 +70,7 @@ def cmd_worker(args) -> int:
         else:
             from drafter_worker.dflash_backend import DFlashBackend as Backend
         backend = Backend(config, model_id=model_id)
-    if grouped:
-        from drafter_worker.group_loop import GroupDrafterLoop
-        loop = GroupDrafterLoop(config, name, backend)
-    else:
-        loop = DrafterLoop(config, name, backend)
+    loop = DrafterLoop(config, name, backend, grouped=grouped)
     try:
         return loop.run()
     finally:

@@ -17,12 +17,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import statistics
 import time
 from pathlib import Path
 
 from common.config import ConfigError, load_config
+from dispatcher.journal import read_journal
 from ops.configs import bundled_config
 
 log = logging.getLogger("hsd.demo")
@@ -34,7 +34,6 @@ DEFAULT_CONFIG = bundled_config("demo-real.yaml")
 OBJECTIVES = {"dflash": (DEFAULT_CONFIG, "run", "DFlash"),
               "eagle3": (bundled_config("demo-eagle3.yaml"), "run-eagle3", "EAGLE-3")}
 DRAFTER_NAME = "drafter-0"  # the name hsd launch gives its first drafter
-STEP_LINE = re.compile(r"step\s+(\d+)\s+loss (\S+).*tok/s ([\d,]+)")
 
 
 def _stage(number: int, text: str) -> float:
@@ -57,12 +56,16 @@ def _first_rows(source: Path, out: Path, count: int) -> Path:
     return out
 
 
-def _step_log(run_dir: Path) -> list[tuple[int, float, float]]:
-    """(step, loss, tokens/s) of each applied step, from the drafter's log (a retrained step: its last)."""
-    path = run_dir / "logs" / f"{DRAFTER_NAME}.log"
+def _step_figures(run_dir: Path) -> list[tuple[int, float, float]]:
+    """(step, loss, tokens/s) of each applied step with a loss, from the run's journal: a commit
+    carries the figures of the step before it, a checkpoint those of its own step (so the last
+    step's are there too); a step trained again after a resume keeps its last figures. The loss is
+    rounded as the drafter's log line shows it."""
     steps: dict[int, tuple[float, float]] = {}
-    for step, loss, tps in STEP_LINE.findall(path.read_text() if path.exists() else ""):
-        steps[int(step)] = (float(loss), float(tps.replace(",", "")))
+    for event in read_journal(run_dir, only=("commit", "checkpoint")):
+        figures = event.get("metrics")
+        if event.get("model") == DRAFTER_NAME and figures and "loss" in figures and "tokens_per_s" in figures:
+            steps[int(figures["step"])] = (round(figures["loss"], 4), figures["tokens_per_s"])
     return [(step, *steps[step]) for step in sorted(steps)]
 
 
@@ -149,7 +152,7 @@ def run_demo(*, out: str | os.PathLike, config_path: str | os.PathLike | None, o
     after = evaluate(target_dir, drafter_dir, prompts, max_new_tokens, target=target)
     timings["eval"] = _done(started, f"tau {before['tau']:.2f} -> {after['tau']:.2f}")
 
-    steps = _step_log(run_dir)
+    steps = _step_figures(run_dir)
     from ops.report import build_report
     report = build_report(run_dir)
     summary = {

@@ -8,6 +8,8 @@ drafter's witness (its checkpoints), never from the loop's own counters.
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import threading
 import time
 
@@ -15,7 +17,7 @@ import pytest
 import torch
 
 from common import worker_loop
-from drafter_worker import loop as drafter_loop
+from drafter_worker import commit as drafter_commit
 from common.client import run_id_for
 from common.slots import SlotView
 from drafter_worker.loop import DrafterLoop
@@ -116,7 +118,7 @@ def test_refused_commit_drops_the_step_and_forgets_its_jobs(tmp_path, fake):
 
 
 def test_unanswered_commit_is_sent_again_unchanged(tmp_path, fake, monkeypatch):
-    monkeypatch.setattr(drafter_loop, "CALL_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(drafter_commit, "CALL_TIMEOUT_S", 0.3)
     fake.commit_faults.extend(["silent"])
     fake.add_ready_job(1, slot=0)
     loop = drafter(tmp_path, fake)
@@ -126,6 +128,44 @@ def test_unanswered_commit_is_sent_again_unchanged(tmp_path, fake, monkeypatch):
     first, again = (c.fields for c in fake.ops("commit_step"))
     assert (first["model"], first["step"], first["job_ids"]) == (again["model"], again["step"], again["job_ids"])
     assert loop.backend.step == 1 and list(loop.backend.trained) == [1]
+
+
+class SimDrafterWithFigures(SimDrafter):
+    """The sim drafter with a trainer's step figures: loss = the step applied, an lr that is not finite."""
+
+    def apply_step(self, job_ids):
+        figures = super().apply_step(job_ids)
+        self.last_metrics = {"loss": float(self.step), "tokens_per_s": 10.0, "lr": float("nan")}
+        return figures
+
+
+def test_a_steps_figures_go_with_the_next_commit_and_the_last_with_its_checkpoint(tmp_path, fake):
+    for job_id in (1, 2):
+        fake.add_ready_job(job_id, slot=job_id - 1)
+    config = worker_config(tmp_path / "run", fake.endpoint)
+    loop = DrafterLoop(config, "drafter-0", SimDrafterWithFigures(config, model_id="drafter-0"))
+    with running(loop) as thread:
+        fake.wait_for(lambda f: len(f.ops("commit_step")) == 2, what="two steps")
+        fake.flush = True
+        fake.wait_for(lambda f: f.ops("checkpoint"), what="the checkpoint of step 2")
+        fake.done = True
+        thread.join(10)
+    first, second = (c.fields for c in fake.ops("commit_step"))
+    assert "metrics" not in first  # nothing applied yet
+    assert second["metrics"] == {"step": 1, "loss": 1.0, "tokens_per_s": 10.0}  # step 1's; the lr is not finite
+    saved = fake.ops("checkpoint")[-1].fields
+    assert saved["step"] == 2 and saved["metrics"] == {"step": 2, "loss": 2.0, "tokens_per_s": 10.0}
+    assert loop.group.lone and not torch.distributed.is_initialized()
+
+
+def test_a_lone_drafter_is_a_group_of_one_that_opens_nothing():
+    """No membership, rendezvous or store: the lone drafter's loop never loads the group's modules,
+    so it never starts torch.distributed."""
+    code = ("import sys, drafter_worker.loop, drafter_worker.sim, hsd.cli; "
+            "print(sorted(m for m in sys.modules if m.startswith(('drafter_worker.process_group', "
+            "'drafter_worker.elastic_group', 'drafter_worker.rendezvous', 'drafter_worker.state_transfer'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_a_forgetting_dispatcher_gets_a_new_registration_at_the_applied_step(tmp_path, fake):

@@ -1,4 +1,5 @@
-"""A drafter's step figures ride on commit_step: kept per worker, shown by the stats snapshot."""
+"""A drafter's step figures ride on commit_step (and checkpoint): kept per worker, shown by the stats
+snapshot, journaled with the step they are of."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 
 from common.protocol import ProtocolError
 from core_harness import make_core, register
+from dispatcher.journal import read_journal
 from dispatcher.request_fields import MAX_STEP_METRICS, step_metrics
 from dispatcher.snapshot import build_snapshot
 from ops.stats_view import step_metric_lines
@@ -23,6 +25,30 @@ def test_commit_metrics_show_in_the_snapshot(tmp_path):
     snapshot = build_snapshot(core, 2.0)
     assert next(w for w in snapshot["workers"] if w["id"] == d)["metrics"] == {"loss": 2.5, "acc1": 0.25}
     assert step_metric_lines(snapshot["workers"]) == ["drafter0     last step: loss 2.5  acc1 0.25"]
+
+
+def test_step_figures_are_journaled_with_their_step_and_replayed_past(tmp_path):
+    """A commit's figures are the drafter's previous step's, named with it; a checkpoint's are its own
+    step's (so the last step's reach the journal). A restart replays the records as before: the figures
+    are a field it does not read."""
+    core = make_core(tmp_path, epochs=1, min_ready=1)
+    (t,), (d,) = register(core, "target", 1), register(core, "drafter", 1)
+    for step in (1, 2):
+        grant = core.get_job(t, 1.0)
+        core.job_ready(t, grant.job.job_id, grant.job.generation, 0.0, 1.0)
+        hs, _ = core.get_hs(d, 1.0)
+        core.consumed(d, hs.job.job_id, 1.0)
+        core.commit_step(d, [hs.job.job_id], 0.0, 1.0, model="m", step=step,
+                         metrics={"step": 1, "loss": 2.5} if step == 2 else None)
+    core.checkpoint(d, 2, 2.0, model="m", metrics={"step": 2.0, "loss": 2.25})
+    assert next(w for w in build_snapshot(core, 2.0)["workers"] if w["id"] == d)["metrics"] == {"loss": 2.5}
+    core.journal.close()
+    core.close()
+    records = [e for e in read_journal(tmp_path) if e["ev"] in ("commit", "checkpoint")]
+    assert [(e["ev"], e["step"], e.get("metrics")) for e in records] == [
+        ("commit", 1, None), ("commit", 2, {"step": 1, "loss": 2.5}), ("checkpoint", 2, {"step": 2, "loss": 2.25})]
+    resumed = make_core(tmp_path, epochs=1, min_ready=1)
+    assert resumed.ledger.model_step["m"] == 2 and resumed.checkpoints["m"] == 2
 
 
 def test_metrics_field_is_checked():

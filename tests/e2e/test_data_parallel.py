@@ -15,7 +15,7 @@ import signal
 
 from common import faults
 from dispatcher.journal import read_journal
-from drafter_worker.group_loop import GROUP_NEVER_FORMED_EXIT
+from drafter_worker.step_group import GROUP_NEVER_FORMED_EXIT
 from hsd_testing import assert_exactly_once, kill_tree, report, start_hsd, stats, wait_for
 
 

@@ -1,0 +1,125 @@
+"""A drafter's checkpoints: snapshot on the training thread, written on the writer's, reported once durable.
+
+Part of the one drafter loop (:class:`drafter_worker.loop.DrafterLoop`). Every
+``drafter.checkpoint_every`` steps, and when the dispatcher says nothing more is coming while
+steps are not yet checkpointed, the backend snapshots its state (host copies) and a thread writes
+it while training goes on (:mod:`common.checkpoint_writer`, at most one in flight: the next waits
+for it); once it is durable the loop sends ``checkpoint {model, step}`` — with the figures of that
+step (``metrics``: loss, lr, ...) when this process applied it, so the last step's figures reach the
+journal too. The process exits only once its last write is on disk, and reloads a checkpoint only
+with no write in flight. In a group rank 0 writes; the other ranks note the step as saved.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from common.checkpoint_writer import CheckpointWriteFailed
+from common.protocol import ProtocolError
+from common.witness import Checkpoint, latest_checkpoint
+from common.worker_runtime import DispatcherGone, WorkerLost
+
+log = logging.getLogger("hsd.drafter")
+
+
+class Checkpoints:
+    """The loop's checkpoint bookkeeping (a mixin of :class:`drafter_worker.loop.DrafterLoop`)."""
+
+    def _init_checkpoints(self) -> None:
+        self.checkpointed_step = 0  # the step of the latest checkpoint written or being written
+        self.unreported: Checkpoint | None = None  # durable, not yet acknowledged by the dispatcher
+        self.durable_step = 0  # the step of the newest checkpoint this process loaded or wrote (register says it)
+        self._figures: tuple[int, dict[str, float]] | None = None  # the latest applied step's figures
+        self._saved_figures: dict[str, Any] | None = None  # those of the checkpoint being written
+
+    # -- the figures of a step --------------------------------------------------------------------
+    def _note_figures(self) -> None:
+        """After a step is applied: its figures (the backend's ``last_metrics``; a sim has none)."""
+        metrics = getattr(self.backend, "last_metrics", None)
+        if metrics:
+            self._figures = (self.backend.step, {k: v for k, v in metrics.items() if math.isfinite(v)})
+
+    def _figures_of(self, step: int) -> dict[str, Any] | None:
+        """``metrics`` of a commit_step or checkpoint: the figures of ``step``, named with it, when this
+        process applied that step (after a reload or a state transfer it may hold another one)."""
+        if self._figures is None or self._figures[0] != step:
+            return None
+        return {"step": step, **self._figures[1]}
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def _checkpoint(self, *, best_effort: bool = False) -> None:
+        """Start the checkpoint of the applied step: snapshot now, written on the writer's thread.
+        The dispatcher hears of it once it is durable (:meth:`_report_durable`)."""
+        self._wait_for_writer()  # at most one in flight: the previous one is written first
+        self._report_durable(best_effort=best_effort)
+        self._saved_figures = self._figures_of(self.backend.step)
+        snapshot = getattr(self.backend, "snapshot_checkpoint", None)
+        if snapshot is not None:
+            self.writer.start(snapshot())
+        else:  # a backend that can only write on this thread
+            self.backend.save_checkpoint(self.run_dir)
+            self._durable(latest_checkpoint(self.run_dir, self.backend.model_id))
+        self.checkpointed_step = self.backend.step
+
+    def _save_applied(self, *, all_leave: bool = False) -> None:
+        """Checkpoint the applied step: rank 0 writes (every rank holds the same weights), the others
+        note the step as saved. ``all_leave``: the group (or the lone drafter) stops; its last
+        checkpoint is on disk, and said if the dispatcher listens, before it goes."""
+        if self.group.rank != 0:
+            self.checkpointed_step = self.backend.step
+        elif all_leave:
+            self._finish_checkpoints()
+        else:
+            self._checkpoint()
+
+    def _wait_for_writer(self, *, quiet: bool = False) -> None:
+        """Block until no checkpoint is being written (``quiet``: a failed write is logged, not raised)."""
+        try:
+            self._durable(self.writer.wait())
+        except CheckpointWriteFailed:
+            if not quiet:
+                raise
+            log.exception("%s: the last checkpoint was not written", self.name)
+
+    def _report_durable(self, *, best_effort: bool = False) -> None:
+        """Send ``checkpoint {model, step}`` for a checkpoint that became durable (the witness rule:
+        never before its files are on disk)."""
+        self._durable(self.writer.poll())
+        if self.unreported is None:
+            return
+        step = self.unreported.step
+        saved = self._saved_figures
+        fields = {"metrics": saved} if saved is not None and saved["step"] == step else {}
+        try:
+            if best_effort:
+                self.session.call("checkpoint", model=self.backend.model_id, step=step, **fields)
+            else:
+                self.session.call_until_answered("checkpoint", model=self.backend.model_id, step=step, **fields)
+        except (ProtocolError, WorkerLost, DispatcherGone) as exc:
+            if not best_effort:
+                raise  # unreported stays: it is sent again once the drafter has registered again
+            log.warning("%s: checkpoint at step %d saved, but not acknowledged: %s", self.name, step, exc)
+            return
+        self.unreported = None
+        log.info("%s: checkpoint of model %s at step %d", self.name, self.backend.model_id, step)
+
+    def _durable(self, checkpoint: Checkpoint | None) -> None:
+        """A checkpoint that became durable: to be reported (and said at the next register)."""
+        if checkpoint is not None:
+            self.unreported = checkpoint
+            self.durable_step = max(self.durable_step, checkpoint.step)
+
+    def reload(self) -> None:
+        """Go back to the latest checkpoint, once the one being written (if any) is published."""
+        self._wait_for_writer()
+        self.pending = None  # the state it belonged to is gone
+        self.checkpointed_step = self.durable_step = self.backend.load_latest(self.run_dir)
+
+    def _finish_checkpoints(self) -> None:
+        """On a stop: checkpoint what was applied, wait for it to be written, tell the dispatcher if it listens."""
+        if self.backend.step > self.checkpointed_step:
+            self._checkpoint(best_effort=True)
+        self._wait_for_writer()
+        self._report_durable(best_effort=True)

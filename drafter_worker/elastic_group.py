@@ -1,0 +1,344 @@
+"""A rank of an elastic data-parallel group: the step group of a drafter that trains with peers.
+
+Drafters that register the same model as ranks of a group (:mod:`dispatcher.groups`) train it
+together, in the one drafter loop (:mod:`drafter_worker.loop`); this is the part that is the
+group's. A rank registers, then asks ``join_group`` for the membership version that names it: its
+rank, the world size, the store of the version's rendezvous (a FileStore path, or across nodes
+rank 0's TCPStore: :mod:`drafter_worker.rendezvous`), the version's step, and whether a state
+transfer comes first. The ranks open a ``torch.distributed`` group on it
+(:mod:`drafter_worker.process_group`); a rank waiting at the rendezvous asks the dispatcher every
+quarter second whether its version still stands, so it never waits out a timeout for a version
+nobody else will join.
+
+**State comes from a live rank.** When some rank of the version holds another step than the
+version's (a joiner), rank 0 — a survivor holding the committed step — broadcasts its whole state
+(:mod:`drafter_worker.state_transfer`); every rank checks the step and the weights' checksum before
+the first step. Survivors keep their in-memory state: a membership change never goes back to a
+checkpoint.
+
+A step, in the order every rank keeps:
+
+1. each rank pulls and trains on its own micro-batches (``get_hs`` naming its version; the
+   dispatcher's accumulation window spans the whole group, so lengths mix across ranks), and reports
+   them ``consumed``;
+2. once it holds its share of the step, or the dispatcher says ``flush``/``done``, or it was asked
+   to stop, it enters the **round**. A step has ``accum_steps x count`` micro-batches
+   (``drafter.elastic_batch=tokens``) or ``accum_steps`` per rank (``ranks``); with
+   ``drafter.step_balance=cost`` the dispatcher says when a rank holds its share of the step's
+   estimated cost (``step_full``), with ``count`` each rank takes an even count. In the round the
+   ranks exchange their job ids and flags as fixed-size int64 rows (no pickle), then all-reduce the
+   gradients (the backend's ``sync_gradients``);
+3. rank 0 alone commits the step, naming every rank's jobs, and broadcasts the outcome and whether
+   a new version opened at this step boundary (ranks waiting to join); only then does every rank
+   apply the step (commit, then apply) or drop it;
+4. a new version, or a rank that said it is leaving, ends this version after the step: every rank
+   closes the group and asks for the next version. A rank asked to stop (SIGTERM) leaves then.
+
+Failure: a dead rank makes the others' collectives fail (gloo sees the closed socket, or
+``drafter.collective_timeout_s`` expires). The step commits nothing; every survivor drops it and
+asks for the next version saying its version failed, which ends it at once; the dispatcher opens
+the next one with the ranks still alive, and they carry on from their own weights. When rank 0 dies
+with its outcome unsent, the others ask the dispatcher (``step_outcome``) whether the step
+committed. A rank that finds no version to train in within ``drafter.group_wait_s`` (too few ranks
+for ``drafter.min_ranks``, or for ``drafter.count`` in a new group) leaves and exits with an error
+(:class:`drafter_worker.step_group.GroupNeverFormed`).
+
+The time from a rank's local gradients being ready to the all-reduce completing (the wait for the
+slowest rank plus the exchange itself) is logged per step with its share of the step's wall time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import psutil
+import torch
+
+from common import faults
+from common.protocol import ErrorCode, ProtocolError
+from common.worker_runtime import CALL_TIMEOUT_S, DispatcherGone, NoReply, WorkerLost
+from drafter_worker.busy_clock import BusyClock
+from drafter_worker.process_group import CollectiveFailed, RendezvousIncomplete, StepGroup
+from drafter_worker.rendezvous import RendezvousServer
+from drafter_worker.state_transfer import StateTransferFailed, receive_state, send_state
+from drafter_worker.step_group import ABORTED, COMMITTED, NEXT_VERSION, GroupNeverFormed, RankRound
+
+log = logging.getLogger("hsd.drafter")
+
+JOIN_POLL_MS = 1000
+
+
+class ElasticGroup:
+    lone = False
+
+    def __init__(self, loop: Any):
+        config = loop.config
+        if not config.drafter.grouped:
+            raise ValueError("a data-parallel drafter needs drafter.data_parallel=true and drafter.count > 1 "
+                             "or drafter.max_ranks > 1")
+        section = config.drafter
+        self.loop = loop
+        self.spec = {"size": section.group_size, "min_ranks": section.min_ranks, "max_ranks": section.max_ranks,
+                     "balance": section.step_balance, "accum_steps": section.accum_steps,
+                     "elastic_batch": section.elastic_batch}
+        self.timeout_s = section.collective_timeout_s
+        self.group_wait_s = section.group_wait_s
+        # drafter.rendezvous=tcp: the store this rank hosts for the versions whose rank 0 it is
+        self.rendezvous = RendezvousServer.for_config(config) if config.group_rendezvous == "tcp" else None
+        self.group: StepGroup | None = None
+        self.membership: dict[str, Any] = {}
+        self.rank, self.world_size = -1, 0
+        self._after, self._failed, self._waiting_since = 0, False, time.monotonic()
+        self._round_seq = 0  # rounds of the current version
+        self._rank_jobs: dict[int, list[list[int]]] = {}  # rank 0: each rank's job ids of the latest rounds
+        self.num_versions = 0
+        self.num_applied = 0  # steps this process applied (its first one is logged with its start-up time)
+        self.sync_wait_s = 0.0  # summed over applied steps
+        self.step_wall_s = 0.0
+        self._step_started = time.perf_counter()
+        self._log_checksums = faults.log_weight_checksums()  # test-only: the weights' CRC32 logged per step
+
+    @property
+    def version(self) -> int:
+        return self.membership["membership"]
+
+    @property
+    def sync_wait_share(self) -> float:
+        return self.sync_wait_s / self.step_wall_s if self.step_wall_s > 0 else 0.0
+
+    # -- membership -----------------------------------------------------------------------------
+    def model_fields(self) -> dict[str, Any]:
+        store = {"store": self.rendezvous.address} if self.rendezvous is not None else {}
+        return {"group": {**self.spec, **store}}
+
+    def poll_fields(self) -> dict[str, Any]:
+        # a poll names its version: one sent before a change is answered group_changed
+        return {"membership": self.version}
+
+    def start(self, registration: dict[str, Any]) -> None:
+        self._after, self._failed, self._waiting_since = 0, False, time.monotonic()
+
+    def run_version(self, train: Callable[[], str]) -> str:
+        """Join the next version, open its group (taking the state when it says so), train in it."""
+        loop = self.loop
+        self.membership = self._join_group(after=self._after, failed=self._failed, started=self._waiting_since)
+        version = self.version
+        self.rank, self.world_size = self.membership["rank"], self.membership["world_size"]
+        loop.accum = loop.config.drafter.rank_accum_steps(rank=self.rank, world_size=self.world_size)
+        loop.session.held.clear()  # what the last version held went back when it ended
+        self.num_versions += 1
+        try:
+            self.group = self._open_group(self._waiting_since)
+            self._waiting_since = time.monotonic()
+            if self.membership["transfer"]:
+                self._transfer()
+            loop.clock.reset()  # rounds are counted per version: every rank of it counts the same ones
+            self._round_seq, self._rank_jobs = 0, {}
+            self._step_started = time.perf_counter()
+            ended = train()
+            self._failed = False
+        except CollectiveFailed as exc:
+            log.warning("%s: membership %d failed: %s", loop.name, version, exc)
+            ended, self._failed = NEXT_VERSION, True
+        except StateTransferFailed as exc:
+            # the state it holds may be half loaded: back to its checkpoint, then in line as a joiner
+            log.warning("%s: membership %d: the state transfer failed (%s); registering again", loop.name,
+                        version, exc)
+            self.close()
+            if self.rank != self.membership["source"]:
+                loop.reload()
+            raise WorkerLost(f"state transfer of membership {version} failed") from None
+        except ProtocolError as exc:
+            if exc.code != ErrorCode.GROUP_CHANGED:
+                raise
+            log.info("%s: membership %d ended: %s", loop.name, version, exc.message)
+            ended, self._failed = NEXT_VERSION, False
+        finally:
+            self.close()
+        self._after = version
+        return ended
+
+    def _join_group(self, *, after: int, failed: bool, started: float) -> dict[str, Any]:
+        """The next version that names this rank, asked for until ``drafter.group_wait_s`` is spent."""
+        loop = self.loop
+        while True:
+            if loop.stopping:
+                raise WorkerLost("asked to stop while waiting for a membership")
+            reply = loop.session.call("join_group", timeout_s=JOIN_POLL_MS / 1000 + CALL_TIMEOUT_S,
+                                      wait_ms=JOIN_POLL_MS, after=after, step=loop.backend.step, failed=failed)
+            failed = False  # said once is enough
+            if reply["group"] is not None:
+                return reply["group"]
+            if reply.get("reload") is not None:  # no live rank holds the state: a newer checkpoint does
+                held = loop.backend.step
+                loop.reload()  # the checkpoint being written, if any, is published first
+                log.info("%s: no live rank holds model %s's state; loaded its checkpoint at step %d (held %d)",
+                         loop.name, loop.backend.model_id, loop.backend.step, held)
+            waited_s = time.monotonic() - started
+            if waited_s > self.group_wait_s:
+                raise GroupNeverFormed(
+                    f"model {loop.backend.model_id}: no membership to train in within drafter.group_wait_s="
+                    f"{self.group_wait_s:g}s (drafter.count="
+                    f"{self.spec['size']}, min_ranks={self.spec['min_ranks']}; waited {waited_s:.0f}s); this rank "
+                    f"gives up, holding no jobs")
+
+    def _still_current(self, version: int) -> bool:
+        try:
+            reply = self.loop.session.call("join_group", wait_ms=0, after=version, step=self.loop.backend.step)
+        except NoReply:
+            return True  # the dispatcher is restarting: the rendezvous' own bound still holds
+        return reply["group"] is None and reply["membership"] == version
+
+    def _open_group(self, waiting_since: float) -> StepGroup:
+        m, loop = self.membership, self.loop
+        left_s = self.group_wait_s - (time.monotonic() - waiting_since)
+        try:
+            return StepGroup(store=m["store"], server=self.rendezvous, rank=self.rank, world_size=m["world_size"],
+                             version=m["membership"], timeout_s=self.timeout_s,
+                             max_jobs=loop.config.drafter.exchange_width(m["world_size"]),
+                             device=getattr(loop.backend, "device", "cpu"),
+                             rendezvous_timeout_s=min(self.timeout_s, max(left_s, 1.0)),
+                             still_current=lambda: self._still_current(m["membership"]))
+        except RendezvousIncomplete as exc:
+            if left_s > 0:
+                raise
+            raise GroupNeverFormed(f"model {loop.backend.model_id}: {exc.arrived} of {m['world_size']} ranks came "
+                                   f"to the rendezvous of membership {m['membership']} within drafter.group_wait_s="
+                                   f"{self.group_wait_s:g}s; rank {self.rank} gives up, holding no jobs") from None
+
+    def _transfer(self) -> None:
+        """Rank 0 sends its state; every other rank takes it when it holds another step, and checks it."""
+        assert self.group is not None
+        loop, backend = self.loop, self.loop.backend
+        started = time.perf_counter()
+        group, step = self.group, self.membership["step"]
+        device = group.device
+        if self.rank == self.membership["source"]:
+            if backend.step != step:
+                raise StateTransferFailed(f"the source holds step {backend.step}, the membership says {step}")
+            sent = send_state(backend.live_state(), step=step, checksum=backend.weights_checksum(),
+                              broadcast=group.broadcast_tensor, device=device)
+            log.info("%s: sent the state of step %d (%.1f MB) to membership %d in %.2fs", loop.name, step,
+                     sent / 1e6, self.version, time.perf_counter() - started)
+            return
+        state, sent_step, checksum = receive_state(broadcast=group.broadcast_tensor, device=device)
+        if sent_step != step:
+            raise StateTransferFailed(f"received the state of step {sent_step}, the membership says {step}")
+        if backend.step != step:
+            backend.load_live_state(state)
+            loop.checkpointed_step = step  # a checkpoint at least this recent exists, written by the group
+        if backend.step != step or backend.weights_checksum() != checksum:
+            raise StateTransferFailed(f"the state of step {step} does not match its checksum after loading")
+        log.info("%s: took the state of step %d from rank %d in %.2fs (weights crc32 %08x)", loop.name, step,
+                 self.membership["source"], time.perf_counter() - started, checksum)
+
+    # -- a round --------------------------------------------------------------------------------
+    def await_local_compute(self) -> None:
+        """The wait timed at the all-reduce is for the others, not this rank's own queue."""
+        assert self.group is not None
+        self.group.await_local_compute()
+
+    def measure_round(self, clock: BusyClock, step: int, window: list[int]) -> tuple[int, float]:
+        """The compute time of this rank's latest round whose work completed (on a GPU: an earlier
+        one), with that round's number: every rank of the version counts the same rounds."""
+        self._round_seq += 1
+        clock.close_step(self._round_seq)
+        return ([(0, 0.0)] + clock.completed())[-1]
+
+    def exchange(self, mine: RankRound) -> list[RankRound]:
+        assert self.group is not None
+        return self.group.exchange(mine)
+
+    @staticmethod
+    def sync_gradients(backend: Any, all_reduce: Callable[[torch.Tensor], None]) -> None:
+        backend.sync_gradients(all_reduce)
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        assert self.group is not None
+        self.group.all_reduce(tensor)
+
+    def commit_fields(self, rounds: list[RankRound], *, busy_s: float, wait_s: float) -> dict[str, Any]:
+        """Rank 0's commit, beyond the lone drafter's: every rank's compute time (``busy_s``), rank
+        0's all-reduce wait and step wall time so far (``hsd report`` turns them into the group's
+        wait share), its version, and what the step-cost model learns from (:meth:`_step_costs`)."""
+        return {"busy_s": sum(r.busy_us for r in rounds) / 1e6, "sync_wait_s": wait_s,
+                "step_s": time.perf_counter() - self._step_started, "membership": self.version,
+                **self._step_costs(rounds)}
+
+    def _step_costs(self, rounds: list[RankRound]) -> dict[str, Any]:
+        """Rank 0: each rank's micro-batches of one round and its compute time on them (``cost_jobs``
+        when that round is an earlier one than the step being committed, as on a GPU, whose figures
+        come a step late)."""
+        self._rank_jobs[self._round_seq] = [r.job_ids for r in rounds]
+        for old in [seq for seq in self._rank_jobs if seq < self._round_seq - 4]:
+            del self._rank_jobs[old]
+        measured = {r.busy_step for r in rounds}
+        if len(measured) != 1 or rounds[0].busy_step not in self._rank_jobs:
+            return {}
+        jobs = self._rank_jobs[rounds[0].busy_step]
+        costs = {"rank_jobs": [len(j) for j in jobs], "rank_busy_s": [r.busy_us / 1e6 for r in rounds]}
+        if rounds[0].busy_step != self._round_seq:
+            costs["cost_jobs"] = [job_id for ids in jobs for job_id in ids]
+        return costs
+
+    def share_outcome(self, outcome: int, after: int, job_ids: list[int]) -> tuple[int, int, Exception | None]:
+        """Rank 0's (outcome, version after it) on every rank (the others bring ABORTED and their
+        version, overwritten by rank 0's). When the broadcast fails the step's
+        fate is still known — rank 0 knows it, the others ask the dispatcher — and comes back with
+        the failure, which the loop raises once it applied or dropped the step."""
+        assert self.group is not None
+        try:
+            outcome, after = self.group.broadcast(outcome, after)
+        except CollectiveFailed as exc:
+            if self.rank != 0:  # rank 0 died inside its commit, or before it: the dispatcher says which
+                outcome = COMMITTED if self._committed_without_rank0(job_ids) else ABORTED
+            return outcome, after, exc
+        return outcome, after, None
+
+    def _committed_without_rank0(self, job_ids: list[int]) -> bool:
+        """Whether the step on ``job_ids`` committed, asked of the dispatcher when rank 0's outcome
+        never came. The gradients summed already are the group's, so a committed step is applied
+        here as on every rank; the answer is final (the version ends as the dispatcher answers)."""
+        loop = self.loop
+        step = loop.backend.step + 1
+        try:
+            reply = loop.session.call_until_answered("step_outcome", model=loop.backend.model_id, step=step,
+                                                     job_ids=job_ids, membership=self.version)
+        except (ProtocolError, WorkerLost, DispatcherGone) as exc:
+            log.warning("%s: no outcome of step %d from rank 0, and the dispatcher could not say (%s): "
+                        "dropped", loop.name, step, exc)
+            return False
+        log.info("%s: rank 0 sent no outcome of step %d; the dispatcher says it %s", loop.name, step,
+                 "committed: applied" if reply["committed"] else "did not commit: dropped")
+        return bool(reply["committed"])
+
+    def applied(self, job_ids: list[int], metrics: dict[str, Any], *, busy_s: float, wait_s: float) -> None:
+        loop, backend = self.loop, self.loop.backend
+        now = time.perf_counter()
+        step_s, self._step_started = now - self._step_started, now
+        self.sync_wait_s += wait_s
+        self.step_wall_s += step_s
+        self.num_applied += 1
+        log.info("%s: step %d  rank %d/%d  membership %d  %d micro-batches  loss %.4f  all-reduce wait %.1f ms "
+                 "(%.0f%% of %.0f ms)", loop.name, backend.step, self.rank, self.world_size, self.version,
+                 len(job_ids), metrics.get("loss", float("nan")), 1000 * wait_s, 100 * wait_s / max(step_s, 1e-9),
+                 1000 * step_s)
+        if self.num_applied == 1:
+            started = psutil.Process().create_time()
+            log.info("%s: first step %d applied %.1fs after the process started", loop.name, backend.step,
+                     time.time() - started)
+        if self._log_checksums:
+            log.info("%s: weights crc32 %08x at step %d", loop.name, backend.weights_checksum(), backend.step)
+
+    def run_complete(self) -> None:
+        loop = self.loop
+        log.info("%s: run complete, rank %d, model %s at step %d (%d memberships, %d steps dropped, "
+                 "all-reduce wait %.1f%% of step time)", loop.name, self.rank, loop.backend.model_id,
+                 loop.backend.step, self.num_versions, loop.num_dropped_steps, 100 * self.sync_wait_share)
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
