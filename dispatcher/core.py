@@ -113,9 +113,9 @@ class DispatcherCore(GroupOps):
         facts = job.grant
         if facts is None:  # its samples, their lengths, the padded length and the tokens: read once per job
             schedule = self.schedule(job.epoch)
-            samples = schedule.samples_of(split_job_id(job.job_id)[1])
+            samples = schedule.sample_array(split_job_id(job.job_id)[1])
             lengths = self.lengths[samples].tolist()
-            facts = job.grant = (samples, lengths, schedule.padded_len(job.bucket, lengths), sum(lengths))
+            facts = job.grant = (samples.tolist(), lengths, schedule.padded_len(job.bucket, lengths), sum(lengths))
         samples, lengths, seq_len, _ = facts
         owner = self.pool.slots[slot_id].owner
         base = self.workers[owner].slot_base if owner else 0
