@@ -156,8 +156,7 @@ class EpochStore:
         return len(self.epoch_jobs) == self.num_epochs and self.ledger.all_committed
 
     def open_epochs(self) -> list[int]:
-        epochs = self.ledger.epochs  # the started ones (start() adds each to both)
-        return [e for e in sorted(self.epoch_jobs) if epochs[e].committed != epochs[e].num_jobs]
+        return self.ledger.open_epochs()  # the ledger holds exactly the started epochs
 
     # -- snapshots and sealing --------------------------------------------------------------
     def maybe_snapshot(self, models: dict[str, ModelRecord], num_starts: int, *, force: bool = False) -> bool:

@@ -223,6 +223,11 @@ class JobLedger:
         progress.sealed = False
         progress.latest_step = {}
 
+    def open_epochs(self) -> list[int]:
+        """The epochs not every job of which is committed, in order."""
+        epochs = self.epochs
+        return [e for e in self._epoch_order if epochs[e].committed != epochs[e].num_jobs]
+
     def epoch_complete(self, epoch: int) -> bool:
         progress = self.epochs.get(epoch)
         return progress is not None and progress.committed == progress.num_jobs
