@@ -438,7 +438,8 @@ class DispatcherCore(GroupOps):
         # A group's step spans every rank's micro-batches: its window is what all of them hold.
         stepper: Worker | DrafterGroup = group or worker
         window = self.ledger.held_buckets(group.members if group else (worker_id,))
-        eligible = self.pool.eligible(epoch, totals=progress.bucket_totals, taken=progress.taken)
+        eligible = self.pool.eligible(epoch, totals=progress.bucket_totals, taken=progress.taken,
+                                      num_jobs=progress.num_jobs, num_taken=progress.num_taken)
         if not window:  # it holds nothing: a new accumulation window opens
             stepper.window_avail, stepper.window_mixed = len(eligible), True
         waited_s = now - worker.waiting_since if worker.waiting_since is not None else 0.0

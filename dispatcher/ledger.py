@@ -99,20 +99,24 @@ class EpochProgress:
     sealed: bool = False  # finished and snapshotted: the arrays are read-only mappings of files
     latest_step: dict[int, int] = field(default_factory=dict)  # sealed: model index -> its latest step here
     counts: list[int] = field(default_factory=lambda: [0] * len(_STATES))  # state code -> jobs in that state
+    num_taken: int = 0  # sum(taken.values()), kept as it changes
 
     def __post_init__(self) -> None:
         self.consumed_deviation = PrefixDeviation(self.bucket_totals)
 
     def take(self, bucket: int) -> None:
         self.taken[bucket] += 1
+        self.num_taken += 1
         self.consumed_deviation.add(bucket)
 
     def take_many(self, bucket: int, count: int) -> None:
         self.taken[bucket] += count
+        self.num_taken += count
         self.consumed_deviation.add_many(bucket, count)
 
     def untake(self, bucket: int) -> None:
         self.taken[bucket] -= 1
+        self.num_taken -= 1
         self.consumed_deviation.remove(bucket)
 
 

@@ -78,14 +78,16 @@ MAX_LAG = 1.5
 LOCAL_SLACK = 0.25
 
 
-def eligible_buckets(candidates: Iterable[int], *, totals: dict[int, int], taken: Counter) -> dict[int, float]:
+def eligible_buckets(candidates: Iterable[int], *, totals: dict[int, int], taken: Counter,
+                     num_jobs: int | None = None, num_taken: int | None = None) -> dict[int, float]:
     """Ready buckets not already ahead of their share by MIX_SLACK, with their consumption deficit.
 
     A bucket lagging by MAX_LAG or more, or (when every ready bucket is ahead) the least-ahead one,
-    is eligible alone.
+    is eligible alone. ``num_jobs``/``num_taken``: the sums of ``totals``/``taken``, when the caller
+    keeps them.
     """
-    num_jobs = sum(totals.values())
-    position = sum(taken.values()) + 1
+    num_jobs = sum(totals.values()) if num_jobs is None else num_jobs
+    position = (sum(taken.values()) if num_taken is None else num_taken) + 1
     deficits = {b: position * totals.get(b, 0) / num_jobs - taken.get(b, 0) for b in candidates}
     if not deficits:
         return {}
@@ -266,12 +268,13 @@ class HSPool:
         """The min-ready reservoir: keep a mix to choose from unless the epoch's tail drains."""
         return bool(self.servable_nodes(draining))
 
-    def eligible(self, epoch: int, *, totals: dict[int, int], taken: Counter) -> dict[int, float]:
+    def eligible(self, epoch: int, *, totals: dict[int, int], taken: Counter, num_jobs: int | None = None,
+                 num_taken: int | None = None) -> dict[int, float]:
         """Buckets a drafter may be given now (see eligible_buckets); all ready ones for pull=random."""
         ready = [b for b, jobs in self._ready[epoch].items() if jobs]
         if self.pull == "random":
             return dict.fromkeys(ready, 0.0)
-        return eligible_buckets(ready, totals=totals, taken=taken)
+        return eligible_buckets(ready, totals=totals, taken=taken, num_jobs=num_jobs, num_taken=num_taken)
 
     def pick(self, epoch: int, *, eligible: dict[int, float], window: set[int], node: str | None = None,
              servable: set[str | None] | None = None, waited_s: float = 0.0) -> ReadyJob | None:
