@@ -1,12 +1,20 @@
-"""A worker's control connection: one DEALER socket owned by an I/O thread.
+"""A worker's control connection: one DEALER socket, its replies and heartbeats handled by an I/O thread.
 
 The worker's main thread computes for seconds at a time while requests it sent ahead (a prefetched
 ``get_job``/``get_hs``) are answered. Replies must be seen when they arrive, not when the main
 thread next looks: a grant the worker has not read yet is already a job it holds, and the heartbeat
-has to say so. So one thread owns the socket: it sends what the main thread submits (in order, so
-a heartbeat never overtakes a report sent before it), receives every reply, runs ``on_reply`` on it
-at once (the held-jobs bookkeeping) and sends the heartbeats itself. The main thread never touches
-ZeroMQ: it queues requests, wakes the I/O thread through a pipe, and waits for replies by id.
+has to say so. So an I/O thread receives every reply, runs ``on_reply`` on it at once (the
+held-jobs bookkeeping) and sends the heartbeats itself.
+
+The socket is used by one thread at a time, whichever holds its lock (ZeroMQ allows a socket to move
+between threads across a full memory barrier). A request goes out from ``submit`` on the caller's
+thread, in order (a heartbeat never overtakes a report sent before it): handing every request to
+the I/O thread through a pipe cost a thread wake-up per request, a third of a round trip. The I/O
+thread sleeps on the socket's ZMQ_FD, not on the socket, so it holds nothing while it waits. That
+descriptor only says "look at ZMQ_EVENTS", and any operation on the socket can consume its signal:
+whoever used the socket last looks at ZMQ_EVENTS before anyone sleeps, and a sender that finds a
+reply waiting wakes the I/O thread through its pipe. Anything that cannot go at once (the socket's
+queue is full, or commands are queued before it) waits in an outbox the I/O thread sends in order.
 """
 
 from __future__ import annotations
@@ -27,6 +35,9 @@ from common.curve import CurveClient
 from common.protocol import ErrorCode, ProtocolError
 
 log = logging.getLogger("hsd.worker")
+
+_NOBLOCK = int(zmq.NOBLOCK)  # plain ints: pyzmq's flag enums cost a Python call per operator
+_POLLIN = int(zmq.POLLIN)
 
 ReplyHook = Callable[[str, dict[str, Any], dict[str, Any]], None]  # (op, request fields, reply)
 HeartbeatFields = Callable[[], "dict[str, Any] | None"]
@@ -53,6 +64,10 @@ class ControlChannel:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._closed = False
+        # The socket and the outbox's order: whoever holds this lock may use the socket (None once closed).
+        # Lock order: this one, then _cond.
+        self._sock_lock = threading.Lock()
+        self._sock: zmq.Socket | None = self._connect(zmq.Context.instance())
         self._thread = threading.Thread(target=self._serve, name=f"{name}-control", daemon=True)
         self._thread.start()
 
@@ -64,13 +79,36 @@ class ControlChannel:
         if self.secret:
             message["secret"] = self.secret
         frame = protocol.pack(message)
-        with self._cond:
-            if self._closed:
-                raise RuntimeError("the control channel is closed")
-            self._pending[request_id] = (op, fields)
-            self._outbox.append(("send", frame))
-        self._wake()
+        with self._sock_lock:
+            with self._cond:
+                if self._closed or self._sock is None:
+                    raise RuntimeError("the control channel is closed")
+                self._pending[request_id] = (op, fields)
+                queued = bool(self._outbox)  # behind what waits there, in order
+                if queued:
+                    self._outbox.append(("send", frame))
+            if not queued:
+                queued = not self._send_now(frame)
+                if queued:
+                    with self._cond:
+                        self._outbox.append(("send", frame))
+            wake = queued or self._reply_waiting()
+        if wake:
+            self._wake()
         return request_id
+
+    def _send_now(self, frame: bytes) -> bool:
+        """Send without blocking (the caller holds the socket); False: the socket's queue is full."""
+        try:
+            self._sock.send(frame, _NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
+
+    def _reply_waiting(self) -> bool:
+        """Whether a message waits on the socket (the caller holds it): the operation just made may
+        have taken the ZMQ_FD signal the I/O thread sleeps on."""
+        return bool(self._sock.getsockopt(zmq.EVENTS) & _POLLIN)
 
     def result(self, request_id: int, *, timeout_s: float) -> dict[str, Any]:
         """The reply to a submitted request: ProtocolError for an error reply; DispatcherUnavailable
@@ -112,7 +150,7 @@ class ControlChannel:
     def reset(self) -> None:
         """A fresh socket: requests still queued or unanswered are given up (their waiters fail at once),
         so a dispatcher that comes back does not receive a burst of stale requests."""
-        with self._cond:
+        with self._sock_lock, self._cond:
             self._dropped.update(self._pending)
             self._pending.clear()
             self._outbox.append(("reset", None))
@@ -121,7 +159,7 @@ class ControlChannel:
 
     def set_heartbeat(self, interval_s: float | None, fields: HeartbeatFields | None = None) -> None:
         """Send ``heartbeat`` every ``interval_s`` with ``fields()`` (None skips a beat); None stops."""
-        with self._cond:
+        with self._sock_lock, self._cond:
             self._beat_generation += 1
             self.heartbeat_refused.clear()
             self._outbox.append(("heartbeat", (self._beat_generation,
@@ -129,7 +167,7 @@ class ControlChannel:
         self._wake()
 
     def close(self) -> None:
-        with self._cond:
+        with self._sock_lock, self._cond:
             if self._closed:
                 return
             self._closed = True
@@ -156,44 +194,60 @@ class ControlChannel:
 
     def _serve(self) -> None:
         context = zmq.Context.instance()
-        sock = self._connect(context)
         heartbeat_ids: set[int] = set()
         beat_generation = 0  # the set_heartbeat() the beats in flight were sent under
         next_beat = float("inf")
+        look = True  # the socket may hold what its ZMQ_FD no longer signals: look before sleeping
         poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
+        with self._sock_lock:
+            signal_fd = self._sock.getsockopt(zmq.FD)
+        poller.register(signal_fd, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         try:
             while True:
-                timeout_ms = None if next_beat == float("inf") else max(0, int(1000 * (next_beat - time.monotonic())))
+                if look:
+                    timeout_ms = 0
+                elif next_beat == float("inf"):
+                    timeout_ms = None
+                else:
+                    timeout_ms = max(0, int(1000 * (next_beat - time.monotonic())))
                 events = dict(poller.poll(timeout_ms))
+                look = False
                 if self._wake_r in events:
                     try:
                         while os.read(self._wake_r, 4096):
                             pass
                     except BlockingIOError:
                         pass
-                while True:
-                    with self._cond:
-                        if not self._outbox:
-                            break
-                        command, argument = self._outbox.popleft()
-                    if command == "send":
-                        sock.send(argument)
-                    elif command == "reset":
-                        poller.unregister(sock)
-                        sock.close(linger=0)
-                        sock = self._connect(context)
-                        poller.register(sock, zmq.POLLIN)
-                        heartbeat_ids.clear()
-                    elif command == "heartbeat":
-                        heartbeat_ids.clear()  # replies to a previous registration's beats mean nothing now
-                        beat_generation, self._heartbeat = argument
-                        next_beat = float("inf") if self._heartbeat is None else time.monotonic() + self._heartbeat[0]
-                    else:
-                        return
-                while sock.poll(0):
-                    self._receive(sock.recv(), heartbeat_ids, beat_generation)
+                frames: list[bytes] = []
+                with self._sock_lock:
+                    sock = self._sock
+                    while True:  # the outbox, in order; a frame that cannot go yet stays first
+                        with self._cond:
+                            if not self._outbox:
+                                break
+                            command, argument = self._outbox[0]
+                            if command == "send" and not self._send_now(argument):
+                                look = True  # try again shortly
+                                break
+                            self._outbox.popleft()
+                        if command == "reset":
+                            poller.unregister(signal_fd)
+                            sock.close(linger=0)
+                            sock = self._sock = self._connect(context)
+                            signal_fd = sock.getsockopt(zmq.FD)
+                            poller.register(signal_fd, zmq.POLLIN)
+                            heartbeat_ids.clear()
+                        elif command == "heartbeat":
+                            heartbeat_ids.clear()  # replies to a previous registration's beats mean nothing now
+                            beat_generation, self._heartbeat = argument
+                            next_beat = float("inf") if self._heartbeat is None else time.monotonic() + self._heartbeat[0]
+                        elif command == "stop":
+                            return
+                    while sock.getsockopt(zmq.EVENTS) & _POLLIN:
+                        frames.append(sock.recv(_NOBLOCK))
+                for frame in frames:
+                    self._receive(frame, heartbeat_ids, beat_generation)
                 if self._heartbeat is None:
                     next_beat = float("inf")
                 elif time.monotonic() >= next_beat:
@@ -206,16 +260,22 @@ class ControlChannel:
                         message = protocol.request("heartbeat", request_id, **beat)
                         if self.secret:
                             message["secret"] = self.secret
-                        sock.send(protocol.pack(message))
+                        with self._sock_lock:  # never ahead of a request still queued: that beat is skipped
+                            if not self._outbox:
+                                self._send_now(protocol.pack(message))
+                        look = True
         except Exception:
             log.exception("control channel to %s failed", self.endpoint)
         finally:
-            sock.close(linger=0)
-            with self._cond:
-                self._closed = True
-                self._dropped.update(self._pending)
-                self._pending.clear()
-                self._cond.notify_all()
+            with self._sock_lock:
+                if self._sock is not None:
+                    self._sock.close(linger=0)
+                    self._sock = None
+                with self._cond:
+                    self._closed = True
+                    self._dropped.update(self._pending)
+                    self._pending.clear()
+                    self._cond.notify_all()
 
     def _receive(self, frame: bytes, heartbeat_ids: set[int], beat_generation: int) -> None:
         try:

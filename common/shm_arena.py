@@ -134,6 +134,9 @@ class SlotArena:
         self.num_slots = num_slots
         self.owner = owner
         self._mapping = mapping
+        # One view per slot, made on first use: a target and a drafter ask for a slot's view at every job,
+        # and making one (five tensor views) cost more than a job's control messages.
+        self._views: dict[int, SlotView] = {}
         self._close = weakref.finalize(self, mapping.release)
         self._unlink = weakref.finalize(self, unlink_segment, self.path, os.getpid()) if owner else None
 
@@ -205,11 +208,15 @@ class SlotArena:
         base = self._mapping.base
         if base is None:
             raise RuntimeError(f"arena {self.name} is closed")
-        start = index * self.layout.slot_bytes
-        return SlotView(base[start:start + self.layout.slot_bytes], self.layout)
+        view = self._views.get(index)
+        if view is None:
+            start = index * self.layout.slot_bytes
+            view = self._views[index] = SlotView(base[start:start + self.layout.slot_bytes], self.layout)
+        return view
 
     def close(self) -> None:
         """Drop this process's mapping (idempotent); the segment itself stays until unlinked."""
+        self._views.clear()  # the arena's own views must not keep the pages mapped
         self._close()
 
     def unlink(self) -> None:

@@ -97,6 +97,8 @@ class DispatcherCore(GroupOps):
     @property
     def done(self) -> bool:
         """Every epoch committed, and every model's last commit covered by a checkpoint of it."""
+        if not self.ledger.all_committed:  # the common answer, asked by every poll: O(1)
+            return False
         return (self.store.all_committed
                 and all(self.checkpoints.get(m, 0) >= step for m, step in self.ledger.model_step.items()))
 
@@ -110,17 +112,19 @@ class DispatcherCore(GroupOps):
         return self.store.all_committed
 
     def _grant(self, job: Job, slot_id: int) -> JobGrant:
-        schedule = self.schedule(job.epoch)
-        index = split_job_id(job.job_id)[1]
-        samples = schedule.samples_of(index)
+        facts = job.grant
+        if facts is None:  # its samples, their lengths, the padded length and the tokens: read once per job
+            schedule = self.schedule(job.epoch)
+            samples = schedule.sample_array(split_job_id(job.job_id)[1])
+            lengths = self.lengths[samples].tolist()
+            facts = job.grant = (samples.tolist(), lengths, schedule.padded_len(job.bucket, lengths), sum(lengths))
+        samples, lengths, seq_len, _ = facts
         owner = self.pool.slots[slot_id].owner
         base = self.workers[owner].slot_base if owner else 0
         holder = self.workers[job.holder]
         holder.num_grants += 1
         job.grant_seq = holder.num_grants
-        lengths = self.lengths[samples].tolist()
-        return JobGrant(job, slot_id - base, owner, schedule.padded_len(job.bucket, lengths), samples, lengths,
-                        job.grant_seq)
+        return JobGrant(job, slot_id - base, owner, seq_len, samples, lengths, job.grant_seq)
 
     # -- snapshots --------------------------------------------------------------------------
     def maybe_snapshot(self, *, force: bool = False) -> bool:
@@ -345,7 +349,7 @@ class DispatcherCore(GroupOps):
             self._wait(worker, "blocked", now)
             return None
         generation = self.pool.begin_write(slot_id, worker_id, head)
-        job = self.ledger.start_extract(worker_id, slot_id, generation, now, self.options.lease_s, queue)
+        job = self.ledger.start_extract(worker_id, slot_id, generation, now, self.options.lease_s, queue, head=head)
         self._end_wait(worker, now)
         return self._grant(job, slot_id)
 
@@ -365,6 +369,8 @@ class DispatcherCore(GroupOps):
         return self.lengths[self.schedule(epoch).samples_of(index)]
 
     def _num_tokens(self, job_id_or_job: Job | int) -> int:
+        if isinstance(job_id_or_job, Job) and job_id_or_job.grant is not None:
+            return job_id_or_job.grant[3]  # as its grant counted them
         return int(self.job_lengths(job_id_or_job).sum())
 
     def job_failed(self, worker_id: str, job_id: int, reason: str, now: float) -> None:
@@ -408,12 +414,14 @@ class DispatcherCore(GroupOps):
         """(grant, flush): flush tells a waiting drafter to commit its partial step, nothing more is
         coming. STEP_FULL: a rank of a cost-balanced group holds its share of the step in flight."""
         worker = self.worker(worker_id, now)
-        self._step_boundary(worker_id, now)
-        self.groups.check_current(worker_id, membership)
+        group = None
+        if self.groups.group_of_rank(worker_id) is not None:  # a rank of a data-parallel group
+            self._step_boundary(worker_id, now)
+            self.groups.check_current(worker_id, membership)
+            group = self.groups.group_of(worker_id)
         if self.done:
             self._end_wait(worker, now)
             return DONE, False
-        group = self.groups.group_of(worker_id)
         if group is not None and group.spec.balance == "cost":
             if worker_id in group.full:
                 return None, False  # its next poll, sent as it went to the all-reduce: served once the step commits
@@ -421,21 +429,22 @@ class DispatcherCore(GroupOps):
                 self._end_wait(worker, now)
                 return STEP_FULL, False
         serving = self._serving_epoch()
-        if serving is None or not self.pool.may_serve(draining=serving[1]):
+        servable = self.pool.servable_nodes(draining=serving[1]) if serving is not None else None
+        if not servable:  # the min-ready reservoir keeps a mix to choose from unless the epoch's tail drains
             self._wait(worker, "starved", now)
             return None, self.nothing_left_to_hand_out()
         epoch = serving[0]
         progress = self.ledger.epochs[epoch]
         # A group's step spans every rank's micro-batches: its window is what all of them hold.
         stepper: Worker | DrafterGroup = group or worker
-        held = [job for member in (group.members if group else [worker_id]) for job in self.ledger.held_by(member)]
-        eligible = self.pool.eligible(epoch, totals=progress.bucket_totals, taken=progress.taken)
-        if not held:
+        window = self.ledger.held_buckets(group.members if group else (worker_id,))
+        eligible = self.pool.eligible(epoch, totals=progress.bucket_totals, taken=progress.taken,
+                                      num_jobs=progress.num_jobs, num_taken=progress.num_taken)
+        if not window:  # it holds nothing: a new accumulation window opens
             stepper.window_avail, stepper.window_mixed = len(eligible), True
-        window = {job.bucket for job in held}
         waited_s = now - worker.waiting_since if worker.waiting_since is not None else 0.0
-        ready = self.pool.pick(epoch, eligible=eligible, window=window, node=worker.node,
-                               servable=self.pool.servable_nodes(draining=serving[1]), waited_s=waited_s)
+        ready = self.pool.pick(epoch, eligible=eligible, window=window, node=worker.node, servable=servable,
+                               waited_s=waited_s)
         if ready is None:  # only other nodes' slots, and not waited long enough for one of them
             self._wait(worker, "local_wait", now)
             return None, False

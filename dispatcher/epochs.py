@@ -128,8 +128,10 @@ class EpochStore:
 
     def maybe_start_next(self) -> None:
         """Start the next epoch once nothing of the current ones is pending and its schedule is built."""
+        if self.ledger.num_pending:
+            return
         following = max(self.epoch_jobs) + 1
-        if self.ledger.num_pending == 0 and following < self.num_epochs and self.builder.ready(following):
+        if following < self.num_epochs and self.builder.ready(following):
             self.start(following)
 
     def schedule(self, epoch: int) -> EpochSchedule:
@@ -149,10 +151,11 @@ class EpochStore:
 
     @property
     def all_committed(self) -> bool:
-        return len(self.epoch_jobs) == self.num_epochs and all(self.ledger.epoch_complete(e) for e in self.epoch_jobs)
+        # the ledger holds exactly the started epochs (start() adds each to both)
+        return len(self.epoch_jobs) == self.num_epochs and self.ledger.all_committed
 
     def open_epochs(self) -> list[int]:
-        return [e for e in sorted(self.epoch_jobs) if not self.ledger.epoch_complete(e)]
+        return self.ledger.open_epochs()  # the ledger holds exactly the started epochs
 
     @property
     def jobs_per_epoch(self) -> int:

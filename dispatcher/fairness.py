@@ -33,11 +33,18 @@ class PrefixDeviation:
 
     def add(self, bucket: int) -> None:
         self.length += 1
-        self.counts[bucket] += 1
+        counts, length = self.counts, self.length
+        counts[bucket] += 1
         if bucket not in self.shares:  # a bucket the totals do not know counts fully against them
-            self.value = max(self.value, self.counts[bucket])
-        for b, share in self.shares.items():
-            self.value = max(self.value, abs(self.counts[b] - self.length * share))
+            self.value = max(self.value, counts[bucket])
+        value = self.value
+        for b, share in self.shares.items():  # max(value, abs(...)) without two calls per bucket: once per job
+            deviation = counts.get(b, 0) - length * share
+            if deviation > value:
+                value = deviation
+            elif -deviation > value:
+                value = -deviation
+        self.value = value
 
     def add_many(self, bucket: int, count: int) -> None:
         """``count`` jobs of ``bucket`` in a row, in O(buckets): the same figure as ``count`` calls of

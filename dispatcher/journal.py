@@ -28,6 +28,8 @@ import zlib
 from pathlib import Path
 from typing import Any, Iterator
 
+from json.encoder import c_make_encoder, encode_basestring_ascii
+
 from common import faults
 from common.durable import fsync_dir
 
@@ -44,9 +46,43 @@ class JournalFailed(RuntimeError):
     """The journal could not be made durable: the dispatcher must stop."""
 
 
+def _compact_encoder() -> Any:
+    """``json.dumps(event, separators=(",", ":"))`` made once: dumps builds an encoder on every call,
+    which cost as much as the encoding itself on the dispatcher's loop (a record per request)."""
+    if c_make_encoder is None:  # no C accelerator: json's own path
+        return lambda event: json.dumps(event, separators=(",", ":"))
+    # the arguments json.dumps passes with those separators (no circular check: events are flat maps)
+    iterencode = c_make_encoder(None, json.JSONEncoder().default, encode_basestring_ascii, None, ":", ",",
+                                False, False, True)
+    return lambda event: "".join(iterencode(event, 0))
+
+
+_encode = _compact_encoder()
+
+
 def encode_line(event: dict[str, Any]) -> bytes:
-    body = json.dumps(event, separators=(",", ":")).encode()
+    body = _encode(event).encode()
     return b"%08x " % zlib.crc32(body) + body + b"\n"
+
+
+def event_line(event: str, fields: dict[str, Any], now: float) -> bytes:
+    """``encode_line({"ev": event, "t": round(now, 6), **fields})`` byte for byte, without the merged map
+    and the float's two conversions (a record per request: they were a third of its cost). ``%.6f``
+    rounds as round() does, and with its trailing zeros cut it is that float's repr: a decimal of 6
+    places differs from any shorter one by more than a double's spacing at today's timestamps."""
+    if "ev" in fields or "t" in fields or not 0 < now < 1e9 * 8:
+        return encode_line({"ev": event, "t": round(now, 6), **fields})
+    head = _HEADS.get(event)
+    if head is None:
+        head = _HEADS[event] = '{"ev":' + encode_basestring_ascii(event) + ',"t":'
+    stamp = ("%.6f" % now).rstrip("0")
+    if stamp[-1] == ".":
+        stamp += "0"
+    body = (f"{head}{stamp},{_encode(fields)[1:]}" if fields else f"{head}{stamp}}}").encode()
+    return b"%08x %s\n" % (zlib.crc32(body), body)
+
+
+_HEADS: dict[str, str] = {}  # event name -> the line's start up to its time (a few dozen names, all literals)
 
 
 def decode_line(line: bytes) -> dict[str, Any] | None:
@@ -130,7 +166,7 @@ class Journal:
         (the dispatcher flushes a few times a second)."""
         if self.failed is not None:
             raise JournalFailed(f"the journal failed earlier: {self.failed}")
-        line = encode_line({"ev": event, "t": round(time.time(), 6), **fields})
+        line = event_line(event, fields, time.time())
         if self._syncer is not None:
             with self._lock:
                 self._queue.append(line)
@@ -138,7 +174,7 @@ class Journal:
                 if durable:
                     self.written_seq += 1
                 wake = durable or len(self._queue) >= QUEUE_WAKE_LINES
-            if wake:
+            if wake and not self._wake.is_set():
                 self._wake.set()
             return
         with self._io:

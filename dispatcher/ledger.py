@@ -80,6 +80,7 @@ class Job:
     lease_deadline: float = 0.0
     granted_at: float = 0.0  # when the current holder was handed the job
     grant_seq: int = 0       # the holder's grant counter when it was handed the job
+    grant: tuple | None = None  # what its first grant computed from the schedule, reused by later ones (core)
 
 
 @dataclass
@@ -97,20 +98,25 @@ class EpochProgress:
     version: int = 0     # bumped by every change of the commit arrays: a snapshot knows what it copied
     sealed: bool = False  # finished and snapshotted: the arrays are read-only mappings of files
     latest_step: dict[int, int] = field(default_factory=dict)  # sealed: model index -> its latest step here
+    counts: list[int] = field(default_factory=lambda: [0] * len(_STATES))  # state code -> jobs in that state
+    num_taken: int = 0  # sum(taken.values()), kept as it changes
 
     def __post_init__(self) -> None:
         self.consumed_deviation = PrefixDeviation(self.bucket_totals)
 
     def take(self, bucket: int) -> None:
         self.taken[bucket] += 1
+        self.num_taken += 1
         self.consumed_deviation.add(bucket)
 
     def take_many(self, bucket: int, count: int) -> None:
         self.taken[bucket] += count
+        self.num_taken += count
         self.consumed_deviation.add_many(bucket, count)
 
     def untake(self, bucket: int) -> None:
         self.taken[bucket] -= 1
+        self.num_taken -= 1
         self.consumed_deviation.remove(bucket)
 
 
@@ -121,9 +127,13 @@ class JobLedger:
         self.num_queues = num_queues
         self.jobs: dict[int, Job] = {}  # jobs in flight only
         self.epochs: dict[int, EpochProgress] = {}
+        self._epoch_order: list[int] = []  # the keys of ``epochs``, sorted
         self._returned: list[list[int]] = [[] for _ in range(num_queues)]  # per queue: min-heap of given-back job ids
         self._by_holder: dict[str, set[int]] = defaultdict(set)
-        self._counts: Counter = Counter()  # (epoch, state) -> number of jobs
+        # Jobs per state code, over every epoch (each epoch keeps its own in EpochProgress.counts):
+        # the questions every request asks (anything pending? every job committed?) stay O(1).
+        self._totals: list[int] = [0] * len(_STATES)
+        self._num_jobs = 0
         self.model_index: dict[str, int] = {}  # model id -> index stored in commit_model
         self.model_step: dict[str, int] = {}   # model id -> last step the ledger holds for it
         # model id -> (step, job ids) of its last commit: a retried commit gets the first answer
@@ -143,7 +153,10 @@ class JobLedger:
                                  commit_model=np.full(num_jobs, -1, dtype=np.int32),
                                  cursors=list(range(self.num_queues)))
         self.epochs[epoch] = progress
-        self._counts[epoch, JobState.PENDING] = num_jobs
+        self._epoch_order = sorted(self.epochs)
+        progress.counts[_PENDING] = num_jobs
+        self._totals[_PENDING] += num_jobs
+        self._num_jobs += num_jobs
         return progress
 
     def restore_arrays(self, epoch: int, commit_step: np.ndarray, commit_model: np.ndarray) -> None:
@@ -153,8 +166,9 @@ class JobLedger:
         progress.commit_step[:] = commit_step
         progress.commit_model[:] = commit_model
         progress.state[committed] = _COMMITTED
-        self._counts[epoch, JobState.PENDING] -= len(committed)
-        self._counts[epoch, JobState.COMMITTED] += len(committed)
+        for counts in (progress.counts, self._totals):
+            counts[_PENDING] -= len(committed)
+            counts[_COMMITTED] += len(committed)
         progress.committed += len(committed)
         for bucket, n in enumerate(np.bincount(progress.job_bucket[committed]).tolist() if len(committed) else []):
             progress.take_many(bucket, n)  # one call per bucket: a restart after a million commits stays fast
@@ -213,12 +227,26 @@ class JobLedger:
         progress.sealed = False
         progress.latest_step = {}
 
+    def open_epochs(self) -> list[int]:
+        """The epochs not every job of which is committed, in order."""
+        epochs = self.epochs
+        return [e for e in self._epoch_order if epochs[e].committed != epochs[e].num_jobs]
+
     def epoch_complete(self, epoch: int) -> bool:
         progress = self.epochs.get(epoch)
         return progress is not None and progress.committed == progress.num_jobs
 
     def count(self, epoch: int, *states: JobState) -> int:
-        return sum(self._counts[epoch, state] for state in states)
+        progress = self.epochs.get(epoch)
+        if progress is None:
+            return 0
+        counts = progress.counts
+        return sum(counts[_CODE[state]] for state in states)
+
+    @property
+    def all_committed(self) -> bool:
+        """Every job of every epoch in the ledger is committed."""
+        return self._totals[_COMMITTED] == self._num_jobs
 
     def state_of(self, job_id: int) -> JobState:
         epoch, index = split_job_id(job_id)
@@ -243,10 +271,12 @@ class JobLedger:
         while returned and self.state_of(returned[0]) is not JobState.PENDING:
             heapq.heappop(returned)
         head = returned[0] if returned else None
-        for epoch in sorted(self.epochs):
+        for epoch in self._epoch_order:
             progress = self.epochs[epoch]
-            cursor = progress.cursors[queue]
-            while cursor < progress.num_jobs and progress.state[cursor] != _PENDING:
+            if not progress.counts[_PENDING]:
+                continue  # nothing of it is pending: its cursor has nothing to find
+            cursor, state = progress.cursors[queue], progress.state
+            while cursor < progress.num_jobs and state.item(cursor) != _PENDING:
                 cursor += self.num_queues
             progress.cursors[queue] = cursor
             if cursor < progress.num_jobs:
@@ -256,10 +286,15 @@ class JobLedger:
 
     @property
     def num_pending(self) -> int:
-        return sum(self._counts[e, JobState.PENDING] for e in self.epochs)
+        return self._totals[_PENDING]
 
     def held_by(self, worker_id: str) -> list[Job]:
         return [self.jobs[j] for j in sorted(self._by_holder.get(worker_id, ()))]
+
+    def held_buckets(self, worker_ids: Iterable[str]) -> set[int]:
+        """The buckets of the jobs these workers hold (empty: they hold none)."""
+        jobs, by_holder = self.jobs, self._by_holder
+        return {jobs[j].bucket for worker_id in worker_ids for j in by_holder.get(worker_id, ())}
 
     def counts_by_state(self) -> dict[str, int]:
         return {state.value: sum(self.count(e, state) for e in self.epochs) for state in JobState}
@@ -271,13 +306,24 @@ class JobLedger:
         return self.model_index[model]
 
     def _set_code(self, epoch: int, progress: EpochProgress, index: int, code: int) -> None:
-        self._counts[epoch, _STATES[progress.state[index]]] -= 1
-        self._counts[epoch, _STATES[code]] += 1
+        old = progress.state.item(index)
+        counts, totals = progress.counts, self._totals
+        counts[old] -= 1
+        counts[code] += 1
+        totals[old] -= 1
+        totals[code] += 1
         progress.state[index] = code
 
     def _set_state(self, job: Job, state: JobState) -> None:
-        epoch, index = split_job_id(job.job_id)
-        self._set_code(epoch, self.epochs[epoch], index, _CODE[state])
+        # _set_code, inlined: every transition of every job comes through here
+        progress, index, code = self.epochs[job.epoch], job.job_id - job.epoch * JOB_ID_STRIDE, _CODE[state]
+        old = progress.state.item(index)
+        counts, totals = progress.counts, self._totals
+        counts[old] -= 1
+        counts[code] += 1
+        totals[old] -= 1
+        totals[code] += 1
+        progress.state[index] = code
         job.state = state
 
     def _expect(self, job_id: int, state: JobState, holder: str | None = None) -> Job:
@@ -308,9 +354,10 @@ class JobLedger:
 
     # -- transitions ------------------------------------------------------------------------
     def start_extract(self, target: str, slot: int, generation: int, now: float, lease_s: float,
-                      queue: int = 0) -> Job:
-        """Hand the head of pending ``queue`` to ``target``, writing into ``slot``."""
-        job_id = self.peek_pending(queue)
+                      queue: int = 0, *, head: int | None = None) -> Job:
+        """Hand the head of pending ``queue`` to ``target``, writing into ``slot``. ``head``: what
+        :meth:`peek_pending` just answered for ``queue``, with no change of the ledger since."""
+        job_id = self.peek_pending(queue) if head is None else head
         if job_id is None:
             raise LedgerError("no pending job")
         returned = self._returned[queue]

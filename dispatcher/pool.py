@@ -28,7 +28,7 @@ import enum
 import random
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from typing import Iterable, get_args
+from typing import Iterable, NamedTuple, get_args
 
 from common.config import Locality, Pull
 
@@ -55,8 +55,8 @@ class Slot:
     node: str | None = None  # the node whose memory holds it; None: the dispatcher's arena, local to all
 
 
-@dataclass(frozen=True)
-class ReadyJob:
+class ReadyJob(NamedTuple):
+    """A ready slot as the index holds it: one is made per job (a frozen dataclass cost three times as much)."""
     job_id: int
     epoch: int
     bucket: int
@@ -80,14 +80,16 @@ MAX_LAG = 1.5
 LOCAL_SLACK = 0.25
 
 
-def eligible_buckets(candidates: Iterable[int], *, totals: dict[int, int], taken: Counter) -> dict[int, float]:
+def eligible_buckets(candidates: Iterable[int], *, totals: dict[int, int], taken: Counter,
+                     num_jobs: int | None = None, num_taken: int | None = None) -> dict[int, float]:
     """Ready buckets not already ahead of their share by MIX_SLACK, with their consumption deficit.
 
     A bucket lagging by MAX_LAG or more, or (when every ready bucket is ahead) the least-ahead one,
-    is eligible alone.
+    is eligible alone. ``num_jobs``/``num_taken``: the sums of ``totals``/``taken``, when the caller
+    keeps them.
     """
-    num_jobs = sum(totals.values())
-    position = sum(taken.values()) + 1
+    num_jobs = sum(totals.values()) if num_jobs is None else num_jobs
+    position = (sum(taken.values()) if num_taken is None else num_taken) + 1
     deficits = {b: position * totals.get(b, 0) / num_jobs - taken.get(b, 0) for b in candidates}
     if not deficits:
         return {}
@@ -124,10 +126,14 @@ class HSPool:
         self.rng = random.Random(seed)
         self.slots: dict[int, Slot] = {}
         self._free: dict[str | None, list[int]] = defaultdict(list)  # owner -> free slot ids
+        self._num_free = 0  # over every owner
         self._credits: Counter = Counter()  # target -> slots it is writing
         self._ready: dict[int, dict[int, dict[int, ReadyJob]]] = defaultdict(lambda: defaultdict(dict))
         self._num_ready = 0
         self._ready_on: Counter = Counter()  # node -> its ready slots
+        self._num_ready_on_nodes = 0  # ready slots that live on a node (not the dispatcher's arena)
+        self._ready_at: dict[int, tuple[int, int]] = {}  # ready slot -> (epoch, bucket) it is indexed under
+        self._ready_in: Counter = Counter()  # epoch -> its ready slots
         self._slots_on: Counter = Counter()  # node -> its slots
         self.peak_in_use = 0  # most slots ever held by a job at once (writing, ready or reading)
 
@@ -138,6 +144,7 @@ class HSPool:
                 raise ValueError(f"slot {slot_id} already in the pool")
             self.slots[slot_id] = Slot(slot_id, owner, node=node)
             self._free[owner].append(slot_id)
+            self._num_free += 1
             self._slots_on[node] += 1
 
     def remove_owner(self, owner: str) -> list[Slot]:
@@ -150,7 +157,7 @@ class HSPool:
                 lost.append(slot)
             del self.slots[slot.id]
             self._slots_on[slot.node] -= 1
-        self._free.pop(owner, None)
+        self._num_free -= len(self._free.pop(owner, ()))
         return lost
 
     @property
@@ -196,10 +203,11 @@ class HSPool:
         slot = self.slots[slot_id]
         assert slot.state is SlotState.FREE, slot
         self._free[slot.owner].remove(slot_id)
+        self._num_free -= 1
         slot.state, slot.job_id, slot.writer = SlotState.WRITING, job_id, target
         slot.generation += 1
         self._credits[target] += 1
-        self.peak_in_use = max(self.peak_in_use, len(self.slots) - sum(len(free) for free in self._free.values()))
+        self.peak_in_use = max(self.peak_in_use, len(self.slots) - self._num_free)
         return slot.generation
 
     def publish(self, slot_id: int, *, epoch: int, bucket: int) -> None:
@@ -238,10 +246,10 @@ class HSPool:
 
     # -- drafters ---------------------------------------------------------------------------
     def has_free_slot(self) -> bool:
-        return any(self._free.values())
+        return self._num_free > 0
 
     def has_ready(self, epoch: int) -> bool:
-        return epoch in self._ready and any(self._ready[epoch].values())
+        return self._ready_in.get(epoch, 0) > 0
 
     @property
     def effective_min_ready(self) -> int:
@@ -262,12 +270,13 @@ class HSPool:
         """The min-ready reservoir: keep a mix to choose from unless the epoch's tail drains."""
         return bool(self.servable_nodes(draining))
 
-    def eligible(self, epoch: int, *, totals: dict[int, int], taken: Counter) -> dict[int, float]:
+    def eligible(self, epoch: int, *, totals: dict[int, int], taken: Counter, num_jobs: int | None = None,
+                 num_taken: int | None = None) -> dict[int, float]:
         """Buckets a drafter may be given now (see eligible_buckets); all ready ones for pull=random."""
         ready = [b for b, jobs in self._ready[epoch].items() if jobs]
         if self.pull == "random":
             return dict.fromkeys(ready, 0.0)
-        return eligible_buckets(ready, totals=totals, taken=taken)
+        return eligible_buckets(ready, totals=totals, taken=taken, num_jobs=num_jobs, num_taken=num_taken)
 
     def pick(self, epoch: int, *, eligible: dict[int, float], window: set[int], node: str | None = None,
              servable: set[str | None] | None = None, waited_s: float = 0.0) -> ReadyJob | None:
@@ -276,6 +285,15 @@ class HSPool:
         ``servable``: the nodes whose slots may be handed out (default: every node); ``waited_s``: how
         long the drafter has waited for a slot so far.
         """
+        if self.pull == "deficit" and not self._num_ready_on_nodes and (servable is None or None in servable):
+            # Every ready slot is the dispatcher's arena, local to every reader and servable: what the
+            # general path below picks, without its per-slot filters.
+            ready = self._ready[epoch]
+            deficits = {b: d for b, d in eligible.items() if ready.get(b)}
+            if not deficits:
+                return None
+            jobs = ready[choose_bucket(deficits, window=window, rng=self.rng)]
+            return self.rng.choice([jobs[job_id] for job_id in sorted(jobs)])
         allowed = (lambda job: True) if servable is None else (lambda job: job.node in servable)
         candidates = {b: [j for j in self._ready[epoch].get(b, {}).values() if allowed(j)] for b in
                       (self._ready[epoch] if self.pull == "random" else eligible)}
@@ -335,17 +353,21 @@ class HSPool:
 
     def _index(self, slot: Slot, epoch: int, bucket: int) -> None:
         self._ready[epoch][bucket][slot.job_id] = ReadyJob(slot.job_id, epoch, bucket, slot.id, slot.node)
+        self._ready_at[slot.id] = (epoch, bucket)
+        self._ready_in[epoch] += 1
         self._num_ready += 1
         self._ready_on[slot.node] += 1
+        self._num_ready_on_nodes += slot.node is not None
 
     def _unindex(self, slot: Slot) -> None:
-        for per_bucket in self._ready.values():
-            for jobs in per_bucket.values():
-                if jobs.pop(slot.job_id, None) is not None:
-                    self._num_ready -= 1
-                    self._ready_on[slot.node] -= 1
-                    return
+        where = self._ready_at.pop(slot.id, None)
+        if where is not None and self._ready[where[0]][where[1]].pop(slot.job_id, None) is not None:
+            self._ready_in[where[0]] -= 1
+            self._num_ready -= 1
+            self._ready_on[slot.node] -= 1
+            self._num_ready_on_nodes -= slot.node is not None
 
     def _free_slot(self, slot: Slot) -> None:
         slot.state, slot.job_id, slot.writer = SlotState.FREE, None, None
         self._free[slot.owner].append(slot.id)
+        self._num_free += 1

@@ -103,7 +103,13 @@ class EpochSchedule:
         return len(self.job_bucket)
 
     def samples_of(self, index: int) -> list[int]:
-        return self.job_samples[self.job_offsets[index]:self.job_offsets[index + 1]].tolist()
+        return self.sample_array(index).tolist()
+
+    def sample_array(self, index: int) -> np.ndarray:
+        """A job's sample indices as a view of the schedule (indexing another array with it is 3x
+        faster than with the list)."""
+        offsets = self.job_offsets
+        return self.job_samples[offsets.item(index):offsets.item(index + 1)]
 
     def bucket_of(self, index: int) -> int:
         return int(self.job_bucket[index])

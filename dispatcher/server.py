@@ -49,6 +49,7 @@ METRICS_INTERVAL_S = 1.0
 MAX_WAIT_MS = 30_000
 FAIL_CLOSED_EXIT_CODE = 3  # the journal failed: stopped, having acknowledged nothing that was not durable
 HARD_MESSAGE_LIMIT = 64 << 20  # beyond this ZeroMQ drops the peer instead of buffering the message
+_NOBLOCK, _SNDMORE_NOBLOCK = int(zmq.NOBLOCK), int(zmq.SNDMORE | zmq.NOBLOCK)
 
 
 @dataclass
@@ -214,7 +215,7 @@ class DispatcherServer:
         changed = False
         for _ in range(256):  # bounded so the stats socket and sweeps are never starved
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = sock.recv_multipart(_NOBLOCK)
             except zmq.Again:
                 break
             identity, payload = frames[0], frames[1:]
@@ -225,8 +226,9 @@ class DispatcherServer:
         return changed
 
     def _send(self, sock: zmq.Socket, identity: bytes, reply: dict[str, Any]) -> None:
-        try:
-            sock.send_multipart([identity, protocol.pack(reply)], zmq.NOBLOCK)
+        try:  # send_multipart, with the flags as plain ints (pyzmq's flag enums cost Python calls per part)
+            sock.send(identity, _SNDMORE_NOBLOCK)
+            sock.send(protocol.pack(reply), _NOBLOCK)
         except zmq.ZMQError as exc:  # the peer is gone or its queue is full: nothing more to do
             log.debug("reply to a departed peer dropped: %s", exc)
 

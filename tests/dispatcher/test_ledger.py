@@ -26,7 +26,7 @@ def check_counts(ledger):
         for state in JobState:
             assert ledger.count(epoch, state) == actual[state], (epoch, state)
         assert progress.committed == actual[K]
-        assert sum(progress.taken.values()) == actual[T] + actual[C] + actual[K]
+        assert sum(progress.taken.values()) == actual[T] + actual[C] + actual[K] == progress.num_taken
         assert (progress.commit_step != NOT_COMMITTED).sum() == actual[K]
     assert ledger.num_pending == ledger.counts_by_state()["pending"]
     assert all(job.state not in (P, K) for job in ledger.jobs.values())
