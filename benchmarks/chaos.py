@@ -36,7 +36,7 @@ import psutil
 from benchmarks.chaos_figures import START_MARK, clean_up, figures, format_figures
 from benchmarks.chaos_plan import ATTACH, DETACH, KILL, ChaosEvent, build_plan
 from benchmarks.chaos_setups import ChaosSetup, real_inputs, real_setup, sim_setup
-from common.config import ConfigError, load_config, write_resolved
+from common.run.config import ConfigError, load_config, write_resolved
 from dispatcher.rundir import STATE_FILE
 from ops.launch import die_with_parent  # a killed bench takes its run with it, as hsd launch does
 from ops.stats_view import run_stats_or_none

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from benchmarks.chaos_plan import ATTACH, DETACH, KILL, ROLES
-from common.client import run_id_for
-from common.shm_segment import ShmSegment, list_segments
+from common.wire.client import run_id_for
+from common.dataplane.shm_segment import ShmSegment, list_segments
 from dispatcher.journal import read_journal
 from ops.report import build_report
 

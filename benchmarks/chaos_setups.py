@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.config import DrafterSection
+from common.run.config import DrafterSection
 
 EVENTS_PER_WINDOW = 20      # about 13 kills: a window of any length hits every role more than once
 

@@ -32,7 +32,7 @@ import numpy as np
 import psutil
 
 from benchmarks.latency import LatencyHistogram
-from common.config import opt
+from common.run.config import opt
 from common.mix import MASK64, splitmix64
 from dispatcher.allocator import pin_mmap_threshold
 from dispatcher.core import DispatcherCore

@@ -46,7 +46,7 @@ import torch
 
 from benchmarks import gpu_checks, gpu_launch, gpu_sections
 from benchmarks.gpu_sections import CheckContext, Skip
-from common.durable import atomic_write
+from common.run.durable import atomic_write
 
 BUDGET_S = 450.0
 NO_CUDA = "no CUDA"

@@ -28,7 +28,7 @@ from typing import Any, get_args
 import torch
 
 from benchmarks.gpu_sections import CheckContext, Skip
-from common.config import Objective
+from common.run.config import Objective
 
 REPO = Path(__file__).resolve().parent.parent
 CUDA_TESTS = ("tests/common/test_cuda_ipc.py", "tests/common/test_cuda_ipc_cache.py", "tests/common/test_shm_pinning.py")
@@ -60,7 +60,7 @@ def pin_refusal(ctx: CheckContext) -> dict[str, Any]:
         raise Skip("no CUDA")
     import secrets
     from benchmarks.transport import bench_layout
-    from common.shm_arena import SlotArena
+    from common.dataplane.shm_arena import SlotArena
 
     def kernel_error() -> str | None:
         try:
@@ -90,7 +90,7 @@ def auto_choice(ctx: CheckContext) -> dict[str, Any]:
     from benchmarks.gpu_launch import launch_run
     if not ctx.cuda:
         raise Skip("no CUDA")
-    from common.transport_info import choose_transport, probe_cuda_host
+    from common.dataplane.transport_info import choose_transport, probe_cuda_host
     host = probe_cuda_host()
     figures: dict[str, Any] = {"num_devices": host.num_devices if host else 0}
     if host is not None:
@@ -156,7 +156,7 @@ def nccl_init(ctx: CheckContext) -> dict[str, Any]:
 # -- the drafter backends on the GPU ---------------------------------------------------------
 def _backend_config(ctx: CheckContext, objective: str, run_dir: Path):
     from benchmarks.gpu_launch import write_launch_inputs
-    from common.config import load_config
+    from common.run.config import load_config
     target_dir, data_dir = write_launch_inputs(ctx.tmp / "launch-inputs", num_samples=ctx.shapes.launch_samples,
                                                hidden=ctx.shapes.launch_hidden)
     common = [f"run.dir={run_dir}", f"target.model={target_dir}", f"data.path={data_dir}", "drafter.checkpoint_keep=2",
@@ -178,8 +178,8 @@ def _backend(ctx: CheckContext, objective: str, config):
 
 def _batches(ctx: CheckContext, config, count: int, *, batch: int = 4, seq_len: int = 64) -> list:
     """Random micro-batches of the backend's contract, on the device (as the transport hands them over)."""
-    from common.capture_contract import contract_from_config
-    from common.slots import SlotBatch, SlotHeader
+    from common.run.capture_contract import contract_from_config
+    from common.dataplane.slots import SlotBatch, SlotHeader
     contract = contract_from_config(config)
     width, dtype = contract.row_width, getattr(torch, contract.dtype)
     g = torch.Generator().manual_seed(1)

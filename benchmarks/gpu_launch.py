@@ -38,7 +38,7 @@ RUN_OVERRIDES = ("run.epochs=1", "run.seed=0", "target.capture_layers=[1,2]", "t
 
 def write_launch_inputs(root: Path, *, num_samples: int, hidden: int) -> tuple[Path, Path]:
     """(target directory, prepared dataset) of a small real run; reused when already written."""
-    from common.prepared import FORMAT, MANIFEST_FILE, load_tokenizer, tokenizer_fingerprint
+    from common.run.prepared import FORMAT, MANIFEST_FILE, load_tokenizer, tokenizer_fingerprint
     from target_worker.prepare import DatasetWriter
     from target_worker.synthetic_language import make_splits
     from target_worker.tiny_tokenizer import SPECIAL_TOKENS, build_tokenizer

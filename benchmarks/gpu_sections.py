@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from common.slots import SlotHeader
+from common.dataplane.slots import SlotHeader
 
 
 class Skip(Exception):
@@ -119,8 +119,8 @@ def pinned_shm(ctx: CheckContext) -> dict[str, Any]:
     torch's own pinned buffers, the bound. ``copy_overlap``: how much of a slot copy on the
     drafter's copy stream hides under compute queued before it (1 = all of it, 0 = none)."""
     from benchmarks.transport import bench_layout
-    from common.shm_arena import SlotArena
-    from common.transport import open_drafter_transport, open_target_transport, shm_transport_info
+    from common.dataplane.shm_arena import SlotArena
+    from common.dataplane.transport import open_drafter_transport, open_target_transport, shm_transport_info
 
     device, reps = ctx.device, ctx.shapes.copy_reps
     layout = bench_layout(ctx.shapes.slot_mb)
@@ -208,7 +208,7 @@ def save_random_qwen3(path: Path, *, hidden: int, heads: int, kv_heads: int, hea
 def capture(ctx: CheckContext) -> dict[str, Any]:
     """``hsd bench target`` on a random Qwen3 with 8B-like layers: capture vs the plain forward, tok/s."""
     from benchmarks.target_capture import bench_target
-    from common.config import load_config
+    from common.run.config import load_config
     s = ctx.shapes
     model_dir = save_random_qwen3(ctx.tmp / "capture-target", hidden=s.hidden, heads=s.heads, kv_heads=s.kv_heads,
                                   head_dim=s.head_dim, intermediate=s.intermediate, vocab=s.vocab,

@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.pipeline_figures import pipeline_figures
-from common.client import run_id_for
-from common.config import ConfigError, load_config
-from common.shm_segment import sweep_dead_segments
+from common.wire.client import run_id_for
+from common.run.config import ConfigError, load_config
+from common.dataplane.shm_segment import sweep_dead_segments
 from dispatcher.journal import read_journal
 from ops.report import build_report
 

@@ -1,6 +1,6 @@
 """The processes of ``hsd bench transport`` that speak the real protocol to a real dispatcher.
 
-The shm path runs the one worker loop of every target and drafter (:mod:`common.worker_loop`)
+The shm path runs the one worker loop of every target and drafter (:mod:`common.worker.loop`)
 with benchmark backends: the figures are those of the code a run uses. The round-trip probe drives
 a session by hand instead, so that each figure is one request.
 """
@@ -14,12 +14,12 @@ import torch
 
 from benchmarks.transport_workers import (POLL_MS, BenchSpec, Meter, _errors_to, _init_process, _scratch_slot,
                                           percentile)
-from common.config import Config
+from common.run.config import Config
 from drafter_worker.loop import DrafterLoop
-from common.slots import SlotBatch, SlotHeader, SlotView
+from common.dataplane.slots import SlotBatch, SlotHeader, SlotView
 from target_worker.loop import TargetLoop
-from common.witness import TrainedJobs, save_checkpoint
-from common.worker_runtime import WorkerSession
+from common.run.witness import TrainedJobs, save_checkpoint
+from common.worker.runtime import WorkerSession
 
 
 # -- shm arena through the real protocol: benchmark backends on the one worker loop --------------

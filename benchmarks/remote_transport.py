@@ -4,7 +4,7 @@ Two processes stand for two nodes: an owner ("node a") holds a block of slots in
 memory, registered with NIXL once, exactly as a target of a ``pool.transport=nixl`` run; a reader
 ("node b") reads whole used slots, cycling through the block:
 
-- ``nixl``: :class:`common.node_slots.NodeSlotReader` across nodes: three one-sided READs per slot
+- ``nixl``: :class:`common.dataplane.node_slots.NodeSlotReader` across nodes: three one-sided READs per slot
   (header, rows, generation again) into its registered staging slot; the owner's CPU is idle.
 - ``zmq``: the same bytes asked for over a ZeroMQ REQ/REP pair and copied into a staging buffer:
   what a transport of our own over plain sockets would give, the owner's CPU sending every byte.
@@ -26,9 +26,9 @@ from typing import Any
 import torch
 import zmq
 
-from common.slot_pattern import fill_pattern, verify_pattern
-from common.slots import SlotLayout
-from common.transport_info import engine_missing
+from common.dataplane.slot_pattern import fill_pattern, verify_pattern
+from common.dataplane.slots import SlotLayout
+from common.dataplane.transport_info import engine_missing
 
 NUM_SLOTS = 4
 SLOT_TOKENS, SLOT_LAYERS = 8192, 5
@@ -43,7 +43,7 @@ def _layout(slot_mb: float) -> SlotLayout:
 
 
 def _owner(layout_dict: dict, run_id: str, port: int, to_parent: Any, stop: Any) -> None:
-    from common.node_slots import NodeSlotBlock
+    from common.dataplane.node_slots import NodeSlotBlock
     torch.set_num_threads(1)
     layout = SlotLayout.from_dict(layout_dict)
     block = NodeSlotBlock(run_id, layout, NUM_SLOTS, "a")
@@ -87,7 +87,7 @@ def _timed(read: Any, seconds: float, slot_bytes: int) -> dict[str, float]:
 
 def measure_remote(*, slot_mb: float, seconds: float) -> dict[str, Any]:
     import multiprocessing
-    from common.node_slots import NodeSlotReader
+    from common.dataplane.node_slots import NodeSlotReader
     missing = engine_missing()
     if missing:
         raise RuntimeError(missing)

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import get_args
 
-from common.config import ConfigError, StepBalance, load_config
+from common.run.config import ConfigError, StepBalance, load_config
 from dispatcher.journal import read_journal
 from ops.report import build_report
 

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.config import Config
+from common.run.config import Config
 from dispatcher.schedule import BATCHINGS, EpochSchedule, build_epoch_schedule
 from target_worker.hf_backend import HFTargetBackend, PaddedBatch, default_device, pad_job
 
@@ -152,7 +152,7 @@ def bench_target(config: Config, *, warmup: int = 1, reps: int = 3, seed: int = 
 
 
 def _vocab_size(config: Config) -> int:
-    from common.capture_contract import read_model_config
+    from common.run.capture_contract import read_model_config
     doc = read_model_config(config.target.model)
     text = doc.get("text_config", doc) if "vocab_size" not in doc else doc
     return int(text.get("vocab_size", 1000))

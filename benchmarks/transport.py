@@ -41,11 +41,11 @@ from typing import Any, Callable, Iterator
 import psutil
 import torch
 
-from common.client import run_id_for
-from common.config import Config, load_config
-from common.cuda_ipc import cuda_ipc_available
-from common.shm_arena import SHM_DIR, sweep_dead_segments
-from common.slots import SlotLayout, format_bytes
+from common.wire.client import run_id_for
+from common.run.config import Config, load_config
+from common.dataplane.cuda_ipc import cuda_ipc_available
+from common.dataplane.shm_arena import SHM_DIR, sweep_dead_segments
+from common.dataplane.slots import SlotLayout, format_bytes
 from benchmarks import protocol_workers, transport_workers as workers
 from benchmarks.transport_workers import BenchSpec, Meter
 

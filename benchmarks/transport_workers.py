@@ -25,9 +25,9 @@ import msgpack
 import torch
 import zmq
 
-from common.config import Config
-from common.slots import SlotHeader, SlotLayout, SlotView
-from common.transport import cuda_ipc_transport_info, open_drafter_transport, open_target_transport
+from common.run.config import Config
+from common.dataplane.slots import SlotHeader, SlotLayout, SlotView
+from common.dataplane.transport import cuda_ipc_transport_info, open_drafter_transport, open_target_transport
 
 POLL_MS = 100  # how long a producer's long-poll waits before it looks at ``stop`` again
 CUDA_IPC_SLOTS = 4

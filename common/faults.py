@@ -93,9 +93,9 @@ class Fault:
 
 
 FAULTS = {fault.name: fault for fault in (
-    Fault("checkpoint_delay_s", _seconds, "common.checkpoint_writer: every checkpoint write pauses this long with its "
+    Fault("checkpoint_delay_s", _seconds, "common.run.checkpoint_writer: every checkpoint write pauses this long with its "
           "files on disk, before it is published (a slow disk)"),
-    Fault("checkpoint_exit_at_step", _step, "common.checkpoint_writer: the process exits (EXIT_MID_WRITE) with the "
+    Fault("checkpoint_exit_at_step", _step, "common.run.checkpoint_writer: the process exits (EXIT_MID_WRITE) with the "
           "checkpoint of this step written and not published; on every write of that step"),
     Fault("dispatcher_exit_before_commit_reply", _step, "dispatcher.server: the dispatcher exits once the commit of a "
           "model step >= this one is durable and before its reply is sent (the drafter never hears that it "

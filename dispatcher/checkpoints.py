@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from common.witness import latest_checkpoint, model_dir
+from common.run.witness import latest_checkpoint, model_dir
 from dispatcher.journal import Journal
 
 log = logging.getLogger("hsd.dispatcher")

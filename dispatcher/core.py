@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from common.capture_contract import adopt_contract
+from common.run.capture_contract import adopt_contract
 from dispatcher.checkpoints import KnownCheckpoints
 from dispatcher.core_types import (DONE, STEP_FULL, CoreOptions, Counters, Incompatible, JobGrant, Unauthorized,
                                    UnknownWorker, Worker)

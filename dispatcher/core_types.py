@@ -8,7 +8,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.config import Config
+from common.run.config import Config
 from dispatcher.groups import Membership
 from dispatcher.ledger import Job
 
@@ -113,7 +113,7 @@ def run_contract(config: Config) -> dict[str, Any] | None:
     the run has a real target; None for a sim run (then the first worker that declares one sets it)."""
     if config.target.sim or not config.target.model:
         return None
-    from common.capture_contract import contract_from_config
+    from common.run.capture_contract import contract_from_config
     return contract_from_config(config).to_dict()
 
 

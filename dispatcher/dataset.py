@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from common.config import Config
+from common.run.config import Config
 
 # Sample shares per bucket of the synthetic default, shortest bucket first: the length mix measured on
 # a real chat-distillation set, dominated by long responses.

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.durable import atomic_write
+from common.run.durable import atomic_write
 from dispatcher.journal import Journal, last_segment_number
 from dispatcher.ledger import JobLedger
 from dispatcher.recovery import ModelRecord, Recovered, Snapshot, SnapshotWriter, map_arrays

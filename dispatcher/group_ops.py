@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from common.protocol import parse_store_address, store_address
+from common.wire.protocol import parse_store_address, store_address
 from dispatcher.groups import DrafterGroup, GroupSpec, Membership
 from dispatcher.ledger import LedgerError
 from dispatcher.step_balance import CostModel, has_its_share, job_features

@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import get_args
 
-from common.config import ElasticBatch, StepBalance, step_jobs
-from common.protocol import tcp_store_name
+from common.run.config import ElasticBatch, StepBalance, step_jobs
+from common.wire.protocol import tcp_store_name
 
 GROUPS_DIR = "groups"
 

@@ -31,7 +31,7 @@ from typing import Any, Iterator
 from json.encoder import c_make_encoder, encode_basestring_ascii
 
 from common import faults
-from common.durable import fsync_dir
+from common.run.durable import fsync_dir
 
 log = logging.getLogger("hsd.journal")
 

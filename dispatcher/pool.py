@@ -30,7 +30,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple, get_args
 
-from common.config import Locality, Pull
+from common.run.config import Locality, Pull
 
 PULL_POLICIES = get_args(Pull)  # pool.pull's choices
 LOCALITY_POLICIES = get_args(Locality)  # nodes.locality's

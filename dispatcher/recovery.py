@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from common.durable import atomic_write
+from common.run.durable import atomic_write
 from dispatcher.journal import read_journal
 
 SNAPSHOT_DIR = "snapshots"

@@ -1,4 +1,4 @@
-"""What the fields of a request must be, beyond the required ones :mod:`common.protocol` names:
+"""What the fields of a request must be, beyond the required ones :mod:`common.wire.protocol` names:
 checked once, as the request arrives, into the values the core takes; a bad field is a
 ``malformed`` error naming it (the dispatcher carries on)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import hmac
 from typing import Any
 
-from common.protocol import ROLES, ErrorCode, ProtocolError, field_of
+from common.wire.protocol import ROLES, ErrorCode, ProtocolError, field_of
 
 MAX_STEP_METRICS = 16  # commit_step's metrics: a few figures for hsd stats, never a payload
 

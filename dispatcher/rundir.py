@@ -12,8 +12,8 @@ from typing import Any
 
 import yaml
 
-from common.config import RESOLVED_CONFIG_NAME, Config, ConfigError
-from common.durable import atomic_write
+from common.run.config import RESOLVED_CONFIG_NAME, Config, ConfigError
+from common.run.durable import atomic_write
 
 log = logging.getLogger("hsd.dispatcher")
 

@@ -45,9 +45,9 @@ from typing import Sequence, get_args
 
 import numpy as np
 
-from common.config import Batching, Order
-from common.durable import atomic_write
-from common.slot_layout import max_seqs_per_batch
+from common.run.config import Batching, Order
+from common.run.durable import atomic_write
+from common.dataplane.slot_layout import max_seqs_per_batch
 from dispatcher.fairness import prefix_deviation_array, tail_skew
 
 ORDERS = get_args(Order)  # schedule.order's choices, the default first

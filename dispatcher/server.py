@@ -20,13 +20,13 @@ from typing import Any
 import psutil
 import zmq
 
-from common import protocol
-from common.client import run_id_for
-from common.config import Config, write_resolved
-from common.protocol import ErrorCode, ProtocolError, field_of
+from common.wire import protocol
+from common.wire.client import run_id_for
+from common.run.config import Config, write_resolved
+from common.wire.protocol import ErrorCode, ProtocolError, field_of
 from dispatcher.core import DispatcherCore
 from common import faults
-from common.curve import HandshakeMonitor, ZapAuthorizer, auth_stats, server_from_config
+from common.wire.curve import HandshakeMonitor, ZapAuthorizer, auth_stats, server_from_config
 from dispatcher.core_types import DONE, STEP_FULL, CoreOptions, Incompatible, Unauthorized, UnknownWorker, Worker
 from dispatcher.groups import GroupChanged
 from dispatcher.dataset import load_lengths

@@ -13,11 +13,11 @@ import logging
 import socket
 from typing import Any
 
-from common.config import Config
-from common.protocol import ErrorCode, ProtocolError
-from common.shm_segment import PoolSegment, check_fits, dead_segments, sweep_dead_segments
-from common.slot_layout import SlotLayout, format_bytes
-from common.transport_info import (choose_transport, cuda_ipc_transport_info, nixl_transport_info, probe_cuda_host,
+from common.run.config import Config
+from common.wire.protocol import ErrorCode, ProtocolError
+from common.dataplane.shm_segment import PoolSegment, check_fits, dead_segments, sweep_dead_segments
+from common.dataplane.slot_layout import SlotLayout, format_bytes
+from common.dataplane.transport_info import (choose_transport, cuda_ipc_transport_info, nixl_transport_info, probe_cuda_host,
                                    shm_transport_info)
 
 log = logging.getLogger("hsd.dispatcher")

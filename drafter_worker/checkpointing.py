@@ -3,7 +3,7 @@
 Part of the one drafter loop (:class:`drafter_worker.loop.DrafterLoop`). Every
 ``drafter.checkpoint_every`` steps, and when the dispatcher says nothing more is coming while
 steps are not yet checkpointed, the backend snapshots its state (host copies) and a thread writes
-it while training goes on (:mod:`common.checkpoint_writer`, at most one in flight: the next waits
+it while training goes on (:mod:`common.run.checkpoint_writer`, at most one in flight: the next waits
 for it); once it is durable the loop sends ``checkpoint {model, step}`` — with the figures of that
 step (``metrics``: loss, lr, ...) when this process applied it, so the last step's figures reach the
 journal too. The process exits only once its last write is on disk, and reloads a checkpoint only
@@ -16,10 +16,10 @@ import logging
 import math
 from typing import Any
 
-from common.checkpoint_writer import CheckpointWriteFailed
-from common.protocol import ProtocolError
-from common.witness import Checkpoint, latest_checkpoint
-from common.worker_runtime import DispatcherGone, WorkerLost
+from common.run.checkpoint_writer import CheckpointWriteFailed
+from common.wire.protocol import ProtocolError
+from common.run.witness import Checkpoint, latest_checkpoint
+from common.worker.runtime import DispatcherGone, WorkerLost
 
 log = logging.getLogger("hsd.drafter")
 

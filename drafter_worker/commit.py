@@ -27,8 +27,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from common.protocol import ErrorCode, ProtocolError
-from common.worker_runtime import CALL_TIMEOUT_S, RECONNECT_S, DispatcherGone, NoReply, WorkerLost, resend_until_answered
+from common.wire.protocol import ErrorCode, ProtocolError
+from common.worker.runtime import CALL_TIMEOUT_S, RECONNECT_S, DispatcherGone, NoReply, WorkerLost, resend_until_answered
 from drafter_worker.step_group import (ABORTED, COMMITTED, PENDING, REFUSED, CollectiveFailed, RankRound)
 
 log = logging.getLogger("hsd.drafter")

@@ -13,9 +13,9 @@ import dataclasses
 import logging
 from typing import Any
 
-from common.config import Config
+from common.run.config import Config
 from common.mix import splitmix64
-from common.target_config import TargetDims
+from common.run.target_config import TargetDims
 from drafter_worker.dflash.config import DFlashTrainConfig
 from drafter_worker.dflash.export import export_config
 from drafter_worker.dflash.mask_token import mask_token_text, resolve_mask_token_id
@@ -31,7 +31,7 @@ def anchor_seed(run_seed: int, job_id: int) -> int:
 
 
 class DFlashBackend(TrainerBackend):
-    """A :class:`common.worker_backends.GroupDrafterBackend` training a DFlash drafter with :class:`DFlashTrainer`."""
+    """A :class:`common.worker.backends.GroupDrafterBackend` training a DFlash drafter with :class:`DFlashTrainer`."""
 
     section = "dflash"
     train_config_class = DFlashTrainConfig

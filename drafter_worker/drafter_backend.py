@@ -1,9 +1,9 @@
 """A drafter trainer behind the worker loop: what the DFlash and EAGLE-3 backends share.
 
-Each checkpoint is one step directory (:func:`common.witness.save_checkpoint`) holding the
-exported drafter in its servable part (:func:`common.witness.servable_dir`: ``config.json`` +
+Each checkpoint is one step directory (:func:`common.run.witness.save_checkpoint`) holding the
+exported drafter in its servable part (:func:`common.run.witness.servable_dir`: ``config.json`` +
 ``model.safetensors`` in the drafter's published layout, which ``hsd eval --drafter`` and serving
-engines load as is), the training state in its training part (:func:`common.witness.training_dir`:
+engines load as is), the training state in its training part (:func:`common.run.witness.training_dir`:
 ``state.safetensors`` + ``state.json``: optimizer, scheduler, step, the trainer's own RNGs, the
 process RNG), and the trained-jobs witness. Resuming from it continues the run exactly as if it had
 not stopped.
@@ -30,11 +30,11 @@ from typing import Any
 import torch
 
 from common import faults
-from common.capture_contract import LEGACY_CAPTURE_POINT, capture_point_hint, contract_from_config
-from common.config import Config, ConfigError
-from common.host_staging import HostStaging
-from common.slots import SlotBatch
-from common.witness import (CheckpointSnapshot, TrainedJobs, check_model_id, latest_checkpoint, servable_dir,
+from common.run.capture_contract import LEGACY_CAPTURE_POINT, capture_point_hint, contract_from_config
+from common.run.config import Config, ConfigError
+from common.dataplane.host_staging import HostStaging
+from common.dataplane.slots import SlotBatch
+from common.run.witness import (CheckpointSnapshot, TrainedJobs, check_model_id, latest_checkpoint, servable_dir,
                             training_dir)
 from drafter_worker.dflash_metrics import StepClock, TensorBoardLog, format_metrics, step_metrics
 from drafter_worker.layers import CONFIG_NAME, write_drafter_files
@@ -69,7 +69,7 @@ def default_device(config: Config) -> torch.device:
 
 
 class TrainerBackend:
-    """A :class:`common.worker_backends.GroupDrafterBackend` around a
+    """A :class:`common.worker.backends.GroupDrafterBackend` around a
     :class:`drafter_worker.recipe.AccumulatingTrainer`. A subclass sets the class attributes below
     and may override the hooks (``_resolve_section``, ``_trainer_extras``, ``_seed_job``,
     ``_servable_config``)."""

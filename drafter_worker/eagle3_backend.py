@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from common.config import Config, ConfigError
-from common.prepared import PreparedDataset
-from common.target_config import TargetDims
+from common.run.config import Config, ConfigError
+from common.run.prepared import PreparedDataset
+from common.run.target_config import TargetDims
 from drafter_worker.drafter_backend import TrainerBackend
 from drafter_worker.eagle3.config import Eagle3TrainConfig
 from drafter_worker.eagle3.export import export_config
@@ -45,7 +45,7 @@ def draft_vocab_of_dataset(data_path: str, vocab_size: int, draft_vocab: int) ->
 
 
 class Eagle3Backend(TrainerBackend):
-    """A :class:`common.worker_backends.GroupDrafterBackend` training an EAGLE-3 drafter with :class:`Eagle3Trainer`."""
+    """A :class:`common.worker.backends.GroupDrafterBackend` training an EAGLE-3 drafter with :class:`Eagle3Trainer`."""
 
     section = "eagle3"
     train_config_class = Eagle3TrainConfig

@@ -57,8 +57,8 @@ import psutil
 import torch
 
 from common import faults
-from common.protocol import ErrorCode, ProtocolError
-from common.worker_runtime import CALL_TIMEOUT_S, DispatcherGone, NoReply, WorkerLost
+from common.wire.protocol import ErrorCode, ProtocolError
+from common.worker.runtime import CALL_TIMEOUT_S, DispatcherGone, NoReply, WorkerLost
 from drafter_worker.busy_clock import BusyClock
 from drafter_worker.process_group import CollectiveFailed, RendezvousIncomplete, StepGroup
 from drafter_worker.rendezvous import RendezvousServer

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from common.config import Config, ConfigError
-from common.target_config import MODEL_CONFIG_NAME
+from common.run.config import Config, ConfigError
+from common.run.target_config import MODEL_CONFIG_NAME
 
 
 def run_eval(config: Config, *, drafter: str, num_prompts: int, prompts_file: str | None, max_new_tokens: int,

@@ -21,10 +21,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from common.durable import atomic_write
-from common.config import ConfigError
-from common.target_config import MODEL_CONFIG_NAME
-from common.witness import servable_dir
+from common.run.durable import atomic_write
+from common.run.config import ConfigError
+from common.run.target_config import MODEL_CONFIG_NAME
+from common.run.witness import servable_dir
 
 # -- layers -------------------------------------------------------------------------------------
 
@@ -57,7 +57,7 @@ ROPE_TYPES = ("linear", "llama3")  # the scalings rope_inv_freq implements
 
 
 def check_rope_scaling(scaling: dict | None) -> dict | None:
-    """``scaling`` (:func:`common.target_config.rope_scaling_of`) when the drafters' RoPE implements it."""
+    """``scaling`` (:func:`common.run.target_config.rope_scaling_of`) when the drafters' RoPE implements it."""
     if scaling and scaling["rope_type"] not in ROPE_TYPES:
         raise ConfigError(f"the target's RoPE scaling {scaling['rope_type']!r} is not one the drafter implements "
                           f"({', '.join(ROPE_TYPES)})")

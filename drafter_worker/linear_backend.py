@@ -20,9 +20,9 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import load_file, save_file
 
-from common.config import Config
-from common.slots import SlotBatch
-from common.witness import CheckpointSnapshot, TrainedJobs, check_model_id, latest_checkpoint, training_dir
+from common.run.config import Config
+from common.dataplane.slots import SlotBatch
+from common.run.witness import CheckpointSnapshot, TrainedJobs, check_model_id, latest_checkpoint, training_dir
 from drafter_worker.process_group import all_reduce_flat
 from drafter_worker.state_transfer import weights_checksum, witness_from_tensor, witness_tensor
 

@@ -14,7 +14,7 @@ The handshake with the dispatcher (protocol v2), in the order the loop keeps:
   registers again. A rank then joins its group's version (:mod:`drafter_worker.elastic_group`).
 - a step: ``get_hs`` (the next one always in flight), copy the slot out, ``consumed``, the backend's
   ``micro_batch``. On a GPU the copy of slot N+1 runs on the transport's copy stream while
-  micro-batch N computes (:meth:`common.transport.DrafterTransport.start_read`): the slot is
+  micro-batch N computes (:meth:`common.dataplane.transport.DrafterTransport.start_read`): the slot is
   released once the copy's event completes, and the compute stream waits on that event, not the
   host on the compute stream. After its share of the step (``accum_steps`` micro-batches alone;
   fewer when the dispatcher says ``flush``), the **round**: the ranks exchange their job ids and
@@ -48,15 +48,15 @@ from typing import Any
 import torch
 
 from common import faults
-from common.checkpoint_writer import CheckpointWriter
-from common.config import Config
-from common.cuda_ipc import PeerMappingError
-from common.protocol import ErrorCode, ProtocolError
-from common.slots import SlotBatch, StaleSlotError
-from common.transport import DrafterTransport, open_drafter_transport
-from common.worker_backends import DrafterBackend
-from common.worker_loop import WorkerLoop
-from common.worker_runtime import DispatcherGone, WorkerLost, WorkerUnusable
+from common.run.checkpoint_writer import CheckpointWriter
+from common.run.config import Config
+from common.dataplane.cuda_ipc import PeerMappingError
+from common.wire.protocol import ErrorCode, ProtocolError
+from common.dataplane.slots import SlotBatch, StaleSlotError
+from common.dataplane.transport import DrafterTransport, open_drafter_transport
+from common.worker.backends import DrafterBackend
+from common.worker.loop import WorkerLoop
+from common.worker.runtime import DispatcherGone, WorkerLost, WorkerUnusable
 from drafter_worker.busy_clock import BusyClock
 from drafter_worker.checkpointing import Checkpoints
 from drafter_worker.commit import StepCommits, StepInFlight

@@ -3,7 +3,7 @@ the figures of an applied step.
 
 Both drafters (DFlash, EAGLE-3) train a few float32 master tensors beside the target's frozen
 embedding and LM head, with AdamW under a linear-warmup cosine schedule; their config sections
-declare the same recipe keys (:class:`common.config.TrainingRecipe`), checked here once.
+declare the same recipe keys (:class:`common.run.config.TrainingRecipe`), checked here once.
 
 A step reads the device once: the sums of its micro-batches (weight total, weighted loss, top-1 hits
 and counts) are tensors on the trainer's device, the gradients are divided and clipped as tensors,
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.config import ConfigError, TrainingRecipe
+from common.run.config import ConfigError, TrainingRecipe
 
 
 @dataclass
@@ -231,7 +231,7 @@ class AccumulatingTrainer:
     def _state(self, **shape_keys) -> dict:
         """Draft tensors, optimizer, scheduler and step, plus the settings a reload must match. The
         tensors are the live ones, as the optimizer's state is: a caller that keeps them past the next
-        step copies them (a checkpoint's host copies: :class:`common.host_staging.HostStaging`), and
+        step copies them (a checkpoint's host copies: :class:`common.dataplane.host_staging.HostStaging`), and
         no clone of the weights takes their size again on the device first."""
         return {"model": {k: v.detach() for k, v in self.model.draft_state_dict().items()},
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),

@@ -25,8 +25,8 @@ import socket
 import psutil
 import torch.distributed as dist
 
-from common.config import Config, ConfigError
-from common.protocol import store_address
+from common.run.config import Config, ConfigError
+from common.wire.protocol import store_address
 
 log = logging.getLogger("hsd.drafter")
 

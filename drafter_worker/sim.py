@@ -1,6 +1,6 @@
 """A simulated drafter: verifies every byte it reads, models the training cost, keeps a real witness.
 
-Its model state is exactly its trained-jobs witness (:class:`common.witness.TrainedJobs`): an
+Its model state is exactly its trained-jobs witness (:class:`common.run.witness.TrainedJobs`): an
 applied step appends the step's job ids, a checkpoint saves them, a restart loads them back. The
 run report judges exactly-once from these records alone. Any byte that differs from the pattern
 the sim target wrote fails the worker loudly.
@@ -13,10 +13,10 @@ import time
 from typing import Any
 
 from common import faults
-from common.config import Config
-from common.slot_pattern import verify_against_dataset, verify_pattern
-from common.slots import SlotBatch
-from common.witness import CheckpointSnapshot, TrainedJobs, check_model_id, latest_checkpoint
+from common.run.config import Config
+from common.dataplane.slot_pattern import verify_against_dataset, verify_pattern
+from common.dataplane.slots import SlotBatch
+from common.run.witness import CheckpointSnapshot, TrainedJobs, check_model_id, latest_checkpoint
 
 
 class SimDrafter:
@@ -39,7 +39,7 @@ class SimDrafter:
         # prepared dataset the target read instead.
         self._dataset = None
         if not config.target.sim and config.data.path:
-            from common.prepared import PreparedDataset
+            from common.run.prepared import PreparedDataset
             self._dataset = PreparedDataset(config.data.path)
 
     def load_latest(self, run_dir: str | os.PathLike) -> int:

@@ -27,7 +27,7 @@ from typing import Protocol
 
 import torch
 
-from common.target_model import find_decoder
+from common.run.target_model import find_decoder
 from drafter_worker.layers import find_drafter_dir, read_export_config
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from common.durable import atomic_write
+from common.run.durable import atomic_write
 
 TENSORS_NAME = "state.safetensors"
 STRUCTURE_NAME = "state.json"

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from common.witness import TrainedJobs
+from common.run.witness import TrainedJobs
 from drafter_worker.state_io import flatten_state, unflatten_state
 
 BUCKET_BYTES = 64 << 20  # one broadcast moves at most this much: bounded staging memory on every rank

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from common.config import ConfigError
+from common.run.config import ConfigError
 from hsd.shared import add_config_args, config_of, require_model
 
 

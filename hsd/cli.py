@@ -9,15 +9,15 @@ import sys
 from pathlib import Path
 from typing import get_args
 
-from common.config import ConfigError, Objective, describe
-from common.worker_runtime import EXIT_UNUSABLE, WorkerUnusable
+from common.run.config import ConfigError, Objective, describe
+from common.worker.runtime import EXIT_UNUSABLE, WorkerUnusable
 from hsd.bench import add_bench_parser
 from hsd.shared import add_config_args, config_of, require_model, setup_logging
 
 
 def cmd_keys(args) -> int:
     """``hsd keys``: CURVE key pairs for the dispatcher and the workers, and the config that uses them."""
-    from common.curve import generate_keys
+    from common.wire.curve import generate_keys
     names = ["dispatcher"] + ([n for n in args.name if n != "dispatcher"] or ["worker"])
     written = generate_keys(args.out, names)
     for name, (public, secret) in written.items():
@@ -91,7 +91,7 @@ def _hf_target(config):
         raise ConfigError("data.path: a real target reads its samples from a prepared dataset (or use --sim)")
     import torch
 
-    from common.prepared import check_tokenizer
+    from common.run.prepared import check_tokenizer
     from target_worker.hf_backend import HFTargetBackend, default_device
     from target_worker.offline import open_dataset
     dataset = open_dataset(config.data.path)
@@ -138,8 +138,8 @@ def cmd_plan(args) -> int:
 
 
 def cmd_cleanup(args) -> int:
-    from common.client import run_id_for
-    from common.shm_segment import sweep_dead_segments
+    from common.wire.client import run_id_for
+    from common.dataplane.shm_segment import sweep_dead_segments
     if args.all_dead == bool(args.run_dir):
         raise ConfigError("give either --run-dir DIR (that run's segments) or --all-dead (every dead run's)")
     run_id = None
@@ -181,7 +181,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from common.servable import export_servable, find_checkpoint
+    from common.run.servable import export_servable, find_checkpoint
     checkpoint = find_checkpoint(args.run_dir, model=args.model, step=args.step)
     out = export_servable(checkpoint, args.out, force=args.force)
     print(f"model {checkpoint.model_id} at step {checkpoint.step} exported to {out}")

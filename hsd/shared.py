@@ -6,7 +6,7 @@ import argparse
 import logging
 import os
 
-from common.config import ConfigError, load_config
+from common.run.config import ConfigError, load_config
 
 
 def add_config_args(parser: argparse.ArgumentParser, *, required: bool = False) -> None:

@@ -21,7 +21,7 @@ import statistics
 import time
 from pathlib import Path
 
-from common.config import ConfigError, load_config
+from common.run.config import ConfigError, load_config
 from dispatcher.journal import read_journal
 from ops.configs import bundled_config
 
@@ -134,7 +134,7 @@ def run_demo(*, out: str | os.PathLike, config_path: str | os.PathLike | None, o
         print(f"demo: the run failed (exit code {code}); logs in {run_dir / 'logs'}")
         return code
 
-    from common.witness import latest_checkpoint, servable_dir
+    from common.run.witness import latest_checkpoint, servable_dir
     from drafter_worker.speculative_eval import evaluate
     from drafter_worker.dflash.prompts import load_chat_prompts
     if objective == "eagle3":

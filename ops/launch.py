@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.config import Config, write_resolved
-from common.worker_runtime import EXIT_UNUSABLE
+from common.run.config import Config, write_resolved
+from common.worker.runtime import EXIT_UNUSABLE
 from dispatcher.journal import read_journal
 from dispatcher.rundir import STATE_FILE
 from ops.report import build_report, format_report

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from common.config import Config, ConfigError, load_config
+from common.run.config import Config, ConfigError, load_config
 from ops.report import read_run
 
 STAGES = ("target", "drafter")

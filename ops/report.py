@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from common.witness import latest_checkpoint, list_models
+from common.run.witness import latest_checkpoint, list_models
 from dispatcher.fairness import prefix_deviation_array, tail_skew
 from dispatcher.journal import read_journal
 from dispatcher.ledger import split_job_id

@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 
-from common.config import Config
+from common.run.config import Config
 from dispatcher.dataset import LENGTHS_FILE_IN_DATASET, load_lengths, read_lengths_file
 from dispatcher.schedule import ORDERS, EpochSchedule, build_epoch_schedule, pairs_batched_again
 

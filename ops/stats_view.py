@@ -13,9 +13,9 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from common.client import DispatcherClient, DispatcherUnavailable
-from common.config import ConfigError, load_config, load_run_config
-from common.curve import CurveClient, client_from_config, client_from_keys, handshake_refused
+from common.wire.client import DispatcherClient, DispatcherUnavailable
+from common.run.config import ConfigError, load_config, load_run_config
+from common.wire.curve import CurveClient, client_from_config, client_from_keys, handshake_refused
 from dispatcher.nodes import format_nodes
 from dispatcher.stats_figures import format_q_hsb, pool_usage
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from common.target_model import find_decoder, text_config
+from common.run.target_model import find_decoder, text_config
 
 log = logging.getLogger("hsd.target")
 
@@ -63,7 +63,7 @@ def causal_lm_class(model_dir: str | Path) -> type:
 def resolve_attn_implementation(model_class: type, requested: str, device: torch.device) -> str:
     """``requested`` if the class supports it; for ``auto`` the fastest kernel it supports here: flash
     attention on a GPU where the package is installed, else SDPA, else eager. ``ConfigError`` otherwise."""
-    from common.config import ConfigError
+    from common.run.config import ConfigError
     supported = supported_attn_implementations(model_class)
     if requested != "auto":
         if requested not in supported:

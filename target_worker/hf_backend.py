@@ -5,7 +5,7 @@ A job runs at its own shape ``[num_seqs, seq_len]``: every sequence right-padded
 under ``fixed``). Right padding under a causal mask leaves each real token's states exactly as if
 the sequence ran alone.
 
-Slot content, as the sim target writes it and :func:`common.slots.copy_out` reads it: rows
+Slot content, as the sim target writes it and :func:`common.dataplane.slots.copy_out` reads it: rows
 ``batch_size × seq_len``, hidden states zeroed at padding, ``input_ids`` 0 at padding,
 ``loss_mask``, ``seq_lens``; the header with the generation last.
 
@@ -23,9 +23,9 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from common.capture_contract import CaptureContract, check_same_contract, contract_from_config
-from common.config import Config
-from common.slots import DTYPES, SlotHeader, SlotView
+from common.run.capture_contract import CaptureContract, check_same_contract, contract_from_config
+from common.run.config import Config
+from common.dataplane.slots import DTYPES, SlotHeader, SlotView
 from target_worker.capture import LayerCapture, contract_shape_of, drop_unused_modules, load_target_model
 
 

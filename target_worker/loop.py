@@ -3,7 +3,7 @@
 With ``pool.target_credits`` of 2 (the default) the dispatcher grants the prefetched request while
 the current job computes, so the next job (and its slot) is waiting when this one is reported.
 
-A backend may hand back its slot still being written (:class:`common.worker_backends.PendingSlotWrite`,
+A backend may hand back its slot still being written (:class:`common.worker.backends.PendingSlotWrite`,
 a GPU target's copy on a side stream): the loop then starts the next job's forward first and
 reports the previous job ready only once its copy has landed and its header is published.
 """
@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from common import faults
-from common.config import Config
-from common.transport import TargetTransport, open_target_transport
-from common.worker_backends import PendingSlotWrite, TargetBackend
-from common.worker_loop import WorkerLoop
+from common.run.config import Config
+from common.dataplane.transport import TargetTransport, open_target_transport
+from common.worker.backends import PendingSlotWrite, TargetBackend
+from common.worker.loop import WorkerLoop
 
 log = logging.getLogger("hsd.target")
 

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from common.config import Config
-from common.slots import SlotLayout, SlotView
+from common.run.config import Config
+from common.dataplane.slots import SlotLayout, SlotView
 from target_worker.hf_backend import HFTargetBackend, SampleSource, default_device
 from target_worker.safetensors_stream import StreamingSafetensorsWriter
 
@@ -33,9 +33,9 @@ from target_worker.safetensors_stream import StreamingSafetensorsWriter
 def open_dataset(path: str | Path) -> SampleSource:
     """The prepared dataset at ``path`` (``hsd prepare``'s output)."""
     try:
-        from common.prepared import PreparedDataset
+        from common.run.prepared import PreparedDataset
     except ImportError:
-        raise ValueError("reading a prepared dataset needs common/prepared.py, which this build lacks") from None
+        raise ValueError("reading a prepared dataset needs common/run/prepared.py, which this build lacks") from None
     return PreparedDataset(path)
 
 

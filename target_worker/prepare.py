@@ -3,7 +3,7 @@
 Streams: rows are read, tokenized in chunks of ``CHUNK_ROWS`` and appended to the output files, so
 memory stays constant however large the input is. Rows that cannot be used are logged with their
 file and line (or Parquet row), counted by reason in the manifest, and skipped; the command fails
-only when no row is usable. The layout of the output is described in :mod:`common.prepared`.
+only when no row is usable. The layout of the output is described in :mod:`common.run.prepared`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Iterator
 
 import numpy as np
 
-from common.durable import atomic_write, publish
-from common.prepared import (FORMAT, LENGTHS_FILE, LOSS_MASK_FILE, MANIFEST_FILE, OFFSET_DTYPE, OFFSETS_FILE,
+from common.run.durable import atomic_write, publish
+from common.run.prepared import (FORMAT, LENGTHS_FILE, LOSS_MASK_FILE, MANIFEST_FILE, OFFSET_DTYPE, OFFSETS_FILE,
                              TOKEN_DTYPE, TOKENS_FILE, load_tokenizer, tokenizer_fingerprint)
 from target_worker.chat_rows import TOO_LONG, RowError, parse_json_line, row_format, row_messages
 from target_worker.loss_mask import tokenize_conversations, turn_end_marker

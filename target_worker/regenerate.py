@@ -14,8 +14,8 @@ import logging
 import os
 from pathlib import Path
 
-from common.config import Config, ConfigError
-from common.durable import publish
+from common.run.config import Config, ConfigError
+from common.run.durable import publish
 from target_worker.chat_rows import RowError, parse_json_line, row_messages, with_assistant_texts
 
 log = logging.getLogger("hsd.regenerate")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from common.durable import publish
+from common.run.durable import publish
 
 _DTYPE_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
                 torch.int32: "I32", torch.uint8: "U8"}

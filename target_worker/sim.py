@@ -13,9 +13,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from common.config import Config
-from common.slot_pattern import fill_pattern
-from common.slots import SlotView
+from common.run.config import Config
+from common.dataplane.slot_pattern import fill_pattern
+from common.dataplane.slots import SlotView
 
 
 class SimTarget:

@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from common.config import opt
+from common.run.config import opt
 from target_worker.loss_mask import tokenize_conversations, turn_end_marker
 from target_worker.synthetic_language import make_splits
 from target_worker.tiny_tokenizer import SPECIAL_TOKENS, build_tokenizer

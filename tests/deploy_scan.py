@@ -1,7 +1,7 @@
 """Read the deploy recipes the way a user's shell, systemd or kubectl would, and list what they use.
 
 Everything is checked against the real thing: subcommands and options against the parser that
-``hsd/cli.py`` builds, config keys against the dataclasses of ``common/config.py``. A new
+``hsd/cli.py`` builds, config keys against the dataclasses of ``common/run/config.py``. A new
 subcommand or key needs no change here.
 
 Where a recipe runs ``hsd``:
@@ -25,7 +25,7 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.config import Config
+from common.run.config import Config
 from hsd.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[1]

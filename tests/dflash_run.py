@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common.config import Config, load_config
-from common.prepared import FORMAT, MANIFEST_FILE
+from common.run.config import Config, load_config
+from common.run.prepared import FORMAT, MANIFEST_FILE
 from dflash_testing import VOCAB, make_target
 from target_worker.prepare import DatasetWriter
 
@@ -38,7 +38,7 @@ def _fingerprint(tokenizer_dir: Path | None) -> str:
     """The target's tokenizer fingerprint, so the target accepts the dataset as its own."""
     if tokenizer_dir is None:
         return "random-test-tokens"
-    from common.prepared import load_tokenizer, tokenizer_fingerprint
+    from common.run.prepared import load_tokenizer, tokenizer_fingerprint
     return tokenizer_fingerprint(load_tokenizer(tokenizer_dir))
 
 

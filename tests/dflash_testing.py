@@ -52,7 +52,7 @@ def random_batch(target, *, batch: int, seq_len: int, seed: int, prompt_len: int
 def backend_config(target_dir, run_dir, *extra: str):
     """The config of a :class:`drafter_worker.dflash_backend.DFlashBackend` on the tiny target: its
     capture layers, a one-layer drafter with 4-token blocks and few anchors."""
-    from common.config import load_config
+    from common.run.config import load_config
     return load_config(None, [f"run.dir={run_dir}", f"target.model={target_dir}",
                               "target.capture_layers=[" + ",".join(map(str, LAYER_IDS)) + "]",
                               "dflash.block_size=4", "dflash.gamma=2.0", "dflash.num_draft_layers=1",

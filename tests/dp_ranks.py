@@ -17,8 +17,8 @@ import os
 import torch
 from safetensors.torch import save_file
 
-from common.config import load_config
-from common.slots import SlotBatch, SlotHeader
+from common.run.config import load_config
+from common.dataplane.slots import SlotBatch, SlotHeader
 from dflash_testing import LAYER_IDS, VOCAB, backend_config
 
 NUM_STEPS = 3

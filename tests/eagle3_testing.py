@@ -8,7 +8,7 @@ import json
 import numpy as np
 import torch
 
-from common.prepared import FORMAT, LENGTHS_FILE, LOSS_MASK_FILE, MANIFEST_FILE, OFFSETS_FILE, TOKENS_FILE
+from common.run.prepared import FORMAT, LENGTHS_FILE, LOSS_MASK_FILE, MANIFEST_FILE, OFFSETS_FILE, TOKENS_FILE
 from dflash_testing import VOCAB
 from dflash_testing import random_batch as dflash_random_batch
 
@@ -57,7 +57,7 @@ def random_prepared(path, *, num_samples: int = 24, seed: int = 0):
 
 def backend_config(target_dir, run_dir, data_dir, *extra: str):
     """An EAGLE-3 backend's config on the tiny target: three layers, 3 TTT steps, a 200-token draft vocabulary."""
-    from common.config import load_config
+    from common.run.config import load_config
     return load_config(None, [f"run.dir={run_dir}", f"target.model={target_dir}", f"data.path={data_dir}",
                               "drafter.objective=eagle3", "target.capture_layers=[" + ",".join(map(str, LAYER_IDS)) + "]",
                               "eagle3.ttt_steps=3", f"eagle3.draft_vocab={DRAFT_VOCAB}", "eagle3.lr=0.003",

@@ -1,11 +1,11 @@
-"""A stand-in for :class:`common.shm_arena.CudaHostRuntime` on a machine without a GPU: it records
+"""A stand-in for :class:`common.dataplane.shm_arena.CudaHostRuntime` on a machine without a GPU: it records
 the pinning calls made and their sizes (never a claim that pinning works on a GPU)."""
 
 from __future__ import annotations
 
 
 class FakeRuntime:
-    """common.shm_arena.CudaHostRuntime's calls, recorded."""
+    """common.dataplane.shm_arena.CudaHostRuntime's calls, recorded."""
 
     def __init__(self, refuse: bool = False):
         self.refuse = refuse

@@ -19,13 +19,13 @@ from typing import Any
 
 import zmq
 
-from common import protocol
-from common.config import Config, load_config
-from common.protocol import ErrorCode
-from common.shm_arena import SlotArena
-from common.slot_pattern import fill_pattern
-from common.slots import SlotLayout
-from common.transport import shm_transport_info
+from common.wire import protocol
+from common.run.config import Config, load_config
+from common.wire.protocol import ErrorCode
+from common.dataplane.shm_arena import SlotArena
+from common.dataplane.slot_pattern import fill_pattern
+from common.dataplane.slots import SlotLayout
+from common.dataplane.transport import shm_transport_info
 
 LAYOUT = SlotLayout(tokens_per_batch=64, num_layers=2, hidden_size=8, dtype="float32", max_seqs=4)
 

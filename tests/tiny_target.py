@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.config import Config, load_config
+from common.run.config import Config, load_config
 
 VOCAB = 97
 

@@ -5,7 +5,7 @@ layers plus ``architectures: ["DFlashDraftModel"]``, ``block_size``, ``num_targe
 ``dflash_config: {target_layer_ids, mask_token_id}``; ``model.safetensors`` holds the draft tensors
 only (``fc``, ``hidden_norm``, ``layers.{i}.*``, ``norm``) — the embedding and the LM head are the
 target's. Optimizer, scheduler and data position are training state, saved elsewhere (a run's
-checkpoint keeps them beside this directory, never inside it: see :mod:`common.witness`).
+checkpoint keeps them beside this directory, never inside it: see :mod:`common.run.witness`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from common.target_config import rope_scaling_of, rope_theta_of
+from common.run.target_config import rope_scaling_of, rope_theta_of
 from drafter_worker.dflash.config import DFlashConfig
 from drafter_worker.dflash.model import DFlashDraftModel, build_drafter
 from drafter_worker.layers import (WEIGHTS_NAME, check_rope_scaling, decoder_export_fields, find_drafter_dir,

@@ -36,8 +36,8 @@ from typing import Callable
 
 import numpy as np
 
-from common.config import Config, ConfigError
-from common.durable import atomic_write
+from common.run.config import Config, ConfigError
+from common.run.durable import atomic_write
 
 log = logging.getLogger("hsd.dflash")
 
@@ -103,7 +103,7 @@ def token_occurs(tokens: np.ndarray, token_id: int) -> bool:
 def choice_key(config: Config, *, vocab_size: int) -> str:
     """What the default depends on: the tokenizer's files, the dataset's manifest and token file
     (size and modification time: the data is not read), the embedding's size."""
-    from common.prepared import MANIFEST_FILE, TOKENS_FILE
+    from common.run.prepared import MANIFEST_FILE, TOKENS_FILE
     digest = hashlib.sha256(f"vocab_size={vocab_size}".encode())
     model_dir = Path(config.target.model)
     for path in sorted(model_dir.iterdir()):
@@ -149,7 +149,7 @@ def resolve_mask_token_id(config: Config, *, vocab_size: int) -> int:
         log.info("%s unset: the mask token is %r (id %d), %s, absent from the training data (as chosen before, %s)",
                  KEY, chosen.token, chosen.token_id, chosen.why, kept)
         return chosen.token_id
-    from common.prepared import PreparedDataset, load_tokenizer
+    from common.run.prepared import PreparedDataset, load_tokenizer
     tokenizer = load_tokenizer(config.target.model)
     tokens = PreparedDataset(config.data.path).tokens if config.data.path else np.zeros(0, dtype=np.int32)
     chosen = choose_mask_token(tokenizer, vocab_size=vocab_size, occurs_in_data=lambda i: token_occurs(tokens, i))
@@ -163,7 +163,7 @@ def resolve_mask_token_id(config: Config, *, vocab_size: int) -> int:
 def mask_token_text(target_dir: str, token_id: int) -> str:
     """The text of ``token_id`` in the target's tokenizer ("" when the target has none that names it):
     exported as ``dflash_config.mask_token`` beside the id, for engines that look the id up by text."""
-    from common.prepared import load_tokenizer
+    from common.run.prepared import load_tokenizer
     try:
         token = load_tokenizer(target_dir).convert_ids_to_tokens(int(token_id))
     except (OSError, ValueError, KeyError, IndexError):

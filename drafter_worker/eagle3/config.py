@@ -3,7 +3,7 @@ model keys and the target's dimensions) and how it trains (:class:`Eagle3TrainCo
 ``eagle3`` section with its total steps resolved).
 
 The one decoder layer is Llama-shaped with the target's dimensions (its ``config.json``, read by
-:class:`common.target_config.TargetDims`): its attention reads ``2 × hidden`` features (the token
+:class:`common.run.target_config.TargetDims`): its attention reads ``2 × hidden`` features (the token
 embedding beside the fused hidden state), the target's embedding is shared and frozen, and the LM
 head is the drafter's own, over the draft vocabulary.
 """
@@ -14,8 +14,8 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.config import ConfigError, Eagle3ModelKeys, Eagle3Section, model_keys, opt
-from common.target_config import TargetDims
+from common.run.config import ConfigError, Eagle3ModelKeys, Eagle3Section, model_keys, opt
+from common.run.target_config import TargetDims
 from drafter_worker.layers import check_rope_scaling
 from drafter_worker.recipe import validate_recipe
 
@@ -25,7 +25,7 @@ NUM_FUSED_LAYERS = 3  # serving engines build fc as 3 x hidden -> hidden
 @dataclass
 class Eagle3Config(Eagle3ModelKeys):
     """The draft model: the ``eagle3`` section's model keys (ttt_steps, draft_vocab, loss_decay: declared
-    once, in :class:`common.config.Eagle3ModelKeys`) and the target's dimensions (:meth:`from_target`)."""
+    once, in :class:`common.run.config.Eagle3ModelKeys`) and the target's dimensions (:meth:`from_target`)."""
     target_layer_ids: list[int] = opt([], "Target layers whose outputs are fused (layer i = the raw output of decoder layer i, before any final norm).")
     num_target_layers: int = opt(0, "Decoder layers of the target.")
     hidden_size: int = opt(0, "Hidden size (the target's).")

@@ -19,7 +19,7 @@ from benchmarks.gpu import SECTION_NAMES, SECTIONS, Output, format_check, run_ch
 from benchmarks.gpu_checks import auto_choice, flex_recompiles, nccl_init, pin_refusal
 from benchmarks.gpu_launch import launch, target_restart
 from benchmarks.gpu_sections import TINY, CheckContext, Skip, capture, dflash_step, ipc_handoff, pinned_shm
-from common.shm_arena import list_segments
+from common.dataplane.shm_arena import list_segments
 from hsd_testing import hsd
 
 CPU = torch.device("cpu")

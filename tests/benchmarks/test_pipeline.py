@@ -14,8 +14,8 @@ import numpy as np
 
 from benchmarks.pipeline import JSON_KEYS, POLICIES
 from benchmarks.pipeline_figures import target_queues
-from common.client import run_id_for
-from common.shm_arena import list_segments
+from common.wire.client import run_id_for
+from common.dataplane.shm_arena import list_segments
 from dispatcher.journal import read_journal
 from dispatcher.schedule import load_schedule
 from hsd_testing import assert_session_ended, run_hsd_in_session

@@ -7,7 +7,7 @@ about bandwidth.
 import json
 import math
 
-from common.shm_arena import list_segments
+from common.dataplane.shm_arena import list_segments
 from benchmarks.transport import bench_layout
 from benchmarks.transport_workers import BenchSpec, Meter, percentile
 from hsd_testing import assert_session_ended, run_hsd_in_session

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from common.capture_contract import (CaptureContract, adopt_contract, build_contract, check_same_contract, contract_from_config,
+from common.run.capture_contract import (CaptureContract, adopt_contract, build_contract, check_same_contract, contract_from_config,
                                      contract_from_model_dir, default_layer_ids, resolve_capture_dtype)
-from common.config import ConfigError, load_config
-from common.slots import SlotLayout
+from common.run.config import ConfigError, load_config
+from common.dataplane.slots import SlotLayout
 
 QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_hidden_layers": 36,
             "hidden_size": 4096, "torch_dtype": "bfloat16"}
@@ -43,7 +43,7 @@ def test_contract_from_config_json_needs_no_torch(tmp_path):
     assert contract.row_width == 5 * 4096
     assert CaptureContract.from_dict(contract.to_dict()) == contract
     # The dispatcher derives it and imports no model code: the module must not pull torch in.
-    probe = "import sys, common.capture_contract; print('torch' in sys.modules)"
+    probe = "import sys, common.run.capture_contract; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
                           cwd=Path(__file__).resolve().parents[2]).stdout.strip() == "False"
 
@@ -158,5 +158,5 @@ def test_slot_layout_comes_from_the_model(tmp_path):
 
 
 def test_one_default_layer_is_the_middle_one_an_engine_serves():
-    from common.capture_contract import default_layer_ids
+    from common.run.capture_contract import default_layer_ids
     assert [default_layer_ids(n, 1) for n in (2, 3, 4, 36)] == [[0], [1], [2], [18]]

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from common.checkpoint_writer import CheckpointWriteFailed, CheckpointWriter
-from common.witness import CheckpointSnapshot, TrainedJobs, latest_checkpoint
+from common.run.checkpoint_writer import CheckpointWriteFailed, CheckpointWriter
+from common.run.witness import CheckpointSnapshot, TrainedJobs, latest_checkpoint
 
 
 def _snapshot(step: int, write_training=None) -> CheckpointSnapshot:

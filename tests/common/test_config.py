@@ -1,4 +1,4 @@
-"""common.config: defaults, YAML + overrides, validation errors naming the key, resolved round trip."""
+"""common.run.config: defaults, YAML + overrides, validation errors naming the key, resolved round trip."""
 
 import json
 import typing
@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from common.config import (RESOLVED_CONFIG_NAME, Config, ConfigError, DFlashSection, DispatcherSection, PoolSection,
+from common.run.config import (RESOLVED_CONFIG_NAME, Config, ConfigError, DFlashSection, DispatcherSection, PoolSection,
                            coerce, describe, load_config, load_run_config, parse_override, write_resolved)
-from common.config.fields import key_types
+from common.run.config.fields import key_types
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""common/control_channel.py: requests go out from submit in order, a full socket queue included;
+"""common/wire/control_channel.py: requests go out from submit in order, a full socket queue included;
 replies are seen by the I/O thread; a reset drops what was queued."""
 
 import threading
@@ -6,7 +6,7 @@ import threading
 import msgpack
 import zmq
 
-from common.control_channel import ControlChannel
+from common.wire.control_channel import ControlChannel
 
 
 def _serve(router: zmq.Socket, stop: threading.Event, seen: list[int]) -> None:

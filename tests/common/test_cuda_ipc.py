@@ -12,11 +12,11 @@ import pytest
 import torch
 from hsd_testing import child_message
 
-from common.cuda_ipc import CudaIpcOpener, CudaSlotBlock, cuda_ipc_available
-from common.shm_arena import SHM_DIR, SlotArena
-from common.slot_pattern import fill_pattern, verify_pattern
-from common.slots import SlotLayout, StaleSlotError
-from common.transport import (cuda_ipc_transport_info, open_drafter_transport, open_target_transport,
+from common.dataplane.cuda_ipc import CudaIpcOpener, CudaSlotBlock, cuda_ipc_available
+from common.dataplane.shm_arena import SHM_DIR, SlotArena
+from common.dataplane.slot_pattern import fill_pattern, verify_pattern
+from common.dataplane.slots import SlotLayout, StaleSlotError
+from common.dataplane.transport import (cuda_ipc_transport_info, open_drafter_transport, open_target_transport,
                               shm_transport_info)
 
 REPO = Path(__file__).resolve().parents[2]

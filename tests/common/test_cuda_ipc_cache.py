@@ -19,11 +19,11 @@ import weakref
 import pytest
 import torch
 
-from common import cuda_ipc
-from common.cuda_ipc import CudaIpcOpener, CudaSlotBlock, PeerMappingError
-from common.slot_pattern import fill_pattern
-from common.slots import SlotLayout, SlotView
-from common.transport import DrafterTransport
+from common.dataplane import cuda_ipc
+from common.dataplane.cuda_ipc import CudaIpcOpener, CudaSlotBlock, PeerMappingError
+from common.dataplane.slot_pattern import fill_pattern
+from common.dataplane.slots import SlotLayout, SlotView
+from common.dataplane.transport import DrafterTransport
 
 LAYOUT = SlotLayout(tokens_per_batch=256, num_layers=2, hidden_size=16, dtype="float32", max_seqs=4)
 CPU = torch.device("cpu")

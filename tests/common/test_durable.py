@@ -1,12 +1,12 @@
-"""common/durable.py: atomic_write and publish — whole or not at all, fsynced only when asked."""
+"""common/run/durable.py: atomic_write and publish — whole or not at all, fsynced only when asked."""
 
 import os
 import stat
 
 import pytest
 
-from common import durable
-from common.durable import atomic_write, publish
+from common.run import durable
+from common.run.durable import atomic_write, publish
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """A checkpoint's pinned host buffers: exactly the tensor's bytes, page-locked once and unlocked when
 the buffer goes; a runtime that refuses leaves them pageable, its error cleared, said once. The
-CUDA runtime (common.shm_arena.CudaHostRuntime) is a fake here (no device on this machine): what is
+CUDA runtime (common.dataplane.shm_arena.CudaHostRuntime) is a fake here (no device on this machine): what is
 checked is which calls are made, with which sizes, not that pinning works on a GPU. On the CPU the
 copies are plain clones."""
 
@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from common.host_staging import HostStaging, PinnedBuffer
+from common.dataplane.host_staging import HostStaging, PinnedBuffer
 from fake_cuda_runtime import FakeRuntime
 
 

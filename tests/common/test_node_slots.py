@@ -13,10 +13,10 @@ import pytest
 import torch
 from hsd_testing import child_message
 
-from common.shm_arena import SHM_DIR
-from common.slot_pattern import fill_pattern, verify_pattern
-from common.slots import SlotLayout, StaleSlotError
-from common.transport_info import engine_missing
+from common.dataplane.shm_arena import SHM_DIR
+from common.dataplane.slot_pattern import fill_pattern, verify_pattern
+from common.dataplane.slots import SlotLayout, StaleSlotError
+from common.dataplane.transport_info import engine_missing
 
 REPO = Path(__file__).resolve().parents[2]
 LAYOUT = SlotLayout(tokens_per_batch=512, num_layers=2, hidden_size=24, dtype="bfloat16", max_seqs=4)
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(engine_missing() is not None, reason="NIXL is no
 
 
 def _owner(run_id: str, to_parent, from_parent) -> None:
-    from common.node_slots import NodeSlotBlock
+    from common.dataplane.node_slots import NodeSlotBlock
     block = NodeSlotBlock(run_id, LAYOUT, 3, "a")
     fill_pattern(block.slot(2), job_id=9, generation=4, bucket=128, batch_size=3, seq_len=128, seq_lens=[128, 5, 60])
     to_parent.put(block.export())
@@ -40,7 +40,7 @@ def _owner(run_id: str, to_parent, from_parent) -> None:
 def test_slot_read_locally_and_across_nodes(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO))
     monkeypatch.setenv("UCX_TLS", "tcp,self")  # loopback TCP, as between two plain hosts
-    from common.node_slots import NodeSlotReader
+    from common.dataplane.node_slots import NodeSlotReader
     run_id = uuid.uuid4().hex[:12]
     ctx = multiprocessing.get_context("spawn")
     to_parent, from_parent = ctx.Queue(), ctx.Queue()
@@ -96,7 +96,7 @@ def test_slot_read_locally_and_across_nodes(monkeypatch):
 def test_the_remote_read_buffer_is_pinned_where_cuda_is(refuse):
     """The slot every remote read lands in is page-locked at exactly its bytes where a CUDA runtime
     is (a recording stand-in for the runtime here: no GPU on this machine), pageable when refused."""
-    from common.nixl_engine import RemoteSlotReader
+    from common.dataplane.nixl_engine import RemoteSlotReader
     from fake_cuda_runtime import FakeRuntime
 
     runtime = FakeRuntime(refuse=refuse)

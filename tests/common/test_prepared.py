@@ -1,4 +1,4 @@
-"""common/prepared.py: the reader's views and checks, and the tokenizer fingerprint refusal."""
+"""common/run/prepared.py: the reader's views and checks, and the tokenizer fingerprint refusal."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 from tiny_tokenizers import save_tiny_tokenizer
 
-from common.prepared import MANIFEST_FILE, TOKENS_FILE, PreparedDataset, check_tokenizer, tokenizer_fingerprint
+from common.run.prepared import MANIFEST_FILE, TOKENS_FILE, PreparedDataset, check_tokenizer, tokenizer_fingerprint
 from target_worker.prepare import prepare_dataset
 
 ROWS = [{"prompt": "Spell the word cat.", "response": "The word cat is spelled c - a - t. It has 3 letters."},

@@ -1,9 +1,9 @@
-"""common/protocol.py: codec, request parsing and field checks."""
+"""common/wire/protocol.py: codec, request parsing and field checks."""
 
 import msgpack
 import pytest
 
-from common.protocol import (PROTOCOL_VERSION, REQUESTS, ErrorCode, ProtocolError, Request, error_reply, field_of,
+from common.wire.protocol import (PROTOCOL_VERSION, REQUESTS, ErrorCode, ProtocolError, Request, error_reply, field_of,
                              ok_reply, pack, parse_request, parse_store_address, parse_tcp_store, request,
                              store_address, tcp_store_name, unpack)
 

@@ -1,10 +1,10 @@
-"""common/worker_runtime.py's resend_until_answered: which errors send a request again, and for how long."""
+"""common/worker/runtime.py's resend_until_answered: which errors send a request again, and for how long."""
 
 import pytest
 
-from common import worker_runtime
-from common.protocol import ErrorCode, ProtocolError
-from common.worker_runtime import NoReply, on_no_reply, resend_until_answered
+from common.worker import runtime as worker_runtime
+from common.wire.protocol import ErrorCode, ProtocolError
+from common.worker.runtime import NoReply, on_no_reply, resend_until_answered
 
 
 class Dispatcher:

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from common.servable import ExportError, export_servable, find_checkpoint, weights_files
-from common.witness import TrainedJobs, save_checkpoint, servable_dir
+from common.run.servable import ExportError, export_servable, find_checkpoint, weights_files
+from common.run.witness import TrainedJobs, save_checkpoint, servable_dir
 from hsd.cli import main as cli_main
 
 

@@ -15,12 +15,12 @@ import pytest
 import torch
 from hsd_testing import child_message
 
-from common.shm_arena import SHM_DIR, SlotArena, check_fits, list_segments, sweep_dead_segments
-from common.shm_segment import dead_segments
-from common.slot_pattern import fill_pattern, verify_pattern
-from common.slots import SlotHeader, SlotLayout, SlotView, StaleSlotError, copy_out
-from common.transport import open_drafter_transport, open_target_transport, resolve_transport, shm_transport_info
-from common.transport_info import CudaHost
+from common.dataplane.shm_arena import SHM_DIR, SlotArena, check_fits, list_segments, sweep_dead_segments
+from common.dataplane.shm_segment import dead_segments
+from common.dataplane.slot_pattern import fill_pattern, verify_pattern
+from common.dataplane.slots import SlotHeader, SlotLayout, SlotView, StaleSlotError, copy_out
+from common.dataplane.transport import open_drafter_transport, open_target_transport, resolve_transport, shm_transport_info
+from common.dataplane.transport_info import CudaHost
 
 REPO = Path(__file__).resolve().parents[2]
 LAYOUT = SlotLayout(tokens_per_batch=512, num_layers=2, hidden_size=24, dtype="bfloat16", max_seqs=4)
@@ -97,8 +97,8 @@ def test_pattern_crosses_processes_zero_copy(run_id: str, spawn_ctx) -> None:
 
 _ATTACH_AND_EXIT = """
 import sys
-from common.shm_arena import SlotArena
-from common.slots import SlotLayout
+from common.dataplane.shm_arena import SlotArena
+from common.dataplane.slots import SlotLayout
 layout = SlotLayout.from_dict({layout!r})
 kept = SlotArena.attach(sys.argv[1], layout, 2)
 assert kept.slot(1).read_header().job_id == 5

@@ -14,9 +14,9 @@ import uuid
 import pytest
 import torch
 
-from common import shm_arena
-from common.shm_arena import SlotArena, list_segments
-from common.slots import SlotLayout
+from common.dataplane import shm_arena
+from common.dataplane.shm_arena import SlotArena, list_segments
+from common.dataplane.slots import SlotLayout
 
 LAYOUT = SlotLayout(tokens_per_batch=256, num_layers=2, hidden_size=16, dtype="float32", max_seqs=4)
 GPU = torch.device("cuda", 0)
@@ -59,7 +59,7 @@ def run_id():
 def test_a_refused_host_register_is_cleared_and_the_pool_stays_unpinned(monkeypatch, caplog, run_id) -> None:
     runtime = FakeRuntime(HOST_MEMORY_ALREADY_REGISTERED)
     monkeypatch.setattr(shm_arena, "cuda_host_runtime", lambda: runtime)
-    with caplog.at_level(logging.WARNING, logger="common.shm_arena"):
+    with caplog.at_level(logging.WARNING, logger="common.dataplane.shm_arena"):
         with SlotArena.create(run_id, LAYOUT, 2, pin_device=GPU) as arena:
             assert not arena.pinned
             arena.slot(1).hs.fill_(1.0)  # the pages work unpinned

@@ -6,9 +6,9 @@ import msgpack
 import pytest
 import torch
 
-from common.config import Config
-from common.slot_pattern import SlotIntegrityError, fill_pattern, verify_pattern
-from common.slots import SlotHeader, SlotLayout, SlotView, StaleSlotError, copy_out
+from common.run.config import Config
+from common.dataplane.slot_pattern import SlotIntegrityError, fill_pattern, verify_pattern
+from common.dataplane.slots import SlotHeader, SlotLayout, SlotView, StaleSlotError, copy_out
 
 LAYOUT = SlotLayout(tokens_per_batch=1024, num_layers=3, hidden_size=40, dtype="bfloat16", max_seqs=8)
 

@@ -11,9 +11,9 @@ import uuid
 
 import pytest
 
-from common.config import load_config
-from common.shm_segment import list_segments
-from common.transport_info import CudaHost, choose_transport
+from common.run.config import load_config
+from common.dataplane.shm_segment import list_segments
+from common.dataplane.transport_info import CudaHost, choose_transport
 from dispatcher import transport_setup
 from dispatcher.transport_setup import DataPlane
 

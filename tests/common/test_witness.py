@@ -2,7 +2,7 @@
 
 import subprocess
 
-from common.witness import TrainedJobs, latest_checkpoint, model_dir, save_checkpoint
+from common.run.witness import TrainedJobs, latest_checkpoint, model_dir, save_checkpoint
 
 
 def test_checkpoints_keep_the_last_k_and_the_latest_reloads_its_witness(tmp_path):

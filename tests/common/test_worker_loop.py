@@ -16,13 +16,13 @@ import time
 import pytest
 import torch
 
-from common import worker_loop
+from common.worker import loop as worker_loop
 from drafter_worker import commit as drafter_commit
-from common.client import run_id_for
-from common.slots import SlotView
+from common.wire.client import run_id_for
+from common.dataplane.slots import SlotView
 from drafter_worker.loop import DrafterLoop
 from target_worker.loop import TargetLoop
-from common.witness import latest_checkpoint
+from common.run.witness import latest_checkpoint
 from drafter_worker.sim import SimDrafter
 from loop_harness import FakeDispatcher, make_job, running, worker_config
 from target_worker.sim import SimTarget
@@ -266,7 +266,7 @@ def test_unanswered_poll_is_asked_again_on_a_fresh_socket(tmp_path, fake, monkey
 
 
 def test_held_jobs_is_consistent_under_concurrent_writers():
-    from common.held_jobs import HeldJobs
+    from common.worker.held_jobs import HeldJobs
     held = HeldJobs()
 
     def churn(base: int) -> None:
@@ -359,7 +359,7 @@ def test_target_queues_its_next_job_before_it_waits_for_the_last_slot_copy(tmp_p
 def test_a_slow_copy_is_not_counted_as_compute(tmp_path, fake, monkeypatch):
     """The busy seconds a commit reports (what the step-cost model learns from) are the micro-batch's
     compute, not the wait for its slot's copy: on a GPU that wait leaves the compute stream idle."""
-    from common.slots import SlotCopy
+    from common.dataplane.slots import SlotCopy
     fake.add_ready_job(1, slot=0)
     wait = SlotCopy.wait
 

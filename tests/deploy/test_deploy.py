@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from common.config import load_config
+from common.run.config import load_config
 from deploy_scan import DEPLOY, REPO, deploy_files, invocation_problems, is_shell, key_problems, snippets
 from k8s_recipe import hsd_invocations, load_file, load_objects, matches, pods
 

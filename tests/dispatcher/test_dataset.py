@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from common.config import load_config
+from common.run.config import load_config
 from dispatcher.dataset import (SYNTHETIC_SHARES, DatasetError, load_lengths, read_lengths_file,
                                 synthetic_lengths)
 from dispatcher.schedule import assign_buckets

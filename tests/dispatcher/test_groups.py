@@ -8,7 +8,7 @@ import pytest
 from core_harness import make_core, register
 from dispatcher.groups import GroupChanged
 from dispatcher.journal import read_journal
-from common.protocol import ProtocolError
+from common.wire.protocol import ProtocolError
 from dispatcher.ledger import JobState, LedgerError
 
 

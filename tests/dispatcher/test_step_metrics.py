@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.protocol import ProtocolError
+from common.wire.protocol import ProtocolError
 from core_harness import make_core, register
 from dispatcher.journal import read_journal
 from dispatcher.request_fields import MAX_STEP_METRICS, step_metrics

@@ -103,7 +103,7 @@ def test_a_queue_without_its_target_waits_and_a_new_target_takes_it_over(tmp_pat
 
 
 def test_config_keys_of_the_assignment_and_the_sim_costs():
-    from common.config import ConfigError, load_config
+    from common.run.config import ConfigError, load_config
     config = load_config(None, ["schedule.assignment=per_target", "target.count=5"])
     assert CoreOptions.from_config(config).num_target_queues == 5
     assert CoreOptions.from_config(load_config(None, ["target.count=5"])).num_target_queues == 0

@@ -16,8 +16,8 @@ import sys
 import psutil
 import pytest
 
-from common.client import run_id_for
-from common.shm_segment import list_segments
+from common.wire.client import run_id_for
+from common.dataplane.shm_segment import list_segments
 from hsd_testing import kill_tree, start_hsd, stats, wait_for
 
 
@@ -26,8 +26,8 @@ def _torch_libraries(pid: int) -> list[str]:
 
 
 def test_importing_the_dispatcher_and_cli_leaves_torch_out():
-    code = ("import sys, dispatcher.server, dispatcher.transport_setup, common.shm_segment, common.transport_info, "
-            "common.slot_layout, hsd.cli, hsd.bench, hsd.shared, ops.launch, ops.stats_view, ops.report, ops.planner, "
+    code = ("import sys, dispatcher.server, dispatcher.transport_setup, common.dataplane.shm_segment, common.dataplane.transport_info, "
+            "common.dataplane.slot_layout, hsd.cli, hsd.bench, hsd.shared, ops.launch, ops.stats_view, ops.report, ops.planner, "
             "ops.schedule_view, ops.demo, ops.configs; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -51,7 +51,7 @@ def test_running_shm_dispatcher_maps_no_torch(tmp_path):
 
 @pytest.mark.skipif(bool(glob.glob("/dev/nvidia[0-9]*")), reason="this host has NVIDIA devices")
 def test_auto_transport_without_nvidia_devices_resolves_to_shm_without_torch():
-    code = ("import sys; from common.transport_info import resolve_transport; "
+    code = ("import sys; from common.dataplane.transport_info import resolve_transport; "
             "print(resolve_transport('auto', True), 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["shm", "False"]

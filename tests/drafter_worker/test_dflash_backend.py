@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common.capture_contract import contract_from_config
-from common.slots import SlotBatch, SlotHeader
-from common.servable import weights_files
-from common.witness import latest_checkpoint, servable_dir, training_dir
+from common.run.capture_contract import contract_from_config
+from common.dataplane.slots import SlotBatch, SlotHeader
+from common.run.servable import weights_files
+from common.run.witness import latest_checkpoint, servable_dir, training_dir
 from dflash_run import tiny_run
 from dflash_testing import LAYER_IDS, backend_config, random_batch
 from host_reads import HostReads

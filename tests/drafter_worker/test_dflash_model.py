@@ -186,7 +186,7 @@ def test_rope_scaling_equals_the_transformers_frequencies(scaling):
     transformers' own for the same config (modelling_rope_utils' init functions, as the target runs)."""
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    from common.target_config import rope_scaling_of
+    from common.run.target_config import rope_scaling_of
     from drafter_worker.layers import check_rope_scaling, rope_inv_freq
     config = LlamaConfig(hidden_size=256, num_attention_heads=4, head_dim=64, rope_theta=500000.0,
                          max_position_embeddings=512, rope_scaling=dict(scaling))

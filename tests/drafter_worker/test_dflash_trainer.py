@@ -90,7 +90,7 @@ def test_state_round_trip_continues_identically(tiny_target, tiny_target_model, 
 
 
 def test_the_state_dict_holds_the_live_weights_not_device_clones(tiny_target):
-    """A checkpoint copies the weights to the host once (common/host_staging.py); a clone on the
+    """A checkpoint copies the weights to the host once (common/dataplane/host_staging.py); a clone on the
     device first would take the weights' size again in GPU memory."""
     trainer = make_trainer(tiny_target, seed=3, total_steps=10)
     state = trainer.state_dict()["model"]

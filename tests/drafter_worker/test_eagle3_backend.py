@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from common.capture_contract import contract_from_config
-from common.slots import SlotBatch, SlotHeader
-from common.witness import latest_checkpoint, servable_dir
+from common.run.capture_contract import contract_from_config
+from common.dataplane.slots import SlotBatch, SlotHeader
+from common.run.witness import latest_checkpoint, servable_dir
 from drafter_worker.eagle3.export import load_drafter
 from drafter_worker.eagle3_backend import Eagle3Backend
 from drafter_worker.speculative_eval import evaluate

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from common.config import ConfigError, write_resolved
-from common.prepared import load_tokenizer
-from common.witness import latest_checkpoint, servable_dir
+from common.run.config import ConfigError, write_resolved
+from common.run.prepared import load_tokenizer
+from common.run.witness import latest_checkpoint, servable_dir
 from dflash_run import write_dataset
 from dflash_testing import backend_config, make_target
 from drafter_worker.dflash.mask_token import CHOICE_FILE, resolve_mask_token_id
@@ -31,7 +31,7 @@ def _config(target_dir, tmp_path, data_tokens: list[list[int]] | None = None, *e
 
 def _dataset(out, sequences: list[list[int]], tokenizer_dir):
     """A prepared dataset holding exactly ``sequences``."""
-    from common.prepared import FORMAT, MANIFEST_FILE, tokenizer_fingerprint
+    from common.run.prepared import FORMAT, MANIFEST_FILE, tokenizer_fingerprint
     from target_worker.prepare import DatasetWriter
     out.mkdir(parents=True)
     writer = DatasetWriter(out)
@@ -86,7 +86,7 @@ def test_no_mask_token_and_no_reserved_token_fails_at_start(tmp_path):
 
 AGAIN = """
 import sys
-from common.config import load_config
+from common.run.config import load_config
 from drafter_worker.dflash.mask_token import resolve_mask_token_id
 print(resolve_mask_token_id(load_config(sys.argv[1]), vocab_size=300), "transformers" in sys.modules)
 """

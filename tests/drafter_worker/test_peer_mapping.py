@@ -1,7 +1,7 @@
 """A drafter whose GPU cannot map a target's cuda_ipc block gives the job back and leaves for good.
 
 Against the scripted dispatcher (real sockets and shared memory, the real sim drafter). The read
-of one slot raises what :class:`common.cuda_ipc.CudaIpcOpener` raises when the driver refuses the
+of one slot raises what :class:`common.dataplane.cuda_ipc.CudaIpcOpener` raises when the driver refuses the
 peer mapping (the fake CUDA layer here); what is tested is the loop's answer to it.
 """
 
@@ -11,10 +11,10 @@ import threading
 
 import pytest
 
-from common.client import run_id_for
-from common.cuda_ipc import PeerMappingError
-from common.transport import DrafterTransport
-from common.worker_runtime import EXIT_UNUSABLE, WorkerUnusable
+from common.wire.client import run_id_for
+from common.dataplane.cuda_ipc import PeerMappingError
+from common.dataplane.transport import DrafterTransport
+from common.worker.runtime import EXIT_UNUSABLE, WorkerUnusable
 from drafter_worker.loop import DrafterLoop
 from drafter_worker.sim import SimDrafter
 from hsd import cli

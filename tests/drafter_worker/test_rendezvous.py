@@ -15,8 +15,8 @@ import re
 import time
 
 import pytest
-from common.config import ConfigError, load_config
-from common.protocol import tcp_store_name
+from common.run.config import ConfigError, load_config
+from common.wire.protocol import tcp_store_name
 from drafter_worker.process_group import RendezvousIncomplete, StepGroup, VersionEnded
 from drafter_worker.rendezvous import GLOO_IFNAME_ENV, RendezvousServer, address_towards, interface_of
 from hsd_testing import child_message, free_port

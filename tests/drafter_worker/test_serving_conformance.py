@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.capture_contract import contract_from_config
-from common.slots import SlotBatch, SlotHeader
-from common.witness import latest_checkpoint, servable_dir
+from common.run.capture_contract import contract_from_config
+from common.dataplane.slots import SlotBatch, SlotHeader
+from common.run.witness import latest_checkpoint, servable_dir
 from dflash_testing import VOCAB, backend_config, load_target, make_target, random_batch
 from drafter_worker.dflash_backend import DFlashBackend
 from drafter_worker.eagle3_backend import Eagle3Backend

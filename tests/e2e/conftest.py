@@ -7,8 +7,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from common.client import run_id_for
-from common.shm_arena import list_segments
+from common.wire.client import run_id_for
+from common.dataplane.shm_arena import list_segments
 
 
 @pytest.fixture

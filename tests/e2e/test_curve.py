@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from common.client import DispatcherClient, DispatcherUnavailable
-from common.config import Config, ConfigError
-from common.curve import CurveClient, client_from_config, key_pair, public_key, server_from_config
+from common.wire.client import DispatcherClient, DispatcherUnavailable
+from common.run.config import Config, ConfigError
+from common.wire.curve import CurveClient, client_from_config, key_pair, public_key, server_from_config
 from hsd_testing import (assert_exactly_once, curve_args, free_port, hsd, report, running_hsd, sim_args,
                          wait_for_stats)
 

@@ -15,10 +15,10 @@ import pytest
 from safetensors.torch import load_file
 
 from common import faults
-from common.client import run_id_for
-from common.shm_arena import list_segments
-from common.servable import weights_files
-from common.witness import latest_checkpoint, servable_dir
+from common.wire.client import run_id_for
+from common.dataplane.shm_arena import list_segments
+from common.run.servable import weights_files
+from common.run.witness import latest_checkpoint, servable_dir
 from dflash_run import tiny_run_args
 from hsd_testing import hsd, report
 

@@ -8,10 +8,10 @@ import signal
 import msgpack
 import pytest
 
-from common import protocol
-from common.client import DispatcherClient, run_id_for
-from common.protocol import ErrorCode, ProtocolError
-from common.shm_arena import list_segments
+from common.wire import protocol
+from common.wire.client import DispatcherClient, run_id_for
+from common.wire.protocol import ErrorCode, ProtocolError
+from common.dataplane.shm_arena import list_segments
 from hsd_testing import hsd, kill_tree, sim_args, start_hsd, stats, wait_for
 
 

@@ -19,8 +19,8 @@ import psutil
 import pytest
 
 from common import faults
-from common.client import run_id_for
-from common.shm_arena import list_segments
+from common.wire.client import run_id_for
+from common.dataplane.shm_arena import list_segments
 from dflash_run import tiny_run_args
 from dispatcher.journal import read_journal
 from hsd_testing import assert_exactly_once, kill_tree, report, start_hsd, stats, wait_for

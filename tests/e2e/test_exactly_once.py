@@ -9,9 +9,9 @@ import signal
 import threading
 
 from common import faults
-from common.client import DispatcherClient, DispatcherUnavailable
-from common.protocol import ErrorCode, ProtocolError
-from common.witness import TrainedJobs, latest_checkpoint, list_models, save_checkpoint
+from common.wire.client import DispatcherClient, DispatcherUnavailable
+from common.wire.protocol import ErrorCode, ProtocolError
+from common.run.witness import TrainedJobs, latest_checkpoint, list_models, save_checkpoint
 from dispatcher.journal import read_journal
 from dispatcher.server import FAIL_CLOSED_EXIT_CODE
 from hsd_testing import hsd, report, running_hsd, sim_args, stats, wait_for_stats

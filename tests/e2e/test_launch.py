@@ -9,8 +9,8 @@ import signal
 import psutil
 
 from common import faults
-from common.client import run_id_for
-from common.shm_arena import list_segments
+from common.wire.client import run_id_for
+from common.dataplane.shm_arena import list_segments
 from dispatcher.journal import read_journal
 from hsd_testing import assert_exactly_once, hsd, report, running_hsd, sim_args, stats, wait_for, wait_for_stats
 

@@ -22,7 +22,7 @@ from hsd_testing import (assert_exactly_once, curve_args, free_port, hsd, kill_t
                          start_hsd, wait_for_stats)
 
 from common import faults
-from common.transport_info import engine_missing
+from common.dataplane.transport_info import engine_missing
 from dispatcher.journal import read_journal
 
 needs_engine = pytest.mark.skipif(engine_missing() is not None, reason="NIXL is not installed (make install adds it)")
@@ -106,7 +106,7 @@ def test_without_the_engine_a_multinode_run_fails_at_start(run_dir):
     assert "pool.transport=nixl (runs across nodes) needs NIXL" in proc.stderr
     assert "pip install 'hsdispatch[multinode]'" in proc.stderr
     # a one-node worker never imports the engine (an import of it would fail here)
-    imports = _WITHOUT_ENGINE.split("from hsd.cli")[0] + "import common.transport, target_worker.loop, drafter_worker.loop"
+    imports = _WITHOUT_ENGINE.split("from hsd.cli")[0] + "import common.dataplane.transport, target_worker.loop, drafter_worker.loop"
     proc = subprocess.run([sys.executable, "-c", imports], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
 

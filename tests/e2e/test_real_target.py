@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from common.capture_contract import contract_from_model_dir
+from common.run.capture_contract import contract_from_model_dir
 from hsd_testing import hsd, report
 
 SPEC = dict(num_train=120, num_heldout=4, steps=3, warmup_steps=1, hidden_size=32, intermediate_size=64,

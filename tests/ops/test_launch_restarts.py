@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 import sys
 
-from common.config import load_config
-from common.worker_runtime import EXIT_UNUSABLE
+from common.run.config import load_config
+from common.worker.runtime import EXIT_UNUSABLE
 from ops.launch import Child, Launcher
 
 

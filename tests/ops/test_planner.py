@@ -8,7 +8,7 @@ from dispatcher.journal import encode_line
 
 import pytest
 
-from common.config import load_config
+from common.run.config import load_config
 from hsd.cli import main
 from ops.planner import StageRates, evaluate_split, plan_splits, rates_from_config, rates_from_run, recommend
 

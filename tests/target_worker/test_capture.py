@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from common.capture_contract import contract_from_model_dir
-from common.config import ConfigError
-from common.slots import SlotLayout, SlotView, copy_out
+from common.run.capture_contract import contract_from_model_dir
+from common.run.config import ConfigError
+from common.dataplane.slots import SlotLayout, SlotView, copy_out
 from target_worker.capture import LayerCapture, contract_shape_of, load_target_model
 from target_worker.hf_backend import HFTargetBackend
 from tiny_target import random_samples, save_tiny_model, tiny_config

@@ -11,9 +11,9 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from common.config import load_config
-from common.shm_arena import SlotArena
-from common.slots import SlotLayout, copy_out
+from common.run.config import load_config
+from common.dataplane.shm_arena import SlotArena
+from common.dataplane.slots import SlotLayout, copy_out
 from hsd import cli
 from target_worker import offline
 from target_worker.hf_backend import HFTargetBackend

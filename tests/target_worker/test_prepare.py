@@ -11,8 +11,8 @@ import pytest
 from hsd_testing import hsd
 from tiny_tokenizers import save_tiny_tokenizer
 
-from common.config import load_config
-from common.prepared import LENGTHS_FILE, MANIFEST_FILE, PreparedDataset
+from common.run.config import load_config
+from common.run.prepared import LENGTHS_FILE, MANIFEST_FILE, PreparedDataset
 from dispatcher.dataset import load_lengths
 from target_worker.prepare import prepare_dataset
 

@@ -10,7 +10,7 @@ import torch
 import yaml
 from tiny_tokenizers import save_tiny_tokenizer
 
-from common.config import load_config
+from common.run.config import load_config
 from target_worker.chat_rows import row_messages
 from target_worker.regenerate import regenerate_file
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from common.config import load_config
+from common.run.config import load_config
 from target_worker.sim import SimTarget
 
 

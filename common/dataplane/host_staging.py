@@ -1,6 +1,6 @@
 """Host copies of a training state's tensors, taken at a step boundary for a checkpoint.
 
-A checkpoint is written on a thread while training goes on (:mod:`common.checkpoint_writer`), so
+A checkpoint is written on a thread while training goes on (:mod:`common.run.checkpoint_writer`), so
 what it writes must be a copy no later step changes. On a CUDA device the copies land in pinned
 host buffers — the copy runs at the bus's speed and the buffers, allocated once, serve every later
 checkpoint of the same shapes — and the training thread waits once for all of them; on the CPU
@@ -13,7 +13,7 @@ device tensors are copied as they are (the trainer's state dict does not clone t
 first), on the training thread between two steps.
 
 A buffer is reused by the next :meth:`HostStaging.copy`, so a caller copies again only once the
-previous copies are written: :class:`common.checkpoint_writer.CheckpointWriter` keeps at most one
+previous copies are written: :class:`common.run.checkpoint_writer.CheckpointWriter` keeps at most one
 checkpoint in flight, and the loops take a snapshot only after waiting for it.
 """
 
@@ -24,7 +24,7 @@ import weakref
 
 import torch
 
-from common.shm_arena import CudaHostRuntime
+from common.dataplane.shm_arena import CudaHostRuntime
 
 log = logging.getLogger("hsd.checkpoint")
 

@@ -29,10 +29,10 @@ from typing import Any, Callable
 
 import zmq
 
-from common import protocol
-from common.client import DispatcherUnavailable
-from common.curve import CurveClient
-from common.protocol import ErrorCode, ProtocolError
+from common.wire import protocol
+from common.wire.client import DispatcherUnavailable
+from common.wire.curve import CurveClient
+from common.wire.protocol import ErrorCode, ProtocolError
 
 log = logging.getLogger("hsd.worker")
 

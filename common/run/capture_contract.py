@@ -2,7 +2,7 @@
 
 A target and a drafter that disagree on it would train on the wrong features without any error
 (the bytes still fit a slot when only the layer ids differ), so the contract is derived once from
-the target model's ``config.json`` (read by :mod:`common.target_config`, as the drafters read it) and
+the target model's ``config.json`` (read by :mod:`common.run.target_config`, as the drafters read it) and
 compared wherever two sides meet. Deriving it needs no torch and no weights: the dispatcher, which
 imports no model code, sizes its slots from it.
 
@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from common.target_config import model_shape, read_model_config
+from common.run.target_config import model_shape, read_model_config
 
 CaptureDtype = Literal["bfloat16", "float16", "float32"]  # target.dtype is one of these or auto
 CAPTURE_DTYPES = get_args(CaptureDtype)

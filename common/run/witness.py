@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-from common.durable import atomic_write
+from common.run.durable import atomic_write
 
 WITNESS_FILE = "trained_jobs.bin"
 STEP_FILE = "step.json"

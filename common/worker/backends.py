@@ -1,10 +1,10 @@
-"""What a worker computes, behind the one worker loop (:mod:`common.worker_loop`).
+"""What a worker computes, behind the one worker loop (:mod:`common.worker.loop`).
 
 The loop owns the control plane, the transport, the job dicts and the window of a drafter's step;
 a backend only computes. A target backend fills a slot for a job; a drafter backend trains on a
 batch the loop has already copied out of its slot, and applies an optimizer step only once the
 dispatcher has made the commit durable (commit, then apply): the model's state never runs ahead of
-the journal, and the trained-jobs witness it checkpoints (:mod:`common.witness`) is exactly what
+the journal, and the trained-jobs witness it checkpoints (:mod:`common.run.witness`) is exactly what
 its weights saw.
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 from typing import Any, Protocol
 
-from common.slots import SlotBatch, SlotView
-from common.witness import CheckpointSnapshot
+from common.dataplane.slots import SlotBatch, SlotView
+from common.run.witness import CheckpointSnapshot
 
 
 class PendingSlotWrite(Protocol):
@@ -56,11 +56,11 @@ class DrafterBackend(Protocol):
 
     def snapshot_checkpoint(self) -> CheckpointSnapshot:
         """The checkpoint at ``self.step`` on copies of the state, for a thread to write while
-        training goes on (:mod:`common.checkpoint_writer`). A backend without it is checkpointed
+        training goes on (:mod:`common.run.checkpoint_writer`). A backend without it is checkpointed
         on the training thread through :meth:`save_checkpoint`."""
 
     def save_checkpoint(self, run_dir: str | os.PathLike) -> None:
-        """Weights + witness at ``self.step`` (:func:`common.witness.save_checkpoint`), written now."""
+        """Weights + witness at ``self.step`` (:func:`common.run.witness.save_checkpoint`), written now."""
 
 
 class GroupDrafterBackend(DrafterBackend, Protocol):

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from common.nixl_engine import RemoteSlotReader, SlotExporter
-from common.shm_arena import SlotArena
-from common.slots import SlotCopy, SlotLayout, SlotView, start_copy
+from common.dataplane.nixl_engine import RemoteSlotReader, SlotExporter
+from common.dataplane.shm_arena import SlotArena
+from common.dataplane.slots import SlotCopy, SlotLayout, SlotView, start_copy
 
 log = logging.getLogger("hsd.transport")
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import zmq
 
-from common import protocol
-from common.curve import CurveClient
-from common.protocol import ErrorCode, ProtocolError
+from common.wire import protocol
+from common.wire.curve import CurveClient
+from common.wire.protocol import ErrorCode, ProtocolError
 
 
 class DispatcherUnavailable(TimeoutError):

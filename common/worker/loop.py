@@ -1,11 +1,11 @@
 """The one loop every worker runs: register, open the data plane, work, and start over when lost.
 
 A worker is a :class:`TargetLoop` (:mod:`target_worker.loop`) or a :class:`DrafterLoop`
-(:mod:`drafter_worker.loop`) around a backend (:mod:`common.worker_backends`) that only computes.
+(:mod:`drafter_worker.loop`) around a backend (:mod:`common.worker.backends`) that only computes.
 The loop here owns what they share:
 
 - registration, retried while the dispatcher starts; the session token; heartbeats that list the
-  jobs the worker holds (:mod:`common.worker_runtime`);
+  jobs the worker holds (:mod:`common.worker.runtime`);
 - the transport: opened from the register reply, closed (and opened afresh) when the dispatcher
   restarts, since a new dispatcher means a new arena;
 - prefetch: the next ``get_job``/``get_hs`` is always in flight while the current job computes, so
@@ -22,9 +22,9 @@ import signal
 import threading
 from typing import Any
 
-from common.config import Config
-from common.protocol import ErrorCode, ProtocolError
-from common.worker_runtime import (CALL_TIMEOUT_S, RECONNECT_S, DispatcherGone, NoReply, WorkerLost, WorkerSession,
+from common.run.config import Config
+from common.wire.protocol import ErrorCode, ProtocolError
+from common.worker.runtime import (CALL_TIMEOUT_S, RECONNECT_S, DispatcherGone, NoReply, WorkerLost, WorkerSession,
                                    on_no_reply, resend_until_answered)
 
 log = logging.getLogger("hsd.worker")

@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 
-from common.host_staging import PinnedBuffer
-from common.shm_arena import CudaHostRuntime, cuda_host_runtime
-from common.slot_layout import HEADER_BYTES, StaleSlotError
-from common.slots import SlotBatch, SlotLayout, SlotView
-from common.transport_info import ENGINE_MODULES, INSTALL_HINT, engine_missing
+from common.dataplane.host_staging import PinnedBuffer
+from common.dataplane.shm_arena import CudaHostRuntime, cuda_host_runtime
+from common.dataplane.slot_layout import HEADER_BYTES, StaleSlotError
+from common.dataplane.slots import SlotBatch, SlotLayout, SlotView
+from common.dataplane.transport_info import ENGINE_MODULES, INSTALL_HINT, engine_missing
 
-_GENERATION_OFFSET = 8  # the header's second int64 word (common.slots: magic, generation, ...)
+_GENERATION_OFFSET = 8  # the header's second int64 word (common.dataplane.slots: magic, generation, ...)
 
 def _api() -> Any:
     missing = engine_missing()

@@ -5,15 +5,15 @@ keys and ill-typed values raise :class:`ConfigError` naming the key. The resolve
 written into the run directory so that every process of a run (and a later resume) sees the same
 values.
 
-:mod:`common.config.fields` holds the machinery (a key, the coercer driven by the type hints, the
-:class:`Section` base), :mod:`common.config.sections` the sections and the choices' ``Literal`` types,
-:mod:`common.config.loading` the file, the overrides, the resolved file and the ``hsd config`` listing.
+:mod:`common.run.config.fields` holds the machinery (a key, the coercer driven by the type hints, the
+:class:`Section` base), :mod:`common.run.config.sections` the sections and the choices' ``Literal`` types,
+:mod:`common.run.config.loading` the file, the overrides, the resolved file and the ``hsd config`` listing.
 """
 
-from common.config.fields import ConfigError, Section, coerce, opt
-from common.config.loading import (RESOLVED_CONFIG_NAME, describe, load_config, load_run_config, parse_override,
+from common.run.config.fields import ConfigError, Section, coerce, opt
+from common.run.config.loading import (RESOLVED_CONFIG_NAME, describe, load_config, load_run_config, parse_override,
                                    validate, write_resolved)
-from common.config.sections import (Batching, Config, CurveSection, DataSection, DFlashModelKeys, DFlashSection,
+from common.run.config.sections import (Batching, Config, CurveSection, DataSection, DFlashModelKeys, DFlashSection,
                                     DispatcherSection, DrafterSection, Eagle3ModelKeys, Eagle3Section, ElasticBatch,
                                     Locality, NodesSection, Objective, Order, PoolSection, Pull, RunSection,
                                     ScheduleSection, StepBalance, TargetSection, TrainingRecipe, Transport, model_keys,

@@ -14,8 +14,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, get_args
 
-from common.config import Transport
-from common.slot_layout import SlotLayout
+from common.run.config import Transport
+from common.dataplane.slot_layout import SlotLayout
 
 TRANSPORT_CHOICES = get_args(Transport)  # pool.transport: auto or a kind
 TRANSPORT_KINDS = tuple(choice for choice in TRANSPORT_CHOICES if choice != "auto")
@@ -36,7 +36,7 @@ def cuda_ipc_possible() -> bool:
     (importing torch costs a dispatcher seconds at start)."""
     if not sys.platform.startswith("linux") or not glob.glob("/dev/nvidia[0-9]*"):
         return False
-    from common.cuda_ipc import cuda_ipc_available
+    from common.dataplane.cuda_ipc import cuda_ipc_available
     return cuda_ipc_available()
 
 

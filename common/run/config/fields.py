@@ -115,7 +115,7 @@ class Section:
     """Base of the config sections: a dataclass whose fields are the section's keys. Built (from a
     config file and overrides, or in code) it reads every value as its key's type (:func:`coerce`) and
     checks its own rules (:meth:`check`): a section that exists holds valid values, whoever built it.
-    The rules that span sections are :func:`common.config.loading.validate`'s."""
+    The rules that span sections are :func:`common.run.config.loading.validate`'s."""
 
     section: ClassVar[str]  # the section's name in a config file: pool in pool.slots
 

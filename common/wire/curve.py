@@ -32,7 +32,7 @@ from typing import Any
 import zmq
 import zmq.auth
 
-from common.config import ConfigError
+from common.run.config import ConfigError
 
 log = logging.getLogger("hsd.curve")
 

@@ -1,6 +1,6 @@
 """The run configuration's sections: one typed dataclass per section of the YAML file, each key a
 field (its type hint, default and help line), each section checking its own rules when it is built
-(:class:`common.config.fields.Section`), and :class:`Config`, the sections together.
+(:class:`common.run.config.fields.Section`), and :class:`Config`, the sections together.
 
 A choice is a ``Literal``: its values are written here once, and a component that needs them takes
 them from the type (``typing.get_args(Transport)``) rather than listing them again.
@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from common.capture_contract import CaptureDtype
-from common.config.fields import ConfigError, Section, opt
-from common.witness import check_model_id
+from common.run.capture_contract import CaptureDtype
+from common.run.config.fields import ConfigError, Section, opt
+from common.run.witness import check_model_id
 
 
 @dataclass

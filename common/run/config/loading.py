@@ -1,5 +1,5 @@
 """Reading a run's configuration: a YAML file, then ``section.key=value`` overrides, into the sections
-of :class:`common.config.sections.Config`; the rules that span sections or look at the disk
+of :class:`common.run.config.sections.Config`; the rules that span sections or look at the disk
 (:func:`validate`); the resolved file a run directory keeps; the ``hsd config`` listing.
 """
 
@@ -13,12 +13,12 @@ from typing import Any
 
 import yaml
 
-from common.capture_contract import contract_from_config
-from common.config.fields import ConfigError, is_text, key_types, type_name
-from common.config.sections import Config
-from common.durable import atomic_write
-from common.serving_layers import unservable_reason
-from common.target_config import read_model_config
+from common.run.capture_contract import contract_from_config
+from common.run.config.fields import ConfigError, is_text, key_types, type_name
+from common.run.config.sections import Config
+from common.run.durable import atomic_write
+from common.run.serving_layers import unservable_reason
+from common.run.target_config import read_model_config
 
 RESOLVED_CONFIG_NAME = "config.yaml"
 _PATH_KEYS = (("run", "dir"), ("data", "lengths"), ("data", "path"), ("target", "model"))

@@ -1,7 +1,7 @@
 """The byte layout of a hidden-state slot, without torch.
 
 Every process of a run agrees on this layout; the dispatcher needs it only to size the pool and to
-check the capture contract, so it lives apart from the torch views (:mod:`common.slots`), and a
+check the capture contract, so it lives apart from the torch views (:mod:`common.dataplane.slots`), and a
 dispatcher never pays for importing torch.
 """
 
@@ -10,12 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from common.capture_contract import CaptureContract, contract_from_config, resolve_capture_dtype
+from common.run.capture_contract import CaptureContract, contract_from_config, resolve_capture_dtype
 
 if TYPE_CHECKING:
     import torch
 
-# Bytes per element of each slot dtype; torch is needed only to view the bytes (common/slots.py).
+# Bytes per element of each slot dtype; torch is needed only to view the bytes (common/dataplane/slots.py).
 DTYPE_SIZES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 HEADER_BYTES = 256
@@ -99,7 +99,7 @@ class SlotLayout:
 
     @property
     def torch_dtype(self) -> "torch.dtype":
-        from common.slots import DTYPES  # torch only where a process really views slot memory
+        from common.dataplane.slots import DTYPES  # torch only where a process really views slot memory
         return DTYPES[self.dtype]
 
     @property

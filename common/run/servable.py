@@ -1,6 +1,6 @@
 """``hsd export``: a servable copy of a model's checkpoint, for a serving engine to load.
 
-A run's checkpoint already holds its servable drafter (:func:`common.witness.servable_dir`); this
+A run's checkpoint already holds its servable drafter (:func:`common.run.witness.servable_dir`); this
 copies that directory out of the run, so that a model can be served (or shipped) while the run
 keeps its own checkpoints — which it removes past ``drafter.checkpoint_keep``. The copy is written
 beside its destination under a temporary name, fsynced, and renamed: a reader never sees half of
@@ -14,8 +14,8 @@ import os
 import shutil
 from pathlib import Path
 
-from common.durable import atomic_write
-from common.witness import (MODELS_DIR, Checkpoint, latest_checkpoint, list_models, model_dir, servable_dir,
+from common.run.durable import atomic_write
+from common.run.witness import (MODELS_DIR, Checkpoint, latest_checkpoint, list_models, model_dir, servable_dir,
                             step_dir_name)
 
 WEIGHTS_SUFFIX = ".safetensors"

@@ -4,7 +4,7 @@ Every request after ``register`` carries the worker id and the token registratio
 session keeps the set of jobs the worker holds (:class:`HeldJobs`) and lists it in every heartbeat,
 which the control channel's I/O thread sends on the same socket as the worker's requests. When the
 dispatcher restarts it no longer knows the worker: calls then raise :class:`WorkerLost`, and the
-worker registers again (:mod:`common.worker_loop`).
+worker registers again (:mod:`common.worker.loop`).
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import threading
 import time
 from typing import Any, Callable, TypeVar
 
-from common.client import DispatcherUnavailable
-from common.config import Config
-from common.control_channel import ControlChannel
-from common.curve import client_from_config
-from common.held_jobs import HeldJobs
-from common.protocol import ErrorCode, ProtocolError
+from common.wire.client import DispatcherUnavailable
+from common.run.config import Config
+from common.wire.control_channel import ControlChannel
+from common.wire.curve import client_from_config
+from common.worker.held_jobs import HeldJobs
+from common.wire.protocol import ErrorCode, ProtocolError
 
 log = logging.getLogger("hsd.worker")
 

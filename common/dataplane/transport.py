@@ -1,11 +1,11 @@
 """What workers use to move hidden states, whatever the transport kind.
 
-The dispatcher picks the kind (:func:`common.transport_info.resolve_transport`) and sends a ``transport_info`` map in
+The dispatcher picks the kind (:func:`common.dataplane.transport_info.resolve_transport`) and sends a ``transport_info`` map in
 its register reply; a target opens a :class:`TargetTransport` from it and writes slots, a drafter
 opens a :class:`DrafterTransport` and reads them. With ``shm`` every worker maps the dispatcher's
 pool; with ``cuda_ipc`` every target allocates its own slots on its GPU and sends the dispatcher
 their :meth:`TargetTransport.export`, which drafters receive with each job as ``ipc``. ``nixl`` is
-the same with the slots in the target node's memory, read across nodes (:mod:`common.node_slots`).
+the same with the slots in the target node's memory, read across nodes (:mod:`common.dataplane.node_slots`).
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from common.cuda_ipc import CudaIpcOpener, CudaSlotBlock
-from common.node_slots import NodeSlotBlock, NodeSlotReader
-from common.shm_arena import SlotArena
-from common.slots import SlotBatch, SlotCopy, SlotHeader, SlotLayout, SlotView, start_copy
-from common.transport_info import (TRANSPORT_CHOICES, TRANSPORT_KINDS, cuda_ipc_transport_info,  # noqa: F401
+from common.dataplane.cuda_ipc import CudaIpcOpener, CudaSlotBlock
+from common.dataplane.node_slots import NodeSlotBlock, NodeSlotReader
+from common.dataplane.shm_arena import SlotArena
+from common.dataplane.slots import SlotBatch, SlotCopy, SlotHeader, SlotLayout, SlotView, start_copy
+from common.dataplane.transport_info import (TRANSPORT_CHOICES, TRANSPORT_KINDS, cuda_ipc_transport_info,  # noqa: F401
                                    engine_missing, nixl_transport_info, parse_transport_info, resolve_transport,
                                    shm_transport_info)
 

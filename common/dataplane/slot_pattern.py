@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from common.slots import SlotHeader, SlotView
+from common.dataplane.slots import SlotHeader, SlotView
 
 _BITS = {torch.bfloat16: (torch.int16, 0x3FFF), torch.float16: (torch.int16, 0x3FFF),
          torch.float32: (torch.int32, 0x3FFFFFFF)}

@@ -1,6 +1,6 @@
 """The target model's ``config.json``, read one way for every process that needs its dimensions.
 
-The dispatcher derives the capture contract from it (:mod:`common.capture_contract`: architecture,
+The dispatcher derives the capture contract from it (:mod:`common.run.capture_contract`: architecture,
 decoder layers, hidden size), the target checks its loaded model against that, and both drafters
 size their layers from it (:class:`TargetDims`: hidden and MLP sizes, heads, vocabulary, RoPE). A
 drafter built from other dimensions than the contract's would not train on the captured states, so

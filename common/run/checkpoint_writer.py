@@ -1,8 +1,8 @@
 """Checkpoints written off the training thread: at most one in flight.
 
-A loop takes a :class:`common.witness.CheckpointSnapshot` at a step boundary (host copies of the
-state, :mod:`common.host_staging`) and hands it to :meth:`CheckpointWriter.start`; a thread writes
-and fsyncs it (:func:`common.witness.save_checkpoint`: a temporary directory renamed into place,
+A loop takes a :class:`common.run.witness.CheckpointSnapshot` at a step boundary (host copies of the
+state, :mod:`common.dataplane.host_staging`) and hands it to :meth:`CheckpointWriter.start`; a thread writes
+and fsyncs it (:func:`common.run.witness.save_checkpoint`: a temporary directory renamed into place,
 then ``latest``) while training goes on. :meth:`CheckpointWriter.poll` hands the loop each
 checkpoint once it is durable, and only then does the loop send ``checkpoint {model, step}``: the
 dispatcher hears of a checkpoint only when a crash can no longer lose it. A process killed
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 from common import faults
-from common.witness import Checkpoint, CheckpointSnapshot
+from common.run.witness import Checkpoint, CheckpointSnapshot
 
 log = logging.getLogger("hsd.checkpoint")
 

@@ -1,6 +1,6 @@
 """POSIX shared-memory slot arena: one segment holding every slot of the pool, as torch views.
 
-The dispatcher creates the segment (:mod:`common.shm_segment`, without torch) and alone unlinks it;
+The dispatcher creates the segment (:mod:`common.dataplane.shm_segment`, without torch) and alone unlinks it;
 workers attach by name and map it with ``mmap``, without Python's resource tracker.
 """
 
@@ -14,10 +14,10 @@ import weakref
 
 import torch
 
-from common.shm_segment import (SEGMENT_PREFIX, SEGMENT_RE, SHM_DIR, ShmSegment, check_fits, create_segment_fd,
+from common.dataplane.shm_segment import (SEGMENT_PREFIX, SEGMENT_RE, SHM_DIR, ShmSegment, check_fits, create_segment_fd,
                                 list_segments, segment_name, sweep_dead_segments, unlink_segment)
-from common.slot_layout import format_bytes
-from common.slots import SlotLayout, SlotView
+from common.dataplane.slot_layout import format_bytes
+from common.dataplane.slots import SlotLayout, SlotView
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ class SlotArena:
     def create(cls, run_id: str, layout: SlotLayout, num_slots: int, *, pin_device: torch.device | None = None
                ) -> SlotArena:
         """Create a pool and map it (tests and tools; the dispatcher, which never reads a slot, creates
-        its pool with :class:`common.shm_segment.PoolSegment`). Fails if it does not fit or exists.
+        its pool with :class:`common.dataplane.shm_segment.PoolSegment`). Fails if it does not fit or exists.
 
         ``pin_device`` is for a creator that itself copies to or from a GPU.
         """

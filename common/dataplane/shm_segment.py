@@ -1,7 +1,7 @@
 """POSIX shared-memory segments of hsdispatch, without torch: names, creation, sweeping.
 
 The dispatcher creates the run's pool segment (and alone unlinks it) but never reads a slot, so it
-needs only this module; workers map the segment as torch views through :mod:`common.shm_arena`.
+needs only this module; workers map the segment as torch views through :mod:`common.dataplane.shm_arena`.
 Segments are opened under ``/dev/shm`` with ``os.open`` rather than ``multiprocessing.shared_memory``,
 whose resource tracker would unlink the segment (or warn about a "leak") when an attaching worker exits.
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from common.slot_layout import SlotLayout, format_bytes
+from common.dataplane.slot_layout import SlotLayout, format_bytes
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from typing import Any
 import psutil
 import torch
 
-from common.slots import SlotBatch, SlotCopy, SlotLayout, SlotView, start_copy
+from common.dataplane.slots import SlotBatch, SlotCopy, SlotLayout, SlotView, start_copy
 
 # shm_open of this name fails, which is what turns a consumer's counter release into a no-op.
 _NO_REF_COUNTER = b"/hsd_no_ipc_refcount"

@@ -1,0 +1,1 @@
+"""Run state: the configuration, the capture contract, the witness and checkpoints, servable layers, prepared data, durable writes."""
