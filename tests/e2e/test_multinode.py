@@ -177,7 +177,6 @@ def test_a_group_with_a_rank_on_each_node_meets_without_a_shared_run_dir(run_dir
         ranks[name] = start_hsd("drafter", "--config", str(config), "--name", name, *more, *_GROUP,
                                 log_path=tmp_path / f"{log_name or name}.log")
 
-    # a target slow enough that the run outlasts drafter-b's restart (5 s here) by some 12 steps (15 s)
     node_a = _node_a(run_dir, keys, "target.count=1", "drafter.count=0", "data.synthetic_samples=200",
                      "target.sim_cost_per_token=4e-5", "target.hidden_size=16", "target.num_capture_layers=2")
     with running_hsd("launch", *node_a, log_path=tmp_path / "launch.log") as launch:
@@ -193,7 +192,22 @@ def test_a_group_with_a_rank_on_each_node_meets_without_a_shared_run_dir(run_dir
             b_args = (node_b_config, "--node", "b", f"curve.client_secret_key={keys / 'node-b.key_secret'}")
             start_rank("drafter-b", *b_args)
             assert ranks["drafter-b"].wait(timeout=240) == -9, (tmp_path / "drafter-b.log").read_text()[-3000:]
-            start_rank("drafter-b", *b_args, log_name="drafter-b-restarted")  # the kill's marker in its run.dir stays
+            # once drafter-a has committed alone, node a's target is held until drafter-b is back in
+            # line: however long its restart takes on this machine, the run cannot end before it rejoins
+            wait_for_stats(run_dir, lambda s: (lambda g: g.get("world_size") == 1 and g.get("steps_since_change", 0) >= 1)(
+                s["groups"].get("drafter", {})), 120, what="drafter-a committing alone")
+            targets = [p for p in psutil.Process(launch.pid).children(recursive=True)
+                       if " target " in " ".join(p.cmdline()) + " "]
+            assert targets, "no target process under hsd launch"
+            for target in targets:
+                target.suspend()
+            try:
+                start_rank("drafter-b", *b_args, log_name="drafter-b-restarted")  # the kill's marker in its run.dir stays
+                wait_for_stats(run_dir, lambda s: (lambda g: g.get("waiting") or g.get("world_size") == 2)(
+                    s["groups"].get("drafter", {})), 120, what="drafter-b back, waiting to rejoin or rejoined")
+            finally:
+                for target in targets:
+                    target.resume()
             assert launch.wait(timeout=240) == 0, (tmp_path / "launch.log").read_text()[-3000:]
             for name, rank in ranks.items():
                 assert rank.wait(timeout=60) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
