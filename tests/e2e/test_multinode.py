@@ -10,6 +10,7 @@ running with a run directory of its own.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import socket
 import subprocess
@@ -57,6 +58,21 @@ def _start_on_b(run_dir, keys, tmp_path, role: str, name: str, node: str | None 
                      log_path=tmp_path / f"{name}.log")
 
 
+@contextlib.contextmanager
+def _targets_held(launch):
+    """Node a's targets under ``hsd launch`` stopped (SIGSTOP) for the block: the run cannot end meanwhile."""
+    targets = [p for p in psutil.Process(launch.pid).children(recursive=True)
+               if " target " in " ".join(p.cmdline()) + " "]
+    assert targets, "no target process under hsd launch"
+    for target in targets:
+        target.suspend()
+    try:
+        yield
+    finally:
+        for target in targets:
+            target.resume()
+
+
 def _run(run_dir, keys, tmp_path, node_a: list[str], on_b: list[tuple[str, str]], node_b: str | None = "b") -> dict:
     b = node_b or socket.gethostname()  # without --node: its hostname, whatever node a's file said
     with running_hsd("launch", *_node_a(run_dir, keys, *node_a), log_path=tmp_path / "launch.log") as launch:
@@ -68,12 +84,7 @@ def _run(run_dir, keys, tmp_path, node_a: list[str], on_b: list[tuple[str, str]]
                                    what="node a's target and node b's drafters registered")
             assert set(nodes) == {"a", b}
             # node a's targets held while the stats are asked: the run cannot end under the questions
-            targets = [p for p in psutil.Process(launch.pid).children(recursive=True)
-                       if " target " in " ".join(p.cmdline()) + " "]
-            assert targets, "no target process under hsd launch"
-            for target in targets:
-                target.suspend()
-            try:
+            with _targets_held(launch):
                 assert f"node {b}:" in hsd("stats", "--run-dir", str(run_dir)).stdout
                 # as on node b: the run's config and node b's own key pair
                 assert f"node {b}:" in hsd("stats", "--config", str(run_dir / "config.yaml"),
@@ -84,9 +95,6 @@ def _run(run_dir, keys, tmp_path, node_a: list[str], on_b: list[tuple[str, str]]
                                            "--client", "node-b").stdout
                 refused = hsd("stats", "--endpoint", endpoint, check=False)
                 assert refused.returncode == 1 and "CURVE handshake refused" in refused.stdout, refused.stdout
-            finally:
-                for target in targets:
-                    target.resume()
             assert launch.wait(timeout=240) == 0, (tmp_path / "launch.log").read_text()[-3000:]
             for worker in workers:
                 assert worker.wait(timeout=60) == 0, worker.args
@@ -196,18 +204,10 @@ def test_a_group_with_a_rank_on_each_node_meets_without_a_shared_run_dir(run_dir
             # line: however long its restart takes on this machine, the run cannot end before it rejoins
             wait_for_stats(run_dir, lambda s: (lambda g: g.get("world_size") == 1 and g.get("steps_since_change", 0) >= 1)(
                 s["groups"].get("drafter", {})), 120, what="drafter-a committing alone")
-            targets = [p for p in psutil.Process(launch.pid).children(recursive=True)
-                       if " target " in " ".join(p.cmdline()) + " "]
-            assert targets, "no target process under hsd launch"
-            for target in targets:
-                target.suspend()
-            try:
+            with _targets_held(launch):
                 start_rank("drafter-b", *b_args, log_name="drafter-b-restarted")  # the kill's marker in its run.dir stays
                 wait_for_stats(run_dir, lambda s: (lambda g: g.get("waiting") or g.get("world_size") == 2)(
                     s["groups"].get("drafter", {})), 120, what="drafter-b back, waiting to rejoin or rejoined")
-            finally:
-                for target in targets:
-                    target.resume()
             assert launch.wait(timeout=240) == 0, (tmp_path / "launch.log").read_text()[-3000:]
             for name, rank in ranks.items():
                 assert rank.wait(timeout=60) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
