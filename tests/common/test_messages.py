@@ -1,0 +1,70 @@
+"""The typed wire: what a decoded request refuses, and that every reply type round-trips."""
+
+import msgpack
+import pytest
+
+from common.wire import messages as m
+
+
+def pack(fields: dict) -> bytes:
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+def refused(fields) -> tuple[str, int | None, str]:
+    with pytest.raises(m.ProtocolError) as caught:
+        m.decode_request(pack(fields))
+    return caught.value.code, caught.value.request_id, caught.value.message
+
+
+def test_a_request_round_trips_as_the_struct_it_was():
+    sent = m.CommitStep(id=7, worker_id="d0.1", token="t", model="m", step=3, job_ids=[4, 5], busy_s=1,
+                        metrics={"loss": 2.5, "step": 2}, rank_jobs=[1, 1], rank_busy_s=[0.5, 0.5])
+    got = m.decode_request(m.encode(sent))
+    assert got == sent and isinstance(got, m.CommitStep) and m.op_of(got) == "commit_step"
+    assert msgpack.unpackb(m.encode(sent))["op"] == "commit_step"  # the wire keeps the op as a map field
+
+
+def test_bad_requests_get_the_code_and_the_field_they_broke():
+    v = m.PROTOCOL_VERSION
+    assert refused({"v": 99, "op": "get_job", "id": 3})[:2] == (m.ErrorCode.BAD_VERSION, 3)
+    assert refused({"v": v, "op": "launch_missiles", "id": 4})[:2] == (m.ErrorCode.UNKNOWN_OP, 4)
+    code, rid, message = refused({"v": v, "op": "get_job", "id": 5})
+    assert (code, rid) == (m.ErrorCode.MALFORMED, 5) and "wait_ms" in message
+    code, _, message = refused({"v": v, "op": "get_job", "id": 6, "wait_ms": True})  # a bool is no integer
+    assert code == m.ErrorCode.MALFORMED and "$.wait_ms" in message
+    code, _, message = refused({"v": v, "op": "register", "id": 8, "role": "boss", "name": "x", "pid": 1, "host": "h"})
+    assert code == m.ErrorCode.MALFORMED and "$.role" in message
+    code, _, message = refused({"v": v, "op": "commit_step", "id": 9, "model": "m", "step": 1, "job_ids": [1],
+                                "busy_s": 0.1, "rank_jobs": [1], "rank_busy_s": []})
+    assert code == m.ErrorCode.MALFORMED and "equal length" in message
+    code, _, message = refused({"v": v, "op": "checkpoint", "id": 10, "model": "m", "step": 1,
+                                "metrics": {f"k{i}": 1.0 for i in range(m.MAX_STEP_METRICS + 1)}})
+    assert code == m.ErrorCode.MALFORMED and "$.metrics" in message
+    assert refused([1, 2])[0] == m.ErrorCode.MALFORMED
+    with pytest.raises(m.ProtocolError) as caught:
+        m.decode_request(b"\xc1 not msgpack")
+    assert caught.value.code == m.ErrorCode.MALFORMED
+    with pytest.raises(m.ProtocolError) as caught:
+        m.decode_request(b"x" * 100, max_bytes=10)
+    assert caught.value.code == m.ErrorCode.TOO_LARGE
+
+
+def test_unknown_fields_of_a_newer_peer_are_ignored():
+    got = m.decode_request(pack({"v": m.PROTOCOL_VERSION, "op": "consumed", "id": 1, "worker_id": "d0.1",
+                                 "job_id": 3, "comes_later": [1, 2]}))
+    assert got == m.Consumed(id=1, worker_id="d0.1", job_id=3)
+
+
+def test_every_op_has_a_reply_type_and_an_error_reply_raises():
+    assert m.REQUEST_TYPES.keys() == m.REPLY_TYPES.keys()
+    job = m.Job(job_id=1, epoch=0, bucket=2, seq_len=64, samples=[3, 4], lengths=[60, 64], num_tokens=124, slot=5,
+                generation=9, grant=1)
+    frame = m.encode(m.GrantReply(id=12, job=job, done=False, flush=True))
+    assert m.reply_id(frame) == 12
+    assert m.decode_reply(frame, "get_hs") == m.GrantReply(id=12, job=job, done=False, flush=True)
+    with pytest.raises(m.ProtocolError) as caught:
+        m.decode_reply(m.encode(m.error_reply(13, m.ErrorCode.BAD_STATE, "job 1 is not extracting")), "job_ready")
+    assert (caught.value.code, caught.value.message) == (m.ErrorCode.BAD_STATE, "job 1 is not extracting")
+    with pytest.raises(m.ProtocolError) as caught:  # a reply without the op's fields breaks the protocol
+        m.decode_reply(m.encode(m.Ack(id=14)), "commit_step")
+    assert caught.value.code == m.ErrorCode.MALFORMED
