@@ -394,13 +394,12 @@ class DispatcherCore(GroupOps):
         exception keeps the run live: when jobs of e went back to pending (a drafter died) while
         ready jobs of e+1 fill every slot, e+1 is served so that slots free up for e.
         """
-        no_free_slot = not self.pool.has_free_slot()
         for epoch in self.store.open_epochs():
             if self.pool.has_ready(epoch):
                 return epoch, self.ledger.count(epoch, JobState.PENDING) == 0
             if self.ledger.count(epoch, JobState.EXTRACTING, JobState.READY):
                 return None
-            if self.ledger.count(epoch, JobState.PENDING) and not no_free_slot:
+            if self.ledger.count(epoch, JobState.PENDING) and self.pool.has_free_slot():
                 return None
         return None
 
