@@ -1,19 +1,25 @@
 """The core's ops for data-parallel drafter groups: ranks wait, versions open and end (see
-:mod:`dispatcher.groups` for the rules). A mixin of :class:`dispatcher.core.DispatcherCore`: it
-decides with the core's ledger and journal, and like the core it has no sockets and no clock.
+:mod:`dispatcher.groups` for the rules), and the steps of a cost-balanced group are shared out. It
+decides with the ledger, the jobs' and the models' ops it is given; like the core it has no sockets
+and no clock.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from common.wire.protocol import parse_store_address, store_address
-from dispatcher.groups import DrafterGroup, GroupSpec, Membership
-from dispatcher.ledger import LedgerError
+from dispatcher.checkpoints import KnownCheckpoints
+from dispatcher.groups import DrafterGroup, DrafterGroups, GroupSpec, Membership
+from dispatcher.job_ops import JobOps
+from dispatcher.journal import Journal
+from dispatcher.ledger import JobLedger, LedgerError
+from dispatcher.model_ops import ModelOps
+from dispatcher.registry import WorkerRegistry
 from dispatcher.step_balance import CostModel, has_its_share, job_features
 
 log = logging.getLogger("hsd.dispatcher")
@@ -32,6 +38,19 @@ class RegisteredModel:
 
 
 class GroupOps:
+    def __init__(self, *, groups: DrafterGroups, ledger: JobLedger, checkpoints: KnownCheckpoints,
+                 registry: WorkerRegistry, jobs: JobOps, models: ModelOps, journal: Journal,
+                 is_done: Callable[[], bool]):
+        self.groups = groups
+        self.ledger = ledger
+        self.checkpoints = checkpoints
+        self.registry = registry
+        self.jobs = jobs
+        self.models = models
+        self.journal = journal
+        self._is_done = is_done  # the run's: no version opens once it is done
+        self.step_costs: dict[str, CostModel] = {}  # model -> its group's cost per job (dispatcher.step_balance)
+
     def _group_spec(self, fields: Any) -> GroupSpec | None:
         """``model.group`` of a register request: {size, min_ranks?, max_ranks?, balance?, accum_steps?,
         elastic_batch?} (None: a lone drafter)."""
@@ -54,7 +73,7 @@ class GroupOps:
             raise LedgerError(f"model.group: {exc}") from None
         return spec
 
-    def _registered_model(self, role: str, model: Any) -> RegisteredModel | None:
+    def registered_model(self, role: str, model: Any) -> RegisteredModel | None:
         """A register request's ``model`` (None for a worker that names none)."""
         if model is None:
             return None
@@ -94,9 +113,9 @@ class GroupOps:
     def _busy(self, group: DrafterGroup) -> bool:
         return any(self.ledger.held_by(w) for w in group.members)
 
-    def _maybe_open(self, group: DrafterGroup, now: float) -> None:
+    def maybe_open(self, group: DrafterGroup, now: float) -> None:
         """Open the group's next version when its rules allow it now (never once the run is done)."""
-        if self.done:
+        if self._is_done():
             return
         ledger_step = self.ledger.model_step.get(group.model, 0)
         if not self.groups.may_open(group, busy=self._busy(group), ledger_step=ledger_step,
@@ -105,21 +124,21 @@ class GroupOps:
         opened = self.groups.open(group, ledger_step)
         for worker_id in opened.previous_members:  # what they hold belongs to a step that will not complete
             for job in self.ledger.held_by(worker_id):
-                self._give_back(job, "membership_changed")
+                self.jobs.give_back(job, "membership_changed")
         if opened.rollback_to is not None or group.model not in self.ledger.model_index:
             # No rank holds the ledger's step (the whole group came back from a checkpoint), or the
             # model is new: the ledger takes the step of the state the group starts from.
-            self._rollback(group.model, group.step)
+            self.models.rollback(group.model, group.step)
         for worker_id, membership in group.memberships.items():
-            self.workers[worker_id].group = membership
-        ranks = {self.workers[w].name: r for w, r in group.members.items()}
+            self.registry.workers[worker_id].group = membership
+        ranks = {self.registry.workers[w].name: r for w, r in group.members.items()}
         transfer = next(iter(group.memberships.values())).transfer
         log.info("model %s: membership %d opens at step %d with %d rank(s) %s%s", group.model, group.version,
                  group.step, len(ranks), ranks, " (the state goes out from rank 0)" if transfer else "")
         self.journal.record("membership", model=group.model, version=group.version, step=group.step,
                             ranks=list(group.members), transfer=transfer)
 
-    def _rank_left(self, worker_id: str, now: float) -> None:
+    def rank_left(self, worker_id: str, now: float) -> None:
         """A rank deregistered or died: when it was a member its version ends, and the next one opens
         with the others (when they are enough) at once."""
         group = self.groups.leave(worker_id)
@@ -129,18 +148,18 @@ class GroupOps:
     def _end_version(self, group: DrafterGroup, now: float, *, reopen: bool = True) -> None:
         ended = group.version
         for other in self.groups.end_version(group, self.ledger.model_step.get(group.model, 0)):
-            self.workers[other].group = None
+            self.registry.workers[other].group = None
             for job in self.ledger.held_by(other):  # the step in flight cannot complete
-                self._give_back(job, "membership_changed")
+                self.jobs.give_back(job, "membership_changed")
         log.info("model %s: membership %d ended", group.model, ended)
         if reopen:
-            self._maybe_open(group, now)
+            self.maybe_open(group, now)
 
-    def _step_boundary(self, worker_id: str, now: float) -> None:
+    def step_boundary(self, worker_id: str, now: float) -> None:
         """Before a member's next pull: waiting ranks join once no member holds a job."""
         group = self.groups.group_of(worker_id)
         if group is not None and group.waiting:
-            self._maybe_open(group, now)
+            self.maybe_open(group, now)
 
     def join_group(self, worker_id: str, now: float, *, after: int, step: int,
                    failed: bool = False) -> Membership | None:
@@ -148,7 +167,7 @@ class GroupOps:
 
         ``step`` is the model step the rank holds now. ``failed``: a collective of version ``after``
         failed on this rank, so that version cannot step any more and ends now."""
-        self.worker(worker_id, now)
+        self.registry.get(worker_id, now)
         group = self.groups.group_of_rank(worker_id)
         if group is None:
             raise LedgerError(f"{worker_id} did not register as a rank of a data-parallel group")
@@ -164,7 +183,7 @@ class GroupOps:
             else:
                 return None  # the version ends when the member that is leaving it deregisters
         self.groups.report_step(worker_id, step)
-        self._maybe_open(group, now)
+        self.maybe_open(group, now)
         membership = group.memberships.get(worker_id)
         return membership if membership is not None and group.version > after else None
 
@@ -174,7 +193,7 @@ class GroupOps:
         ``membership`` that could not receive the outcome from its rank 0 (dead inside its commit).
         That version ends now if it still stands, so a commit of it that had not landed yet never
         will (it is refused as from an ended version): the answer holds for good."""
-        self.worker(worker_id, now)
+        self.registry.get(worker_id, now)
         group = self.groups.group_of_rank(worker_id)
         if group is None or group.model != model:
             raise LedgerError(f"{worker_id} is not a rank of a group of model {model}")
@@ -185,10 +204,10 @@ class GroupOps:
         return self.ledger.last_commit.get(model) == (step, tuple(job_ids))
 
     # -- steps balanced by cost (dispatcher.step_balance) ------------------------------------------
-    def _job_features(self, job_id: int) -> np.ndarray:
-        return job_features(self.job_lengths(job_id))
+    def job_features(self, job_id: int) -> np.ndarray:
+        return job_features(self.jobs.job_lengths(job_id))
 
-    def _step_costs(self, model: str) -> CostModel:
+    def costs_of(self, model: str) -> CostModel:
         costs = self.step_costs.get(model)
         if costs is None:
             costs = self.step_costs[model] = CostModel()
@@ -199,8 +218,8 @@ class GroupOps:
         flight (it is then told so once; its next poll waits for the step to commit)."""
         held = {member: self.ledger.held_by(member) for member in group.members}
         remaining = group.step_jobs - sum(len(jobs) for jobs in held.values())
-        costs = self._step_costs(group.model)
-        loads = {member: sum(costs.estimate(self._job_features(job.job_id)) for job in jobs)
+        costs = self.costs_of(group.model)
+        loads = {member: sum(costs.estimate(self.job_features(job.job_id)) for job in jobs)
                  for member, jobs in held.items()}
         granted = sum(len(jobs) for jobs in held.values())
         job_cost = sum(loads.values()) / granted if granted else 1.0
@@ -217,15 +236,23 @@ class GroupOps:
         seconds on them: observations of the cost model. Unknown job ids are left out."""
         if not rank_jobs or not rank_busy_s or len(rank_jobs) != len(rank_busy_s) or sum(rank_jobs) != len(job_ids):
             return
-        costs = self._step_costs(model)
+        costs = self.costs_of(model)
         start = 0
         for count, busy_s in zip(rank_jobs, rank_busy_s):
             if count:
                 try:
-                    costs.observe(sum(self._job_features(j) for j in job_ids[start:start + count]), busy_s)
+                    costs.observe(sum(self.job_features(j) for j in job_ids[start:start + count]), busy_s)
                 except (KeyError, IndexError, ValueError):  # a job id of no epoch this dispatcher holds
                     pass
             start += count
+
+    def after_commit(self, group: DrafterGroup, job_ids: list[int], rank_jobs: list[int] | None,
+                     rank_busy_s: list[float] | None, now: float) -> None:
+        """A step of ``group`` committed: its shares start over, the cost model learns from its ranks'
+        times, and waiting ranks join at this step boundary."""
+        group.full = set()
+        self._observe_step_costs(group.model, job_ids, rank_jobs, rank_busy_s)
+        self.maybe_open(group, now)
 
     def checkpoint_to_load(self, worker_id: str) -> int | None:
         """For a waiting rank's empty ``join_group`` reply: the checkpoint it must load first (see

@@ -86,18 +86,18 @@ def test_a_cost_balanced_rank_holding_its_share_is_told_so_and_the_other_fills_t
         held[worker].append(grant.job.job_id)
         core.consumed(worker, grant.job.job_id, 2.0)
     assert sum(map(len, held.values())) == 6  # the step filled
-    costs = {w: sum(core._step_costs("m").estimate(core._job_features(j)) for j in jobs) for w, jobs in held.items()}
+    costs = {w: sum(core.group_ops.costs_of("m").estimate(core.group_ops.job_features(j)) for j in jobs) for w, jobs in held.items()}
     # a took the long jobs and has its share with fewer of them (counted out evenly: 3 each, 1500
     # against 660 padded tokens); the estimated costs end within one job of each other
     assert a.id in full and len(held[a.id]) < len(held[b.id]), held
-    biggest = max(core._step_costs("m").estimate(core._job_features(j)) for jobs in held.values() for j in jobs)
+    biggest = max(core.group_ops.costs_of("m").estimate(core.group_ops.job_features(j)) for jobs in held.values() for j in jobs)
     assert abs(costs[a.id] - costs[b.id]) <= biggest
     # a rank told so polls on as it goes to the all-reduce: that poll waits for the step to commit
     assert full == {a.id, b.id} and core.get_hs(a.id, 2.0, membership=version) == (None, False)
     jobs = held[a.id] + held[b.id]
     core.commit_step(a.id, jobs, 0.5, 3.0, model="m", step=1, membership=version,
                      rank_jobs=[len(held[a.id]), len(held[b.id])], rank_busy_s=[0.3, 0.31])
-    assert not group.full and core._step_costs("m").observations == 2
+    assert not group.full and core.group_ops.costs_of("m").observations == 2
     grant, _ = core.get_hs(a.id, 4.0, membership=version)
     assert grant is not None and grant != STEP_FULL  # the next step hands out jobs again
 

@@ -1,0 +1,239 @@
+"""The core's job and slot ops: a target takes a pending job into a free slot and reports it ready;
+a drafter takes a ready slot, copies it out and frees it. Every hand-over moves the job in the ledger
+and the slot in the pool together, and journals it.
+
+No sockets and no clock: :class:`dispatcher.core.DispatcherCore` passes ``now`` and decides, before
+calling here, what depends on the run or on a drafter's group (done, a rank's version).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from dispatcher.core_types import CoreOptions, Counters, JobGrant, Worker
+from dispatcher.epochs import EpochStore
+from dispatcher.groups import DrafterGroup
+from dispatcher.journal import Journal
+from dispatcher.ledger import Job, JobLedger, JobState, LedgerError, split_job_id
+from dispatcher.pool import HSPool
+from dispatcher.registry import WorkerRegistry
+
+log = logging.getLogger("hsd.dispatcher")
+
+
+class JobOps:
+    def __init__(self, options: CoreOptions, *, lengths: np.ndarray, ledger: JobLedger, pool: HSPool,
+                 store: EpochStore, registry: WorkerRegistry, journal: Journal, counters: Counters,
+                 shared_slots: int):
+        self.options = options
+        self.lengths = lengths
+        self.ledger = ledger
+        self.pool = pool
+        self.store = store
+        self.registry = registry
+        self.journal = journal
+        self.counters = counters
+        self._next_slot_id = shared_slots
+        pool.add_slots(range(shared_slots))
+
+    # -- what a job is --------------------------------------------------------------------------
+    def grant(self, job: Job, slot_id: int) -> JobGrant:
+        facts = job.grant
+        if facts is None:  # its samples, their lengths, the padded length and the tokens: read once per job
+            schedule = self.store.schedule(job.epoch)
+            samples = schedule.sample_array(split_job_id(job.job_id)[1])
+            lengths = self.lengths[samples].tolist()
+            facts = job.grant = (samples.tolist(), lengths, schedule.padded_len(job.bucket, lengths), sum(lengths))
+        samples, lengths, seq_len, _ = facts
+        owner = self.pool.slots[slot_id].owner
+        workers = self.registry.workers
+        base = workers[owner].slot_base if owner else 0
+        holder = workers[job.holder]
+        holder.num_grants += 1
+        job.grant_seq = holder.num_grants
+        return JobGrant(job, slot_id - base, owner, seq_len, samples, lengths, job.grant_seq)
+
+    def job_lengths(self, job_id_or_job: Job | int) -> np.ndarray:
+        """The lengths of a job's samples (its schedule says which)."""
+        job_id = job_id_or_job if isinstance(job_id_or_job, int) else job_id_or_job.job_id
+        epoch, index = split_job_id(job_id)
+        return self.lengths[self.store.schedule(epoch).samples_of(index)]
+
+    def num_tokens(self, job_id_or_job: Job | int) -> int:
+        if isinstance(job_id_or_job, Job) and job_id_or_job.grant is not None:
+            return job_id_or_job.grant[3]  # as its grant counted them
+        return int(self.job_lengths(job_id_or_job).sum())
+
+    def give_back(self, job: Job, reason: str) -> None:
+        """The job goes back to pending (or stays ready for another drafter), its slot with it."""
+        slot_id, holder = job.slot, job.holder
+        previous = self.ledger.give_back(job)
+        if previous is JobState.EXTRACTING:
+            if reason == "lease_expired":  # the writer may still be writing into it
+                self.pool.quarantine(slot_id)
+            else:  # the writer is gone, or says it does not hold the job
+                self.pool.abort_write(slot_id)
+        elif previous is JobState.TRAINING:
+            if slot_id in self.pool.slots:
+                self.pool.unread(slot_id, epoch=job.epoch, bucket=job.bucket)
+            else:  # the slot's memory went with its owner: extract the job again
+                self.ledger.drop_ready(job)
+        self.counters.given_back[reason.split(":")[0]] += 1
+        self.journal.record("give_back", job=job.job_id, was=previous.value, reason=reason, w=holder)
+
+    def give_back_unlisted(self, worker_id: str, holding: list[int], seen_grant: int) -> None:
+        """A job the ledger says the worker holds, granted no later than ``seen_grant``, but not in
+        ``holding``, was dropped or never reached it: it goes back at once."""
+        listed = set(holding)
+        for job in self.ledger.held_by(worker_id):
+            if job.job_id not in listed and job.grant_seq <= seen_grant:
+                self.give_back(job, "not_held")
+
+    def expire_leases(self, now: float) -> None:
+        for job in self.ledger.expired(now):
+            self.give_back(job, "lease_expired")
+
+    # -- a session's slots ------------------------------------------------------------------------
+    def register_slots(self, worker: Worker, ipc_block: dict[str, Any], num_slots: int) -> None:
+        """A cuda_ipc or nixl target's own slots join the pool; drafters get ``ipc_block`` to open them.
+        nixl slots live on the target's node (cuda_ipc ones on the dispatcher's, as every worker)."""
+        if worker.role != "target" or worker.ipc_block is not None:
+            raise LedgerError(f"{worker.id} cannot register slots (not a target, or registered them already)")
+        if num_slots <= 0:
+            raise LedgerError("num_slots must be positive")
+        worker.ipc_block, worker.slot_base = ipc_block, self._next_slot_id
+        self._next_slot_id += num_slots
+        self.pool.add_slots(range(worker.slot_base, worker.slot_base + num_slots), owner=worker.id,
+                            node=worker.node if ipc_block.get("kind") == "nixl" else None)
+        if self.pool.effective_min_ready < self.pool.min_ready:
+            log.warning("pool.min_ready=%d cannot be reached with the %d slot(s) live targets registered (and "
+                        "pool.target_credits=%d): drafters are served from %d ready slot(s)", self.pool.min_ready,
+                        len(self.pool.slots), self.pool.target_credits, self.pool.effective_min_ready)
+
+    def end_session(self, worker: Worker, reason: str) -> None:
+        """What a leaving worker held goes back; a target's own slots leave the pool with it."""
+        for job in self.ledger.held_by(worker.id):
+            self.give_back(job, reason)
+        self.pool.release_quarantined(worker.id)
+        if worker.ipc_block is not None:
+            for slot in self.pool.remove_owner(worker.id):
+                job = self.ledger.jobs.get(slot.job_id)
+                if job is not None and job.state is JobState.READY:
+                    self.ledger.drop_ready(job)
+                    self.counters.given_back["slot_lost"] += 1
+
+    # -- targets ------------------------------------------------------------------------------------
+    def take_pending(self, worker: Worker, now: float) -> JobGrant | None:
+        """The next pending job into a free slot for target ``worker`` (None: it waits)."""
+        self.store.maybe_start_next()
+        queue = worker.queue if self.options.num_target_queues else 0
+        head = self.ledger.peek_pending(queue) if queue is not None else None
+        if head is None:
+            self.registry.wait(worker, "starved", now)
+            return None
+        slot_id = self.pool.writable_slot(worker.id)
+        if slot_id is None:
+            self.registry.wait(worker, "blocked", now)
+            return None
+        generation = self.pool.begin_write(slot_id, worker.id, head)
+        job = self.ledger.start_extract(worker.id, slot_id, generation, now, self.options.lease_s, queue, head=head)
+        self.registry.end_wait(worker, now)
+        return self.grant(job, slot_id)
+
+    def job_ready(self, worker: Worker, job_id: int, generation: int, busy_s: float) -> None:
+        job = self.ledger.mark_ready(job_id, worker.id, generation)
+        self.pool.publish(job.slot, epoch=job.epoch, bucket=job.bucket)
+        num_tokens = self.num_tokens(job)
+        worker.num_tokens += num_tokens
+        worker.num_jobs += 1
+        self.journal.record("ready", job=job_id, w=worker.id, tokens=num_tokens, busy_s=round(busy_s, 6))
+
+    def job_failed(self, worker_id: str, job_id: int, reason: str) -> None:
+        job = self.ledger.jobs.get(job_id)
+        if job is None or job.state is not JobState.EXTRACTING or job.holder != worker_id:
+            raise LedgerError(f"job {job_id} is not being extracted by {worker_id}")
+        slot_id = job.slot
+        self.ledger.give_back(job)
+        self.pool.abort_write(slot_id)  # the writer says it stopped writing
+        self.counters.given_back["target_failed"] += 1
+        self.journal.record("give_back", job=job_id, was="extracting", reason=f"target_failed: {reason}"[:200],
+                            w=worker_id)
+
+    # -- drafters -----------------------------------------------------------------------------------
+    def serving_epoch(self) -> tuple[int, bool] | None:
+        """The epoch drafters take from now, and whether its tail drains (nothing left to extract).
+
+        Epochs are consumed in order: a drafter moves on to epoch e+1 only once every job of e has
+        been handed to a drafter, so the consumed stream of each epoch stays proportional. One
+        exception keeps the run live: when jobs of e went back to pending (a drafter died) while
+        ready jobs of e+1 fill every slot, e+1 is served so that slots free up for e.
+        """
+        for epoch in self.store.open_epochs():
+            if self.pool.has_ready(epoch):
+                return epoch, self.ledger.count(epoch, JobState.PENDING) == 0
+            if self.ledger.count(epoch, JobState.EXTRACTING, JobState.READY):
+                return None
+            if self.ledger.count(epoch, JobState.PENDING) and self.pool.has_free_slot():
+                return None
+        return None
+
+    def nothing_left_to_hand_out(self) -> bool:
+        epoch_jobs = self.store.epoch_jobs
+        if max(epoch_jobs) + 1 < self.options.epochs:
+            return False
+        return all(self.ledger.count(e, JobState.PENDING, JobState.EXTRACTING, JobState.READY) == 0
+                   for e in epoch_jobs)
+
+    def take_ready(self, worker: Worker, group: DrafterGroup | None, now: float) -> tuple[JobGrant | None, bool]:
+        """(grant, flush) of a ready slot for drafter ``worker`` (of ``group``, a rank's), picked to keep
+        its step's buckets mixed; flush: nothing more is coming, commit the partial step."""
+        serving = self.serving_epoch()
+        servable = self.pool.servable_nodes(draining=serving[1]) if serving is not None else None
+        if not servable:  # the min-ready reservoir keeps a mix to choose from unless the epoch's tail drains
+            self.registry.wait(worker, "starved", now)
+            return None, self.nothing_left_to_hand_out()
+        epoch = serving[0]
+        progress = self.ledger.epochs[epoch]
+        # A group's step spans every rank's micro-batches: its window is what all of them hold.
+        stepper: Worker | DrafterGroup = group or worker
+        window = self.ledger.held_buckets(group.members if group else (worker.id,))
+        eligible = self.pool.eligible(epoch, totals=progress.bucket_totals, taken=progress.taken,
+                                      num_jobs=progress.num_jobs, num_taken=progress.num_taken)
+        if not window:  # it holds nothing: a new accumulation window opens
+            stepper.window_avail, stepper.window_mixed = len(eligible), True
+        waited_s = now - worker.waiting_since if worker.waiting_since is not None else 0.0
+        ready = self.pool.pick(epoch, eligible=eligible, window=window, node=worker.node, servable=servable,
+                               waited_s=waited_s)
+        if ready is None:  # only other nodes' slots, and not waited long enough for one of them
+            self.registry.wait(worker, "local_wait", now)
+            return None, False
+        self.counters.reads[worker.node, "local" if ready.local_to(worker.node) else "remote"] += 1
+        if ready.bucket in window and any(b not in window for b in eligible):
+            stepper.window_mixed = False
+        self.pool.begin_read(ready)
+        job = self.ledger.start_training(ready.job_id, worker.id, now, self.options.lease_s)
+        self.registry.end_wait(worker, now)
+        return self.grant(job, ready.slot), False
+
+    def consumed(self, worker: Worker, job_id: int) -> None:
+        job = self.ledger.jobs.get(job_id)
+        slot_id = job.slot if job is not None else None
+        self.ledger.mark_consumed(job_id, worker.id)
+        slot = self.pool.slots.get(slot_id)
+        remote = {"remote": 1} if slot is not None and slot.node not in (None, worker.node) else {}
+        self.pool.release(slot_id)
+        self.journal.record("consumed", job=job_id, w=worker.id, bucket=job.bucket, **remote)
+
+    def read_failed(self, worker_id: str, job_id: int, reason: str) -> None:
+        """The drafter found the slot stale: its data cannot be trusted, so the job is extracted again."""
+        job = self.ledger.jobs.get(job_id)
+        if job is None or job.state is not JobState.TRAINING or job.holder != worker_id:
+            raise LedgerError(f"job {job_id} is not being read by {worker_id}")
+        slot_id = job.slot
+        self.ledger.drop_ready(job)
+        self.pool.discard_ready(slot_id)
+        self.counters.given_back["read_failed"] += 1
+        self.journal.record("give_back", job=job_id, was="training", reason=f"read_failed: {reason}"[:200], w=worker_id)
