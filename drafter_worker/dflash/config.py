@@ -11,15 +11,14 @@ rarely should.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.run.config import ConfigError, DFlashModelKeys, DFlashSection, model_keys, opt
+from common.run.config import ConfigError, DFlashModelKeys, DFlashSection, opt
 from common.run.target_config import TargetDims
 from drafter_worker.layers import check_rope_scaling
-from drafter_worker.recipe import validate_recipe
+from drafter_worker.train_section import TrainSection
 
 # Loss decay gamma per block size, as published with the method; other block sizes need an explicit gamma.
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -112,21 +111,14 @@ class DFlashConfig(DFlashModelKeys):
 
 
 @dataclass
-class DFlashTrainConfig(DFlashSection):
+class DFlashTrainConfig(TrainSection, DFlashSection):
     """The ``dflash`` config section as the trainer takes it. Its keys, defaults and help lines are
     the section's own (declared once, in :class:`common.run.config.DFlashSection`); what this adds is what a
     training run needs beyond a loadable config: ``total_steps`` resolved to a positive count (the
     section's 0 means "derive it from the run", which :mod:`drafter_worker.drafter_backend` does) and
     the optimizer values checked before a model is built."""
 
-    @classmethod
-    def from_section(cls, section: DFlashSection, *, total_steps: int) -> "DFlashTrainConfig":
-        """The run's ``dflash`` section with its total steps resolved."""
-        return cls(**{**dataclasses.asdict(section), "total_steps": total_steps})
+    SECTION = "dflash"
+    MODEL_KEYS = DFlashModelKeys
+    MODEL_CONFIG = DFlashConfig
 
-    def validate(self) -> None:
-        validate_recipe("dflash", self)
-
-    def model_config(self, target_dir: str | Path, layer_ids: list[int]) -> DFlashConfig:
-        """The draft model of this section's model keys on the target at ``target_dir``."""
-        return DFlashConfig.from_target(target_dir, layer_ids=layer_ids, **model_keys(DFlashModelKeys, self))

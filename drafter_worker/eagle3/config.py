@@ -10,14 +10,13 @@ head is the drafter's own, over the draft vocabulary.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.run.config import ConfigError, Eagle3ModelKeys, Eagle3Section, model_keys, opt
+from common.run.config import ConfigError, Eagle3ModelKeys, Eagle3Section, opt
 from common.run.target_config import TargetDims
 from drafter_worker.layers import check_rope_scaling
-from drafter_worker.recipe import validate_recipe
+from drafter_worker.train_section import TrainSection
 
 NUM_FUSED_LAYERS = 3  # serving engines build fc as 3 x hidden -> hidden
 
@@ -80,16 +79,10 @@ class Eagle3Config(Eagle3ModelKeys):
 
 
 @dataclass
-class Eagle3TrainConfig(Eagle3Section):
+class Eagle3TrainConfig(TrainSection, Eagle3Section):
     """The ``eagle3`` config section as the trainer takes it: ``total_steps`` resolved to a positive count."""
 
-    @classmethod
-    def from_section(cls, section: Eagle3Section, *, total_steps: int) -> "Eagle3TrainConfig":
-        return cls(**{**dataclasses.asdict(section), "total_steps": total_steps})
+    SECTION = "eagle3"
+    MODEL_KEYS = Eagle3ModelKeys
+    MODEL_CONFIG = Eagle3Config
 
-    def validate(self) -> None:
-        validate_recipe("eagle3", self)
-
-    def model_config(self, target_dir: str | Path, layer_ids: list[int]) -> Eagle3Config:
-        """The draft model of this section's model keys on the target at ``target_dir``."""
-        return Eagle3Config.from_target(target_dir, layer_ids=layer_ids, **model_keys(Eagle3ModelKeys, self))
