@@ -29,6 +29,7 @@ import torch
 
 from benchmarks.gpu_sections import CheckContext, Skip
 from common.run.config import Objective
+from common.wire import messages
 
 REPO = Path(__file__).resolve().parent.parent
 CUDA_TESTS = ("tests/common/test_cuda_ipc.py", "tests/common/test_cuda_ipc_cache.py", "tests/common/test_shm_pinning.py")
@@ -192,7 +193,9 @@ def _batches(ctx: CheckContext, config, count: int, *, batch: int = 4, seq_len: 
         lens = torch.full((batch,), seq_len, dtype=torch.int32)
         header = SlotHeader(generation=1, job_id=job_id, bucket=0, batch_size=batch, seq_len=seq_len,
                             num_tokens=batch * seq_len)
-        out.append(({"job_id": job_id}, SlotBatch(*(t.to(ctx.device) for t in (hs, ids, mask, lens)), header)))
+        job = messages.Job(job_id=job_id, epoch=0, bucket=0, seq_len=seq_len, samples=list(range(batch)),
+                           lengths=[seq_len] * batch, num_tokens=batch * seq_len, slot=0, generation=1)
+        out.append((job, SlotBatch(*(t.to(ctx.device) for t in (hs, ids, mask, lens)), header)))
     return out
 
 
@@ -202,7 +205,7 @@ def _train(backend, jobs, steps: range, accum: int = 2) -> list[float]:
         window = jobs[accum * step:accum * step + accum]
         for job, batch in window:
             backend.micro_batch(job, batch)
-        losses.append(float(backend.apply_step([job["job_id"] for job, _ in window])["loss"]))
+        losses.append(float(backend.apply_step([job.job_id for job, _ in window])["loss"]))
     return losses
 
 
@@ -279,7 +282,7 @@ def flex_recompiles(ctx: CheckContext) -> dict[str, Any]:
     seconds, graphs = [], []
     for number, (batch, seq_len) in enumerate(shapes):
         (job, micro), = _batches(ctx, config, 1, batch=batch, seq_len=seq_len)
-        job["job_id"] = number
+        job.job_id = number
         started = time.perf_counter()
         backend.micro_batch(job, micro)
         torch.cuda.synchronize(ctx.device)

@@ -15,6 +15,7 @@ import torch
 from benchmarks.transport_workers import (POLL_MS, BenchSpec, Meter, _errors_to, _init_process, _scratch_slot,
                                           percentile)
 from common.run.config import Config
+from common.wire import messages
 from drafter_worker.loop import DrafterLoop
 from common.dataplane.slots import SlotBatch, SlotHeader, SlotView
 from target_worker.loop import TargetLoop
@@ -23,9 +24,9 @@ from common.worker.runtime import WorkerSession
 
 
 # -- shm arena through the real protocol: benchmark backends on the one worker loop --------------
-def _header_for(job: dict[str, Any]) -> SlotHeader:
-    return SlotHeader(generation=job["generation"], job_id=job["job_id"], bucket=job["bucket"],
-                      batch_size=len(job["samples"]), seq_len=job["seq_len"], num_tokens=job["num_tokens"])
+def _header_for(job: messages.Job) -> SlotHeader:
+    return SlotHeader(generation=job.generation, job_id=job.job_id, bucket=job.bucket,
+                      batch_size=len(job.samples), seq_len=job.seq_len, num_tokens=job.num_tokens)
 
 
 class BenchTarget:
@@ -39,7 +40,7 @@ class BenchTarget:
         self.src = _scratch_slot(spec.layout)
         self.write_hs = write_hs
 
-    def extract(self, job: dict[str, Any], slot: SlotView) -> None:
+    def extract(self, job: messages.Job, slot: SlotView) -> None:
         header = _header_for(job)
         slot.begin_write()
         if self.write_hs:
@@ -47,7 +48,7 @@ class BenchTarget:
             slot.hs[:rows].copy_(src.hs[:rows])
             slot.input_ids[:rows].copy_(src.input_ids[:rows])
             slot.loss_mask[:rows].copy_(src.loss_mask[:rows])
-            slot.seq_lens[:header.batch_size].copy_(torch.tensor(job["lengths"], dtype=torch.int32))
+            slot.seq_lens[:header.batch_size].copy_(torch.tensor(job.lengths, dtype=torch.int32))
         slot.write_header(header)
 
 
@@ -72,7 +73,7 @@ class BenchDrafter:
     def load_latest(self, run_dir: Any) -> int:
         return 0  # every benchmark run starts in a fresh run directory
 
-    def micro_batch(self, job: dict[str, Any], batch: SlotBatch) -> None:
+    def micro_batch(self, job: messages.Job, batch: SlotBatch) -> None:
         assert self.loop is not None
         now, read_s = time.perf_counter(), self.loop.read_s
         num_counted = self.meter.num_items
@@ -83,7 +84,7 @@ class BenchDrafter:
             self.copy_s += copy_s
             self.control_s += (now - self._last[0]) - copy_s
         self._last = (now, read_s)
-        self._window.append(job["job_id"])
+        self._window.append(job.job_id)
 
     def apply_step(self, job_ids: list[int]) -> dict:
         self.trained.add(job_ids)
@@ -138,7 +139,7 @@ def rtt_drafter(config: Config, spec: BenchSpec, num_cycles: int, stop: Any, res
     with _errors_to(results):
         session = WorkerSession(config, "drafter", "bench-rtt-drafter")
         model = "bench-rtt-drafter"
-        step = session.register(model={"id": model, "step": 0}).get("model_step", 0)
+        step = session.register(model=messages.ModelClaim(id=model, step=0)).model_step or 0
         num_warmup = max(20, num_cycles // 20)
         cycle_ms: list[float] = []
         commit_ms: list[float] = []
@@ -146,17 +147,18 @@ def rtt_drafter(config: Config, spec: BenchSpec, num_cycles: int, stop: Any, res
         try:
             while len(cycle_ms) < num_cycles and not stop.is_set():
                 started = time.perf_counter()
-                reply = session.call("get_hs", wait_ms=0)
-                waited = reply["job"] is None
+                reply = session.call(messages.GetHS(wait_ms=0))
+                waited = reply.job is None
                 if waited:
-                    if reply["done"]:
+                    if reply.done:
                         raise RuntimeError("the benchmark dispatcher ran out of jobs: raise data.synthetic_samples")
-                    reply = session.call("get_hs", wait_ms=1000, timeout_s=11.0)
-                    if reply["job"] is None:
+                    reply = session.call(messages.GetHS(wait_ms=1000), timeout_s=11.0)
+                    if reply.job is None:
                         continue
-                session.call("consumed", job_id=reply["job"]["job_id"])
+                job_id = reply.job.job_id
+                session.call(messages.Consumed(job_id=job_id))
                 consumed = time.perf_counter()
-                session.call("commit_step", model=model, step=step + 1, job_ids=[reply["job"]["job_id"]], busy_s=0.0)
+                session.call(messages.CommitStep(model=model, step=step + 1, job_ids=[job_id], busy_s=0.0))
                 committed = time.perf_counter()
                 step += 1
                 if num_warmup:

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from common.run.config import Config
+from common.wire import messages
 from dispatcher.schedule import BATCHINGS, EpochSchedule, build_epoch_schedule
 from target_worker.hf_backend import HFTargetBackend, PaddedBatch, default_device, pad_job
 
@@ -51,12 +52,13 @@ class _RandomSamples:
         return ids, np.ones(n, dtype=np.uint8)
 
 
-def _job(schedule: EpochSchedule, index: int, lengths: np.ndarray) -> dict[str, Any]:
+def _job(schedule: EpochSchedule, index: int, lengths: np.ndarray) -> messages.Job:
     samples = schedule.samples_of(index)
     job_lengths = lengths[samples].tolist()
-    bucket = schedule.bucket_of(index)
-    return {"job_id": index, "bucket": bucket, "seq_len": schedule.padded_len(bucket, job_lengths),
-            "samples": samples, "lengths": job_lengths, "num_tokens": sum(job_lengths), "generation": 1}
+    bucket = int(schedule.bucket_of(index))
+    return messages.Job(job_id=index, epoch=0, bucket=bucket, seq_len=int(schedule.padded_len(bucket, job_lengths)),
+                        samples=[int(i) for i in samples], lengths=job_lengths, num_tokens=sum(job_lengths), slot=0,
+                        generation=1)
 
 
 def schedule_fill(schedule: EpochSchedule, lengths: np.ndarray) -> dict[str, Any]:

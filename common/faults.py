@@ -220,21 +220,21 @@ def log_weight_checksums() -> bool:
     return bool(active().get("log_weight_checksums"))
 
 
-def stop_in_job(name: str, job: dict[str, Any]) -> None:
+def stop_in_job(name: str, job_id: int) -> None:
     """``target_stop_in_job``: the first target to get here stops itself, its job held; once per path."""
     path = active().get("target_stop_in_job")
     if not path:
         return
     tmp = f"{path}.{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump({"name": name, "pid": os.getpid(), "job_id": job["job_id"]}, f)
+        json.dump({"name": name, "pid": os.getpid(), "job_id": job_id}, f)
     try:
         os.link(tmp, path)  # complete when it appears; fails when another target was first
     except FileExistsError:
         return
     finally:
         os.unlink(tmp)
-    log.error("%s: stopping inside job %d (%s target_stop_in_job)", name, job["job_id"], ENV)
+    log.error("%s: stopping inside job %d (%s target_stop_in_job)", name, job_id, ENV)
     os.kill(os.getpid(), signal.SIGSTOP)
 
 

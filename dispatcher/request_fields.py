@@ -83,4 +83,4 @@ def register_fields(fields: dict) -> dict[str, Any]:
         raise ProtocolError(ErrorCode.MALFORMED, "model must be a map {id, step}")
     return {"role": role, "name": field_of(fields, "name", str), "pid": field_of(fields, "pid", int),
             "host": field_of(fields, "host", str), "gpu": fields.get("gpu"), "contract": contract, "model": model,
-            "node": field_of(fields, "node", str) if "node" in fields else None}
+            "node": field_of(fields, "node", str) if fields.get("node") is not None else None}

@@ -17,7 +17,8 @@ import math
 from typing import Any
 
 from common.run.checkpoint_writer import CheckpointWriteFailed
-from common.wire.protocol import ProtocolError
+from common.wire import messages
+from common.wire.messages import ProtocolError
 from common.run.witness import Checkpoint, latest_checkpoint
 from common.worker.runtime import DispatcherGone, WorkerLost
 
@@ -91,12 +92,13 @@ class Checkpoints:
             return
         step = self.unreported.step
         saved = self._saved_figures
-        fields = {"metrics": saved} if saved is not None and saved["step"] == step else {}
+        request = messages.Checkpoint(model=self.backend.model_id, step=step,
+                                      metrics=saved if saved is not None and saved["step"] == step else None)
         try:
             if best_effort:
-                self.session.call("checkpoint", model=self.backend.model_id, step=step, **fields)
+                self.session.call(request)
             else:
-                self.session.call_until_answered("checkpoint", model=self.backend.model_id, step=step, **fields)
+                self.session.call_until_answered(request)
         except (ProtocolError, WorkerLost, DispatcherGone) as exc:
             if not best_effort:
                 raise  # unreported stays: it is sent again once the drafter has registered again

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
-from common.wire.protocol import ErrorCode, ProtocolError
+from common.wire import messages
+from common.wire.messages import ErrorCode, ProtocolError
 from common.worker.runtime import CALL_TIMEOUT_S, RECONNECT_S, DispatcherGone, NoReply, WorkerLost, resend_until_answered
 from drafter_worker.step_group import (ABORTED, COMMITTED, PENDING, REFUSED, CollectiveFailed, RankRound)
 
@@ -39,7 +39,7 @@ class StepInFlight:
     """A step whose outcome is not yet applied: its commit (sent by rank 0 alone), this rank's jobs
     of it, the ranks' rounds it came from and the all-reduce wait."""
 
-    fields: dict[str, Any]
+    request: messages.CommitStep
     request_id: int | None
     mine: list[int]
     rounds: list[RankRound]
@@ -52,15 +52,13 @@ class StepCommits:
     def _send_commit(self, job_ids: list[int], rounds: list[RankRound], *, busy_s: float, wait_s: float) -> None:
         """The step on ``job_ids`` is in flight from now; rank 0 sends its commit."""
         assert self.commit is None, "one commit in flight at a time"
-        fields: dict[str, Any] = {"model": self.backend.model_id, "step": self.backend.step + 1, "job_ids": job_ids,
-                                  **self.group.commit_fields(rounds, busy_s=busy_s, wait_s=wait_s)}
-        if getattr(self.backend, "verifies_slots", False):
-            fields["verified"] = len(job_ids)
         figures = self._figures_of(self.backend.step)  # the previous step's (this one is applied once acknowledged)
-        if figures:
-            fields["metrics"] = figures
-        request_id = self.session.submit("commit_step", **fields) if self.group.rank == 0 else None
-        self.commit = StepInFlight(fields, request_id, list(self.window), rounds, wait_s)
+        request = messages.CommitStep(model=self.backend.model_id, step=self.backend.step + 1, job_ids=job_ids,
+                                      verified=len(job_ids) if getattr(self.backend, "verifies_slots", False) else 0,
+                                      metrics=figures or None,
+                                      **self.group.commit_fields(rounds, busy_s=busy_s, wait_s=wait_s))
+        request_id = self.session.submit(request) if self.group.rank == 0 else None
+        self.commit = StepInFlight(request, request_id, list(self.window), rounds, wait_s)
         self.window = []
 
     def _settle_commit(self) -> str | None:
@@ -69,10 +67,10 @@ class StepCommits:
         step = self.commit
         if step is None:
             return None
-        fields = step.fields
-        job_ids = fields["job_ids"]
+        request = step.request
+        job_ids = request.job_ids
         if self.group.rank == 0:
-            outcome, after = self._commit_outcome(fields, step.request_id)
+            outcome, after = self._commit_outcome(request, step.request_id)
         else:
             outcome, after = ABORTED, self.group.version  # rank 0's comes in the broadcast
         self.commit = None
@@ -89,42 +87,43 @@ class StepCommits:
                     self.num_dropped_steps += 1
             raise failure
         if outcome == PENDING:
-            self.pending = {"step": fields["step"], "job_ids": job_ids}
-            raise WorkerLost(f"the dispatcher restarted before it answered the commit of step {fields['step']}")
+            self.pending = messages.PendingCommit(step=request.step, job_ids=job_ids)
+            raise WorkerLost(f"the dispatcher restarted before it answered the commit of step {request.step}")
         if outcome != COMMITTED:
             self.backend.drop_step()
             self.num_dropped_steps += 1
             if outcome == ABORTED:
-                raise CollectiveFailed(f"step {fields['step']} was not committed: the membership changed")
+                raise CollectiveFailed(f"step {request.step} was not committed: the membership changed")
             if not self.group.lone:
                 return None  # refused: the group goes on with its next round
         else:
             self._apply(step)
         return self._round_end(step.rounds, stepped=outcome == COMMITTED, after=after)
 
-    def _commit_outcome(self, fields: dict[str, Any], request_id: int | None) -> tuple[int, int]:
+    def _commit_outcome(self, request: messages.CommitStep, request_id: int | None) -> tuple[int, int]:
         """(outcome, the group's version after it) of rank 0's commit. A refusal (``bad_state``)
         drops the step on every rank. Any other end is raised by a lone drafter (its commit stays
         in flight: :meth:`_lost` keeps it pending), and is an outcome for rank 0's peers, who wait
         for it: ABORTED (no dispatcher, or an error), PENDING (a dispatcher that forgot us)."""
         version = self.group.version
         try:
-            reply = self._commit_until_answered(fields, request_id)
+            reply = self._commit_until_answered(request, request_id)
         except (NoReply, WorkerLost, ProtocolError) as exc:
             if isinstance(exc, ProtocolError) and exc.code == ErrorCode.BAD_STATE:
-                log.warning("%s: step %d refused, dropped: %s", self.name, fields["step"], exc.message)
+                log.warning("%s: step %d refused, dropped: %s", self.name, request.step, exc.message)
                 return REFUSED, version
             if self.group.lone:
                 if isinstance(exc, NoReply):
-                    raise DispatcherGone(f"commit of step {fields['step']} unanswered for {RECONNECT_S:.0f}s") from None
+                    raise DispatcherGone(f"commit of step {request.step} unanswered for {RECONNECT_S:.0f}s") from None
                 raise
             if isinstance(exc, (NoReply, ProtocolError)):  # no dispatcher; internal past RECONNECT_S, or another error
                 return ABORTED, version
             return PENDING, version  # the dispatcher forgot us: every rank registers again, asking
-        return COMMITTED, int(reply.get("membership", version))
+        return COMMITTED, version if reply.membership is None else reply.membership
 
-    def _commit_until_answered(self, fields: dict[str, Any], request_id: int | None = None) -> dict[str, Any]:
-        """The reply to the commit of ``fields`` (``request_id``: the one in flight), sent again while
+    def _commit_until_answered(self, request: messages.CommitStep,
+                               request_id: int | None = None) -> messages.CommitReply:
+        """The reply to ``request`` (``request_id``: the one in flight), sent again while
         RECONNECT_S allows: at once when unanswered (a commit is idempotent), a second later when that
         dispatcher could not make it durable (``internal``: its journal failed and it stops; the same
         commit goes to the next one, which answers unknown_worker, and the step is dropped then).
@@ -132,7 +131,7 @@ class StepCommits:
         One classification for a lone drafter and a group's rank 0; what the errors left mean is
         :meth:`_commit_outcome`'s (NoReply once RECONNECT_S passed, ProtocolError: ``bad_state`` is
         a refusal, WorkerLost)."""
-        step = fields["step"]
+        step = request.step
 
         def again(exc: Exception) -> float | None:
             if isinstance(exc, NoReply):
@@ -142,27 +141,27 @@ class StepCommits:
                 log.warning("%s: commit of step %d failed (%s); sending it again", self.name, step, exc.message)
                 return 1.0
             return None
-        return resend_until_answered(lambda: self.session.submit("commit_step", **fields),
+        return resend_until_answered(lambda: self.session.submit(request),
                                      lambda request_id: self.session.result(request_id, timeout_s=CALL_TIMEOUT_S),
                                      again=again, request_id=request_id)
 
     def _apply(self, step: StepInFlight) -> None:
-        job_ids = step.fields["job_ids"]
+        job_ids = step.request.job_ids
         metrics = self.backend.apply_step(job_ids)
         self._note_figures()
-        self.group.applied(job_ids, metrics, busy_s=step.fields["busy_s"], wait_s=step.wait_s)
+        self.group.applied(job_ids, metrics, busy_s=step.request.busy_s, wait_s=step.wait_s)
 
-    def _settle_pending(self, reply: dict[str, Any]) -> None:
+    def _settle_pending(self, reply: messages.RegisterReply) -> None:
         """Apply the commit the last dispatcher never answered when the ledger holds it, else drop it."""
         if self.pending is None:
             return
-        fields, self.pending = self.pending, None
-        self.session.held.discard(fields["job_ids"])
-        if reply.get("pending_committed"):
-            self.backend.apply_step(fields["job_ids"])
+        pending, self.pending = self.pending, None
+        self.session.held.discard(pending.job_ids)
+        if reply.pending_committed:
+            self.backend.apply_step(pending.job_ids)
             self._note_figures()
-            log.info("%s: step %d, sent to the last dispatcher, committed: applied", self.name, fields["step"])
+            log.info("%s: step %d, sent to the last dispatcher, committed: applied", self.name, pending.step)
         else:
             self.backend.drop_step()
             self.num_dropped_steps += 1
-            log.info("%s: step %d, sent to the last dispatcher, did not commit: dropped", self.name, fields["step"])
+            log.info("%s: step %d, sent to the last dispatcher, did not commit: dropped", self.name, pending.step)

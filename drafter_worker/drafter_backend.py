@@ -34,6 +34,7 @@ from common.run.capture_contract import LEGACY_CAPTURE_POINT, capture_point_hint
 from common.run.config import Config, ConfigError
 from common.dataplane.host_staging import HostStaging
 from common.dataplane.slots import SlotBatch
+from common.wire import messages
 from common.run.witness import (CheckpointSnapshot, TrainedJobs, check_model_id, latest_checkpoint, servable_dir,
                             training_dir)
 from drafter_worker.dflash_metrics import StepClock, TensorBoardLog, format_metrics, step_metrics
@@ -137,16 +138,15 @@ class TrainerBackend:
                                   device=self.device, seed=self.seed, **self._trainer_extras())
 
     # -- the schedule's length, from the dispatcher ------------------------------------------
-    def adopt_registration(self, reply: dict[str, Any]) -> None:
+    def adopt_registration(self, reply: messages.RegisterReply) -> None:
         """Take what a ``register`` reply says about training: the jobs of an epoch, which set the
         learning-rate schedule's length unless it was given or set by ``<section>.total_steps``."""
         if self.schedule_jobs is not None:
             return
-        if reply.get("jobs_per_epoch") is None:
+        if reply.jobs_per_epoch is None:
             raise RuntimeError(f"{self.model_id}: the dispatcher's register reply has no jobs_per_epoch; the "
                                f"learning-rate schedule needs it (or set {self.section}.total_steps)")
-        jobs_per_epoch = int(reply["jobs_per_epoch"])
-        self.schedule_jobs = derive_schedule_jobs(self.config, self.section, jobs_per_epoch=jobs_per_epoch)
+        self.schedule_jobs = derive_schedule_jobs(self.config, self.section, jobs_per_epoch=reply.jobs_per_epoch)
         self.train_config.total_steps = self.schedule_jobs
         self.train_config.validate()
 
@@ -229,11 +229,11 @@ class TrainerBackend:
         self.snapshot_checkpoint().write(run_dir)
 
     # -- a step -----------------------------------------------------------------------------
-    def micro_batch(self, job: dict[str, Any], batch: SlotBatch) -> None:
+    def micro_batch(self, job: messages.Job, batch: SlotBatch) -> None:
         started = time.perf_counter()
-        self._seed_job(int(job["job_id"]))
+        self._seed_job(job.job_id)
         self.trainer.micro_batch(batch.hs, batch.input_ids, batch.loss_mask, batch.seq_lens)
-        self.window.append(int(job["job_id"]))
+        self.window.append(job.job_id)
         # The token count from the slot's header, not from the lengths tensor: that may be on the device.
         self.clock.add_compute(time.perf_counter() - started, batch.header.num_tokens)
 

@@ -53,11 +53,13 @@ import logging
 import time
 from typing import Any, Callable
 
+import msgspec
 import psutil
 import torch
 
 from common import faults
-from common.wire.protocol import ErrorCode, ProtocolError
+from common.wire import messages
+from common.wire.messages import ErrorCode, ProtocolError
 from common.worker.runtime import CALL_TIMEOUT_S, DispatcherGone, NoReply, WorkerLost
 from drafter_worker.busy_clock import BusyClock
 from drafter_worker.process_group import CollectiveFailed, RendezvousIncomplete, StepGroup
@@ -80,15 +82,15 @@ class ElasticGroup:
                              "or drafter.max_ranks > 1")
         section = config.drafter
         self.loop = loop
-        self.spec = {"size": section.group_size, "min_ranks": section.min_ranks, "max_ranks": section.max_ranks,
-                     "balance": section.step_balance, "accum_steps": section.accum_steps,
-                     "elastic_batch": section.elastic_batch}
+        self.spec = messages.GroupClaim(size=section.group_size, min_ranks=section.min_ranks,
+                                        max_ranks=section.max_ranks, balance=section.step_balance,
+                                        accum_steps=section.accum_steps, elastic_batch=section.elastic_batch)
         self.timeout_s = section.collective_timeout_s
         self.group_wait_s = section.group_wait_s
         # drafter.rendezvous=tcp: the store this rank hosts for the versions whose rank 0 it is
         self.rendezvous = RendezvousServer.for_config(config) if config.group_rendezvous == "tcp" else None
         self.group: StepGroup | None = None
-        self.membership: dict[str, Any] = {}
+        self.membership: messages.Membership | None = None  # the version this rank trains in
         self.rank, self.world_size = -1, 0
         self._after, self._failed, self._waiting_since = 0, False, time.monotonic()
         self._round_seq = 0  # rounds of the current version
@@ -102,22 +104,23 @@ class ElasticGroup:
 
     @property
     def version(self) -> int:
-        return self.membership["membership"]
+        return self.membership.membership if self.membership is not None else 0
 
     @property
     def sync_wait_share(self) -> float:
         return self.sync_wait_s / self.step_wall_s if self.step_wall_s > 0 else 0.0
 
     # -- membership -----------------------------------------------------------------------------
-    def model_fields(self) -> dict[str, Any]:
-        store = {"store": self.rendezvous.address} if self.rendezvous is not None else {}
-        return {"group": {**self.spec, **store}}
+    def group_claim(self) -> messages.GroupClaim:
+        if self.rendezvous is None:
+            return self.spec
+        return msgspec.structs.replace(self.spec, store=self.rendezvous.address)
 
-    def poll_fields(self) -> dict[str, Any]:
+    def poll_membership(self) -> int:
         # a poll names its version: one sent before a change is answered group_changed
-        return {"membership": self.version}
+        return self.version
 
-    def start(self, registration: dict[str, Any]) -> None:
+    def start(self, registration: messages.RegisterReply) -> None:
         self._after, self._failed, self._waiting_since = 0, False, time.monotonic()
 
     def run_version(self, train: Callable[[], str]) -> str:
@@ -125,14 +128,14 @@ class ElasticGroup:
         loop = self.loop
         self.membership = self._join_group(after=self._after, failed=self._failed, started=self._waiting_since)
         version = self.version
-        self.rank, self.world_size = self.membership["rank"], self.membership["world_size"]
+        self.rank, self.world_size = self.membership.rank, self.membership.world_size
         loop.accum = loop.config.drafter.rank_accum_steps(rank=self.rank, world_size=self.world_size)
         loop.session.held.clear()  # what the last version held went back when it ended
         self.num_versions += 1
         try:
             self.group = self._open_group(self._waiting_since)
             self._waiting_since = time.monotonic()
-            if self.membership["transfer"]:
+            if self.membership.transfer:
                 self._transfer()
             loop.clock.reset()  # rounds are counted per version: every rank of it counts the same ones
             self._round_seq, self._rank_jobs = 0, {}
@@ -147,7 +150,7 @@ class ElasticGroup:
             log.warning("%s: membership %d: the state transfer failed (%s); registering again", loop.name,
                         version, exc)
             self.close()
-            if self.rank != self.membership["source"]:
+            if self.rank != self.membership.source:
                 loop.reload()
             raise WorkerLost(f"state transfer of membership {version} failed") from None
         except ProtocolError as exc:
@@ -160,18 +163,19 @@ class ElasticGroup:
         self._after = version
         return ended
 
-    def _join_group(self, *, after: int, failed: bool, started: float) -> dict[str, Any]:
+    def _join_group(self, *, after: int, failed: bool, started: float) -> messages.Membership:
         """The next version that names this rank, asked for until ``drafter.group_wait_s`` is spent."""
         loop = self.loop
         while True:
             if loop.stopping:
                 raise WorkerLost("asked to stop while waiting for a membership")
-            reply = loop.session.call("join_group", timeout_s=JOIN_POLL_MS / 1000 + CALL_TIMEOUT_S,
-                                      wait_ms=JOIN_POLL_MS, after=after, step=loop.backend.step, failed=failed)
+            reply = loop.session.call(messages.JoinGroup(wait_ms=JOIN_POLL_MS, after=after, step=loop.backend.step,
+                                                         failed=failed),
+                                      timeout_s=JOIN_POLL_MS / 1000 + CALL_TIMEOUT_S)
             failed = False  # said once is enough
-            if reply["group"] is not None:
-                return reply["group"]
-            if reply.get("reload") is not None:  # no live rank holds the state: a newer checkpoint does
+            if reply.group is not None:
+                return reply.group
+            if reply.reload is not None:  # no live rank holds the state: a newer checkpoint does
                 held = loop.backend.step
                 loop.reload()  # the checkpoint being written, if any, is published first
                 log.info("%s: no live rank holds model %s's state; loaded its checkpoint at step %d (held %d)",
@@ -181,31 +185,31 @@ class ElasticGroup:
                 raise GroupNeverFormed(
                     f"model {loop.backend.model_id}: no membership to train in within drafter.group_wait_s="
                     f"{self.group_wait_s:g}s (drafter.count="
-                    f"{self.spec['size']}, min_ranks={self.spec['min_ranks']}; waited {waited_s:.0f}s); this rank "
+                    f"{self.spec.size}, min_ranks={self.spec.min_ranks}; waited {waited_s:.0f}s); this rank "
                     f"gives up, holding no jobs")
 
     def _still_current(self, version: int) -> bool:
         try:
-            reply = self.loop.session.call("join_group", wait_ms=0, after=version, step=self.loop.backend.step)
+            reply = self.loop.session.call(messages.JoinGroup(wait_ms=0, after=version, step=self.loop.backend.step))
         except NoReply:
             return True  # the dispatcher is restarting: the rendezvous' own bound still holds
-        return reply["group"] is None and reply["membership"] == version
+        return reply.group is None and reply.membership == version
 
     def _open_group(self, waiting_since: float) -> StepGroup:
         m, loop = self.membership, self.loop
         left_s = self.group_wait_s - (time.monotonic() - waiting_since)
         try:
-            return StepGroup(store=m["store"], server=self.rendezvous, rank=self.rank, world_size=m["world_size"],
-                             version=m["membership"], timeout_s=self.timeout_s,
-                             max_jobs=loop.config.drafter.exchange_width(m["world_size"]),
+            return StepGroup(store=m.store, server=self.rendezvous, rank=self.rank, world_size=m.world_size,
+                             version=m.membership, timeout_s=self.timeout_s,
+                             max_jobs=loop.config.drafter.exchange_width(m.world_size),
                              device=getattr(loop.backend, "device", "cpu"),
                              rendezvous_timeout_s=min(self.timeout_s, max(left_s, 1.0)),
-                             still_current=lambda: self._still_current(m["membership"]))
+                             still_current=lambda: self._still_current(m.membership))
         except RendezvousIncomplete as exc:
             if left_s > 0:
                 raise
-            raise GroupNeverFormed(f"model {loop.backend.model_id}: {exc.arrived} of {m['world_size']} ranks came "
-                                   f"to the rendezvous of membership {m['membership']} within drafter.group_wait_s="
+            raise GroupNeverFormed(f"model {loop.backend.model_id}: {exc.arrived} of {m.world_size} ranks came "
+                                   f"to the rendezvous of membership {m.membership} within drafter.group_wait_s="
                                    f"{self.group_wait_s:g}s; rank {self.rank} gives up, holding no jobs") from None
 
     def _transfer(self) -> None:
@@ -213,9 +217,9 @@ class ElasticGroup:
         assert self.group is not None
         loop, backend = self.loop, self.loop.backend
         started = time.perf_counter()
-        group, step = self.group, self.membership["step"]
+        group, step = self.group, self.membership.step
         device = group.device
-        if self.rank == self.membership["source"]:
+        if self.rank == self.membership.source:
             if backend.step != step:
                 raise StateTransferFailed(f"the source holds step {backend.step}, the membership says {step}")
             sent = send_state(backend.live_state(), step=step, checksum=backend.weights_checksum(),
@@ -232,7 +236,7 @@ class ElasticGroup:
         if backend.step != step or backend.weights_checksum() != checksum:
             raise StateTransferFailed(f"the state of step {step} does not match its checksum after loading")
         log.info("%s: took the state of step %d from rank %d in %.2fs (weights crc32 %08x)", loop.name, step,
-                 self.membership["source"], time.perf_counter() - started, checksum)
+                 self.membership.source, time.perf_counter() - started, checksum)
 
     # -- a round --------------------------------------------------------------------------------
     def await_local_compute(self) -> None:
@@ -278,10 +282,9 @@ class ElasticGroup:
         if len(measured) != 1 or rounds[0].busy_step not in self._rank_jobs:
             return {}
         jobs = self._rank_jobs[rounds[0].busy_step]
-        costs = {"rank_jobs": [len(j) for j in jobs], "rank_busy_s": [r.busy_us / 1e6 for r in rounds]}
-        if rounds[0].busy_step != self._round_seq:
-            costs["cost_jobs"] = [job_id for ids in jobs for job_id in ids]
-        return costs
+        late = rounds[0].busy_step != self._round_seq
+        return {"rank_jobs": [len(j) for j in jobs], "rank_busy_s": [r.busy_us / 1e6 for r in rounds],
+                "cost_jobs": [job_id for ids in jobs for job_id in ids] if late else None}
 
     def share_outcome(self, outcome: int, after: int, job_ids: list[int]) -> tuple[int, int, Exception | None]:
         """Rank 0's (outcome, version after it) on every rank (the others bring ABORTED and their
@@ -304,15 +307,15 @@ class ElasticGroup:
         loop = self.loop
         step = loop.backend.step + 1
         try:
-            reply = loop.session.call_until_answered("step_outcome", model=loop.backend.model_id, step=step,
-                                                     job_ids=job_ids, membership=self.version)
+            reply = loop.session.call_until_answered(messages.StepOutcome(model=loop.backend.model_id, step=step,
+                                                                          job_ids=job_ids, membership=self.version))
         except (ProtocolError, WorkerLost, DispatcherGone) as exc:
             log.warning("%s: no outcome of step %d from rank 0, and the dispatcher could not say (%s): "
                         "dropped", loop.name, step, exc)
             return False
         log.info("%s: rank 0 sent no outcome of step %d; the dispatcher says it %s", loop.name, step,
-                 "committed: applied" if reply["committed"] else "did not commit: dropped")
-        return bool(reply["committed"])
+                 "committed: applied" if reply.committed else "did not commit: dropped")
+        return reply.committed
 
     def applied(self, job_ids: list[int], metrics: dict[str, Any], *, busy_s: float, wait_s: float) -> None:
         loop, backend = self.loop, self.loop.backend

@@ -15,13 +15,14 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from common.run.config import Config
 from common.dataplane.slots import SlotBatch
+from common.wire import messages
 from common.run.witness import CheckpointSnapshot, TrainedJobs, check_model_id, latest_checkpoint, training_dir
 from drafter_worker.process_group import all_reduce_flat
 from drafter_worker.state_transfer import weights_checksum, witness_from_tensor, witness_tensor
@@ -57,7 +58,7 @@ class LinearDrafter:
         return [self.weight, self.bias]
 
     # -- training -----------------------------------------------------------------------------
-    def micro_batch(self, job: dict[str, Any], batch: SlotBatch) -> None:
+    def micro_batch(self, job: messages.Job, batch: SlotBatch) -> None:
         hs_BSF = batch.hs.float()
         batch_size, seq_len = hs_BSF.shape[:2]
         positions = torch.arange(seq_len - 1)

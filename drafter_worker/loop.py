@@ -9,7 +9,7 @@ the outcome's broadcast, state transfer) are its *step group* (:mod:`drafter_wor
 
 The handshake with the dispatcher (protocol v2), in the order the loop keeps:
 
-- start: load the model's latest checkpoint and register with ``model: {id, step}``; the ledger
+- start: load the model's latest checkpoint and register with its ``model`` claim (id, step); the ledger
   rolls the model back to exactly that step. A model ahead of the ledger reloads its checkpoint and
   registers again. A rank then joins its group's version (:mod:`drafter_worker.elastic_group`).
 - a step: ``get_hs`` (the next one always in flight), copy the slot out, ``consumed``, the backend's
@@ -51,7 +51,8 @@ from common import faults
 from common.run.checkpoint_writer import CheckpointWriter
 from common.run.config import Config
 from common.dataplane.cuda_ipc import PeerMappingError
-from common.wire.protocol import ErrorCode, ProtocolError
+from common.wire import messages
+from common.wire.messages import ErrorCode, ProtocolError
 from common.dataplane.slots import SlotBatch, StaleSlotError
 from common.dataplane.transport import DrafterTransport, open_drafter_transport
 from common.worker.backends import DrafterBackend
@@ -82,7 +83,7 @@ class DrafterLoop(StepCommits, Checkpoints, WorkerLoop):
         self.commit: StepInFlight | None = None  # the step whose outcome is not yet applied
         # a commit whose dispatcher died before it answered: its gradients are kept, and the next
         # register asks whether it committed (then it is applied, else dropped)
-        self.pending: dict[str, Any] | None = None
+        self.pending: messages.PendingCommit | None = None
         self.num_dropped_steps = 0
         self.num_read_failures = 0
         self.read_s = 0.0  # time spent copying slots out (benchmarks read it)
@@ -115,11 +116,11 @@ class DrafterLoop(StepCommits, Checkpoints, WorkerLoop):
             log.info("%s: model %s resumes from its checkpoint at step %d", self.name, self.backend.model_id,
                      self.checkpointed_step)
 
-    def _register(self) -> dict[str, Any]:
+    def _register(self) -> messages.RegisterReply:
         backend = self.backend
         while True:
             try:
-                reply = self.session.register(contract=backend.contract, model=self._model_fields())
+                reply = self.session.register(contract=backend.contract, model=self._model_claim())
             except ProtocolError as exc:
                 if exc.code != ErrorCode.BAD_STATE:
                     raise
@@ -138,23 +139,23 @@ class DrafterLoop(StepCommits, Checkpoints, WorkerLoop):
                 self._check_registered_step(reply)
             return reply
 
-    def _registered(self, registration: dict[str, Any]) -> None:
+    def _registered(self, registration: messages.RegisterReply) -> None:
         # A trainer takes its learning-rate schedule's length from the reply (the jobs of an epoch).
         adopt = getattr(self.backend, "adopt_registration", None)
         if adopt is not None:
             adopt(registration)
 
-    def _check_registered_step(self, reply: dict[str, Any]) -> None:
-        ledger_step = reply.get("model_step", self.backend.step)
+    def _check_registered_step(self, reply: messages.RegisterReply) -> None:
+        ledger_step = self.backend.step if reply.model_step is None else reply.model_step
         if ledger_step != self.backend.step:
             raise RuntimeError(f"the dispatcher holds step {ledger_step} for model {self.backend.model_id}, "
                                f"which registered at step {self.backend.step}: the ledger did not roll back to it")
 
-    def _model_fields(self) -> dict[str, Any]:
+    def _model_claim(self) -> messages.ModelClaim:
         # the checkpoint it holds: one written while no dispatcher listened is known from here on
-        pending = {"pending": {k: self.pending[k] for k in ("step", "job_ids")}} if self.pending else {}
-        return {"id": self.backend.model_id, "step": self.backend.step,
-                "checkpoint": min(self.durable_step, self.backend.step), **pending, **self.group.model_fields()}
+        return messages.ModelClaim(id=self.backend.model_id, step=self.backend.step,
+                                   checkpoint=min(self.durable_step, self.backend.step), pending=self.pending,
+                                   group=self.group.group_claim())
 
     def _open_transport(self, info: dict[str, Any]) -> DrafterTransport:
         return open_drafter_transport(info, device=self._device(info))
@@ -162,7 +163,7 @@ class DrafterLoop(StepCommits, Checkpoints, WorkerLoop):
     def _lost(self) -> None:
         self.group.close()
         if self.commit is not None and not self.window:  # a lone drafter's commit in flight: keep its gradients
-            self.pending = {k: self.commit.fields[k] for k in ("step", "job_ids")}
+            self.pending = messages.PendingCommit(step=self.commit.request.step, job_ids=self.commit.request.job_ids)
         if self.pending is None:  # (or a group's step the restarted dispatcher may hold: PENDING)
             if self.window or self.commit is not None:
                 self.num_dropped_steps += 1
@@ -170,13 +171,11 @@ class DrafterLoop(StepCommits, Checkpoints, WorkerLoop):
         self.window, self.commit = [], None
         self.clock.discard_open()
 
-    def _poll(self, op: str) -> int:
-        if op == "get_hs":
-            return self.session.submit(op, wait_ms=self.poll_ms, **self.group.poll_fields())
-        return super()._poll(op)
+    def _poll_request(self) -> messages.GetHS:
+        return messages.GetHS(wait_ms=self.poll_ms, membership=self.group.poll_membership())
 
     # -- the loop -----------------------------------------------------------------------------
-    def _work(self, registration: dict[str, Any], transport: DrafterTransport) -> None:
+    def _work(self, registration: messages.RegisterReply, transport: DrafterTransport) -> None:
         self.group.start(registration)
         while True:
             ended = self.group.run_version(lambda: self._train(transport))
@@ -192,20 +191,20 @@ class DrafterLoop(StepCommits, Checkpoints, WorkerLoop):
         """Train until this version ends (a lone drafter's: the run is done, or it stops); how it ended."""
         self.window, self.commit = [], None
         reports: list[int] = []
-        poll: int | None = self._poll("get_hs")
+        poll: int | None = self._poll()
         while True:
-            reply = self._await_poll(poll, "get_hs")
+            reply = self._await_poll(poll)
             poll = None
             leaving = self.stopping
-            done, flush, job = reply["done"], reply.get("flush", False), reply["job"]
+            done, flush, job = reply.done, reply.flush, reply.job
             # step_balance=cost: the dispatcher says when this rank holds its share of the step (a
             # reply about a step that has committed since is stale)
-            full = reply.get("step_full") == self.backend.step + 1
+            full = reply.step_full == self.backend.step + 1
             if leaving and self.group.lone:
                 self._stop_alone(reports)
             elif not leaving:
                 if not done:  # told step_full too: the dispatcher holds this poll until the step commits
-                    poll = self._poll("get_hs")  # prefetch: the next job is asked for before this one computes
+                    poll = self._poll()  # prefetch: the next job is asked for before this one computes
                 self._report_durable()  # rank 0's checkpoint, once its writer has it on disk
                 reports = self._collect(reports)
                 if job is not None:
@@ -222,9 +221,9 @@ class DrafterLoop(StepCommits, Checkpoints, WorkerLoop):
             elif self.commit is not None and (job is None or self.session.done(self.commit.request_id)):
                 self._settle_commit()  # idle, or answered already: no copy left to overlap it with
             if poll is None:
-                poll = self._poll("get_hs")
+                poll = self._poll()
 
-    def _train_on(self, job: dict[str, Any], transport: DrafterTransport, reports: list[int]) -> None:
+    def _train_on(self, job: messages.Job, transport: DrafterTransport, reports: list[int]) -> None:
         if len(self.window) == 1:
             self._test_fault("micro_batch")
             if self._kill_at:  # inside autograd's backward of this micro-batch, whatever the backend
@@ -237,39 +236,38 @@ class DrafterLoop(StepCommits, Checkpoints, WorkerLoop):
                 return
         self._micro_batch(job, transport, reports)
 
-    def _micro_batch(self, job: dict[str, Any], transport: DrafterTransport, reports: list[int]) -> None:
+    def _micro_batch(self, job: messages.Job, transport: DrafterTransport, reports: list[int]) -> None:
         batch = self._read(job, transport, reports)
         if batch is None:
             return
-        reports.append(self.session.submit("consumed", job_id=job["job_id"]))
+        reports.append(self.session.submit(messages.Consumed(job_id=job.job_id)))
         self._settle_commit()  # a lone drafter's previous commit was in flight during the copy
         # The compute alone: on a GPU the clock's first event is queued once the copy is waited for,
         # so a stream idle while the host waited for the copy (or the commit) is not counted.
         with self.clock.measure():
             self.backend.micro_batch(job, batch)
-        self.window.append(job["job_id"])
+        self.window.append(job.job_id)
 
-    def _read(self, job: dict[str, Any], transport: DrafterTransport, reports: list[int]) -> SlotBatch | None:
+    def _read(self, job: messages.Job, transport: DrafterTransport, reports: list[int]) -> SlotBatch | None:
         started = time.perf_counter()
         try:
             # On a GPU the copy runs on the transport's copy stream while the micro-batch queued
             # before it computes; the wait is for this copy's event alone, and the slot is
             # released (consumed) as soon as it is complete and its generation still holds.
-            copy = transport.start_read(job["slot"], job["generation"], ipc=job.get("ipc"),
-                                        owner=job.get("owner") or "")
+            copy = transport.start_read(job.slot, job.generation, ipc=job.ipc, owner=job.owner or "")
             return copy.wait()
         except StaleSlotError as exc:
             # The slot was given to another job under us (our lease lapsed): the dispatcher extracts
             # this one again; we carry on with the next.
             self.num_read_failures += 1
-            log.warning("%s: job %d: %s; reported, carrying on", self.name, job["job_id"], exc)
-            reports.append(self.session.submit("read_failed", job_id=job["job_id"], reason=str(exc)))
+            log.warning("%s: job %d: %s; reported, carrying on", self.name, job.job_id, exc)
+            reports.append(self.session.submit(messages.ReadFailed(job_id=job.job_id, reason=str(exc))))
             return None
         except PeerMappingError as exc:
             # Every read from that target would fail the same way: give the job back and leave, not
             # to be restarted (the run needs pool.transport=shm, or GPUs with peer access).
             try:
-                self.session.call("read_failed", job_id=job["job_id"], reason=str(exc))
+                self.session.call(messages.ReadFailed(job_id=job.job_id, reason=str(exc)))
             except (ProtocolError, WorkerLost, DispatcherGone):
                 pass  # its lease gives it back then
             raise WorkerUnusable(f"{self.name}: {exc}") from None

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
 
 from common import faults
 from common.run.config import Config
 from common.dataplane.slot_pattern import verify_against_dataset, verify_pattern
 from common.dataplane.slots import SlotBatch
+from common.wire import messages
 from common.run.witness import CheckpointSnapshot, TrainedJobs, check_model_id, latest_checkpoint
 
 
@@ -49,15 +49,15 @@ class SimDrafter:
         self._window = []
         return self.step
 
-    def micro_batch(self, job: dict[str, Any], batch: SlotBatch) -> None:
+    def micro_batch(self, job: messages.Job, batch: SlotBatch) -> None:
         if self._dataset is not None:
-            verify_against_dataset(batch.hs, batch.input_ids, batch.loss_mask, batch.seq_lens, job_id=job["job_id"],
-                                   samples=job["samples"], dataset=self._dataset)
+            verify_against_dataset(batch.hs, batch.input_ids, batch.loss_mask, batch.seq_lens, job_id=job.job_id,
+                                   samples=job.samples, dataset=self._dataset)
         else:
-            verify_pattern(batch.hs, batch.input_ids, batch.loss_mask, batch.seq_lens, job_id=job["job_id"],
-                           expected_seq_lens=job["lengths"])
-        time.sleep(self.cost_per_token * job["num_tokens"] + self.cost_per_sequence * len(job["samples"]))
-        self._window.append(job["job_id"])
+            verify_pattern(batch.hs, batch.input_ids, batch.loss_mask, batch.seq_lens, job_id=job.job_id,
+                           expected_seq_lens=job.lengths)
+        time.sleep(self.cost_per_token * job.num_tokens + self.cost_per_sequence * len(job.samples))
+        self._window.append(job.job_id)
 
     def apply_step(self, job_ids: list[int]) -> dict:
         assert job_ids == self._window, f"committed {job_ids}, trained on {self._window}"

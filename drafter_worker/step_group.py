@@ -13,8 +13,8 @@ the outcome and applies or drops the step. What the group is lives behind a *ste
   (:mod:`drafter_worker.process_group`), a state transfer to joiners, the outcome broadcast from
   rank 0. Imported only by a drafter that trains in a group.
 
-The interface both keep: ``lone``, ``rank``, ``world_size``, ``version``; ``model_fields()`` (what
-``register`` says of the group) and ``poll_fields()`` (what ``get_hs`` names); ``start(registration)``
+The interface both keep: ``lone``, ``rank``, ``world_size``, ``version``; ``group_claim()`` (what
+``register`` says of the group) and ``poll_membership()`` (the version ``get_hs`` names); ``start(registration)``
 and ``run_version(train)`` (train one version, or the lone drafter's one registration, and say how
 it ended); ``await_local_compute()``, ``measure_round(clock, step, window)``, ``exchange(mine)``,
 ``sync_gradients(backend, all_reduce)``, ``all_reduce(tensor)``, ``commit_fields(rounds, busy_s,
@@ -28,6 +28,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from common.wire import messages
 from drafter_worker.busy_clock import BusyClock
 
 log = logging.getLogger("hsd.drafter")
@@ -70,14 +71,16 @@ class LoneGroup:
     def __init__(self, loop: Any):
         self.loop = loop
 
-    def model_fields(self) -> dict[str, Any]:
-        return {}
+    @staticmethod
+    def group_claim() -> messages.GroupClaim | None:
+        return None
 
-    def poll_fields(self) -> dict[str, Any]:
-        return {}
+    @staticmethod
+    def poll_membership() -> int | None:
+        return None
 
-    def start(self, registration: dict[str, Any]) -> None:
-        self.loop.accum = registration["accum_steps"]
+    def start(self, registration: messages.RegisterReply) -> None:
+        self.loop.accum = registration.accum_steps
         self.loop.clock.discard_open()
 
     def run_version(self, train: Callable[[], str]) -> str:

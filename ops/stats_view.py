@@ -13,6 +13,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from common.wire import messages
 from common.wire.client import DispatcherClient, DispatcherUnavailable
 from common.run.config import ConfigError, load_config, load_run_config
 from common.wire.curve import CurveClient, client_from_config, client_from_keys, handshake_refused
@@ -49,7 +50,7 @@ def fetch_stats(endpoint: str, secret: str = "", timeout_s: float = 3.0, *,
                 curve: CurveClient | None = None) -> dict[str, Any]:
     client = DispatcherClient(endpoint, secret=secret, timeout_s=timeout_s, curve=curve)
     try:
-        return client.call("stats")["stats"]
+        return client.call(messages.Stats()).stats
     finally:
         client.close()
 

@@ -26,6 +26,7 @@ import torch
 from common.run.capture_contract import CaptureContract, check_same_contract, contract_from_config
 from common.run.config import Config
 from common.dataplane.slots import DTYPES, SlotHeader, SlotView
+from common.wire import messages
 from target_worker.capture import LayerCapture, contract_shape_of, drop_unused_modules, load_target_model
 
 
@@ -55,12 +56,12 @@ class PaddedBatch:
         return self.input_ids.shape[1]
 
 
-def pad_job(job: dict[str, Any], dataset: SampleSource, *, tokens_per_batch: int) -> PaddedBatch:
+def pad_job(job: messages.Job, dataset: SampleSource, *, tokens_per_batch: int) -> PaddedBatch:
     """The job's samples right-padded to its ``seq_len``."""
-    seq_len = int(job["seq_len"])
-    samples, lengths = list(job["samples"]), list(job["lengths"])
+    seq_len = job.seq_len
+    samples, lengths = list(job.samples), list(job.lengths)
     if not samples or len(samples) != len(lengths) or len(samples) * seq_len > tokens_per_batch:
-        raise ValueError(f"job {job['job_id']}: {len(samples)} samples with {len(lengths)} lengths do not form "
+        raise ValueError(f"job {job.job_id}: {len(samples)} samples with {len(lengths)} lengths do not form "
                          f"a batch of 1..{tokens_per_batch // seq_len} sequences of {seq_len} tokens")
     input_ids = torch.zeros(len(samples), seq_len, dtype=torch.int64)
     attention_mask = torch.zeros(len(samples), seq_len, dtype=torch.int64)
@@ -68,10 +69,10 @@ def pad_job(job: dict[str, Any], dataset: SampleSource, *, tokens_per_batch: int
     for row, (index, length) in enumerate(zip(samples, lengths)):
         ids, mask = dataset.sample(int(index))
         if len(ids) != length or len(mask) != length:
-            raise ValueError(f"job {job['job_id']}: sample {index} has {len(ids)} tokens and a loss mask of "
+            raise ValueError(f"job {job.job_id}: sample {index} has {len(ids)} tokens and a loss mask of "
                              f"{len(mask)} but the schedule says {length}: the dataset is not the one scheduled")
         if not 0 < length <= seq_len:
-            raise ValueError(f"job {job['job_id']}: sample {index} of {length} tokens does not fit seq_len {seq_len}")
+            raise ValueError(f"job {job.job_id}: sample {index} of {length} tokens does not fit seq_len {seq_len}")
         input_ids[row, :length] = torch.from_numpy(np.asarray(ids, dtype=np.int64))
         attention_mask[row, :length] = 1
         loss_mask[row, :length] = torch.from_numpy(np.asarray(mask).astype(np.uint8))
@@ -138,7 +139,7 @@ class HFTargetBackend:
                             batch.attention_mask.to(self.device, non_blocking=True))
 
     @torch.inference_mode()
-    def extract(self, job: dict[str, Any], slot: SlotView) -> SideStreamWrite | None:
+    def extract(self, job: messages.Job, slot: SlotView) -> SideStreamWrite | None:
         """Run the forward for one job and fill the slot: complete on return on the CPU (None); on a GPU
         the copy still in flight, whose ``wait()`` publishes the header."""
         layout = slot.layout
@@ -149,9 +150,9 @@ class HFTargetBackend:
         num_seqs, seq_len = batch.num_seqs, batch.seq_len
         rows = num_seqs * seq_len
         if num_seqs > layout.max_seqs or rows > layout.tokens_per_batch:
-            raise ValueError(f"job {job['job_id']}: {num_seqs} × {seq_len} does not fit a slot of "
+            raise ValueError(f"job {job.job_id}: {num_seqs} × {seq_len} does not fit a slot of "
                              f"{layout.tokens_per_batch} tokens / {layout.max_seqs} sequences")
-        header = SlotHeader(generation=int(job["generation"]), job_id=int(job["job_id"]), bucket=int(job["bucket"]),
+        header = SlotHeader(generation=job.generation, job_id=job.job_id, bucket=job.bucket,
                             batch_size=num_seqs, seq_len=seq_len, num_tokens=int(batch.seq_lens.sum()))
         buffer_index = self.capture.next_buffer
         hs = self.forward(batch)

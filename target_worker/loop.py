@@ -17,6 +17,7 @@ from typing import Any
 
 from common import faults
 from common.run.config import Config
+from common.wire import messages
 from common.dataplane.transport import TargetTransport, open_target_transport
 from common.worker.backends import PendingSlotWrite, TargetBackend
 from common.worker.loop import WorkerLoop
@@ -37,40 +38,43 @@ class TargetLoop(WorkerLoop):
     def _open_transport(self, info: dict[str, Any]) -> TargetTransport:
         return open_target_transport(info, device=self._device(info))
 
-    def _work(self, registration: dict[str, Any], transport: TargetTransport) -> None:
+    def _poll_request(self) -> messages.GetJob:
+        return messages.GetJob(wait_ms=self.poll_ms)
+
+    def _work(self, registration: messages.RegisterReply, transport: TargetTransport) -> None:
         session = self.session
         ipc_block = transport.export()
         if ipc_block is not None:  # cuda_ipc: our own GPU slots join the pool
-            session.call("register_slots", ipc_block=ipc_block, num_slots=transport.num_slots)
+            session.call(messages.RegisterSlots(ipc_block=ipc_block, num_slots=transport.num_slots))
         self._reports: list[int] = []
         self._failures_in_a_row = 0
         # A job whose slot is still being copied (a GPU target's side stream): reported once the copy lands,
         # after the next job's forward is queued, so the two overlap.
         pending: PendingJob | None = None
-        poll = self._poll("get_job")
+        poll = self._poll()
         while True:
             if pending is not None and not session.done(poll):
                 # Nothing to overlap with yet: report what we hold rather than sit on it while we wait.
                 self._complete(pending, transport)
                 pending = None
-            reply = self._await_poll(poll, "get_job")
-            if reply["done"] or self.stopping:
+            reply = self._await_poll(poll)
+            if reply.done or self.stopping:
                 if pending is not None:
                     self._complete(pending, transport)
                 self._collect(self._reports, wait=True)
-                if reply["done"]:
+                if reply.done:
                     log.info("%s: run complete after %d jobs", self.name, self.num_jobs)
                 return
-            poll = self._poll("get_job")  # prefetch: the next grant arrives while this job computes
+            poll = self._poll()  # prefetch: the next grant arrives while this job computes
             self._reports = self._collect(self._reports)
-            job = reply["job"]
+            job = reply.job
             if job is None:
                 continue
-            faults.stop_in_job(self.name, job)  # a test acts on a target that holds a job
+            faults.stop_in_job(self.name, job.job_id)  # a test acts on a target that holds a job
             started = time.perf_counter()
             failure: Exception | None = None
             try:
-                written = self.backend.extract(job, transport.slot(job["slot"]))
+                written = self.backend.extract(job, transport.slot(job.slot))
             except Exception as exc:
                 written, failure = None, exc
             if pending is not None:  # its copy drained while this job's forward was queued
@@ -91,22 +95,22 @@ class TargetLoop(WorkerLoop):
         try:
             if pending.written is not None:
                 pending.written.wait()
-            transport.finish_write(job["slot"], stream=pending.written.stream if pending.written is not None else None)
+            transport.finish_write(job.slot, stream=pending.written.stream if pending.written is not None else None)
         except Exception as exc:
             self._failed(job, exc)
             return
         self._failures_in_a_row = 0
         busy_s = pending.busy_s + time.perf_counter() - started
-        self._reports.append(self.session.submit("job_ready", job_id=job["job_id"], generation=job["generation"],
-                                                 busy_s=busy_s))
+        self._reports.append(self.session.submit(messages.JobReady(job_id=job.job_id, generation=job.generation,
+                                                                   busy_s=busy_s)))
         self.num_jobs += 1
 
-    def _failed(self, job: dict[str, Any], exc: Exception) -> None:
+    def _failed(self, job: messages.Job, exc: Exception) -> None:
         self._failures_in_a_row += 1
         self.num_failed += 1
-        log.exception("%s: job %d failed", self.name, job["job_id"], exc_info=exc)
-        self._reports.append(self.session.submit("job_failed", job_id=job["job_id"],
-                                                 reason=f"{type(exc).__name__}: {exc}"[:500]))
+        log.exception("%s: job %d failed", self.name, job.job_id, exc_info=exc)
+        self._reports.append(self.session.submit(messages.JobFailed(job_id=job.job_id,
+                                                                    reason=f"{type(exc).__name__}: {exc}"[:500])))
         if self._failures_in_a_row >= MAX_CONSECUTIVE_FAILURES:
             self._collect(self._reports, wait=True)
             raise exc
@@ -114,6 +118,6 @@ class TargetLoop(WorkerLoop):
 
 @dataclass
 class PendingJob:
-    job: dict[str, Any]
+    job: messages.Job
     written: PendingSlotWrite | None  # None: the backend completed the slot inside extract
     busy_s: float  # seconds spent in extract

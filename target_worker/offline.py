@@ -26,6 +26,7 @@ import torch
 
 from common.run.config import Config
 from common.dataplane.slots import SlotLayout, SlotView
+from common.wire import messages
 from target_worker.hf_backend import HFTargetBackend, SampleSource, default_device
 from target_worker.safetensors_stream import StreamingSafetensorsWriter
 
@@ -48,17 +49,17 @@ def sample_lengths(dataset: SampleSource, num_samples: int) -> list[int]:
     return [int(n) for n in lengths[:num_samples]]
 
 
-def plan_jobs(lengths: list[int], *, buckets: list[int], tokens_per_batch: int) -> tuple[list[dict[str, Any]], list[int]]:
-    """Jobs (wire-format dicts) covering samples ``0..len(lengths)-1``, and the skipped (too long) ones."""
+def plan_jobs(lengths: list[int], *, buckets: list[int], tokens_per_batch: int) -> tuple[list[messages.Job], list[int]]:
+    """Jobs (as a target is granted them) covering samples ``0..len(lengths)-1``, and the skipped (too long) ones."""
     pending: list[list[int]] = [[] for _ in buckets]
-    jobs: list[dict[str, Any]] = []
+    jobs: list[messages.Job] = []
     skipped = []
 
     def emit(bucket: int) -> None:
         samples = pending[bucket]
-        jobs.append({"job_id": len(jobs), "epoch": 0, "bucket": bucket, "seq_len": buckets[bucket],
-                     "samples": list(samples), "lengths": [lengths[i] for i in samples],
-                     "num_tokens": sum(lengths[i] for i in samples), "slot": 0, "generation": len(jobs) + 1})
+        jobs.append(messages.Job(job_id=len(jobs), epoch=0, bucket=bucket, seq_len=buckets[bucket],
+                                 samples=list(samples), lengths=[lengths[i] for i in samples],
+                                 num_tokens=sum(lengths[i] for i in samples), slot=0, generation=len(jobs) + 1))
         samples.clear()
 
     for index, length in enumerate(lengths):
@@ -105,13 +106,13 @@ def capture_to_file(config: Config, dataset: SampleSource, *, num_samples: int, 
                 tqdm(total=len(captured), unit="sample", desc="capture", disable=not progress, file=sys.stderr) as bar:
             for job in jobs:
                 backend.extract(job, slot)
-                batch = slot.batch(slot.expect_generation(job["generation"]))
-                for row, index in enumerate(job["samples"]):
+                batch = slot.batch(slot.expect_generation(job.generation))
+                for row, index in enumerate(job.samples):
                     length = int(batch.seq_lens[row])
                     writer.write(f"sample.{index}.hidden", batch.hs[row, :length])
                     writer.write(f"sample.{index}.input_ids", batch.input_ids[row, :length])
                     writer.write(f"sample.{index}.loss_mask", batch.loss_mask[row, :length])
-                bar.update(len(job["samples"]))
+                bar.update(len(job.samples))
     finally:
         backend.close()
     return {"samples": len(captured), "tokens": sum(lengths[i] for i in captured), "skipped": skipped,

@@ -11,9 +11,9 @@ hidden-state bytes before any real model is involved.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from common.run.config import Config
+from common.wire import messages
 from common.dataplane.slot_pattern import fill_pattern
 from common.dataplane.slots import SlotView
 
@@ -25,10 +25,10 @@ class SimTarget:
         self.cost_per_token = config.target.sim_cost_per_token
         self.cost_attention = config.target.sim_cost_attention
 
-    def cost_s(self, job: dict[str, Any]) -> float:
-        return self.cost_per_token * job["num_tokens"] + self.cost_attention * len(job["samples"]) * job["seq_len"] ** 2
+    def cost_s(self, job: messages.Job) -> float:
+        return self.cost_per_token * job.num_tokens + self.cost_attention * len(job.samples) * job.seq_len ** 2
 
-    def extract(self, job: dict[str, Any], slot: SlotView) -> None:
+    def extract(self, job: messages.Job, slot: SlotView) -> None:
         time.sleep(self.cost_s(job))
-        fill_pattern(slot, job_id=job["job_id"], generation=job["generation"], bucket=job["bucket"],
-                     batch_size=len(job["samples"]), seq_len=job["seq_len"], seq_lens=job["lengths"])
+        fill_pattern(slot, job_id=job.job_id, generation=job.generation, bucket=job.bucket,
+                     batch_size=len(job.samples), seq_len=job.seq_len, seq_lens=job.lengths)

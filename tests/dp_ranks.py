@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from common.run.config import load_config
 from common.dataplane.slots import SlotBatch, SlotHeader
 from dflash_testing import LAYER_IDS, VOCAB, backend_config
+from worker_jobs import held_job
 
 NUM_STEPS = 3
 PER_RANK = 2  # micro-batches one rank brings to a step
@@ -87,7 +88,7 @@ def micro_batch(job_id: int, kind: str = "linear") -> SlotBatch:
 def train_on(backend, job_id: int, kind: str) -> None:
     """One micro-batch through the backend's own ``micro_batch`` (DFlash draws a job's anchors from
     the run seed and the job id, so a rank and the single process draw the same blocks)."""
-    backend.micro_batch({"job_id": job_id}, micro_batch(job_id, kind))
+    backend.micro_batch(held_job(job_id), micro_batch(job_id, kind))
 
 
 def jobs(step: int, rank: int) -> list[int]:
@@ -108,7 +109,7 @@ def rank_main(kind: str, rank: int, store: str, out: str, target_dir: str | None
             for job_id in mine:
                 batch = micro_batch(job_id, kind)
                 with HostReads() as reads:
-                    drafter.micro_batch({"job_id": job_id}, batch)
+                    drafter.micro_batch(held_job(job_id), batch)
                 host_reads += reads.names
             rounds = group.exchange(RankRound(rank, mine, done=False, flush=False))
             step_jobs = [j for r in rounds for j in r.job_ids]

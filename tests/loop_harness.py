@@ -38,7 +38,8 @@ class Event:
 
 
 def make_job(job_id: int, slot: int, generation: int, *, lengths=(16, 12)) -> dict[str, Any]:
-    return {"job_id": job_id, "slot": slot, "generation": generation, "bucket": 0, "samples": list(range(len(lengths))),
+    return {"job_id": job_id, "epoch": 0, "slot": slot, "generation": generation, "bucket": 0,
+            "samples": list(range(len(lengths))),
             "lengths": list(lengths), "seq_len": 16, "num_tokens": sum(lengths)}
 
 

@@ -15,9 +15,8 @@ from typing import Any
 
 import zmq
 
-from common.wire import protocol
+from common.wire import messages
 from common.wire.curve import CurveClient
-from common.wire.protocol import ErrorCode, ProtocolError
 
 
 class DispatcherUnavailable(TimeoutError):
@@ -38,8 +37,8 @@ class DispatcherClient:
         self.timeout_s = timeout_s
         self._context = context or zmq.Context.instance()
         self._ids = itertools.count(1)
-        self._outstanding: set[int] = set()
-        self._early: dict[int, dict[str, Any]] = {}
+        self._outstanding: dict[int, str] = {}  # request id -> its op, until its reply is taken
+        self._early: dict[int, bytes] = {}
         self._socket: zmq.Socket | None = None
         self._connect()
 
@@ -57,42 +56,44 @@ class DispatcherClient:
         self._outstanding.clear()
         self._early.clear()
 
-    def submit(self, op: str, **fields: Any) -> int:
-        """Send a request without waiting; collect its reply with :meth:`result`.
+    def submit(self, request: messages.Request) -> int:
+        """Send a request without waiting (its ``id`` and ``secret`` are set here); collect its
+        reply with :meth:`result`.
 
         Several requests may be in flight (a worker prefetches its next job while it moves the
         bytes of the current one); replies are matched by id, whatever order they come in.
         """
         assert self._socket is not None
-        request_id = next(self._ids)
-        message = protocol.request(op, request_id, **fields)
+        request.id = next(self._ids)
         if self.secret:
-            message["secret"] = self.secret
-        self._socket.send(protocol.pack(message))
-        self._outstanding.add(request_id)
-        return request_id
+            request.secret = self.secret
+        self._socket.send(messages.encode(request))
+        self._outstanding[request.id] = messages.op_of(request)
+        return request.id
 
-    def result(self, request_id: int, *, timeout_s: float | None = None) -> dict[str, Any]:
-        """The reply to a submitted request; raises ProtocolError for an error reply."""
-        reply = self._wait_for(request_id, timeout_s)
-        if not reply.get("ok"):
-            error = reply.get("error") or {}
-            raise ProtocolError(error.get("code", ErrorCode.INTERNAL), error.get("message", "error reply"))
-        return reply
+    def result(self, request_id: int, *, timeout_s: float | None = None) -> messages.Reply:
+        """The reply to a submitted request, as its op's reply struct; raises ProtocolError for an
+        error reply, DispatcherUnavailable for a request given up (by a reset) or never sent."""
+        op = self._outstanding.get(request_id)
+        if op is None:
+            raise DispatcherUnavailable(f"request {request_id} is not in flight (the connection was reset)")
+        frame = self._wait_for(request_id, timeout_s)
+        self._outstanding.pop(request_id, None)
+        return messages.decode_reply(frame, op)
 
-    def call(self, op: str, *, timeout_s: float | None = None, **fields: Any) -> dict[str, Any]:
+    def call(self, request: messages.Request, *, timeout_s: float | None = None) -> messages.Reply:
         """Send one request and wait for its reply; raises ProtocolError for an error reply."""
-        return self.result(self.submit(op, **fields), timeout_s=timeout_s)
+        return self.result(self.submit(request), timeout_s=timeout_s)
 
-    def call_raw(self, payload: bytes | list[bytes], *, timeout_s: float | None = None) -> dict[str, Any]:
-        """Send raw frames and return the next reply, whatever its id (tests use it to send garbage)."""
+    def call_raw(self, payload: bytes | list[bytes], *, timeout_s: float | None = None) -> Any:
+        """Send raw frames and return the next reply, whatever its id, as plain msgpack values
+        (tests use it to send garbage)."""
         assert self._socket is not None
         self._socket.send_multipart(payload if isinstance(payload, list) else [payload])
-        return self._wait_for(None, timeout_s)
+        return messages.decode_any(self._wait_for(None, timeout_s))
 
-    def _wait_for(self, request_id: int | None, timeout_s: float | None) -> dict[str, Any]:
+    def _wait_for(self, request_id: int | None, timeout_s: float | None) -> bytes:
         if request_id in self._early:
-            self._outstanding.discard(request_id)
             return self._early.pop(request_id)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
@@ -101,13 +102,14 @@ class DispatcherClient:
             if remaining_ms <= 0 or not self._socket.poll(remaining_ms):
                 self.reset()
                 raise DispatcherUnavailable(f"no reply from {self.endpoint} within {timeout:.1f}s")
-            reply = protocol.unpack(self._socket.recv())
-            reply_id = reply.get("id")
+            frame = self._socket.recv()
+            reply_id = messages.reply_id(frame)
             if request_id is None or reply_id == request_id or reply_id is None:
-                self._outstanding.discard(reply_id)
-                return reply
+                if reply_id is not None and reply_id != request_id:
+                    self._outstanding.pop(reply_id, None)  # call_raw took it
+                return frame
             if reply_id in self._outstanding:  # another request in flight: keep it for its caller
-                self._early[reply_id] = reply
+                self._early[reply_id] = frame
             # else a late reply to a request given up on (after a reset): dropped
 
     def close(self) -> None:

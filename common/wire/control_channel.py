@@ -29,18 +29,19 @@ from typing import Any, Callable
 
 import zmq
 
-from common.wire import protocol
+from common.wire import messages
 from common.wire.client import DispatcherUnavailable
 from common.wire.curve import CurveClient
-from common.wire.protocol import ErrorCode, ProtocolError
+from common.wire.messages import ErrorCode, ProtocolError
 
 log = logging.getLogger("hsd.worker")
 
 _NOBLOCK = int(zmq.NOBLOCK)  # plain ints: pyzmq's flag enums cost a Python call per operator
 _POLLIN = int(zmq.POLLIN)
 
-ReplyHook = Callable[[str, dict[str, Any], dict[str, Any]], None]  # (op, request fields, reply)
-HeartbeatFields = Callable[[], "dict[str, Any] | None"]
+# (the request, its reply: the op's reply struct, or an ErrorReply for a refusal or a reply that broke the protocol)
+ReplyHook = Callable[[messages.Request, messages.Reply], None]
+HeartbeatFields = Callable[[], "messages.Heartbeat | None"]
 
 
 class ControlChannel:
@@ -53,8 +54,8 @@ class ControlChannel:
         self._ids = itertools.count(1)
         self._cond = threading.Condition()
         self._outbox: deque[tuple[str, Any]] = deque()  # (command, argument) for the I/O thread
-        self._pending: dict[int, tuple[str, dict[str, Any]]] = {}  # request id -> (op, fields), until answered
-        self._replies: dict[int, dict[str, Any]] = {}
+        self._pending: dict[int, messages.Request] = {}  # request id -> the request, until answered
+        self._replies: dict[int, messages.Reply] = {}
         self._dropped: set[int] = set()  # ids given up by reset(): their waiters get no reply
         self._heartbeat: tuple[float, HeartbeatFields] | None = None
         self.heartbeat_refused = threading.Event()  # the dispatcher no longer knows the heartbeat's worker
@@ -72,18 +73,18 @@ class ControlChannel:
         self._thread.start()
 
     # -- the main thread's side ---------------------------------------------------------------
-    def submit(self, op: str, **fields: Any) -> int:
-        """Queue a request without waiting; its reply is kept for :meth:`result` (matched by id)."""
-        request_id = next(self._ids)
-        message = protocol.request(op, request_id, **fields)
+    def submit(self, request: messages.Request) -> int:
+        """Queue a request without waiting (its ``id`` and ``secret`` are set here); its reply is kept
+        for :meth:`result` (matched by id)."""
+        request_id = request.id = next(self._ids)
         if self.secret:
-            message["secret"] = self.secret
-        frame = protocol.pack(message)
+            request.secret = self.secret
+        frame = messages.encode(request)
         with self._sock_lock:
             with self._cond:
                 if self._closed or self._sock is None:
                     raise RuntimeError("the control channel is closed")
-                self._pending[request_id] = (op, fields)
+                self._pending[request_id] = request
                 queued = bool(self._outbox)  # behind what waits there, in order
                 if queued:
                     self._outbox.append(("send", frame))
@@ -110,9 +111,10 @@ class ControlChannel:
         have taken the ZMQ_FD signal the I/O thread sleeps on."""
         return bool(self._sock.getsockopt(zmq.EVENTS) & _POLLIN)
 
-    def result(self, request_id: int, *, timeout_s: float) -> dict[str, Any]:
-        """The reply to a submitted request: ProtocolError for an error reply; DispatcherUnavailable
-        when none came within ``timeout_s`` (the socket is then reset: late replies are dropped)."""
+    def result(self, request_id: int, *, timeout_s: float) -> messages.Reply:
+        """The reply to a submitted request, as its op's reply struct: ProtocolError for an error reply
+        (or one that breaks the protocol); DispatcherUnavailable when none came within ``timeout_s``
+        (the socket is then reset: late replies are dropped)."""
         deadline = time.monotonic() + timeout_s
         timed_out = False
         with self._cond:
@@ -134,9 +136,8 @@ class ControlChannel:
                 self.reset()
                 raise DispatcherUnavailable(f"no reply from {self.endpoint} within {timeout_s:.1f}s")
             raise DispatcherUnavailable(f"request {request_id} was given up (the connection was reset)")
-        if not reply.get("ok"):
-            error = reply.get("error") or {}
-            raise ProtocolError(error.get("code", ErrorCode.INTERNAL), error.get("message", "error reply"))
+        if isinstance(reply, messages.ErrorReply):
+            raise ProtocolError(reply.error.code, reply.error.message, request_id)
         return reply
 
     def done(self, request_id: int) -> bool:
@@ -144,8 +145,8 @@ class ControlChannel:
         with self._cond:
             return request_id in self._replies or request_id in self._dropped or request_id not in self._pending
 
-    def call(self, op: str, *, timeout_s: float, **fields: Any) -> dict[str, Any]:
-        return self.result(self.submit(op, **fields), timeout_s=timeout_s)
+    def call(self, request: messages.Request, *, timeout_s: float) -> messages.Reply:
+        return self.result(self.submit(request), timeout_s=timeout_s)
 
     def reset(self) -> None:
         """A fresh socket: requests still queued or unanswered are given up (their waiters fail at once),
@@ -158,7 +159,7 @@ class ControlChannel:
         self._wake()
 
     def set_heartbeat(self, interval_s: float | None, fields: HeartbeatFields | None = None) -> None:
-        """Send ``heartbeat`` every ``interval_s`` with ``fields()`` (None skips a beat); None stops."""
+        """Send ``fields()`` (a Heartbeat; None skips a beat) every ``interval_s``; None stops."""
         with self._sock_lock, self._cond:
             self._beat_generation += 1
             self.heartbeat_refused.clear()
@@ -255,14 +256,14 @@ class ControlChannel:
                     next_beat = time.monotonic() + interval_s
                     beat = fields() if fields is not None else None
                     if beat is not None:
-                        request_id = next(self._ids)
-                        heartbeat_ids.add(request_id)
-                        message = protocol.request("heartbeat", request_id, **beat)
+                        beat.id = next(self._ids)
+                        heartbeat_ids.add(beat.id)
                         if self.secret:
-                            message["secret"] = self.secret
+                            beat.secret = self.secret
+                        frame = messages.encode(beat)
                         with self._sock_lock:  # never ahead of a request still queued: that beat is skipped
                             if not self._outbox:
-                                self._send_now(protocol.pack(message))
+                                self._send_now(frame)
                         look = True
         except Exception:
             log.exception("control channel to %s failed", self.endpoint)
@@ -278,15 +279,17 @@ class ControlChannel:
                     self._cond.notify_all()
 
     def _receive(self, frame: bytes, heartbeat_ids: set[int], beat_generation: int) -> None:
-        try:
-            reply = protocol.unpack(frame)
-        except ProtocolError:
-            log.warning("dropped an undecodable reply from %s", self.endpoint)
+        request_id = messages.reply_id(frame)
+        if request_id is None:
+            log.warning("dropped a reply from %s that names no request", self.endpoint)
             return
-        request_id = reply.get("id")
         if request_id in heartbeat_ids:
             heartbeat_ids.discard(request_id)
-            if not reply.get("ok") and (reply.get("error") or {}).get("code") == ErrorCode.UNKNOWN_WORKER:
+            try:
+                messages.decode_reply(frame, "heartbeat")
+            except ProtocolError as exc:
+                if exc.code != ErrorCode.UNKNOWN_WORKER:
+                    return
                 # Beating on would only draw more refusals; a worker waiting on a long-poll learns it
                 # now rather than when its poll times out (a restarted dispatcher lost it). A refusal
                 # of beats the main thread has already replaced (it is registering again) is ignored.
@@ -300,11 +303,15 @@ class ControlChannel:
             request = self._pending.pop(request_id, None)
         if request is None:
             return  # a reply to a request given up on
+        try:
+            reply = messages.decode_reply(frame, messages.op_of(request))
+        except ProtocolError as exc:
+            reply = messages.error_reply(request_id, exc.code, exc.message)
         if self._on_reply is not None:
             try:
-                self._on_reply(request[0], request[1], reply)
+                self._on_reply(request, reply)
             except Exception:
-                log.exception("reply hook failed on %s", request[0])
+                log.exception("reply hook failed on %s", messages.op_of(request))
         with self._cond:
             self._replies[request_id] = reply
             self._cond.notify_all()

@@ -162,10 +162,6 @@ def parse_request(message: dict[str, Any]) -> Request:
     return Request(op, request_id, fields)
 
 
-def request(op: str, request_id: int, **fields: Any) -> dict[str, Any]:
-    return {"v": PROTOCOL_VERSION, "op": op, "id": request_id, **fields}
-
-
 def ok_reply(request_id: int, **fields: Any) -> dict[str, Any]:
     return {"v": PROTOCOL_VERSION, "id": request_id, "ok": True, **fields}
 

@@ -1,6 +1,6 @@
 """What a worker computes, behind the one worker loop (:mod:`common.worker.loop`).
 
-The loop owns the control plane, the transport, the job dicts and the window of a drafter's step;
+The loop owns the control plane, the transport, the jobs it holds and the window of a drafter's step;
 a backend only computes. A target backend fills a slot for a job; a drafter backend trains on a
 batch the loop has already copied out of its slot, and applies an optimizer step only once the
 dispatcher has made the commit durable (commit, then apply): the model's state never runs ahead of
@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from common.dataplane.slots import SlotBatch, SlotView
 from common.run.witness import CheckpointSnapshot
+from common.wire.messages import Job
 
 
 class PendingSlotWrite(Protocol):
@@ -29,14 +30,14 @@ class PendingSlotWrite(Protocol):
 class TargetBackend(Protocol):
     contract: dict | None  # capture contract sent at registration (None for sim)
 
-    def extract(self, job: dict[str, Any], slot: SlotView) -> PendingSlotWrite | None:
+    def extract(self, job: Job, slot: SlotView) -> PendingSlotWrite | None:
         """Fill the slot for ``job``: data, then the header with the generation last. None when the slot
         is complete on return; else the write still in flight, which the loop completes before reporting."""
 
 
 class DrafterBackend(Protocol):
-    """A backend may also take what each register reply says (``adopt_registration(reply)``, optional:
-    a trainer's learning-rate schedule spans the reply's ``jobs_per_epoch``)."""
+    """A backend may also take what each register reply says (``adopt_registration(reply)`` with the
+    RegisterReply, optional: a trainer's learning-rate schedule spans the reply's ``jobs_per_epoch``)."""
 
     model_id: str
     contract: dict | None
@@ -45,7 +46,7 @@ class DrafterBackend(Protocol):
     def load_latest(self, run_dir: str | os.PathLike) -> int:
         """Load the latest checkpoint; return its step (0 = none)."""
 
-    def micro_batch(self, job: dict[str, Any], batch: SlotBatch) -> None:
+    def micro_batch(self, job: Job, batch: SlotBatch) -> None:
         """Compute on one micro-batch (``batch`` is the reader's copy, valid until the next read)."""
 
     def apply_step(self, job_ids: list[int]) -> dict:

@@ -22,15 +22,18 @@ import signal
 import threading
 from typing import Any
 
+import msgspec
+
 from common.run.config import Config
-from common.wire.protocol import ErrorCode, ProtocolError
+from common.wire import messages
+from common.wire.messages import ErrorCode, ProtocolError
 from common.worker.runtime import (CALL_TIMEOUT_S, RECONNECT_S, DispatcherGone, NoReply, WorkerLost, WorkerSession,
                                    on_no_reply, resend_until_answered)
 
 log = logging.getLogger("hsd.worker")
 
 POLL_MS = 1000  # long-poll of get_job/get_hs; also bounds how long a stop request waits
-EMPTY_POLL = {"job": None, "done": False, "flush": False}
+EMPTY_POLL = messages.GrantReply(job=None, done=False)  # what a poll given up on (asked to stop) amounts to
 
 
 def sim_device(transport_info: dict[str, Any]) -> str:
@@ -83,7 +86,7 @@ class WorkerLoop:
                         return 0
                     raise
                 self._registered(registration)
-                transport = self._open_transport(registration["transport"])
+                transport = self._open_transport(registration.transport)
                 try:
                     self._work(registration, transport)
                     return 0
@@ -99,10 +102,10 @@ class WorkerLoop:
     def _start(self) -> None:
         """Once, before the first registration."""
 
-    def _register(self) -> dict[str, Any]:
+    def _register(self) -> messages.RegisterReply:
         return self.session.register(contract=self.backend.contract)
 
-    def _registered(self, registration: dict[str, Any]) -> None:
+    def _registered(self, registration: messages.RegisterReply) -> None:
         """After each registration, before the transport opens: what the reply tells the backend."""
 
     def _open_transport(self, info: dict[str, Any]) -> Any:
@@ -111,20 +114,25 @@ class WorkerLoop:
     def _device(self, info: dict[str, Any]) -> Any:
         return getattr(self.backend, "device", None) or sim_device(info)
 
-    def _work(self, registration: dict[str, Any], transport: Any) -> None:
+    def _work(self, registration: messages.RegisterReply, transport: Any) -> None:
         raise NotImplementedError
 
     def _lost(self) -> None:
         """The dispatcher forgot us: drop what only it could have accepted."""
 
     # -- helpers ------------------------------------------------------------------------------
-    def _poll(self, op: str) -> int:
-        return self.session.submit(op, wait_ms=self.poll_ms)
+    def _poll_request(self) -> messages.WorkerRequest:
+        """The long-poll for this worker's next job (get_job, get_hs)."""
+        raise NotImplementedError
 
-    def _await_poll(self, request_id: int, op: str) -> dict[str, Any]:
+    def _poll(self) -> int:
+        return self.session.submit(self._poll_request())
+
+    def _await_poll(self, request_id: int) -> messages.GrantReply:
         """The reply to a long-poll; asked again while the dispatcher does not answer (a stop ends the wait)."""
+        op = messages.op_of(self._poll_request())
         try:
-            return resend_until_answered(lambda: self._poll(op),
+            return resend_until_answered(self._poll,
                                          lambda request_id: self.session.result(
                                              request_id, timeout_s=self.poll_ms / 1000 + CALL_TIMEOUT_S),
                                          request_id=request_id,
@@ -132,7 +140,7 @@ class WorkerLoop:
                                                            unless=lambda: self.stopping))
         except NoReply:
             if self.stopping:
-                return dict(EMPTY_POLL)
+                return msgspec.structs.replace(EMPTY_POLL)
             raise DispatcherGone(f"no dispatcher at {self.session.endpoint} for {RECONNECT_S:.0f}s") from None
 
     def _collect(self, request_ids: list[int], *, wait: bool = False) -> list[int]:

@@ -16,20 +16,22 @@ import threading
 import time
 from typing import Any, Callable, TypeVar
 
+import msgspec
+
+from common.wire import messages
 from common.wire.client import DispatcherUnavailable
 from common.run.config import Config
 from common.wire.control_channel import ControlChannel
 from common.wire.curve import client_from_config
 from common.worker.held_jobs import HeldJobs
-from common.wire.protocol import ErrorCode, ProtocolError
+from common.wire.messages import ErrorCode, ProtocolError
 
 log = logging.getLogger("hsd.worker")
 
 RECONNECT_S = 60.0  # how long a worker keeps trying to reach a dispatcher that went away
 CALL_TIMEOUT_S = 10.0
-# Replies that settle a held job: a target's report, a drafter's read failure or commit.
-_GRANTS = ("get_job", "get_hs")
-_RELEASES = ("job_ready", "job_failed", "read_failed")
+# Requests whose reply (any reply) settles a held job: a target's report, a drafter's read failure.
+_RELEASES = (messages.JobReady, messages.JobFailed, messages.ReadFailed)
 
 
 class WorkerLost(Exception):
@@ -113,46 +115,47 @@ class WorkerSession:
                                       curve=client_from_config(config.curve), on_reply=self._on_reply, name=name)
         self.worker_id: str | None = None
         self.token: str | None = None
-        self.registration: dict[str, Any] = {}
+        self.registration: messages.RegisterReply | None = None
         self.stop_requested = threading.Event()
 
     # -- held jobs, kept current by the control channel's I/O thread ----------------------------
-    def _on_reply(self, op: str, fields: dict[str, Any], reply: dict[str, Any]) -> None:
-        if fields.get("worker_id") != self.worker_id:
+    def _on_reply(self, request: messages.Request, reply: messages.Reply) -> None:
+        if getattr(request, "worker_id", None) != self.worker_id:
             return  # a late reply to a previous registration: its jobs went back with it
-        if op in _GRANTS and reply.get("ok") and reply.get("job"):
-            job = reply["job"]
-            self.held.add(job["job_id"])
-            self.seen_grant = max(self.seen_grant, job.get("grant", 0))
-        elif op in _RELEASES:
-            self.held.discard([fields["job_id"]])
-        elif op == "commit_step" and reply.get("ok"):
-            self.held.discard(fields["job_ids"])
+        if isinstance(reply, messages.GrantReply):
+            if reply.job is not None:
+                self.held.add(reply.job.job_id)
+                self.seen_grant = max(self.seen_grant, reply.job.grant)
+        elif isinstance(request, _RELEASES):
+            self.held.discard([request.job_id])
+        elif isinstance(reply, messages.CommitReply):
+            self.held.discard(request.job_ids)
 
-    def _heartbeat_fields(self) -> dict[str, Any] | None:
+    def _heartbeat(self) -> messages.Heartbeat | None:
         if self.worker_id is None:
             return None
         # Both are written on the I/O thread that calls this: a grant counted in seen_grant is listed
         # in holding unless the worker already reported or dropped it.
-        return {"worker_id": self.worker_id, "token": self.token, "holding": self.held.snapshot(),
-                "seen_grant": self.seen_grant}
+        return messages.Heartbeat(worker_id=self.worker_id, token=self.token, holding=self.held.snapshot(),
+                                  seen_grant=self.seen_grant)
 
     # -- registration -------------------------------------------------------------------------
-    def register(self, **extra: Any) -> dict[str, Any]:
+    def register(self, *, contract: dict[str, Any] | None = None,
+                 model: messages.ModelClaim | None = None) -> messages.RegisterReply:
         """Register (retrying while the dispatcher starts or restarts) and start heartbeats.
 
-        ``extra``: the optional fields of ``register`` (``contract``, a drafter's ``model``), None
-        values left out. A refusal (an incompatible contract) raises ProtocolError.
+        ``contract``: the capture contract the worker produces or expects; ``model``: a drafter's. A
+        refusal (an incompatible contract, a model ahead of the ledger) raises ProtocolError.
         """
         self.worker_id = self.token = None
         self.held.clear()
         self.seen_grant = 0
         self.channel.set_heartbeat(None)
-        fields = {k: v for k, v in extra.items() if v is not None}
         try:  # unanswered: asked again 0.2 s later, unless asked to stop
             reply = resend_until_answered(
-                lambda: self.channel.submit("register", role=self.role, name=self.name, pid=os.getpid(),
-                                            host=socket.gethostname(), node=self.node, gpu=self.gpu, **fields),
+                lambda: self.channel.submit(messages.Register(
+                    role=self.role, name=self.name, pid=os.getpid(), host=socket.gethostname(), node=self.node,
+                    gpu=self.gpu, contract=contract, model=model)),
                 lambda request_id: self.channel.result(request_id, timeout_s=CALL_TIMEOUT_S),
                 again=lambda exc: 0.2 if isinstance(exc, DispatcherUnavailable) and not self.stop_requested.is_set()
                 else None)
@@ -161,24 +164,23 @@ class WorkerSession:
                     "public half of curve.client_secret_key is in its curve.allowed_client_keys (a refused "
                     "key gets no answer at all)") if self.channel.curve is not None else ""
             raise DispatcherGone(f"no dispatcher at {self.endpoint} for {RECONNECT_S:.0f}s{hint}") from None
-        self.worker_id = reply["worker_id"]
-        self.token = reply.get("token")
+        self.worker_id = reply.worker_id
+        self.token = reply.token
         self.registration = reply
-        self.channel.set_heartbeat(reply["heartbeat_s"], self._heartbeat_fields)
+        self.channel.set_heartbeat(reply.heartbeat_s, self._heartbeat)
         wall_s, cpu_s = since_process_start()
         log.info("%s registered as %s with run %s, %.1fs after the process started (%.1fs of CPU)", self.name,
-                 self.worker_id, reply["run_id"], wall_s, cpu_s)
+                 self.worker_id, reply.run_id, wall_s, cpu_s)
         return reply
 
     # -- requests -----------------------------------------------------------------------------
-    def _auth(self, fields: dict[str, Any]) -> dict[str, Any]:
-        return {"worker_id": self.worker_id, "token": self.token, **fields}
+    def submit(self, request: messages.WorkerRequest) -> int:
+        """Send on this worker's behalf without waiting (pipelining); see :meth:`result`. What goes out
+        is a copy of ``request`` naming this registration (worker id and token): a request sent again
+        after the worker registered again names the new one."""
+        return self.channel.submit(msgspec.structs.replace(request, worker_id=self.worker_id, token=self.token))
 
-    def submit(self, op: str, **fields: Any) -> int:
-        """Send on this worker's behalf without waiting (pipelining); see :meth:`result`."""
-        return self.channel.submit(op, **self._auth(fields))
-
-    def result(self, request_id: int, *, timeout_s: float = CALL_TIMEOUT_S) -> dict[str, Any]:
+    def result(self, request_id: int, *, timeout_s: float = CALL_TIMEOUT_S) -> messages.Reply:
         """The reply to :meth:`submit`: WorkerLost when the dispatcher forgot us, NoReply when none
         came (the caller cannot tell what the dispatcher did with the request)."""
         try:
@@ -194,35 +196,26 @@ class WorkerSession:
     def done(self, request_id: int) -> bool:
         return self.channel.done(request_id)
 
-    def call(self, op: str, *, timeout_s: float = CALL_TIMEOUT_S, **fields: Any) -> dict[str, Any]:
-        return self.result(self.submit(op, **fields), timeout_s=timeout_s)
+    def call(self, request: messages.WorkerRequest, *, timeout_s: float = CALL_TIMEOUT_S) -> messages.Reply:
+        return self.result(self.submit(request), timeout_s=timeout_s)
 
-    def call_until_answered(self, op: str, *, timeout_s: float = CALL_TIMEOUT_S, **fields: Any) -> dict[str, Any]:
+    def call_until_answered(self, request: messages.WorkerRequest, *,
+                            timeout_s: float = CALL_TIMEOUT_S) -> messages.Reply:
         """An idempotent request, sent again while it gets no reply (up to RECONNECT_S)."""
         try:
-            return resend_until_answered(lambda: self.submit(op, **fields),
+            return resend_until_answered(lambda: self.submit(request),
                                          lambda request_id: self.result(request_id, timeout_s=timeout_s),
-                                         again=on_no_reply(log, "%s: %s got no reply; sending it again", self.name, op))
+                                         again=on_no_reply(log, "%s: %s got no reply; sending it again", self.name,
+                                                           messages.op_of(request)))
         except NoReply:
             raise DispatcherGone(f"no dispatcher at {self.endpoint} for {RECONNECT_S:.0f}s") from None
-
-    def report(self, op: str, **fields: Any) -> dict[str, Any] | None:
-        """A state-changing call that the dispatcher may refuse because the job was already given back
-        (its lease ran out): None then, and the caller drops that work."""
-        try:
-            return self.call(op, **fields)
-        except ProtocolError as exc:
-            if exc.code != ErrorCode.BAD_STATE:
-                raise
-            log.warning("%s: %s refused, dropping that work: %s", self.name, op, exc.message)
-            return None
 
     def close_registration(self) -> None:
         """Leave (best effort): the dispatcher gives back at once whatever this registration held."""
         self.channel.set_heartbeat(None)
         if self.worker_id is not None:
             try:
-                self.call("deregister", timeout_s=2.0)
+                self.call(messages.Deregister(), timeout_s=2.0)
             except (ProtocolError, WorkerLost):
                 pass
         self.worker_id = self.token = None

@@ -6,27 +6,28 @@ import threading
 import msgpack
 import zmq
 
+from common.wire import messages
 from common.wire.control_channel import ControlChannel
 
 
 def _serve(router: zmq.Socket, stop: threading.Event, seen: list[int]) -> None:
-    """Answer every request (ok, echoing its id), noting the ids in arrival order."""
+    """Answer every heartbeat (ok, echoing its id), noting the ids in arrival order."""
     while not stop.is_set():
         if not router.poll(50):
             continue
         identity, frame = router.recv_multipart()
         request = msgpack.unpackb(frame)
         seen.append(request["id"])
-        router.send_multipart([identity, msgpack.packb({"v": 2, "id": request["id"], "ok": True})])
+        router.send_multipart([identity, msgpack.packb({"v": 2, "id": request["id"], "ok": True, "done": False})])
 
 
 def test_requests_go_out_in_order_when_the_socket_queue_fills_before_a_dispatcher_listens(tmp_path):
     endpoint = f"ipc://{tmp_path / 'd.sock'}"
     replies: list[int] = []
-    channel = ControlChannel(endpoint, on_reply=lambda op, fields, reply: replies.append(reply["id"]))
+    channel = ControlChannel(endpoint, on_reply=lambda request, reply: replies.append(reply.id))
     try:
         # Nobody listens yet: past the socket's high-water mark (1000) requests wait in the outbox.
-        ids = [channel.submit("heartbeat", holding=[]) for _ in range(1500)]
+        ids = [channel.submit(messages.Heartbeat(holding=[])) for _ in range(1500)]
         context = zmq.Context.instance()
         router = context.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
@@ -35,12 +36,12 @@ def test_requests_go_out_in_order_when_the_socket_queue_fills_before_a_dispatche
         server = threading.Thread(target=_serve, args=(router, stop, seen), daemon=True)
         server.start()
         try:
-            assert channel.result(ids[-1], timeout_s=30)["ok"]
-            assert all(channel.result(i, timeout_s=5)["ok"] for i in ids[:-1])
+            assert channel.result(ids[-1], timeout_s=30) == messages.Done(id=ids[-1], done=False)
+            assert all(channel.result(i, timeout_s=5).id == i for i in ids[:-1])
             assert seen == ids  # sent in order, the queued ones after those the socket took
             assert sorted(replies) == ids  # every reply went through on_reply on the I/O thread
-            later = channel.submit("heartbeat", holding=[])  # the outbox drained: straight from submit again
-            assert channel.result(later, timeout_s=5)["ok"] and seen[-1] == later
+            later = channel.submit(messages.Heartbeat(holding=[]))  # the outbox drained: straight from submit again
+            assert channel.result(later, timeout_s=5).id == later and seen[-1] == later
         finally:
             stop.set()
             server.join(5)

@@ -4,8 +4,14 @@ import msgpack
 import pytest
 
 from common.wire.protocol import (PROTOCOL_VERSION, REQUESTS, ErrorCode, ProtocolError, Request, error_reply, field_of,
-                             ok_reply, pack, parse_request, parse_store_address, parse_tcp_store, request,
+                             ok_reply, pack, parse_request, parse_store_address, parse_tcp_store,
                              store_address, tcp_store_name, unpack)
+
+
+def request(op: str, request_id: int, **fields) -> dict:
+    """A request map as a client sends it."""
+    return {"v": PROTOCOL_VERSION, "op": op, "id": request_id, **fields}
+
 
 # a minimal valid value for every required request field
 FIELD_VALUES = {"role": "target", "name": "w", "pid": 123, "host": "h", "worker_id": "t0", "wait_ms": 10,

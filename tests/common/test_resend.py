@@ -2,8 +2,9 @@
 
 import pytest
 
+from common.wire import messages
 from common.worker import runtime as worker_runtime
-from common.wire.protocol import ErrorCode, ProtocolError
+from common.wire.messages import ErrorCode, ProtocolError
 from common.worker.runtime import NoReply, on_no_reply, resend_until_answered
 
 
@@ -26,20 +27,20 @@ class Dispatcher:
 
 
 def test_sent_again_while_unanswered_then_the_reply(caplog):
-    d = Dispatcher(NoReply("lost"), NoReply("lost"), {"ok": True})
+    d = Dispatcher(NoReply("lost"), NoReply("lost"), messages.Ack(id=2))
     again = on_no_reply(worker_runtime.log, "%s: %s got no reply; sending it again", "w", "op")
-    assert resend_until_answered(d.send, d.wait, again=again) == {"ok": True} and d.sent == 3
+    assert resend_until_answered(d.send, d.wait, again=again) == messages.Ack(id=2) and d.sent == 3
     assert [r.getMessage() for r in caplog.records].count("w: op got no reply; sending it again") == 2
 
 
 def test_the_request_in_flight_is_waited_for_first():
-    d = Dispatcher({"first": True})
-    assert resend_until_answered(d.send, d.wait, again=lambda exc: 0.0, request_id=0) == {"first": True}
+    d = Dispatcher(messages.Done(id=0, done=True))
+    assert resend_until_answered(d.send, d.wait, again=lambda exc: 0.0, request_id=0) == messages.Done(id=0, done=True)
     assert d.sent == 0
 
 
 def test_a_final_error_is_raised_at_once():
-    d = Dispatcher(ProtocolError(ErrorCode.BAD_STATE, "refused"), {"ok": True})
+    d = Dispatcher(ProtocolError(ErrorCode.BAD_STATE, "refused"), messages.Ack(id=1))
     with pytest.raises(ProtocolError, match="refused"):
         resend_until_answered(d.send, d.wait, again=on_no_reply(worker_runtime.log, "again"))
     assert d.sent == 1
@@ -57,6 +58,6 @@ def test_past_the_deadline_the_last_error_is_raised_and_pauses_are_kept(monkeypa
 
 
 def test_unless_makes_no_reply_final():
-    d = Dispatcher(NoReply("lost"), {"ok": True})
+    d = Dispatcher(NoReply("lost"), messages.Ack(id=1))
     with pytest.raises(NoReply):
         resend_until_answered(d.send, d.wait, again=on_no_reply(worker_runtime.log, "again", unless=lambda: True))

@@ -56,7 +56,7 @@ class SimDrafterHeldWhile(SimDrafter):
         self.fake, self.job_id, self.until = fake, job_id, until
 
     def micro_batch(self, job, batch):
-        if job["job_id"] == self.job_id:
+        if job.job_id == self.job_id:
             self.fake.wait_for(self.until, what="the condition the micro-batch waits on")
         super().micro_batch(job, batch)
 
@@ -151,7 +151,7 @@ def test_a_steps_figures_go_with_the_next_commit_and_the_last_with_its_checkpoin
         fake.done = True
         thread.join(10)
     first, second = (c.fields for c in fake.ops("commit_step"))
-    assert "metrics" not in first  # nothing applied yet
+    assert first["metrics"] is None  # nothing applied yet
     assert second["metrics"] == {"step": 1, "loss": 1.0, "tokens_per_s": 10.0}  # step 1's; the lr is not finite
     saved = fake.ops("checkpoint")[-1].fields
     assert saved["step"] == 2 and saved["metrics"] == {"step": 2, "loss": 2.0, "tokens_per_s": 10.0}
@@ -180,7 +180,7 @@ def test_a_forgetting_dispatcher_gets_a_new_registration_at_the_applied_step(tmp
         fake.wait_for(lambda f: len(f.ops("commit_step")) == 3, what="a commit after registering again")
     # the commit of step 2 the forgetting dispatcher never answered is named; it does not hold it: dropped
     assert fake.ops("register")[1].fields["model"] == {"id": "drafter-0", "step": 1, "checkpoint": 0,
-                                                       "pending": {"step": 2, "job_ids": [2]}}
+                                                       "pending": {"step": 2, "job_ids": [2]}, "group": None}
     assert fake.ops("commit_step")[2].fields["step"] == 2
     assert list(loop.backend.trained) == [1, 3]
 
@@ -206,7 +206,8 @@ def test_flush_checkpoints_the_witness_and_a_restart_resumes_from_it(tmp_path, f
     again = drafter(tmp_path, fake)
     with running(again):
         fake.wait_for(lambda f: len(f.ops("register")) == 2, what="the restarted drafter")
-    assert fake.ops("register")[1].fields["model"] == {"id": "drafter-0", "step": 2, "checkpoint": 2}
+    assert fake.ops("register")[1].fields["model"] == {"id": "drafter-0", "step": 2, "checkpoint": 2,
+                                                       "pending": None, "group": None}
     assert list(again.backend.trained) == [1, 2, 3]
 
 
@@ -220,7 +221,8 @@ def test_a_checkpoint_the_dispatcher_never_acknowledged_is_sent_again_after_regi
         fake.done = True
         thread.join(10)
     # the register says the checkpoint it holds, and the report goes again (else no `done` would ever come)
-    assert fake.ops("register")[1].fields["model"] == {"id": "drafter-0", "step": 1, "checkpoint": 1}
+    assert fake.ops("register")[1].fields["model"] == {"id": "drafter-0", "step": 1, "checkpoint": 1,
+                                                       "pending": None, "group": None}
     assert [c.fields["step"] for c in fake.ops("checkpoint")] == [1, 1]
 
 
@@ -327,7 +329,7 @@ class DeferredSimTarget(SimTarget):
         super().extract(job, slot)
         header = slot.read_header()
         slot.begin_write()  # unpublished until wait()
-        self.calls.append(("extract", job["job_id"], time.monotonic()))
+        self.calls.append(("extract", job.job_id, time.monotonic()))
         calls = self.calls
 
         class Write:
@@ -335,7 +337,7 @@ class DeferredSimTarget(SimTarget):
 
             def wait(self):
                 slot.write_header(header)
-                calls.append(("wait", job["job_id"], time.monotonic()))
+                calls.append(("wait", job.job_id, time.monotonic()))
         return Write()
 
 

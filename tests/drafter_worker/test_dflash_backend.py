@@ -20,6 +20,7 @@ from drafter_worker.dflash.export import load_drafter
 from drafter_worker.dflash_backend import DFlashBackend
 from drafter_worker.drafter_backend import derive_schedule_jobs
 from hsd.cli import main as cli_main
+from worker_jobs import held_job, registration
 
 
 def _jobs(target_model, count: int):
@@ -30,7 +31,7 @@ def _jobs(target_model, count: int):
         header = SlotHeader(generation=1, job_id=job_id, bucket=0, batch_size=2, seq_len=24,
                             num_tokens=int(lens.sum()))
         batch = SlotBatch(hs, ids.to(torch.int32), mask.to(torch.uint8), lens.to(torch.int32), header)
-        out.append(({"job_id": job_id}, batch))
+        out.append((held_job(job_id), batch))
     return out
 
 
@@ -40,7 +41,7 @@ def _train(backend, jobs, steps: range, accum: int = 2) -> list[float]:
         window = jobs[step * accum:(step + 1) * accum]
         for job, batch in window:
             backend.micro_batch(job, batch)
-        losses.append(backend.apply_step([job["job_id"] for job, _ in window])["loss"])
+        losses.append(backend.apply_step([job.job_id for job, _ in window])["loss"])
     return losses
 
 
@@ -181,9 +182,9 @@ def test_schedule_length_from_the_dispatchers_count_of_an_epoch(tmp_path):
     backend = DFlashBackend(config, "drafter-0")
     with pytest.raises(RuntimeError, match="register reply"):
         backend.apply_step([])
-    backend.adopt_registration({"jobs_per_epoch": 11})
+    backend.adopt_registration(registration(jobs_per_epoch=11))
     assert backend.schedule_jobs == backend.trainer.config.total_steps == 11 * 3
-    backend.adopt_registration({"jobs_per_epoch": 5})  # a later registration changes nothing
+    backend.adopt_registration(registration(jobs_per_epoch=5))  # a later registration changes nothing
     assert backend.trainer.config.total_steps == 11 * 3
     assert DFlashBackend(fixed, "drafter-1").trainer.config.total_steps == 17 * 3  # known without a reply
 

@@ -16,6 +16,7 @@ from drafter_worker.eagle3.export import load_drafter
 from drafter_worker.eagle3_backend import Eagle3Backend
 from drafter_worker.speculative_eval import evaluate
 from eagle3_testing import DRAFT_VOCAB, LAYER_IDS, backend_config, random_batch, random_prepared
+from worker_jobs import held_job
 
 HIDDEN = 64  # the tiny target's
 
@@ -25,8 +26,8 @@ def _jobs(target_model, count: int):
     for job_id in range(count):
         hs, ids, mask, lens = random_batch(target_model, batch=2, seq_len=20, seed=100 + job_id)
         header = SlotHeader(generation=1, job_id=job_id, bucket=0, batch_size=2, seq_len=20, num_tokens=int(lens.sum()))
-        out.append(({"job_id": job_id}, SlotBatch(hs, ids.to(torch.int32), mask.to(torch.uint8), lens.to(torch.int32),
-                                                  header)))
+        out.append((held_job(job_id), SlotBatch(hs, ids.to(torch.int32), mask.to(torch.uint8), lens.to(torch.int32),
+                                                header)))
     return out
 
 
@@ -36,7 +37,7 @@ def _train(backend, jobs, steps: range) -> list[float]:
         window = jobs[2 * step:2 * step + 2]
         for job, batch in window:
             backend.micro_batch(job, batch)
-        losses.append(backend.apply_step([job["job_id"] for job, _ in window])["loss"])
+        losses.append(backend.apply_step([job.job_id for job, _ in window])["loss"])
     return losses
 
 

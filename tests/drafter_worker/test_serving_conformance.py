@@ -23,6 +23,7 @@ from eagle3_testing import random_batch as eagle3_batch
 from eagle3_testing import random_prepared
 from hsd.cli import main as cli_main
 from serving_loaders import ENGINES, load_problems
+from worker_jobs import held_job
 
 MASK = "<|mask|>"
 
@@ -50,8 +51,8 @@ def _train_and_export(backend, config, batches, tmp_path: Path) -> tuple[Path, P
     for job_id, (hs, ids, mask, lens) in enumerate(batches):
         header = SlotHeader(generation=1, job_id=job_id, bucket=0, batch_size=2, seq_len=ids.shape[1],
                             num_tokens=int(lens.sum()))
-        backend.micro_batch({"job_id": job_id}, SlotBatch(hs, ids.to(torch.int32), mask.to(torch.uint8),
-                                                          lens.to(torch.int32), header))
+        backend.micro_batch(held_job(job_id), SlotBatch(hs, ids.to(torch.int32), mask.to(torch.uint8),
+                                                        lens.to(torch.int32), header))
     backend.apply_step(list(range(len(batches))))
     backend.save_checkpoint(config.run_dir)
     out = tmp_path / "served"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from common.wire import messages
 from common.wire.client import DispatcherClient, DispatcherUnavailable
 from common.run.config import Config, ConfigError
 from common.wire.curve import CurveClient, client_from_config, key_pair, public_key, server_from_config
@@ -60,7 +61,7 @@ def test_run_over_tcp_with_curve_refuses_unknown_keys(run_dir, tmp_path, keys):
                 client = DispatcherClient(endpoint, timeout_s=1.5, curve=curve)
                 try:
                     with pytest.raises(DispatcherUnavailable):
-                        client.call("stats")
+                        client.call(messages.Stats())
                 finally:
                     client.close()
         auth = wait_for_stats(run_dir, lambda s: s["auth"] if s["auth"]["refused"] >= 2

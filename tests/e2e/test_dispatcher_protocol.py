@@ -8,9 +8,9 @@ import signal
 import msgpack
 import pytest
 
-from common.wire import protocol
+from common.wire import messages
 from common.wire.client import DispatcherClient, run_id_for
-from common.wire.protocol import ErrorCode, ProtocolError
+from common.wire.messages import PROTOCOL_VERSION, ErrorCode, ProtocolError
 from common.dataplane.shm_arena import list_segments
 from hsd_testing import hsd, kill_tree, sim_args, start_hsd, stats, wait_for
 
@@ -50,19 +50,19 @@ def test_bad_messages_get_typed_errors_and_the_dispatcher_keeps_serving(dispatch
         base = {"secret": "s3cret"}
         assert error_of(b"\xc1 this is not msgpack")[0] == ErrorCode.MALFORMED
         assert error_of(msgpack.packb([1, 2, 3]))[0] == ErrorCode.MALFORMED
-        assert error_of([protocol.pack({"v": 1}), b"second frame"])[0] == ErrorCode.MALFORMED
-        assert error_of(protocol.pack({**base, "v": 99, "op": "heartbeat", "id": 7, "worker_id": "t0"})) == \
+        assert error_of([msgpack.packb({"v": 1}), b"second frame"])[0] == ErrorCode.MALFORMED
+        assert error_of(msgpack.packb({**base, "v": 99, "op": "heartbeat", "id": 7, "worker_id": "t0"})) == \
             (ErrorCode.BAD_VERSION, 7)
-        assert error_of(protocol.pack({**base, "v": protocol.PROTOCOL_VERSION, "op": "launch_missiles", "id": 8})) == (ErrorCode.UNKNOWN_OP, 8)
-        assert error_of(protocol.pack({**base, "v": protocol.PROTOCOL_VERSION, "op": "get_job", "id": 9})) == (ErrorCode.MALFORMED, 9)
-        assert error_of(protocol.pack({**base, "v": protocol.PROTOCOL_VERSION, "op": "register", "id": 10, "role": "target", "name": "x",
+        assert error_of(msgpack.packb({**base, "v": PROTOCOL_VERSION, "op": "launch_missiles", "id": 8})) == (ErrorCode.UNKNOWN_OP, 8)
+        assert error_of(msgpack.packb({**base, "v": PROTOCOL_VERSION, "op": "get_job", "id": 9})) == (ErrorCode.MALFORMED, 9)
+        assert error_of(msgpack.packb({**base, "v": PROTOCOL_VERSION, "op": "register", "id": 10, "role": "target", "name": "x",
                                        "pid": "not an int", "host": "h"}))[0] == ErrorCode.MALFORMED
-        assert error_of(protocol.pack({**base, "v": protocol.PROTOCOL_VERSION, "op": "heartbeat", "id": 11, "worker_id": "t0",
+        assert error_of(msgpack.packb({**base, "v": PROTOCOL_VERSION, "op": "heartbeat", "id": 11, "worker_id": "t0",
                                        "padding": "x" * 8000}))[0] == ErrorCode.TOO_LARGE
-        assert error_of(protocol.pack({"v": protocol.PROTOCOL_VERSION, "op": "heartbeat", "id": 12, "worker_id": "t0",
+        assert error_of(msgpack.packb({"v": PROTOCOL_VERSION, "op": "heartbeat", "id": 12, "worker_id": "t0",
                                        "token": "x", "holding": []}))[0] == \
             ErrorCode.UNAUTHORIZED
-        assert error_of(protocol.pack({**base, "v": protocol.PROTOCOL_VERSION, "op": "heartbeat", "id": 13, "worker_id": "t9",
+        assert error_of(msgpack.packb({**base, "v": PROTOCOL_VERSION, "op": "heartbeat", "id": 13, "worker_id": "t9",
                                        "token": "x", "holding": []}))[0] == \
             ErrorCode.UNKNOWN_WORKER
     finally:
@@ -71,22 +71,21 @@ def test_bad_messages_get_typed_errors_and_the_dispatcher_keeps_serving(dispatch
     # Still serving: a real worker registers, gets a job, and a stale report of it is refused.
     worker = DispatcherClient(endpoint(run_dir), secret="s3cret", timeout_s=5)
     try:
-        reg = worker.call("register", role="target", name="probe", pid=os.getpid(), host="elsewhere")
-        me = {"worker_id": reg["worker_id"], "token": reg["token"]}
+        reg = worker.call(messages.Register(role="target", name="probe", pid=os.getpid(), host="elsewhere"))
+        me = {"worker_id": reg.worker_id, "token": reg.token}
         for token in (None, "", "0" * 32):  # a request under this id without its session token
             with pytest.raises(ProtocolError) as refused:
-                worker.call("get_job", worker_id=reg["worker_id"], token=token, wait_ms=0)
+                worker.call(messages.GetJob(worker_id=reg.worker_id, token=token, wait_ms=0))
             assert refused.value.code == ErrorCode.UNAUTHORIZED
-        job = worker.call("get_job", **me, wait_ms=2000)["job"]
-        assert job is not None and job["generation"] >= 1
+        job = worker.call(messages.GetJob(**me, wait_ms=2000)).job
+        assert job is not None and job.generation >= 1
         with pytest.raises(ProtocolError) as stale:
-            worker.call("job_ready", **me, job_id=job["job_id"],
-                        generation=job["generation"] + 1, busy_s=0.0)
+            worker.call(messages.JobReady(**me, job_id=job.job_id, generation=job.generation + 1, busy_s=0.0))
         assert stale.value.code == ErrorCode.BAD_STATE
-        worker.call("job_failed", **me, job_id=job["job_id"], reason="probe")
-        again = worker.call("get_job", **me, wait_ms=2000)["job"]
-        assert again["job_id"] == job["job_id"], "a given-back job goes to the head of the queue"
-        worker.call("deregister", **me)
+        worker.call(messages.JobFailed(**me, job_id=job.job_id, reason="probe"))
+        again = worker.call(messages.GetJob(**me, wait_ms=2000)).job
+        assert again.job_id == job.job_id, "a given-back job goes to the head of the queue"
+        worker.call(messages.Deregister(**me))
     finally:
         worker.close()
 
@@ -102,14 +101,14 @@ def test_a_drafters_registration_says_how_many_jobs_an_epoch_has(dispatcher, run
     of one, as the dispatcher's schedule counts them (a target's reply has no need of it)."""
     client = DispatcherClient(endpoint(run_dir), secret="s3cret", timeout_s=5)
     try:
-        drafter = client.call("register", role="drafter", name="probe-d", pid=os.getpid(), host="elsewhere",
-                              model={"id": "probe-model", "step": 0})
-        target = client.call("register", role="target", name="probe-t", pid=os.getpid(), host="elsewhere")
+        drafter = client.call(messages.Register(role="drafter", name="probe-d", pid=os.getpid(), host="elsewhere",
+                                                model=messages.ModelClaim(id="probe-model", step=0)))
+        target = client.call(messages.Register(role="target", name="probe-t", pid=os.getpid(), host="elsewhere"))
         epochs = stats(run_dir)["epochs"]
-        assert drafter["jobs_per_epoch"] == epochs[0]["jobs"] > 0
-        assert "jobs_per_epoch" not in target
+        assert drafter.jobs_per_epoch == epochs[0]["jobs"] > 0
+        assert target.jobs_per_epoch is None
         for reply in (drafter, target):
-            client.call("deregister", worker_id=reply["worker_id"], token=reply["token"])
+            client.call(messages.Deregister(worker_id=reply.worker_id, token=reply.token))
     finally:
         client.close()
 
@@ -118,9 +117,9 @@ def test_stats_socket_is_read_only(dispatcher, run_dir):
     client = DispatcherClient(f"ipc://{run_dir / 'stats.sock'}", secret="s3cret", timeout_s=5)
     try:
         with pytest.raises(ProtocolError) as denied:
-            client.call("register", role="target", name="x", pid=1, host="h")
+            client.call(messages.Register(role="target", name="x", pid=1, host="h"))
         assert denied.value.code == ErrorCode.READ_ONLY
-        assert client.call("stats")["stats"]["run_dir"] == str(run_dir)
+        assert client.call(messages.Stats()).stats["run_dir"] == str(run_dir)
     finally:
         client.close()
 

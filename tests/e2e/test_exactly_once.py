@@ -8,9 +8,12 @@ import os
 import signal
 import threading
 
+import msgspec
+
 from common import faults
+from common.wire import messages
 from common.wire.client import DispatcherClient, DispatcherUnavailable
-from common.wire.protocol import ErrorCode, ProtocolError
+from common.wire.messages import ErrorCode, ProtocolError
 from common.run.witness import TrainedJobs, latest_checkpoint, list_models, save_checkpoint
 from dispatcher.journal import read_journal
 from dispatcher.server import FAIL_CLOSED_EXIT_CODE
@@ -82,17 +85,18 @@ def test_fsync_failure_stops_the_dispatcher_and_a_relaunch_finishes_exactly_once
     assert exact(report(run_dir))
 
 
-FORGED = (("get_job", {"wait_ms": 0}), ("heartbeat", {"holding": []}), ("deregister", {}), ("get_hs", {"wait_ms": 0}))
+FORGED = (messages.GetJob(wait_ms=0), messages.Heartbeat(holding=[]), messages.Deregister(), messages.GetHS(wait_ms=0))
 FORGED_ROUNDS = 25  # while the workers are paused: each op under each worker's id, this many times
 
 
 def _forge(client, worker_ids, refusals: list, others: list) -> None:
     """Each op of FORGED once under each worker's id, with a token that is not theirs."""
     for worker_id in worker_ids:
-        for op, fields in FORGED:
+        for forged in FORGED:
+            request = msgspec.structs.replace(forged, worker_id=worker_id, token="forged")
             try:
-                client.call(op, worker_id=worker_id, token="forged", **fields)
-                others.append(op)
+                client.call(request)
+                others.append(messages.op_of(request))
             except ProtocolError as exc:
                 if exc.code == ErrorCode.UNAUTHORIZED:
                     refusals.append(exc.code)

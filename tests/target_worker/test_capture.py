@@ -11,9 +11,11 @@ import torch
 from common.run.capture_contract import contract_from_model_dir
 from common.run.config import ConfigError
 from common.dataplane.slots import SlotLayout, SlotView, copy_out
+from common.wire import messages
 from target_worker.capture import LayerCapture, contract_shape_of, load_target_model
 from target_worker.hf_backend import HFTargetBackend
 from tiny_target import random_samples, save_tiny_model, tiny_config
+from worker_jobs import held_job
 
 torch.set_num_threads(1)
 CPU = torch.device("cpu")
@@ -161,10 +163,9 @@ def _slot(backend: HFTargetBackend, config) -> SlotView:
     return SlotView(torch.zeros(layout.slot_bytes, dtype=torch.uint8), layout)
 
 
-def _job(job_id: int, samples: list[int], lengths: list[int], seq_len: int, bucket: int) -> dict:
-    return {"job_id": job_id, "epoch": 0, "bucket": bucket, "seq_len": seq_len, "samples": samples,
-            "lengths": [lengths[i] for i in samples], "num_tokens": sum(lengths[i] for i in samples), "slot": 0,
-            "generation": job_id + 1}
+def _job(job_id: int, samples: list[int], lengths: list[int], seq_len: int, bucket: int) -> messages.Job:
+    return held_job(job_id, samples=samples, lengths=[lengths[i] for i in samples], seq_len=seq_len, bucket=bucket,
+                    generation=job_id + 1)
 
 
 def test_padding_to_bucket_shape_leaves_real_states_unchanged(model_dir, tmp_path):
@@ -205,7 +206,7 @@ def test_extract_fills_the_slot_as_readers_expect(model_dir, tmp_path):
     header = slot.expect_generation(42)
     assert (header.job_id, header.bucket, header.batch_size, header.seq_len, header.num_tokens) == (41, 0, 5, 16, 48)
     batch = copy_out(slot, 42, CPU)
-    for row, index in enumerate(job["samples"]):
+    for row, index in enumerate(job.samples):
         ids, mask = dataset.sample(index)
         n = lengths[index]
         assert int(batch.seq_lens[row]) == n
@@ -251,7 +252,6 @@ def test_extract_refuses_a_dataset_that_is_not_the_scheduled_one(model_dir, tmp_
     backend = HFTargetBackend(config, device="cpu", dataset=random_samples([10, 20], seed=0))
     slot = _slot(backend, config)
     with pytest.raises(ValueError, match="sample 1 has 20 tokens .* schedule says 12"):
-        backend.extract({"job_id": 0, "bucket": 1, "seq_len": 32, "samples": [1], "lengths": [12],
-                         "generation": 1}, slot)
+        backend.extract(held_job(0, bucket=1, seq_len=32, samples=[1], lengths=[12]), slot)
     assert slot.read_generation() == 0  # nothing published
     backend.close()

@@ -62,13 +62,13 @@ def test_capture_file_matches_what_extract_writes_into_a_shm_slot(setup, monkeyp
     layout = SlotLayout.from_config(config)
     assert layout == SlotLayout.from_contract(backend.contract, config.schedule)
     jobs, skipped = offline.plan_jobs(LENGTHS[:8], buckets=[16, 32, 64], tokens_per_batch=128)
-    assert skipped == [5] and sorted(i for job in jobs for i in job["samples"]) == captured
+    assert skipped == [5] and sorted(i for job in jobs for i in job.samples) == captured
     arena = SlotArena.create("capturetest", layout, 1)
     try:
         for job in jobs:
             backend.extract(job, arena.slot(0))
-            batch = copy_out(arena.slot(0), job["generation"], torch.device("cpu"))
-            for row, index in enumerate(job["samples"]):
+            batch = copy_out(arena.slot(0), job.generation, torch.device("cpu"))
+            for row, index in enumerate(job.samples):
                 n = LENGTHS[index]
                 ids, mask = dataset.sample(index)
                 assert tensors[f"sample.{index}.hidden"].shape == (n, 3 * 32)
