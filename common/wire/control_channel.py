@@ -299,19 +299,23 @@ class ControlChannel:
                         self.heartbeat_refused.set()
                         self._cond.notify_all()
             return
+        # One critical section from "no longer pending" to "reply kept": a result() that looked in
+        # between would find the request neither pending nor answered, take it for given up, and ask
+        # again, while the hook had already counted the granted job as held (held for good: every
+        # heartbeat lists it, so the dispatcher never gives it back). The hook takes only the held
+        # jobs' own lock, which nothing holds while it waits for this one.
         with self._cond:
             request = self._pending.pop(request_id, None)
-        if request is None:
-            return  # a reply to a request given up on
-        try:
-            reply = messages.decode_reply(frame, messages.op_of(request))
-        except ProtocolError as exc:
-            reply = messages.error_reply(request_id, exc.code, exc.message)
-        if self._on_reply is not None:
+            if request is None:
+                return  # a reply to a request given up on
             try:
-                self._on_reply(request, reply)
-            except Exception:
-                log.exception("reply hook failed on %s", messages.op_of(request))
-        with self._cond:
+                reply = messages.decode_reply(frame, messages.op_of(request))
+            except ProtocolError as exc:
+                reply = messages.error_reply(request_id, exc.code, exc.message)
+            if self._on_reply is not None:
+                try:
+                    self._on_reply(request, reply)
+                except Exception:
+                    log.exception("reply hook failed on %s", messages.op_of(request))
             self._replies[request_id] = reply
             self._cond.notify_all()

@@ -48,3 +48,47 @@ def test_requests_go_out_in_order_when_the_socket_queue_fills_before_a_dispatche
             router.close(linger=0)
     finally:
         channel.close()
+
+
+def test_a_reply_seen_by_the_hook_reaches_the_caller_who_asks_while_the_hook_runs(tmp_path):
+    # The order a fast machine makes: the I/O thread has taken the reply (the hook counts the granted
+    # job as held) when the main thread asks for it. The caller must get that reply, never "given up":
+    # a job the hook holds but no caller got would be listed in every heartbeat and never given back.
+    endpoint = f"ipc://{tmp_path / 'd.sock'}"
+    in_hook, release = threading.Event(), threading.Event()
+
+    def hook(request, reply):
+        in_hook.set()
+        release.wait(2)  # whatever the caller does meanwhile, the hook finishes (the channel must not hang)
+
+    context = zmq.Context.instance()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(endpoint)
+    stop, seen = threading.Event(), []
+    server = threading.Thread(target=_serve, args=(router, stop, seen), daemon=True)
+    server.start()
+    channel = ControlChannel(endpoint, on_reply=hook)
+    try:
+        request_id = channel.submit(messages.Heartbeat(holding=[]))
+        assert in_hook.wait(10)
+        outcome: list = []
+        caller = threading.Thread(target=lambda: outcome.append(_result_or_error(channel, request_id)))
+        caller.start()
+        caller.join(0.5)  # the caller asks while the hook still runs ...
+        release.set()  # ... and the hook then finishes
+        caller.join(10)
+        assert outcome == [messages.Done(id=request_id, done=False)]
+    finally:
+        release.set()
+        channel.close()
+        stop.set()
+        server.join(5)
+        router.close(linger=0)
+
+
+def _result_or_error(channel: ControlChannel, request_id: int):
+    try:
+        return channel.result(request_id, timeout_s=10)
+    except Exception as exc:  # what the caller would see instead of the reply
+        return exc
