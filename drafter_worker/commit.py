@@ -121,7 +121,8 @@ class StepCommits:
             if isinstance(exc, (NoReply, ProtocolError)):  # no dispatcher; internal past RECONNECT_S, or another error
                 return ABORTED, version
             return PENDING, version  # the dispatcher forgot us: every rank registers again, asking
-        return COMMITTED, int(reply.get("membership", version))
+        after = reply.get("membership")  # nil for a lone drafter
+        return COMMITTED, int(after) if after is not None else version
 
     def _commit_until_answered(self, fields: dict[str, Any], request_id: int | None = None) -> dict[str, Any]:
         """The reply to the commit of ``fields`` (``request_id``: the one in flight), sent again while
