@@ -60,18 +60,19 @@ class LongPolls:
         """When the first parked poll is due (inf: none is parked)."""
         return min((w.deadline for w in self.waiters), default=float("inf"))
 
-    def poll(self, identity: bytes, request: Poll, now: float) -> PollReply | None:
-        """The answer now, or None: parked until something can be handed out or its deadline."""
+    def poll(self, identity: bytes, request: Poll, now: float) -> tuple[PollReply | None, bool]:
+        """(the answer now, whether it hands something out): the empty answer of a poll that does not
+        wait, or None for one parked until something can be handed out or its deadline."""
         reply = self._try_serve(request, now)
         if reply is not None:
-            return reply
+            return reply, True
         wait_ms = min(max(0, request.wait_ms), MAX_WAIT_MS)
         if wait_ms == 0:
-            return self._empty_reply(request)
+            return self._empty_reply(request), False
         kind = type(request)
         self.waiters = [w for w in self.waiters if (w.worker_id, type(w.request)) != (request.worker_id, kind)]
         self.waiters.append(Waiter(identity, request, now + wait_ms / 1000))
-        return None
+        return None, False
 
     def _try_serve(self, request: Poll, now: float) -> PollReply | None:
         core, worker_id = self.core, request.worker_id

@@ -310,8 +310,8 @@ class DispatcherServer:
         joining = isinstance(request, messages.JoinGroup)
         if joining and request.failed:  # a peer's collective failed: a dead rank must not be in the next version
             self.core.sweep(now, self._is_alive)
-        reply = self.polls.poll(identity, request, now)
-        self._state_changed = reply is not None or joining  # a join may open a version
+        reply, served = self.polls.poll(identity, request, now)
+        self._state_changed = served or (reply is None and joining)  # a parked join may open a version
         return reply
 
     def _on_job_ready(self, request: messages.JobReady, identity: bytes, now: float) -> messages.Ack:
