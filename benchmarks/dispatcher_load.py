@@ -34,6 +34,7 @@ import psutil
 from benchmarks.latency import LatencyHistogram
 from common.run.config import opt
 from common.mix import MASK64, splitmix64
+from common.wire.messages import ModelClaim
 from dispatcher.allocator import pin_mmap_threshold
 from dispatcher.core import DispatcherCore
 from dispatcher.core_types import DONE, CoreOptions
@@ -181,7 +182,7 @@ class DispatcherLoad:
 
     def register(self, role: str, name: str, model: SimModel | None = None) -> str:
         self.next_pid += 1
-        fields = {"model": {"id": model.id, "step": model.step}} if model is not None else {}
+        fields = {"model": ModelClaim(id=model.id, step=model.step)} if model is not None else {}
         worker = self.storm_call("register", self.core.register, role=role, name=name, pid=self.next_pid, host="bench",
                                  gpu=None, now=time.monotonic(), **fields)
         return worker.id

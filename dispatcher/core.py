@@ -25,6 +25,7 @@ from typing import Any, Callable
 import numpy as np
 
 from common.run.capture_contract import adopt_contract
+from common.wire.messages import ModelClaim
 from dispatcher.checkpoints import KnownCheckpoints
 from dispatcher.core_types import DONE, STEP_FULL, CoreOptions, Counters, Incompatible, JobGrant, Worker
 from dispatcher.epochs import EpochStore, check_data
@@ -141,7 +142,7 @@ class DispatcherCore:
 
     # -- sessions ---------------------------------------------------------------------------
     def register(self, *, role: str, name: str, pid: int, host: str, gpu: int | None, now: float,
-                 contract: dict[str, Any] | None = None, model: dict[str, Any] | None = None,
+                 contract: dict[str, Any] | None = None, model: ModelClaim | None = None,
                  node: str | None = None) -> Worker:
         """A new session. A drafter names its model and the step of the state it holds: the ledger
         rolls that model back to exactly that step (its later commits go back to pending)."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.run.config import Config
+from common.wire import messages
 from dispatcher.groups import Membership
 from dispatcher.ledger import Job
 
@@ -72,14 +73,11 @@ class JobGrant:
     def num_tokens(self) -> int:
         return sum(self.lengths)
 
-    def to_wire(self, *, ipc_block: dict | None = None) -> dict[str, Any]:
+    def to_wire(self, *, ipc_block: dict | None = None) -> messages.Job:
         job = self.job
-        wire = {"job_id": job.job_id, "epoch": job.epoch, "bucket": job.bucket, "seq_len": self.seq_len,
-                "samples": self.samples, "lengths": self.lengths, "num_tokens": self.num_tokens, "slot": self.slot,
-                "generation": job.generation, "owner": self.owner, "grant": self.grant_seq}
-        if ipc_block is not None:
-            wire["ipc"] = ipc_block
-        return wire
+        return messages.Job(job_id=job.job_id, epoch=job.epoch, bucket=job.bucket, seq_len=self.seq_len,
+                            samples=self.samples, lengths=self.lengths, num_tokens=self.num_tokens, slot=self.slot,
+                            generation=job.generation, owner=self.owner, grant=self.grant_seq, ipc=ipc_block)
 
 
 @dataclass

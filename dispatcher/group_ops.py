@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
-from common.wire.protocol import parse_store_address, store_address
+from common.wire.messages import GroupClaim, ModelClaim, PendingCommit, parse_store_address, store_address
 from dispatcher.checkpoints import KnownCheckpoints
 from dispatcher.groups import DrafterGroup, DrafterGroups, GroupSpec, Membership
 from dispatcher.job_ops import JobOps
@@ -51,63 +51,44 @@ class GroupOps:
         self._is_done = is_done  # the run's: no version opens once it is done
         self.step_costs: dict[str, CostModel] = {}  # model -> its group's cost per job (dispatcher.step_balance)
 
-    def _group_spec(self, fields: Any) -> GroupSpec | None:
-        """``model.group`` of a register request: {size, min_ranks?, max_ranks?, balance?, accum_steps?,
-        elastic_batch?} (None: a lone drafter)."""
-        if fields is None:
+    def _group_spec(self, claim: GroupClaim | None) -> GroupSpec | None:
+        """``model.group`` of a register request, checked against the rules a group's sizes follow
+        (None: a lone drafter)."""
+        if claim is None:
             return None
-        if not isinstance(fields, dict):
-            raise LedgerError("model.group must be a map {size, min_ranks, max_ranks, balance, accum_steps, "
-                              "elastic_batch}")
-        sizes = {key: fields.get(key, default) for key, default in
-                 (("size", None), ("min_ranks", 1), ("max_ranks", 0), ("accum_steps", 1))}
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in sizes.values()):
-            raise LedgerError("model.group: size, min_ranks, max_ranks and accum_steps must be integers")
-        names = {key: fields.get(key, default) for key, default in (("balance", "count"), ("elastic_batch", "tokens"))}
-        if not all(isinstance(v, str) for v in names.values()):
-            raise LedgerError("model.group: balance and elastic_batch must be strings")
-        spec = GroupSpec(**sizes, **names)
+        spec = GroupSpec(size=claim.size, min_ranks=claim.min_ranks, max_ranks=claim.max_ranks, balance=claim.balance,
+                         accum_steps=claim.accum_steps, elastic_batch=claim.elastic_batch)
         try:
             spec.check()
         except ValueError as exc:
             raise LedgerError(f"model.group: {exc}") from None
         return spec
 
-    def registered_model(self, role: str, model: Any) -> RegisteredModel | None:
+    def registered_model(self, role: str, model: ModelClaim | None) -> RegisteredModel | None:
         """A register request's ``model`` (None for a worker that names none)."""
         if model is None:
             return None
         if role != "drafter":
             raise LedgerError("only a drafter registers a model")
-        model_id, model_step = model.get("id"), model.get("step", 0)
-        if not isinstance(model_id, str) or not model_id or not isinstance(model_step, int) or model_step < 0:
-            raise LedgerError("model must be {id: non-empty string, step: integer >= 0}")
-        held_checkpoint = model.get("checkpoint", 0)
-        if not isinstance(held_checkpoint, int) or isinstance(held_checkpoint, bool) or not 0 <= held_checkpoint <= model_step:
-            raise LedgerError("model.checkpoint must be the step of a checkpoint the drafter holds: an integer in "
-                              f"[0, step={model_step}]")
-        spec = self._group_spec(model.get("group"))
-        pending_committed = self._pending_committed(model_id, model_step, model.get("pending"))
-        return RegisteredModel(model_id, model_step + pending_committed, spec, self._rank_store(model.get("group")),
-                               held_checkpoint, pending_committed)
+        spec = self._group_spec(model.group)
+        pending_committed = self._pending_committed(model.id, model.step, model.pending)
+        return RegisteredModel(model.id, model.step + pending_committed, spec, self._rank_store(model.group),
+                               model.checkpoint, pending_committed)
 
-    def _pending_committed(self, model_id: str, model_step: int, pending: Any) -> bool:
-        """``model.pending`` of a register: {step, job_ids} of the commit a lone drafter (or a group's
-        rank 0) sent and never heard the answer to (its dispatcher died). When the ledger holds exactly that commit the
+    def _pending_committed(self, model_id: str, model_step: int, pending: PendingCommit | None) -> bool:
+        """``model.pending`` of a register: the commit a lone drafter (or a group's rank 0) sent and
+        never heard the answer to (its dispatcher died). When the ledger holds exactly that commit the
         drafter applies it (its gradients are still there) and counts as holding that step, so the
         commit is not rolled back; otherwise it drops it."""
         if pending is None:
             return False
-        step, job_ids = (pending.get("step"), pending.get("job_ids")) if isinstance(pending, dict) else (None, None)
-        if (not isinstance(step, int) or not isinstance(job_ids, list)
-                or not all(isinstance(j, int) and not isinstance(j, bool) for j in job_ids)):
-            raise LedgerError("model.pending must be {step: integer, job_ids: [integer]}")
-        return step == model_step + 1 and self.ledger.last_commit.get(model_id) == (step, tuple(job_ids))
+        return pending.step == model_step + 1 and self.ledger.last_commit.get(model_id) == (pending.step,
+                                                                                            tuple(pending.job_ids))
 
-    def _rank_store(self, fields: Any) -> str | None:
+    def _rank_store(self, claim: GroupClaim | None) -> str | None:
         """``model.group.store`` of a register request: HOST:PORT of the TCPStore the rank hosts
         (None: the group meets on FileStores in the run directory)."""
-        value = fields.get("store") if isinstance(fields, dict) else None
+        value = claim.store if claim is not None else None
         return None if value is None else store_address(*parse_store_address(value))
 
     def _busy(self, group: DrafterGroup) -> bool:

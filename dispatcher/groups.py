@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import get_args
 
 from common.run.config import ElasticBatch, StepBalance, step_jobs
-from common.wire.protocol import tcp_store_name
+from common.wire import messages
+from common.wire.messages import tcp_store_name
 
 GROUPS_DIR = "groups"
 
@@ -94,9 +95,9 @@ class Membership:
     source: int  # the rank whose state the others take when ``transfer``
     transfer: bool  # some rank of the version holds another step: the source sends its state to all
 
-    def to_wire(self) -> dict:
-        return {"rank": self.rank, "world_size": self.world_size, "membership": self.version, "store": self.store,
-                "step": self.step, "source": self.source, "transfer": self.transfer}
+    def to_wire(self) -> messages.Membership:
+        return messages.Membership(rank=self.rank, world_size=self.world_size, membership=self.version,
+                                   store=self.store, step=self.step, source=self.source, transfer=self.transfer)
 
 
 @dataclass

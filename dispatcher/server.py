@@ -1,41 +1,41 @@
 """The dispatcher daemon: the socket loop around :class:`DispatcherCore`.
 
 One thread, one poller over the control ROUTER and the read-only stats ROUTER. Every request is
-answered with ``ok`` or a typed error; nothing a peer sends can stop the loop. Long-polls
-(``get_job``/``get_hs``) are parked as waiters and retried after every state change, and answered
-empty at their deadline: the loop sleeps in ``poll`` between events, never spins.
+decoded into its typed struct (:mod:`common.wire.messages`) and handed to the handler of its type;
+every reply is a struct too, ``ok`` or a typed error: nothing a peer sends can stop the loop.
+Long-polls (``get_job``/``get_hs``/``join_group``) wait in :mod:`dispatcher.long_polls`: the loop
+sleeps in ``poll`` between events, never spins.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import signal
 import socket
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import psutil
 import zmq
 
-from common.wire import protocol
+from common.wire import messages
 from common.wire.client import run_id_for
 from common.run.config import Config, write_resolved
-from common.wire.protocol import ErrorCode, ProtocolError, field_of
+from common.wire.messages import ErrorCode, ProtocolError
 from dispatcher.core import DispatcherCore
 from common import faults
 from common.wire.curve import HandshakeMonitor, ZapAuthorizer, auth_stats, server_from_config
-from dispatcher.core_types import DONE, STEP_FULL, CoreOptions, Incompatible, Unauthorized, UnknownWorker, Worker
+from dispatcher.core_types import CoreOptions, Incompatible, Unauthorized, UnknownWorker, Worker
 from dispatcher.groups import GroupChanged
 from dispatcher.dataset import load_lengths
 from dispatcher.journal import Journal, JournalFailed
 from dispatcher.ledger import LedgerError
+from dispatcher.long_polls import LongPolls, counted_error, model_step
 from dispatcher.metrics import MetricsServer
 from dispatcher.pool import HSPool
-from dispatcher.request_fields import (job_id_list, membership_of, poll_fields, rank_costs, register_fields, same_secret,
-                                      step_metrics)
 from dispatcher.rundir import STATE_FILE, check_endpoint, lock_run_dir, warn_about_changed_settings, write_state_file
 from dispatcher.snapshot import build_snapshot, progress_line
 from dispatcher.nodes import node_summary
@@ -46,20 +46,12 @@ log = logging.getLogger("hsd.dispatcher")
 SWEEP_INTERVAL_S = 0.25
 PROGRESS_INTERVAL_S = 5.0
 METRICS_INTERVAL_S = 1.0
-MAX_WAIT_MS = 30_000
 FAIL_CLOSED_EXIT_CODE = 3  # the journal failed: stopped, having acknowledged nothing that was not durable
 HARD_MESSAGE_LIMIT = 64 << 20  # beyond this ZeroMQ drops the peer instead of buffering the message
 _NOBLOCK, _SNDMORE_NOBLOCK = int(zmq.NOBLOCK), int(zmq.SNDMORE | zmq.NOBLOCK)
 
-
-@dataclass
-class Waiter:
-    identity: bytes
-    request_id: int
-    op: str
-    worker_id: str
-    deadline: float
-    fields: dict = field(default_factory=dict)  # the request's own (get_hs: membership; join_group: after, step)
+Reply = messages.Reply
+Handler = Callable[[Any, bytes, float], "Reply | None"]  # (the typed request, its sender, now)
 
 
 class DispatcherServer:
@@ -92,8 +84,9 @@ class DispatcherServer:
             self._lock.close()
             raise
         self.max_bytes = config.dispatcher.max_message_bytes
-        self.waiters: list[Waiter] = []
-        self.held_replies: list[tuple[int, bytes, dict]] = []  # (journal seq, identity, reply) until durable
+        self.held_replies: list[tuple[int, bytes, Reply | None]] = []  # (journal seq, identity, reply) until durable
+        self._handlers = self._op_handlers()
+        self._state_changed = False
         self._stop = False
         self._done_since: float | None = None
         self._next_progress = time.monotonic() + PROGRESS_INTERVAL_S
@@ -105,6 +98,7 @@ class DispatcherServer:
         self.control = self._bind(config.control_endpoint)
         self.stats = self._bind(config.stats_endpoint)
         self.handshakes = [HandshakeMonitor(self.control), HandshakeMonitor(self.stats)] if self.curve else []
+        self.polls = LongPolls(self.core, lambda identity, reply: self._send(self.control, identity, reply))
         write_state_file(self.run_dir, {"pid": os.getpid(), "host": self.hostname, "run_id": self.run_id,
                                         "control": config.control_endpoint, "stats": config.stats_endpoint,
                                         "started": time.time()})
@@ -152,7 +146,7 @@ class DispatcherServer:
         try:
             while not self._stop:
                 now = time.monotonic()
-                wake = min([next_sweep] + [w.deadline for w in self.waiters])
+                wake = min(next_sweep, self.polls.next_deadline)
                 events = dict(poller.poll(max(0, int(1000 * (wake - now))) + 1))
                 changed = False
                 if self.control in events:
@@ -182,8 +176,8 @@ class DispatcherServer:
                     if self._finished(now):
                         break
                 if changed:
-                    self._serve_waiters(now)
-                self._expire_waiters(now)
+                    self.polls.serve(now)
+                self.polls.expire(now)
         except JournalFailed as exc:
             log.critical("%s. Stopping (fail closed): nothing that was not durable was acknowledged; workers keep "
                          "their state and register with the next dispatcher on this run directory.", exc)
@@ -225,32 +219,37 @@ class DispatcherServer:
                 self._send(sock, identity, reply)
         return changed
 
-    def _send(self, sock: zmq.Socket, identity: bytes, reply: dict[str, Any]) -> None:
+    def _send(self, sock: zmq.Socket, identity: bytes, reply: Reply) -> None:
         try:  # send_multipart, with the flags as plain ints (pyzmq's flag enums cost Python calls per part)
             sock.send(identity, _SNDMORE_NOBLOCK)
-            sock.send(protocol.pack(reply), _NOBLOCK)
+            sock.send(messages.encode(reply), _NOBLOCK)
         except zmq.ZMQError as exc:  # the peer is gone or its queue is full: nothing more to do
             log.debug("reply to a departed peer dropped: %s", exc)
 
-    def _decode(self, payload: list[bytes]) -> protocol.Request:
+    def _decode(self, payload: list[bytes]) -> messages.Request:
         if len(payload) != 1:
             raise ProtocolError(ErrorCode.MALFORMED, f"expected one frame, got {len(payload)}")
-        message = protocol.unpack(payload[0], self.max_bytes)
-        request = protocol.parse_request(message)
-        secret = self.config.dispatcher.secret
-        if secret and not same_secret(message.get("secret"), secret):
+        request = messages.decode_request(payload[0], self.max_bytes)
+        secret, given = self.config.dispatcher.secret, request.secret
+        if secret and (given is None or not hmac.compare_digest(given.encode(), secret.encode())):
             raise ProtocolError(ErrorCode.UNAUTHORIZED, "missing or wrong shared secret", request.id)
         return request
 
-    def _handle_control(self, identity: bytes, payload: list[bytes]) -> tuple[dict | None, bool]:
+    def _handle_control(self, identity: bytes, payload: list[bytes]) -> tuple[Reply | None, bool]:
         request_id = None
         try:
             request = self._decode(payload)
-            request_id = request.id
-            self.core.counters.requests[request.op] += 1
-            if request.op == "stats":
-                raise ProtocolError(ErrorCode.UNKNOWN_OP, "stats is served on the stats socket")
-            return self._dispatch(identity, request)
+            request_id, op, now = request.id, messages.op_of(request), time.monotonic()
+            self.core.counters.requests[op] += 1
+            handler = self._handlers.get(type(request))
+            if handler is None:
+                raise ProtocolError(ErrorCode.UNKNOWN_OP, f"{op} is served on the stats socket")
+            if isinstance(request, messages.WorkerRequest):
+                if not request.worker_id:
+                    raise ProtocolError(ErrorCode.MALFORMED, f"{op}: missing field worker_id")
+                self.core.authenticate(request.worker_id, request.token, now)
+            self._state_changed = True  # a handler lowers it when nothing changed that a parked poll waits on
+            return handler(request, identity, now), self._state_changed
         except ProtocolError as exc:
             return self._error(exc.request_id if exc.request_id is not None else request_id, exc.code, exc.message), False
         except UnknownWorker as exc:
@@ -269,84 +268,103 @@ class DispatcherServer:
             log.exception("internal error")
             return self._error(request_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"), False
 
-    def _error(self, request_id: int | None, code: str, message: str) -> dict:
-        self.core.counters.errors[code] += 1
-        return protocol.error_reply(request_id, code, message)
+    def _error(self, request_id: int | None, code: str, message: str) -> messages.ErrorReply:
+        return counted_error(self.core, request_id, code, message)
 
-    def _dispatch(self, identity: bytes, request: protocol.Request) -> tuple[dict | None, bool]:
-        f, now, core = request.fields, time.monotonic(), self.core
-        op = request.op
-        if op == "register":
-            return protocol.ok_reply(request.id, **self._register(f, now)), True
-        worker_id = field_of(f, "worker_id", str)
-        core.authenticate(worker_id, f.get("token"), now)
-        if op == "heartbeat":
-            holding = field_of(f, "holding", list)
-            if not all(isinstance(j, int) and not isinstance(j, bool) for j in holding):
-                raise ProtocolError(ErrorCode.MALFORMED, "holding must be a list of job ids")
-            seen_grant = f.get("seen_grant")
-            if seen_grant is not None and (not isinstance(seen_grant, int) or isinstance(seen_grant, bool)):
-                raise ProtocolError(ErrorCode.MALFORMED, "seen_grant must be an integer")
-            given_back = core.counters.given_back["not_held"]
-            core.heartbeat(worker_id, now, holding, seen_grant)
-            return protocol.ok_reply(request.id, done=core.done), core.counters.given_back["not_held"] != given_back
-        if op in ("get_job", "get_hs", "join_group"):
-            wait_ms = min(max(0, field_of(f, "wait_ms", int)), MAX_WAIT_MS)
-            core.worker(worker_id, now)
-            poll = poll_fields(op, f)
-            if poll.get("failed"):  # a peer's collective failed: a dead rank must not be in the next version
-                core.sweep(now, self._is_alive)
-            reply = self._try_serve(op, request.id, worker_id, now, poll)
-            if reply is None:
-                if wait_ms == 0:
-                    return self._empty_reply(op, request.id, worker_id), False
-                # A worker asks again only after it gave up on its earlier poll: that one is dead.
-                self.waiters = [w for w in self.waiters if (w.worker_id, w.op) != (worker_id, op)]
-                self.waiters.append(Waiter(identity, request.id, op, worker_id, now + wait_ms / 1000, poll))
-            return reply, reply is not None or op == "join_group"  # a join may open a version
-        if op == "job_ready":
-            core.job_ready(worker_id, field_of(f, "job_id", int), field_of(f, "generation", int),
-                           float(field_of(f, "busy_s", (int, float))), now)
-        elif op == "register_slots":
-            if self.data_plane.kind not in ("cuda_ipc", "nixl"):
-                raise ProtocolError(ErrorCode.INCOMPATIBLE, f"this run uses the {self.data_plane.kind} transport")
-            core.register_slots(worker_id, field_of(f, "ipc_block", dict), field_of(f, "num_slots", int), now)
-        elif op == "job_failed":
-            core.job_failed(worker_id, field_of(f, "job_id", int), str(f.get("reason", "")), now)
-        elif op == "consumed":
-            core.consumed(worker_id, field_of(f, "job_id", int), now)
-        elif op == "read_failed":
-            core.read_failed(worker_id, field_of(f, "job_id", int), str(f.get("reason", "")), now)
-        elif op == "commit_step":
-            job_ids = job_id_list(f)
-            step = core.commit_step(worker_id, job_ids, float(field_of(f, "busy_s", (int, float))), now,
-                                    model=field_of(f, "model", str), step=field_of(f, "step", int),
-                                    verified=int(f.get("verified") or 0), metrics=step_metrics(f.get("metrics")),
-                                    sync_wait_s=float(f.get("sync_wait_s") or 0.0),
-                                    step_s=float(f.get("step_s") or 0.0), membership=membership_of(f),
-                                    **rank_costs(f))
-            group = core.groups.group_of_rank(worker_id)
-            extra = {"membership": group.version} if group is not None else {}
-            reply = protocol.ok_reply(request.id, step=step, done=core.done, **extra)
-            if faults.exit_before_commit_reply(self.run_dir, step):
-                return self._when_durable(identity, reply, exit_once_durable=True), True
-            return self._when_durable(identity, reply), True
-        elif op == "step_outcome":
-            committed = core.step_outcome(worker_id, now, model=field_of(f, "model", str),
-                                          step=field_of(f, "step", int), job_ids=job_id_list(f),
-                                          membership=field_of(f, "membership", int))
-            return self._when_durable(identity, protocol.ok_reply(request.id, committed=committed,
-                                                                  model_step=self._model_step(worker_id))), True
-        elif op == "checkpoint":
-            core.checkpoint(worker_id, field_of(f, "step", int), now, model=field_of(f, "model", str),
-                            metrics=step_metrics(f.get("metrics")))
-            return self._when_durable(identity, protocol.ok_reply(request.id, done=core.done)), True
-        elif op == "deregister":
-            self._drop_waiters(worker_id)
-            core.deregister(worker_id, now)
-        return protocol.ok_reply(request.id), True
+    # -- the ops: one handler per request type --------------------------------------------------
+    def _op_handlers(self) -> dict[type, Handler]:
+        m = messages
+        return {m.Register: self._on_register, m.Heartbeat: self._on_heartbeat, m.GetJob: self._on_poll,
+                m.GetHS: self._on_poll, m.JoinGroup: self._on_poll, m.JobReady: self._on_job_ready,
+                m.RegisterSlots: self._on_register_slots, m.JobFailed: self._on_job_failed,
+                m.Consumed: self._on_consumed, m.ReadFailed: self._on_read_failed,
+                m.CommitStep: self._on_commit_step, m.StepOutcome: self._on_step_outcome,
+                m.Checkpoint: self._on_checkpoint, m.Deregister: self._on_deregister}
 
-    def _when_durable(self, identity: bytes, reply: dict, *, exit_once_durable: bool = False) -> dict | None:
+    def _on_register(self, request: messages.Register, identity: bytes, now: float) -> messages.RegisterReply:
+        role, model, core = request.role, request.model, self.core
+        self.data_plane.check_worker(request)
+        worker = core.register(role=role, name=request.name, pid=request.pid, host=request.host, gpu=request.gpu,
+                               contract=request.contract, model=model, node=request.node, now=now)
+        log.info("%s %s registered (%s pid %d on %s%s)", role, worker.id, worker.name, worker.pid, worker.host,
+                 f", model {worker.model} at step {model.step}" if model is not None else "")
+        c = self.config
+        return messages.RegisterReply(
+            id=request.id, worker_id=worker.id, token=worker.token, contract=core.contract, run_id=self.run_id,
+            transport=self.data_plane.info(role, worker.node), heartbeat_s=c.dispatcher.heartbeat_s,
+            worker_timeout_s=c.dispatcher.worker_timeout_s, accum_steps=c.drafter.accum_steps,
+            buckets=list(c.schedule.buckets), epochs=c.run.epochs,
+            model_step=core.ledger.model_step.get(worker.model, 0) if worker.model else None,
+            pending_committed=worker.pending_committed,
+            jobs_per_epoch=core.store.jobs_per_epoch if role == "drafter" else None)
+
+    def _on_heartbeat(self, request: messages.Heartbeat, identity: bytes, now: float) -> messages.Done:
+        given_back = self.core.counters.given_back["not_held"]
+        self.core.heartbeat(request.worker_id, now, request.holding, request.seen_grant)
+        self._state_changed = self.core.counters.given_back["not_held"] != given_back
+        return messages.Done(id=request.id, done=self.core.done)
+
+    def _on_poll(self, request: messages.GetJob | messages.GetHS | messages.JoinGroup, identity: bytes,
+                 now: float) -> Reply | None:
+        self.core.worker(request.worker_id, now)
+        joining = isinstance(request, messages.JoinGroup)
+        if joining and request.failed:  # a peer's collective failed: a dead rank must not be in the next version
+            self.core.sweep(now, self._is_alive)
+        reply, served = self.polls.poll(identity, request, now)
+        self._state_changed = served or (reply is None and joining)  # a parked join may open a version
+        return reply
+
+    def _on_job_ready(self, request: messages.JobReady, identity: bytes, now: float) -> messages.Ack:
+        self.core.job_ready(request.worker_id, request.job_id, request.generation, request.busy_s, now)
+        return messages.Ack(id=request.id)
+
+    def _on_register_slots(self, request: messages.RegisterSlots, identity: bytes, now: float) -> messages.Ack:
+        if self.data_plane.kind not in ("cuda_ipc", "nixl"):
+            raise ProtocolError(ErrorCode.INCOMPATIBLE, f"this run uses the {self.data_plane.kind} transport")
+        self.core.register_slots(request.worker_id, request.ipc_block, request.num_slots, now)
+        return messages.Ack(id=request.id)
+
+    def _on_job_failed(self, request: messages.JobFailed, identity: bytes, now: float) -> messages.Ack:
+        self.core.job_failed(request.worker_id, request.job_id, request.reason, now)
+        return messages.Ack(id=request.id)
+
+    def _on_consumed(self, request: messages.Consumed, identity: bytes, now: float) -> messages.Ack:
+        self.core.consumed(request.worker_id, request.job_id, now)
+        return messages.Ack(id=request.id)
+
+    def _on_read_failed(self, request: messages.ReadFailed, identity: bytes, now: float) -> messages.Ack:
+        self.core.read_failed(request.worker_id, request.job_id, request.reason, now)
+        return messages.Ack(id=request.id)
+
+    def _on_commit_step(self, request: messages.CommitStep, identity: bytes, now: float) -> Reply | None:
+        core, worker_id = self.core, request.worker_id
+        step = core.commit_step(worker_id, request.job_ids, request.busy_s, now, model=request.model,
+                                step=request.step, verified=request.verified, metrics=request.metrics,
+                                sync_wait_s=request.sync_wait_s, step_s=request.step_s,
+                                membership=request.membership, rank_jobs=request.rank_jobs,
+                                rank_busy_s=request.rank_busy_s, cost_jobs=request.cost_jobs)
+        group = core.groups.group_of_rank(worker_id)
+        reply = messages.CommitReply(id=request.id, step=step, done=core.done,
+                                     membership=group.version if group is not None else None)
+        return self._when_durable(identity, reply, exit_once_durable=faults.exit_before_commit_reply(self.run_dir, step))
+
+    def _on_step_outcome(self, request: messages.StepOutcome, identity: bytes, now: float) -> Reply | None:
+        committed = self.core.step_outcome(request.worker_id, now, model=request.model, step=request.step,
+                                           job_ids=request.job_ids, membership=request.membership)
+        return self._when_durable(identity, messages.OutcomeReply(
+            id=request.id, committed=committed, model_step=model_step(self.core, request.worker_id)))
+
+    def _on_checkpoint(self, request: messages.Checkpoint, identity: bytes, now: float) -> Reply | None:
+        self.core.checkpoint(request.worker_id, request.step, now, model=request.model, metrics=request.metrics)
+        return self._when_durable(identity, messages.Done(id=request.id, done=self.core.done))
+
+    def _on_deregister(self, request: messages.Deregister, identity: bytes, now: float) -> messages.Ack:
+        self.polls.drop(request.worker_id)
+        self.core.deregister(request.worker_id, now)
+        return messages.Ack(id=request.id)
+
+    # -- replies held until the journal is durable -------------------------------------------
+    def _when_durable(self, identity: bytes, reply: Reply, *, exit_once_durable: bool = False) -> Reply | None:
         """A commit is acknowledged only once the journal's sync thread has it on disk.
         (``exit_once_durable``: the test fault of :func:`common.faults.exit_before_commit_reply`.)"""
         if not self.journal.unsynced and not exit_once_durable:
@@ -366,97 +384,6 @@ class DispatcherServer:
                 os._exit(9)
             self._send(self.control, identity, reply)
 
-    def _register(self, f: dict, now: float) -> dict[str, Any]:
-        fields = register_fields(f)
-        role, model = fields["role"], fields["model"]
-        self.data_plane.check_worker(role, f)
-        worker = self.core.register(**fields, now=now)
-        log.info("%s %s registered (%s pid %d on %s%s)", role, worker.id, worker.name, worker.pid, worker.host,
-                 f", model {worker.model} at step {model.get('step', 0)}" if worker.model else "")
-        c = self.config
-        extra = ({"model_step": self.core.ledger.model_step.get(worker.model, 0),
-                  "pending_committed": worker.pending_committed} if worker.model else {})
-        if role == "drafter":  # its learning-rate schedule spans run.epochs of them
-            extra["jobs_per_epoch"] = self.core.store.jobs_per_epoch
-        return {"worker_id": worker.id, "token": worker.token, "contract": self.core.contract, **extra,
-                "run_id": self.run_id, "transport": self.data_plane.info(role, worker.node),
-                "heartbeat_s": c.dispatcher.heartbeat_s, "worker_timeout_s": c.dispatcher.worker_timeout_s,
-                "accum_steps": c.drafter.accum_steps, "buckets": list(c.schedule.buckets),
-                "epochs": c.run.epochs}
-
-    def _try_serve(self, op: str, request_id: int, worker_id: str, now: float, fields: dict) -> dict | None:
-        if op == "join_group":
-            membership = self.core.join_group(worker_id, now, **fields)
-            if membership is None:
-                return None
-            return protocol.ok_reply(request_id, group=membership.to_wire(), model_step=self._model_step(worker_id),
-                                     membership=membership.version)
-        if op == "get_job":
-            grant = self.core.get_job(worker_id, now)
-            flush = False
-        else:
-            grant, flush = self.core.get_hs(worker_id, now, **fields)
-        if grant is None:
-            return None
-        if grant == DONE:
-            return protocol.ok_reply(request_id, job=None, done=True, flush=True)
-        if grant == STEP_FULL:
-            # the step it speaks of: a reply that arrives once that step committed is stale
-            return protocol.ok_reply(request_id, job=None, done=False, flush=False,
-                                     step_full=self._model_step(worker_id) + 1)
-        ipc = self.core.workers[grant.owner].ipc_block if grant.owner else None
-        return protocol.ok_reply(request_id, job=grant.to_wire(ipc_block=ipc if op == "get_hs" else None),
-                                 done=False, flush=flush)
-
-    def _model_step(self, worker_id: str) -> int:
-        worker = self.core.workers.get(worker_id)
-        return self.core.ledger.model_step.get(worker.model, 0) if worker is not None and worker.model else 0
-
-    def _empty_reply(self, op: str, request_id: int, worker_id: str) -> dict:
-        if op == "join_group":  # membership: the version naming this rank now (0: it waits for one)
-            named = self.core.workers[worker_id].group if worker_id in self.core.workers else None
-            reload = self.core.checkpoint_to_load(worker_id) if worker_id in self.core.workers else None
-            return protocol.ok_reply(request_id, group=None, model_step=self._model_step(worker_id),
-                                     membership=named.version if named is not None else 0,
-                                     **({"reload": reload} if reload is not None else {}))
-        self.core.end_wait(worker_id, time.monotonic())
-        flush = op == "get_hs" and self.core.nothing_left_to_hand_out()
-        return protocol.ok_reply(request_id, job=None, done=self.core.done, flush=flush)
-
-    def _serve_waiters(self, now: float) -> None:
-        remaining = []
-        for waiter in self.waiters:
-            try:
-                reply = self._try_serve(waiter.op, waiter.request_id, waiter.worker_id, now, waiter.fields)
-            except UnknownWorker:
-                reply = self._error(waiter.request_id, ErrorCode.UNKNOWN_WORKER, f"worker {waiter.worker_id} is not registered")
-            except GroupChanged as exc:  # a parked get_hs of a rank whose group just changed: tell it now
-                reply = self._error(waiter.request_id, ErrorCode.GROUP_CHANGED, str(exc))
-            except LedgerError as exc:
-                reply = self._error(waiter.request_id, ErrorCode.BAD_STATE, str(exc))
-            if reply is None:
-                remaining.append(waiter)
-            else:
-                self._send(self.control, waiter.identity, reply)
-        self.waiters = remaining
-
-    def _expire_waiters(self, now: float) -> None:
-        if not self.waiters:
-            return
-        expired = [w for w in self.waiters if w.deadline <= now]
-        if not expired:
-            return
-        self.waiters = [w for w in self.waiters if w.deadline > now]
-        for waiter in expired:
-            if waiter.worker_id not in self.core.workers:
-                reply = self._error(waiter.request_id, ErrorCode.UNKNOWN_WORKER, f"worker {waiter.worker_id} is not registered")
-            else:
-                reply = self._empty_reply(waiter.op, waiter.request_id, waiter.worker_id)
-            self._send(self.control, waiter.identity, reply)
-
-    def _drop_waiters(self, worker_id: str) -> None:
-        self.waiters = [w for w in self.waiters if w.worker_id != worker_id]
-
     def _is_alive(self, worker: Worker) -> bool:
         if worker.host != self.hostname:
             return True  # only heartbeats can tell for a remote worker
@@ -466,14 +393,15 @@ class DispatcherServer:
             return False
 
     # -- stats ----------------------------------------------------------------------------------
-    def _handle_stats(self, identity: bytes, payload: list[bytes]) -> tuple[dict | None, bool]:
+    def _handle_stats(self, identity: bytes, payload: list[bytes]) -> tuple[Reply | None, bool]:
         request_id = None
         try:
             request = self._decode(payload)
             request_id = request.id
-            if request.op != "stats":
-                raise ProtocolError(ErrorCode.READ_ONLY, f"the stats socket serves only 'stats', not {request.op!r}")
-            return protocol.ok_reply(request_id, stats=self._stats_snapshot()), False
+            if not isinstance(request, messages.Stats):
+                raise ProtocolError(ErrorCode.READ_ONLY,
+                                    f"the stats socket serves only 'stats', not {messages.op_of(request)!r}")
+            return messages.StatsReply(id=request_id, stats=self._stats_snapshot()), False
         except ProtocolError as exc:
             return self._error(exc.request_id if exc.request_id is not None else request_id, exc.code, exc.message), False
         except Exception as exc:  # a bug in the snapshot must not take the run down with it
@@ -483,17 +411,14 @@ class DispatcherServer:
     def _stats_snapshot(self) -> dict[str, Any]:
         snapshot = build_snapshot(self.core, time.monotonic())
         snapshot.update(run_dir=str(self.run_dir), run_id=self.run_id, pid=os.getpid(),
-                        transport=self.data_plane.describe_dict(), waiters=len(self.waiters),
+                        transport=self.data_plane.describe_dict(), waiters=len(self.polls.waiters),
                         auth=auth_stats(self.authorizer, self.handshakes, secret=bool(self.config.dispatcher.secret)),
                         nodes=node_summary(self.core.pool, self.core.workers, self.core.counters.reads,
                                            home=self.data_plane.node))
         return snapshot
 
     def close(self) -> None:
-        for waiter in self.waiters:
-            self._send(self.control, waiter.identity,
-                       self._error(waiter.request_id, ErrorCode.UNKNOWN_WORKER, "the dispatcher is stopping"))
-        self.waiters = []
+        self.polls.close()
         if self.journal.failed is None:
             self.journal.record("stop", done=self.core.done, peak_slots=self.core.pool.peak_in_use,
                                 slot_bytes=self.data_plane.describe_dict()["slot_bytes"])
@@ -502,8 +427,9 @@ class DispatcherServer:
             self._release_durable_replies()
         else:  # never acknowledge what is not on disk: the worker retries with the next dispatcher
             for _, identity, reply in self.held_replies:
-                self._send(self.control, identity, protocol.error_reply(
-                    reply.get("id"), ErrorCode.INTERNAL, f"the journal failed ({self.journal.failed}); not durable"))
+                self._send(self.control, identity, messages.error_reply(
+                    reply.id if reply is not None else None, ErrorCode.INTERNAL,
+                    f"the journal failed ({self.journal.failed}); not durable"))
             self.held_replies = []
         self.core.close()
         for monitor, sock in zip(self.handshakes, (self.control, self.stats)):

@@ -14,7 +14,7 @@ import socket
 from typing import Any
 
 from common.run.config import Config
-from common.wire.protocol import ErrorCode, ProtocolError
+from common.wire.messages import ErrorCode, ProtocolError, Register
 from common.dataplane.shm_segment import PoolSegment, check_fits, dead_segments, sweep_dead_segments
 from common.dataplane.slot_layout import SlotLayout, format_bytes
 from common.dataplane.transport_info import (choose_transport, cuda_ipc_transport_info, nixl_transport_info, probe_cuda_host,
@@ -72,18 +72,17 @@ class DataPlane:
             return {**nixl_transport_info(self.layout, self.num_slots, self.run_id), "node": node}
         return cuda_ipc_transport_info(self.layout, self.num_slots)
 
-    def check_worker(self, role: str, fields: dict[str, Any]) -> None:
-        """Refuse a worker whose capture contract (slot layout) differs from the run's, or one of another
-        node when the slots cannot leave the dispatcher's."""
-        node = fields.get("node")
-        if self.kind != "nixl" and isinstance(node, str) and node != self.node:
+    def check_worker(self, request: Register) -> None:
+        """Refuse a worker whose slot layout differs from the run's, or one of another node when the
+        slots cannot leave the dispatcher's."""
+        node, role = request.node, request.role
+        if self.kind != "nixl" and node is not None and node != self.node:
             raise ProtocolError(ErrorCode.INCOMPATIBLE,
                                 f"{role} on node {node!r}, but pool.transport={self.kind} keeps every slot on the "
                                 f"dispatcher's node {self.node!r}: runs across nodes need pool.transport=nixl")
-        layout = fields.get("layout")
-        if layout is not None and layout != self.layout.to_dict():
-            raise ProtocolError(ErrorCode.INCOMPATIBLE,
-                                f"capture contract differs: worker has {layout}, run has {self.layout.to_dict()}")
+        if request.layout is not None and request.layout != self.layout.to_dict():
+            raise ProtocolError(ErrorCode.INCOMPATIBLE, f"capture contract differs: worker has {request.layout}, "
+                                                        f"run has {self.layout.to_dict()}")
 
     def describe_dict(self) -> dict[str, Any]:
         total = self.layout.slot_bytes * self.num_slots

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+from common.wire.messages import ModelClaim
 from dispatcher.core import DispatcherCore
 from dispatcher.core_types import DONE, CoreOptions
 from dispatcher.journal import Journal
@@ -163,7 +164,7 @@ class ModelSim(Sim):
 def register_models(core, models, now=0.0):
     """Register one drafter per model, each with the step of the state it holds."""
     return {core.register(role="drafter", name=f"drafter-{m.id}", pid=2000 + i, host="h", gpu=None, now=now,
-                          model={"id": m.id, "step": m.step}).id: m for i, m in enumerate(models)}
+                          model=ModelClaim(id=m.id, step=m.step)).id: m for i, m in enumerate(models)}
 
 
 def witness_counts(models):

@@ -15,13 +15,12 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import zmq
 
-from common.wire import protocol
+from common.wire import messages
 from common.run.config import Config, load_config
-from common.wire.protocol import ErrorCode
+from common.wire.messages import ErrorCode, ProtocolError
 from common.dataplane.shm_arena import SlotArena
 from common.dataplane.slot_pattern import fill_pattern
 from common.dataplane.slots import SlotLayout
@@ -34,13 +33,12 @@ LAYOUT = SlotLayout(tokens_per_batch=64, num_layers=2, hidden_size=8, dtype="flo
 class Event:
     at: float
     op: str
-    fields: dict[str, Any]
+    request: messages.Request
 
 
-def make_job(job_id: int, slot: int, generation: int, *, lengths=(16, 12)) -> dict[str, Any]:
-    return {"job_id": job_id, "epoch": 0, "slot": slot, "generation": generation, "bucket": 0,
-            "samples": list(range(len(lengths))),
-            "lengths": list(lengths), "seq_len": 16, "num_tokens": sum(lengths)}
+def make_job(job_id: int, slot: int, generation: int, *, lengths=(16, 12)) -> messages.Job:
+    return messages.Job(job_id=job_id, epoch=0, bucket=0, seq_len=16, samples=list(range(len(lengths))),
+                        lengths=list(lengths), num_tokens=sum(lengths), slot=slot, generation=generation)
 
 
 def worker_config(run_dir, endpoint: str, *overrides: str) -> Config:
@@ -69,7 +67,7 @@ class FakeDispatcher:
         self.arena = SlotArena.create(run_id, LAYOUT, num_slots)
         self.accum_steps = accum_steps
         self.heartbeat_s = heartbeat_s
-        self.jobs: deque[dict[str, Any]] = deque()
+        self.jobs: deque[messages.Job] = deque()
         self.events: list[Event] = []
         self.commit_faults: deque[str] = deque()  # per commit_step: ok | refuse | silent | forget
         self.checkpoint_faults: deque[str] = deque()  # per checkpoint: ok | forget (the dispatcher restarted)
@@ -87,15 +85,15 @@ class FakeDispatcher:
         self._ready.wait(5)
 
     # -- what tests use -----------------------------------------------------------------------
-    def add_ready_job(self, job_id: int, slot: int, generation: int = 1) -> dict[str, Any]:
+    def add_ready_job(self, job_id: int, slot: int, generation: int = 1) -> messages.Job:
         """A job whose slot already holds its pattern (what a target left for a drafter)."""
         job = make_job(job_id, slot, generation)
         fill_pattern(self.arena.slot(slot), job_id=job_id, generation=generation, bucket=0,
-                     batch_size=len(job["lengths"]), seq_len=job["seq_len"], seq_lens=job["lengths"])
+                     batch_size=len(job.lengths), seq_len=job.seq_len, seq_lens=job.lengths)
         self.add_job(job)
         return job
 
-    def add_job(self, job: dict[str, Any]) -> None:
+    def add_job(self, job: messages.Job) -> None:
         with self._lock:
             self.jobs.append(job)
 
@@ -106,7 +104,7 @@ class FakeDispatcher:
     def holding_after(self, at: float) -> list[int] | None:
         """What the last heartbeat sent after ``at`` listed (None: no heartbeat since)."""
         beats = [e for e in self.ops("heartbeat") if e.at > at]
-        return beats[-1].fields["holding"] if beats else None
+        return beats[-1].request.holding if beats else None
 
     def wait_for(self, predicate, timeout: float = 20.0, what: str = "condition"):
         deadline = time.monotonic() + timeout
@@ -116,7 +114,7 @@ class FakeDispatcher:
             if value:
                 return value
             time.sleep(0.01)
-        raise AssertionError(f"timed out waiting for {what}; events: {[(e.op, e.fields) for e in self.events][-20:]}")
+        raise AssertionError(f"timed out waiting for {what}; events: {[e.request for e in self.events][-20:]}")
 
     def close(self) -> None:
         self._stop.set()
@@ -131,76 +129,79 @@ class FakeDispatcher:
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind(self.endpoint)
         self._ready.set()
-        parked: list[tuple[bytes, dict[str, Any], float]] = []
+        parked: list[tuple[bytes, messages.GetJob | messages.GetHS, float]] = []
         try:
             while not self._stop.is_set():
                 if sock.poll(10):
                     identity, frame = sock.recv_multipart()
-                    message = protocol.unpack(frame)
+                    try:
+                        request = messages.decode_request(frame)
+                    except ProtocolError as exc:
+                        sock.send_multipart([identity, messages.encode(messages.error_reply(
+                            exc.request_id, exc.code, exc.message))])
+                        continue
                     with self._lock:
-                        self.events.append(Event(time.monotonic(), message["op"], message))
-                        reply = self._handle(message, parked, identity)
+                        self.events.append(Event(time.monotonic(), messages.op_of(request), request))
+                        reply = self._handle(request, parked, identity)
                     if reply is not None:
-                        sock.send_multipart([identity, protocol.pack(reply)])
+                        sock.send_multipart([identity, messages.encode(reply)])
                 now = time.monotonic()
                 for waiter in list(parked):
-                    identity, message, deadline = waiter
+                    identity, request, deadline = waiter
                     with self._lock:
-                        reply = self._poll_reply(message, final=now >= deadline)
+                        reply = self._poll_reply(request, final=now >= deadline)
                     if reply is not None:
                         parked.remove(waiter)
-                        sock.send_multipart([identity, protocol.pack(reply)])
+                        sock.send_multipart([identity, messages.encode(reply)])
         finally:
             sock.close(linger=0)
 
-    def _handle(self, m: dict[str, Any], parked: list, identity: bytes) -> dict[str, Any] | None:
-        op, rid = m["op"], m["id"]
-        if op == "register":
-            worker_id = f"{m['role'][0]}{next(self._ids)}"
+    def _handle(self, request: messages.Request, parked: list, identity: bytes) -> messages.Reply | None:
+        m, rid = messages, request.id
+        if isinstance(request, m.Register):
+            worker_id = f"{request.role[0]}{next(self._ids)}"
             self.workers[worker_id] = secrets.token_hex(8)
-            extra = {}
-            if m.get("model"):
-                self.model_steps[m["model"]["id"]] = m["model"]["step"]  # rolled back to it
-                extra["model_step"] = m["model"]["step"]
-            return protocol.ok_reply(rid, worker_id=worker_id, token=self.workers[worker_id], run_id="fake",
-                                     transport=shm_transport_info(self.arena), heartbeat_s=self.heartbeat_s,
-                                     worker_timeout_s=5.0, accum_steps=self.accum_steps, buckets=[16], epochs=1,
-                                     contract=None, **extra)
-        if self.workers.get(m.get("worker_id")) != m.get("token"):
-            return protocol.error_reply(rid, ErrorCode.UNKNOWN_WORKER, "not registered")
-        if op in ("get_job", "get_hs"):
+            model_step = None
+            if request.model is not None:
+                model_step = self.model_steps[request.model.id] = request.model.step  # rolled back to it
+            return m.RegisterReply(id=rid, worker_id=worker_id, token=self.workers[worker_id], run_id="fake",
+                                   transport=shm_transport_info(self.arena), heartbeat_s=self.heartbeat_s,
+                                   worker_timeout_s=5.0, accum_steps=self.accum_steps, buckets=[16], epochs=1,
+                                   contract=None, model_step=model_step)
+        if not isinstance(request, m.WorkerRequest) or self.workers.get(request.worker_id) != request.token:
+            return m.error_reply(rid, ErrorCode.UNKNOWN_WORKER, "not registered")
+        if isinstance(request, (m.GetJob, m.GetHS)):
             if self.silent_polls:
                 self.silent_polls -= 1
                 return None
-            reply = self._poll_reply(m, final=m["wait_ms"] == 0)
+            reply = self._poll_reply(request, final=request.wait_ms == 0)
             if reply is None:
-                parked.append((identity, m, time.monotonic() + m["wait_ms"] / 1000))
+                parked.append((identity, request, time.monotonic() + request.wait_ms / 1000))
             return reply
-        if op == "commit_step":
+        if isinstance(request, m.CommitStep):
             fault = self.commit_faults.popleft() if self.commit_faults else "ok"
             if fault == "silent":
                 return None
             if fault == "refuse":
-                return protocol.error_reply(rid, ErrorCode.BAD_STATE, "a job of the step was given back")
+                return m.error_reply(rid, ErrorCode.BAD_STATE, "a job of the step was given back")
             if fault == "forget":
                 self.workers.clear()
-                return protocol.error_reply(rid, ErrorCode.UNKNOWN_WORKER, "the dispatcher restarted")
-            model = m["model"]
-            if m["step"] == self.model_steps.get(model, 0) + 1:
-                self.model_steps[model] = m["step"]
-            return protocol.ok_reply(rid, step=m["step"], done=self.done)
-        if op == "checkpoint" and self.checkpoint_faults and self.checkpoint_faults.popleft() == "forget":
+                return m.error_reply(rid, ErrorCode.UNKNOWN_WORKER, "the dispatcher restarted")
+            if request.step == self.model_steps.get(request.model, 0) + 1:
+                self.model_steps[request.model] = request.step
+            return m.CommitReply(id=rid, step=request.step, done=self.done)
+        if isinstance(request, m.Checkpoint) and self.checkpoint_faults and self.checkpoint_faults.popleft() == "forget":
             self.workers.clear()
-            return protocol.error_reply(rid, ErrorCode.UNKNOWN_WORKER, "the dispatcher restarted")
-        if op == "deregister":
-            self.workers.pop(m["worker_id"], None)
-        return protocol.ok_reply(rid, done=self.done)
+            return m.error_reply(rid, ErrorCode.UNKNOWN_WORKER, "the dispatcher restarted")
+        if isinstance(request, m.Deregister):
+            self.workers.pop(request.worker_id, None)
+        return m.Done(id=rid, done=self.done) if isinstance(request, (m.Heartbeat, m.Checkpoint)) else m.Ack(id=rid)
 
-    def _poll_reply(self, m: dict[str, Any], *, final: bool) -> dict[str, Any] | None:
-        if self.workers.get(m["worker_id"]) != m["token"]:
-            return protocol.error_reply(m["id"], ErrorCode.UNKNOWN_WORKER, "not registered")
+    def _poll_reply(self, request: messages.GetJob | messages.GetHS, *, final: bool) -> messages.Reply | None:
+        if self.workers.get(request.worker_id) != request.token:
+            return messages.error_reply(request.id, ErrorCode.UNKNOWN_WORKER, "not registered")
         if self.jobs:
-            return protocol.ok_reply(m["id"], job=self.jobs.popleft(), done=False, flush=False)
+            return messages.GrantReply(id=request.id, job=self.jobs.popleft(), done=False)
         if self.done or final:
-            return protocol.ok_reply(m["id"], job=None, done=self.done, flush=self.flush)
+            return messages.GrantReply(id=request.id, job=None, done=self.done, flush=self.flush)
         return None

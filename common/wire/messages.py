@@ -126,6 +126,7 @@ class Register(Request, tag="register", kw_only=True):
     gpu: int | None = None
     contract: dict[str, Any] | None = None
     model: ModelClaim | None = None  # drafters only
+    layout: dict[str, Any] | None = None  # the slot layout it expects: one that is not the run's is incompatible
 
 
 class JoinGroup(WorkerRequest, tag="join_group", kw_only=True):

@@ -1,6 +1,7 @@
 """The typed wire: what a decoded request refuses, and that every reply type round-trips."""
 
 import msgpack
+import msgspec
 import pytest
 
 from common.wire import messages as m
@@ -68,3 +69,86 @@ def test_every_op_has_a_reply_type_and_an_error_reply_raises():
     with pytest.raises(m.ProtocolError) as caught:  # a reply without the op's fields breaks the protocol
         m.decode_reply(m.encode(m.Ack(id=14)), "commit_step")
     assert caught.value.code == m.ErrorCode.MALFORMED
+
+
+# -- every request: its required fields, version, op and id ---------------------------------------
+
+# a minimal valid value for every required request field
+FIELD_VALUES = {"role": "target", "name": "w", "pid": 123, "host": "h", "wait_ms": 10, "job_id": 5, "generation": 1,
+                "busy_s": 0.5, "job_ids": [1, 2], "holding": [], "model": "m", "step": 3,
+                "ipc_block": {"handle": b"\x01"}, "num_slots": 2, "after": 1, "membership": 2}
+
+
+def required(kind: type) -> list[str]:
+    return [f.name for f in msgspec.structs.fields(kind) if f.required]
+
+
+@pytest.mark.parametrize("op", sorted(m.REQUEST_TYPES))
+def test_every_op_decodes_with_its_required_fields(op):
+    fields = {name: FIELD_VALUES[name] for name in required(m.REQUEST_TYPES[op])}
+    got = m.decode_request(pack({"v": m.PROTOCOL_VERSION, "op": op, "id": 11, **fields}))
+    assert type(got) is m.REQUEST_TYPES[op] and got.id == 11
+    assert {name: getattr(got, name) for name in fields} == fields
+
+
+@pytest.mark.parametrize("op", sorted(op for op, kind in m.REQUEST_TYPES.items() if required(kind)))
+def test_every_missing_field_is_named(op):
+    names = required(m.REQUEST_TYPES[op])
+    for missing in names:
+        fields = {name: FIELD_VALUES[name] for name in names if name != missing}
+        code, request_id, message = refused({"v": m.PROTOCOL_VERSION, "op": op, "id": 4, **fields})
+        assert (code, request_id) == (m.ErrorCode.MALFORMED, 4) and missing in message and op in message
+
+
+@pytest.mark.parametrize("version", [m.PROTOCOL_VERSION + 1, 0, "1", None])
+def test_wrong_or_missing_version(version):
+    assert refused({"v": version, "op": "heartbeat", "id": 9, "holding": []})[:2] == (m.ErrorCode.BAD_VERSION, 9)
+    assert refused({"op": "heartbeat", "id": 1, "holding": []})[0] == m.ErrorCode.BAD_VERSION
+
+
+@pytest.mark.parametrize("op", ["reboot", "", None, 3, ["get_job"]])
+def test_unknown_op(op):
+    assert refused({"v": m.PROTOCOL_VERSION, "op": op, "id": 2})[:2] == (m.ErrorCode.UNKNOWN_OP, 2)
+
+
+@pytest.mark.parametrize("request_id", ["1", 1.0, True, None, [1]])
+def test_non_int_id_is_malformed(request_id):
+    assert refused({"v": m.PROTOCOL_VERSION, "op": "stats", "id": request_id})[0] == m.ErrorCode.MALFORMED
+
+
+def test_missing_id_defaults_to_zero():
+    assert m.decode_request(pack({"v": m.PROTOCOL_VERSION, "op": "stats"})).id == 0
+
+
+# -- what a field's type refuses (the dispatcher's checks of old) -----------------------------------
+
+REGISTER = {"v": m.PROTOCOL_VERSION, "op": "register", "id": 3, "role": "drafter", "name": "d", "pid": 1, "host": "h"}
+
+
+@pytest.mark.parametrize("fields, path", [
+    ({"op": "heartbeat", "holding": [1, True]}, "$.holding[1]"),
+    ({"op": "heartbeat", "holding": [], "seen_grant": "7"}, "$.seen_grant"),
+    ({"op": "commit_step", "model": "m", "step": 1, "job_ids": [1, "2"], "busy_s": 0.1}, "$.job_ids[1]"),
+    ({"op": "commit_step", "model": "m", "step": 1, "job_ids": [1], "busy_s": 0.1, "rank_jobs": [-1],
+      "rank_busy_s": [0.1]}, "$.rank_jobs[0]"),
+    ({"op": "commit_step", "model": "m", "step": 1, "job_ids": [1], "busy_s": 0.1, "cost_jobs": [None]},
+     "$.cost_jobs[0]"),
+    ({"op": "get_hs", "wait_ms": 0, "membership": 1.5}, "$.membership"),
+    ({"op": "register_slots", "ipc_block": {}, "num_slots": -1}, "$.num_slots"),
+    ({**REGISTER, "contract": [1]}, "$.contract"),
+    ({**REGISTER, "model": "m"}, "$.model"),
+    ({**REGISTER, "model": {"id": "", "step": 0}}, "$.model.id"),
+    ({**REGISTER, "model": {"id": "m", "step": -1}}, "$.model.step"),
+    ({**REGISTER, "model": {"id": "m", "step": 0, "pending": {"step": 1, "job_ids": [True]}}},
+     "$.model.pending.job_ids[0]"),
+    ({**REGISTER, "model": {"id": "m", "step": 0, "group": {"size": "2"}}}, "$.model.group.size"),
+    ({**REGISTER, "model": {"id": "m", "step": 0, "group": {"size": 2, "balance": 1}}}, "$.model.group.balance"),
+])
+def test_an_ill_typed_field_is_malformed_naming_its_path(fields, path):
+    code, _, message = refused({"v": m.PROTOCOL_VERSION, "id": 3, "worker_id": "d0.1", **fields})
+    assert code == m.ErrorCode.MALFORMED and path in message
+
+
+def test_a_checkpoint_past_the_models_own_step_is_malformed():
+    code, _, message = refused({**REGISTER, "model": {"id": "m", "step": 0, "checkpoint": 2}})
+    assert code == m.ErrorCode.MALFORMED and "model.checkpoint" in message

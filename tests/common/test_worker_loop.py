@@ -19,6 +19,7 @@ import torch
 from common.worker import loop as worker_loop
 from drafter_worker import commit as drafter_commit
 from common.wire.client import run_id_for
+from common.wire.messages import ModelClaim, PendingCommit
 from common.dataplane.slots import SlotView
 from drafter_worker.loop import DrafterLoop
 from target_worker.loop import TargetLoop
@@ -68,7 +69,7 @@ def test_drafter_asks_for_its_next_job_while_computing_and_holds_both(tmp_path, 
 
     def job_2_listed_while_job_1_computes(f):
         consumed = f.ops("consumed")
-        return consumed and [1, 2] in [e.fields["holding"] for e in f.ops("heartbeat") if e.at > consumed[0].at]
+        return consumed and [1, 2] in [e.request.holding for e in f.ops("heartbeat") if e.at > consumed[0].at]
     loop = DrafterLoop(config, "drafter-0", SimDrafterHeldWhile(config, "drafter-0", fake, 1,
                                                                 job_2_listed_while_job_1_computes))
     with running(loop):
@@ -79,12 +80,12 @@ def test_drafter_asks_for_its_next_job_while_computing_and_holds_both(tmp_path, 
         # before it finished (its commit).
         assert _index(fake, polls[1]) < _index(fake, consumed[0]) < _index(fake, commits[0])
         # While job 1 computed, the heartbeat listed job 2 too: a grant not yet looked at is held.
-        during = [e.fields["holding"] for e in fake.ops("heartbeat") if consumed[0].at < e.at < commits[0].at]
+        during = [e.request.holding for e in fake.ops("heartbeat") if consumed[0].at < e.at < commits[0].at]
         assert [1, 2] in during
         # Once committed, nothing is held.
         fake.wait_for(lambda f: f.holding_after(f.ops("commit_step")[1].at) == [], what="an empty holding list")
-    assert [c.fields["step"] for c in commits] == [1, 2]
-    assert [c.fields["job_ids"] for c in commits] == [[1], [2]]
+    assert [c.request.step for c in commits] == [1, 2]
+    assert [c.request.job_ids for c in commits] == [[1], [2]]
     assert loop.backend.step == 2 and list(loop.backend.trained) == [1, 2]
 
 
@@ -97,8 +98,8 @@ def test_target_prefetches_its_second_job_and_lists_it_while_extracting(tmp_path
         fake.wait_for(lambda f: len(f.ops("job_ready")) == 2, what="two ready jobs")
         polls, ready = fake.ops("get_job"), fake.ops("job_ready")
         assert polls[1].at < ready[0].at  # job 2 was asked for while job 1 was extracted
-        assert [1, 2] in [e.fields["holding"] for e in fake.ops("heartbeat") if e.at < ready[0].at]
-    assert [r.fields["job_id"] for r in ready] == [1, 2]
+        assert [1, 2] in [e.request.holding for e in fake.ops("heartbeat") if e.at < ready[0].at]
+    assert [r.request.job_id for r in ready] == [1, 2]
     view = fake.arena.slot(1)
     assert view.read_header().job_id == 2  # the backend wrote the slot
 
@@ -112,8 +113,8 @@ def test_refused_commit_drops_the_step_and_forgets_its_jobs(tmp_path, fake):
         fake.wait_for(lambda f: f.holding_after(f.ops("commit_step")[0].at) == [], what="job 1 to leave the held set")
         fake.add_ready_job(2, slot=1)
         fake.wait_for(lambda f: len(f.ops("commit_step")) == 2, what="the next commit")
-    second = fake.ops("commit_step")[1].fields
-    assert (second["step"], second["job_ids"]) == (1, [2])  # the refused step was never applied
+    second = fake.ops("commit_step")[1].request
+    assert (second.step, second.job_ids) == (1, [2])  # the refused step was never applied
     assert list(loop.backend.trained) == [2]
 
 
@@ -125,8 +126,8 @@ def test_unanswered_commit_is_sent_again_unchanged(tmp_path, fake, monkeypatch):
     with running(loop):
         fake.wait_for(lambda f: len(f.ops("commit_step")) == 2, what="the commit sent again")
         fake.wait_for(lambda f: f.holding_after(f.ops("commit_step")[-1].at) == [], what="job 1 committed")
-    first, again = (c.fields for c in fake.ops("commit_step"))
-    assert (first["model"], first["step"], first["job_ids"]) == (again["model"], again["step"], again["job_ids"])
+    first, again = (c.request for c in fake.ops("commit_step"))
+    assert (first.model, first.step, first.job_ids) == (again.model, again.step, again.job_ids)
     assert loop.backend.step == 1 and list(loop.backend.trained) == [1]
 
 
@@ -150,11 +151,11 @@ def test_a_steps_figures_go_with_the_next_commit_and_the_last_with_its_checkpoin
         fake.wait_for(lambda f: f.ops("checkpoint"), what="the checkpoint of step 2")
         fake.done = True
         thread.join(10)
-    first, second = (c.fields for c in fake.ops("commit_step"))
-    assert first["metrics"] is None  # nothing applied yet
-    assert second["metrics"] == {"step": 1, "loss": 1.0, "tokens_per_s": 10.0}  # step 1's; the lr is not finite
-    saved = fake.ops("checkpoint")[-1].fields
-    assert saved["step"] == 2 and saved["metrics"] == {"step": 2, "loss": 2.0, "tokens_per_s": 10.0}
+    first, second = (c.request for c in fake.ops("commit_step"))
+    assert first.metrics is None  # nothing applied yet
+    assert second.metrics == {"step": 1, "loss": 1.0, "tokens_per_s": 10.0}  # step 1's; the lr is not finite
+    saved = fake.ops("checkpoint")[-1].request
+    assert saved.step == 2 and saved.metrics == {"step": 2, "loss": 2.0, "tokens_per_s": 10.0}
     assert loop.group.lone and not torch.distributed.is_initialized()
 
 
@@ -179,9 +180,9 @@ def test_a_forgetting_dispatcher_gets_a_new_registration_at_the_applied_step(tmp
         fake.add_ready_job(3, slot=2)
         fake.wait_for(lambda f: len(f.ops("commit_step")) == 3, what="a commit after registering again")
     # the commit of step 2 the forgetting dispatcher never answered is named; it does not hold it: dropped
-    assert fake.ops("register")[1].fields["model"] == {"id": "drafter-0", "step": 1, "checkpoint": 0,
-                                                       "pending": {"step": 2, "job_ids": [2]}, "group": None}
-    assert fake.ops("commit_step")[2].fields["step"] == 2
+    assert fake.ops("register")[1].request.model == ModelClaim(id="drafter-0", step=1, checkpoint=0,
+                                                               pending=PendingCommit(step=2, job_ids=[2]))
+    assert fake.ops("commit_step")[2].request.step == 2
     assert list(loop.backend.trained) == [1, 3]
 
 
@@ -196,9 +197,9 @@ def test_flush_checkpoints_the_witness_and_a_restart_resumes_from_it(tmp_path, f
         fake.wait_for(lambda f: f.ops("checkpoint"), what="a checkpoint")
         fake.done = True
         thread.join(10)
-    assert [c.fields["job_ids"] for c in fake.ops("commit_step")] == [[1, 2], [3]]
-    saved = fake.ops("checkpoint")[-1].fields
-    assert (saved["model"], saved["step"]) == ("drafter-0", 2)
+    assert [c.request.job_ids for c in fake.ops("commit_step")] == [[1, 2], [3]]
+    saved = fake.ops("checkpoint")[-1].request
+    assert (saved.model, saved.step) == ("drafter-0", 2)
     checkpoint = latest_checkpoint(tmp_path / "run", "drafter-0")
     assert checkpoint.step == 2 and list(checkpoint.trained_jobs()) == [1, 2, 3]
 
@@ -206,8 +207,7 @@ def test_flush_checkpoints_the_witness_and_a_restart_resumes_from_it(tmp_path, f
     again = drafter(tmp_path, fake)
     with running(again):
         fake.wait_for(lambda f: len(f.ops("register")) == 2, what="the restarted drafter")
-    assert fake.ops("register")[1].fields["model"] == {"id": "drafter-0", "step": 2, "checkpoint": 2,
-                                                       "pending": None, "group": None}
+    assert fake.ops("register")[1].request.model == ModelClaim(id="drafter-0", step=2, checkpoint=2)
     assert list(again.backend.trained) == [1, 2, 3]
 
 
@@ -221,9 +221,8 @@ def test_a_checkpoint_the_dispatcher_never_acknowledged_is_sent_again_after_regi
         fake.done = True
         thread.join(10)
     # the register says the checkpoint it holds, and the report goes again (else no `done` would ever come)
-    assert fake.ops("register")[1].fields["model"] == {"id": "drafter-0", "step": 1, "checkpoint": 1,
-                                                       "pending": None, "group": None}
-    assert [c.fields["step"] for c in fake.ops("checkpoint")] == [1, 1]
+    assert fake.ops("register")[1].request.model == ModelClaim(id="drafter-0", step=1, checkpoint=1)
+    assert [c.request.step for c in fake.ops("checkpoint")] == [1, 1]
 
 
 def test_stale_slot_is_reported_and_the_drafter_carries_on(tmp_path, fake, monkeypatch):
@@ -245,9 +244,9 @@ def test_stale_slot_is_reported_and_the_drafter_carries_on(tmp_path, fake, monke
     with running(loop):
         fake.wait_for(lambda f: len(f.ops("commit_step")) == 3, what="three commits")
     failed = fake.ops("read_failed")
-    assert [e.fields["job_id"] for e in failed] == [2, 4]
-    assert "stale slot" in failed[0].fields["reason"] and "found 0 after" in failed[1].fields["reason"]
-    assert [e.fields["job_id"] for e in fake.ops("consumed")] == [1, 3, 5]  # a stale copy never releases its slot
+    assert [e.request.job_id for e in failed] == [2, 4]
+    assert "stale slot" in failed[0].request.reason and "found 0 after" in failed[1].request.reason
+    assert [e.request.job_id for e in fake.ops("consumed")] == [1, 3, 5]  # a stale copy never releases its slot
     assert list(loop.backend.trained) == [1, 3, 5]
 
 
@@ -307,9 +306,9 @@ def test_a_checkpoint_is_written_while_the_next_step_trains_and_reported_once_du
             assert latest_checkpoint(tmp_path / "run", "drafter-0") is None  # a crash now would keep no checkpoint
         finally:
             release.set()
-        fake.wait_for(lambda f: [c.fields["step"] for c in f.ops("checkpoint")][:2] == [1, 2], what="both checkpoints")
+        fake.wait_for(lambda f: [c.request.step for c in f.ops("checkpoint")][:2] == [1, 2], what="both checkpoints")
         fake.flush = True
-        fake.wait_for(lambda f: f.ops("checkpoint")[-1].fields["step"] == 3, what="the last checkpoint")
+        fake.wait_for(lambda f: f.ops("checkpoint")[-1].request.step == 3, what="the last checkpoint")
         fake.done = True
         thread.join(10)
     assert fake.ops("commit_step")[1].at < fake.ops("checkpoint")[0].at
@@ -353,8 +352,8 @@ def test_target_queues_its_next_job_before_it_waits_for_the_last_slot_copy(tmp_p
     # Job 2 was extracted before job 1's copy was waited for; job 2, with no job after it, is reported anyway.
     assert [(what, job) for what, job, _ in backend.calls] == [("extract", 1), ("extract", 2), ("wait", 1), ("wait", 2)]
     waited = {job: at for what, job, at in backend.calls if what == "wait"}
-    assert [r.fields["job_id"] for r in ready] == [1, 2]
-    assert all(r.at >= waited[r.fields["job_id"]] for r in ready)  # job_ready follows the copy's completion
+    assert [r.request.job_id for r in ready] == [1, 2]
+    assert all(r.at >= waited[r.request.job_id] for r in ready)  # job_ready follows the copy's completion
     assert [fake.arena.slot(s).read_header().job_id for s in (0, 1)] == [1, 2]
 
 
@@ -372,4 +371,4 @@ def test_a_slow_copy_is_not_counted_as_compute(tmp_path, fake, monkeypatch):
     loop = drafter(tmp_path, fake)  # sim_cost_per_token=0: the micro-batch itself costs nothing
     with running(loop):
         fake.wait_for(lambda f: len(f.ops("commit_step")) == 1, what="a commit")
-    assert fake.ops("commit_step")[0].fields["busy_s"] < 0.2
+    assert fake.ops("commit_step")[0].request.busy_s < 0.2

@@ -9,6 +9,7 @@ from collections import Counter
 
 import pytest
 
+from common.wire.messages import ModelClaim, PendingCommit
 from core_harness import (Model, ModelSim, all_job_ids, make_core, register, register_models, small_lengths,
                           witness_counts)
 from dispatcher.core_types import DONE, UnknownWorker
@@ -81,7 +82,7 @@ def test_everything_crashes_and_resumes_from_checkpoints(tmp_path):
 def test_a_model_ahead_of_the_ledger_is_refused(tmp_path):
     core = make_core(tmp_path, epochs=1)
     with pytest.raises(LedgerError, match="ahead of the ledger"):
-        core.register(role="drafter", name="d", pid=1, host="h", gpu=None, now=0.0, model={"id": "m", "step": 3})
+        core.register(role="drafter", name="d", pid=1, host="h", gpu=None, now=0.0, model=ModelClaim(id="m", step=3))
 
 
 def test_restart_of_a_finished_run_is_done(tmp_path):
@@ -156,7 +157,7 @@ def test_a_checkpoint_said_at_register_ends_a_run_whose_report_was_lost(tmp_path
     assert not resumed.done
     for i, m in enumerate(models):
         resumed.register(role="drafter", name=f"drafter-{m.id}", pid=3000 + i, host="h", gpu=None, now=0.0,
-                         model={"id": m.id, "step": m.step, "checkpoint": m.ckpt_step})
+                         model=ModelClaim(id=m.id, step=m.step, checkpoint=m.ckpt_step))
     assert resumed.done
     assert [e["via"] for e in read_journal(tmp_path) if e["ev"] == "checkpoint"] == ["register", "register"]
     assert_exactly_once(resumed, models)
@@ -164,14 +165,13 @@ def test_a_checkpoint_said_at_register_ends_a_run_whose_report_was_lost(tmp_path
 
 def test_a_checkpoint_said_at_register_is_never_past_the_ledger(tmp_path):
     core = make_core(tmp_path, epochs=1)
-    with pytest.raises(LedgerError, match="model.checkpoint"):   # past its own step: malformed
-        core.register(role="drafter", name="d", pid=1, host="h", gpu=None, now=0.0,
-                      model={"id": "m", "step": 0, "checkpoint": 2})
+    with pytest.raises(ValueError, match="model.checkpoint"):   # past its own step: malformed, refused as decoded
+        ModelClaim(id="m", step=0, checkpoint=2)
     m = Model("m")
     (d,) = register_models(core, [m])
     ModelSim(core, register(core, "target", 1), {d: m}, every=0).run(until=lambda s: m.step >= 2)
     core.register(role="drafter", name="d2", pid=2, host="h", gpu=None, now=0.0,
-                  model={"id": "m", "step": m.step, "checkpoint": m.step})
+                  model=ModelClaim(id="m", step=m.step, checkpoint=m.step))
     assert core.checkpoints["m"] == m.step
 
 
@@ -217,7 +217,7 @@ def test_a_run_that_is_not_done_says_what_it_waits_for(tmp_path):
         if m.id == "m0":
             core.checkpoint(d, m.step, 3.0, model="m0")
     core.register(role="drafter", name="drafter-m1", pid=9, host="h", gpu=None, now=3.0,
-                  model={"id": "m1", "step": models[1].step, "checkpoint": models[1].step})
+                  model=ModelClaim(id="m1", step=models[1].step, checkpoint=models[1].step))
     assert core.done and "waiting_for" not in build_snapshot(core, 3.0)
 
 
@@ -235,10 +235,11 @@ def test_a_commit_whose_answer_was_lost_is_applied_when_the_ledger_holds_it(tmp_
     m.step, m.trained = m.step - 1, m.trained[:-len(last[1])]  # it never heard the answer: not applied
     resumed = restart(core, tmp_path, lengths=lengths, epochs=1)
     stale = resumed.register(role="drafter", name="other", pid=8, host="h", gpu=None, now=0.0,
-                             model={"id": "m1", "step": 0, "pending": {"step": 1, "job_ids": [1]}})
+                             model=ModelClaim(id="m1", step=0, pending=PendingCommit(step=1, job_ids=[1])))
     assert not stale.pending_committed
     w = resumed.register(role="drafter", name="drafter-m0", pid=9, host="h", gpu=None, now=0.0,
-                         model={"id": "m0", "step": m.step, "pending": {"step": last[0], "job_ids": list(last[1])}})
+                         model=ModelClaim(id="m0", step=m.step,
+                                                       pending=PendingCommit(step=last[0], job_ids=list(last[1]))))
     assert w.pending_committed and resumed.ledger.model_step["m0"] == last[0]
     assert not [e for e in read_journal(tmp_path) if e["ev"] == "rollback" and e["jobs"]]
 

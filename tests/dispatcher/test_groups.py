@@ -8,14 +8,14 @@ import pytest
 from core_harness import make_core, register
 from dispatcher.groups import GroupChanged
 from dispatcher.journal import read_journal
-from common.wire.protocol import ProtocolError
+from common.wire.messages import GroupClaim, ModelClaim, ProtocolError
 from dispatcher.ledger import JobState, LedgerError
 
 
 def _rank(core, name, *, step=0, size=2, min_ranks=1, max_ranks=0, now=0.0, **store):
     return core.register(role="drafter", name=name, pid=2000 + len(core.workers), host="h", gpu=None, now=now,
-                         model={"id": "m", "step": step,
-                                "group": {"size": size, "min_ranks": min_ranks, "max_ranks": max_ranks, **store}})
+                         model=ModelClaim(id="m", step=step,
+                                          group=GroupClaim(size=size, min_ranks=min_ranks, max_ranks=max_ranks, **store)))
 
 
 def _join(core, worker, *, after=0, step=0, failed=False, now=1.0):

@@ -7,6 +7,7 @@ import random
 from collections import Counter
 
 import pytest
+from common.wire.messages import ModelClaim
 from core_harness import Sim, make_core, small_lengths
 
 from dispatcher.nodes import format_nodes, node_summary
@@ -81,7 +82,7 @@ def _two_node_run(run_dir, *, drafter_nodes: list[str], target_nodes: list[str])
         targets.append(t)
     for i, node in enumerate(drafter_nodes):
         drafters.append(core.register(role="drafter", name=f"d{i}", pid=200 + i, host="h", gpu=None, now=0.0,
-                                      node=node, model={"id": f"m{i}", "step": 0}).id)
+                                      node=node, model=ModelClaim(id=f"m{i}", step=0)).id)
     random.Random(0).shuffle(drafters)
     sim = Sim(core, targets, drafters)
     sim.run()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from common.wire.messages import GroupClaim, ModelClaim
 from core_harness import make_core, register
 
 from dispatcher.core_types import STEP_FULL
@@ -53,7 +54,7 @@ def test_a_rank_has_its_share_once_one_more_job_would_overshoot_an_even_split():
 
 def _rank(core, name, *, balance="cost"):
     return core.register(role="drafter", name=name, pid=3000 + len(core.workers), host="h", gpu=None, now=0.0,
-                         model={"id": "m", "step": 0, "group": {"size": 2, "balance": balance, "accum_steps": 3}})
+                         model=ModelClaim(id="m", step=0, group=GroupClaim(size=2, balance=balance, accum_steps=3)))
 
 
 def _two_rank_group(tmp_path, balance):
@@ -114,4 +115,4 @@ def test_a_group_spec_with_a_bad_balance_is_refused(tmp_path):
     core = make_core(tmp_path)
     with pytest.raises(LedgerError, match="balance cost or count"):
         core.register(role="drafter", name="x", pid=1, host="h", gpu=None, now=0.0,
-                      model={"id": "m", "step": 0, "group": {"size": 2, "balance": "speed"}})
+                      model=ModelClaim(id="m", step=0, group=GroupClaim(size=2, balance="speed")))

@@ -3,12 +3,13 @@ snapshot, journaled with the step they are of."""
 
 from __future__ import annotations
 
+import msgpack
 import pytest
 
-from common.wire.protocol import ProtocolError
+from common.wire import messages
+from common.wire.messages import MAX_STEP_METRICS, ErrorCode, ProtocolError
 from core_harness import make_core, register
 from dispatcher.journal import read_journal
-from dispatcher.request_fields import MAX_STEP_METRICS, step_metrics
 from dispatcher.snapshot import build_snapshot
 from ops.stats_view import step_metric_lines
 
@@ -52,8 +53,12 @@ def test_step_figures_are_journaled_with_their_step_and_replayed_past(tmp_path):
 
 
 def test_metrics_field_is_checked():
+    def step_metrics(value):  # as the dispatcher decodes a checkpoint report's
+        return messages.decode_request(msgpack.packb({"v": messages.PROTOCOL_VERSION, "op": "checkpoint",
+                                                      "model": "m", "step": 1, "metrics": value})).metrics
     assert step_metrics(None) is None
     assert step_metrics({"loss": 1, "lr": 1e-3}) == {"loss": 1.0, "lr": 1e-3}
     for bad in ([1.0], {"loss": "low"}, {"ok": True}, {f"m{i}": 0.0 for i in range(MAX_STEP_METRICS + 1)}):
-        with pytest.raises(ProtocolError):
+        with pytest.raises(ProtocolError) as refused:
             step_metrics(bad)
+        assert refused.value.code == ErrorCode.MALFORMED and "$.metrics" in refused.value.message

@@ -54,9 +54,9 @@ def test_a_refused_peer_mapping_gives_the_job_back_and_ends_the_drafter(tmp_path
     thread.join(30)
     assert not thread.is_alive(), "the drafter kept going after a peer mapping failed"
     assert len(raised) == 1 and isinstance(raised[0], WorkerUnusable) and "pool.transport=shm" in str(raised[0])
-    assert [e.fields["job_id"] for e in fake.ops("read_failed")] == [2]
-    assert "peer access" in fake.ops("read_failed")[0].fields["reason"]
-    assert [e.fields["job_id"] for e in fake.ops("consumed")] == [1]
+    assert [e.request.job_id for e in fake.ops("read_failed")] == [2]
+    assert "peer access" in fake.ops("read_failed")[0].request.reason
+    assert [e.request.job_id for e in fake.ops("consumed")] == [1]
 
 
 def test_an_unusable_worker_exits_with_the_code_launch_does_not_restart(monkeypatch, capsys):
