@@ -495,8 +495,9 @@ class DispatcherServer:
                        self._error(waiter.request_id, ErrorCode.UNKNOWN_WORKER, "the dispatcher is stopping"))
         self.waiters = []
         if self.journal.failed is None:
-            self.journal.record("stop", done=self.core.done, peak_slots=self.core.pool.peak_in_use,
-                                slot_bytes=self.data_plane.describe_dict()["slot_bytes"])
+            from dispatcher.journal_events import DispatcherStopped
+            self.journal.record(DispatcherStopped(done=self.core.done, peak_slots=self.core.pool.peak_in_use,
+                                                  slot_bytes=self.data_plane.describe_dict()["slot_bytes"]))
         self.journal.close()  # its last fsync makes every held commit durable
         if self.journal.failed is None:
             self._release_durable_replies()

@@ -13,6 +13,7 @@ from core_harness import (Model, ModelSim, all_job_ids, make_core, register, reg
                           witness_counts)
 from dispatcher.core_types import DONE, UnknownWorker
 from dispatcher.journal import read_journal
+from dispatcher.journal_events import Checkpointed, ModelRolledBack, StepCommitted
 from dispatcher.ledger import JobState, LedgerError, make_job_id
 
 
@@ -40,7 +41,7 @@ def test_dispatcher_restart_while_drafters_keep_running(tmp_path):
     assert resumed.ledger.epochs[0].committed == sum(len(m.trained) for m in models)   # nothing reverted
     sim2 = ModelSim(resumed, register(resumed, "target", 2), register_models(resumed, models), every=3)
     sim2.run()
-    assert not [e for e in read_journal(tmp_path) if e["ev"] == "rollback" and e["jobs"]]
+    assert not [e for e in read_journal(tmp_path, only=(ModelRolledBack,)) if e.jobs]
     assert_exactly_once(resumed, models)
 
 
@@ -158,7 +159,7 @@ def test_a_checkpoint_said_at_register_ends_a_run_whose_report_was_lost(tmp_path
         resumed.register(role="drafter", name=f"drafter-{m.id}", pid=3000 + i, host="h", gpu=None, now=0.0,
                          model={"id": m.id, "step": m.step, "checkpoint": m.ckpt_step})
     assert resumed.done
-    assert [e["via"] for e in read_journal(tmp_path) if e["ev"] == "checkpoint"] == ["register", "register"]
+    assert [e.via for e in read_journal(tmp_path, only=(Checkpointed,))] == ["register", "register"]
     assert_exactly_once(resumed, models)
 
 
@@ -240,7 +241,7 @@ def test_a_commit_whose_answer_was_lost_is_applied_when_the_ledger_holds_it(tmp_
     w = resumed.register(role="drafter", name="drafter-m0", pid=9, host="h", gpu=None, now=0.0,
                          model={"id": "m0", "step": m.step, "pending": {"step": last[0], "job_ids": list(last[1])}})
     assert w.pending_committed and resumed.ledger.model_step["m0"] == last[0]
-    assert not [e for e in read_journal(tmp_path) if e["ev"] == "rollback" and e["jobs"]]
+    assert not [e for e in read_journal(tmp_path, only=(ModelRolledBack,)) if e.jobs]
 
 
 def test_a_segment_archived_without_its_snapshot_is_never_overwritten(tmp_path):
@@ -258,12 +259,13 @@ def test_a_segment_archived_without_its_snapshot_is_never_overwritten(tmp_path):
     sim.run(until=lambda s: m.step >= 4)
     core.journal.rotate(core.store._segment + 1)        # segment 1 archived; its snapshot never published
     sim.run(until=lambda s: m.step >= 5)
-    committed = [e["step"] for e in read_journal(tmp_path) if e["ev"] == "commit"]
+    committed = [e.step for e in read_journal(tmp_path, only=(StepCommitted,))]
     resumed = restart(core, tmp_path, lengths=lengths)
     sim2 = ModelSim(resumed, register(resumed, "target", 1), register_models(resumed, [m]), every=0)
     sim2.run(until=lambda s: m.step >= 6)
     assert resumed.maybe_snapshot(force=True)
     resumed.store.wait_for_snapshot()
-    assert [e["step"] for e in read_journal(tmp_path) if e["ev"] == "commit"][:len(committed)] == committed
+    assert [e.step for e in read_journal(tmp_path, only=(StepCommitted,))][:len(committed)] == committed
     again = restart(resumed, tmp_path, lengths=lengths)
     assert again.ledger.model_step["m0"] == m.step == 6
+
