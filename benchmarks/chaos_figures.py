@@ -20,10 +20,11 @@ from benchmarks.chaos_plan import ATTACH, DETACH, KILL, ROLES
 from common.wire.client import run_id_for
 from common.dataplane.shm_segment import ShmSegment, list_segments
 from dispatcher.journal import read_journal
+from dispatcher.journal_events import Event, MembershipOpened, ModelRolledBack, StepCommitted
 from ops.report import build_report
 
 
-def rollbacks_from_journal(events: Iterable[dict]) -> dict[str, int]:
+def rollbacks_from_journal(events: Iterable[Event]) -> dict[str, int]:
     """Committed steps the ledger rolled back, per cause, from a journal's ``commit`` and ``rollback``
     records. A rollback takes a model from its latest committed step back to the record's step.
 
@@ -35,18 +36,17 @@ def rollbacks_from_journal(events: Iterable[dict]) -> dict[str, int]:
     regrouped: set[str] = set()
     rolled: Counter = Counter()
     for e in events:
-        kind = e["ev"]
-        if kind == "commit":
-            model = e.get("model", e.get("w", ""))
-            latest[model] = max(latest.get(model, 0), e["step"])
+        if isinstance(e, StepCommitted):
+            model = e.model or e.w
+            latest[model] = max(latest.get(model, 0), e.step)
             regrouped.discard(model)
-        elif kind == "membership":
-            regrouped.add(e["model"])
-        elif kind == "rollback":
-            model, step = e["model"], e["step"]
+        elif isinstance(e, MembershipOpened):
+            regrouped.add(e.model)
+        elif isinstance(e, ModelRolledBack):
+            model, step = e.model, e.step
             lost = latest.get(model, 0) - step
             if lost > 0:
-                rolled[e.get("cause") or ("membership" if model in regrouped else "restart")] += lost
+                rolled[e.cause or ("membership" if model in regrouped else "restart")] += lost
             latest[model] = min(latest.get(model, 0), step)
     return dict(rolled)
 
@@ -73,11 +73,11 @@ def joiner_starts(logs_dir: Path) -> dict[str, dict[str, float]]:
             for name, v in (("register_s", register), ("first_step_s", first_step)) if v}
 
 
-def steps_in(events: Iterable[dict], start: float | None, end: float | None) -> int:
+def steps_in(events: Iterable[Event], start: float | None, end: float | None) -> int:
     """Commit records journaled between ``start`` and ``end`` (wall clock; an open end: to the last)."""
     if start is None:
         return 0
-    return sum(1 for e in events if e["ev"] == "commit" and start <= e["t"] and (end is None or e["t"] <= end))
+    return sum(1 for e in events if isinstance(e, StepCommitted) and start <= e.t and (end is None or e.t <= end))
 
 
 def figures(supervisor, run_dir: Path, finished: bool) -> tuple[dict[str, Any], list[ShmSegment], list[int]]:

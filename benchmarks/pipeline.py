@@ -41,6 +41,7 @@ from common.wire.client import run_id_for
 from common.run.config import ConfigError, load_config
 from common.dataplane.shm_segment import sweep_dead_segments
 from dispatcher.journal import read_journal
+from dispatcher.journal_events import Event
 from ops.report import build_report
 
 POLICIES: dict[str, tuple[str, ...]] = {
@@ -169,7 +170,7 @@ def run_pipeline_bench(*, topology: str, samples: int, epochs: int, seed: int, a
     else:
         base_dir = Path(tempfile.mkdtemp(prefix="hsd-bench-pipeline-"))
     result: dict[str, Any] = {"setup": {**asdict(setup), "overrides": list(overrides)}}
-    events: dict[str, list[dict]] = {}
+    events: dict[str, list[Event]] = {}
     # A stopped bench stops the launch it is running (run_policy's cleanup), never leaves it behind.
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:

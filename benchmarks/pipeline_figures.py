@@ -22,6 +22,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from dispatcher.journal_events import DispatcherStopped, Event, JobConsumed, JobReady, StepCommitted, WorkerJoined
 from dispatcher.ledger import split_job_id
 
 STAGES = ("target", "drafter")
@@ -39,22 +40,22 @@ def _overlap(interval: Interval, lo: float, hi: float) -> float:
     return max(0.0, min(interval.end, hi) - max(interval.start, lo))
 
 
-def busy_intervals(events: list[dict]) -> dict[str, list[Interval]]:
+def busy_intervals(events: list[Event]) -> dict[str, list[Interval]]:
     """Per stage, what each worker was busy with and when (see the module docstring). A worker
     does one job at a time, so its intervals never overlap: a target's is cut to start after its
     previous one ended (its end, the ``ready`` event, is exact), and a drafter's — whose start is
     only estimated, each job taking the step's average — starts once its previous one ended.
     Overlapping estimates would count a worker busy twice over and a stage more than busy."""
-    consumed = {e["job"]: (e["t"], e.get("w")) for e in events if e["ev"] == "consumed"}
+    consumed = {e.job: (e.t, e.w) for e in events if isinstance(e, JobConsumed)}
     out: dict[str, list[Interval]] = {"target": [], "drafter": []}
     for e in events:
-        if e["ev"] == "ready":
-            out["target"].append(Interval(e["w"], e["t"] - e.get("busy_s", 0.0), e["t"], e.get("tokens", 0)))
-        elif e["ev"] == "commit" and e["jobs"]:
-            share_s, share_tokens = e.get("busy_s", 0.0) / len(e["jobs"]), e.get("tokens", 0) / len(e["jobs"])
-            for job in e["jobs"]:  # the rank that read it (a group's rank 0 commits every rank's jobs)
-                start, worker = consumed.get(job, (e["t"] - share_s, e["w"]))
-                out["drafter"].append(Interval(worker or e["w"], start, start + share_s, share_tokens))
+        if isinstance(e, JobReady):
+            out["target"].append(Interval(e.w, e.t - e.busy_s, e.t, e.tokens))
+        elif isinstance(e, StepCommitted) and e.jobs:
+            share_s, share_tokens = e.busy_s / len(e.jobs), e.tokens / len(e.jobs)
+            for job in e.jobs:  # the rank that read it (a group's rank 0 commits every rank's jobs)
+                start, worker = consumed.get(job, (e.t - share_s, e.w))
+                out["drafter"].append(Interval(worker or e.w, start, start + share_s, share_tokens))
     return {"target": _one_at_a_time(out["target"], keep="end"), "drafter": _one_at_a_time(out["drafter"], keep="length")}
 
 
@@ -76,12 +77,12 @@ def _one_at_a_time(intervals: list[Interval], *, keep: str) -> list[Interval]:
     return out
 
 
-def measurement_window(events: list[dict]) -> tuple[float, float]:
+def measurement_window(events: list[Event]) -> tuple[float, float]:
     first_join: dict[str, float] = {}
     for e in events:
-        if e["ev"] == "join":
-            first_join.setdefault(e["w"], e["t"])
-    commits = [e["t"] for e in events if e["ev"] == "commit"]
+        if isinstance(e, WorkerJoined):
+            first_join.setdefault(e.w, e.t)
+    commits = [e.t for e in events if isinstance(e, StepCommitted)]
     if not first_join or not commits:
         raise ValueError("the journal holds no worker or no commit: the run did not train")
     return max(first_join.values()), max(commits)
@@ -100,16 +101,16 @@ def utilization_timeline(intervals: Iterable[Interval], num_workers: int, lo: fl
     return edges[:len(busy)] - lo, busy / (bin_s * max(num_workers, 1))
 
 
-def consumed_mix(events: list[dict], num_buckets: int, num_windows: int) -> np.ndarray:
+def consumed_mix(events: list[Event], num_buckets: int, num_windows: int) -> np.ndarray:
     """[windows, buckets]: the bucket shares of the consumed stream in consecutive equal windows."""
-    stream = [e["bucket"] for e in events if e["ev"] == "consumed"]
+    stream = [e.bucket for e in events if isinstance(e, JobConsumed)]
     if not stream:
         return np.zeros((0, num_buckets))
     windows = np.array_split(np.asarray(stream), min(num_windows, len(stream)))
     return np.stack([np.bincount(w, minlength=num_buckets)[:num_buckets] / len(w) for w in windows])
 
 
-def pipeline_figures(events: list[dict], report: dict[str, Any], *, num_targets: int, num_drafters: int) -> dict:
+def pipeline_figures(events: list[Event], report: dict[str, Any], *, num_targets: int, num_drafters: int) -> dict:
     lo, hi = measurement_window(events)
     window_s = max(hi - lo, 1e-9)
     intervals = busy_intervals(events)
@@ -138,9 +139,9 @@ def pipeline_figures(events: list[dict], report: dict[str, Any], *, num_targets:
     last_end = max(last_by_target.values(), default=lo)
     tail_idle = sum(last_end - t for t in last_by_target.values()) / (num_targets * window_s)
     drain_idle = (hi - last_end) / window_s
-    stop = next((e for e in reversed(events) if e["ev"] == "stop"), {})
-    last_ready = max((e["t"] for e in events if e["ev"] == "ready"), default=lo)
-    first_consumed = min((e["t"] for e in events if e["ev"] == "consumed"), default=lo)
+    stop = next((e for e in reversed(events) if isinstance(e, DispatcherStopped)), DispatcherStopped())
+    last_ready = max((e.t for e in events if isinstance(e, JobReady)), default=lo)
+    first_consumed = min((e.t for e in events if isinstance(e, JobConsumed)), default=lo)
     return {
         "efficiency": round(achieved / capacity[slower], 4) if capacity[slower] else 0.0,
         "drafter_wait": round(1 - busy_in_window["drafter"] / (num_drafters * window_s), 4),
@@ -149,7 +150,7 @@ def pipeline_figures(events: list[dict], report: dict[str, Any], *, num_targets:
         "tail_skew": report["tail_skew"]["consumed"],
         "step_mix": report["step_mix"],
         "buckets_per_step": report["mean_buckets_per_step"],
-        "peak_pool_bytes": int(stop.get("peak_slots", 0) * stop.get("slot_bytes", 0)),
+        "peak_pool_bytes": int(stop.peak_slots * stop.slot_bytes),
         # what explains the figures above
         "slower_stage": slower,
         "achieved_tokens_per_s": round(achieved, 1),
@@ -170,11 +171,11 @@ def pipeline_figures(events: list[dict], report: dict[str, Any], *, num_targets:
     }
 
 
-def target_queues(events: list[dict]) -> dict[str, Any]:
+def target_queues(events: list[Event]) -> dict[str, Any]:
     """Per-target assignment as the journal shows it: each target's queue and the job indices it extracted."""
-    queue = {e["w"]: e.get("queue") for e in events if e["ev"] == "join" and e["role"] == "target"}
+    queue = {e.w: e.queue for e in events if isinstance(e, WorkerJoined) and e.role == "target"}
     extracted: dict[str, list[int]] = defaultdict(list)
     for e in events:
-        if e["ev"] == "ready":
-            extracted[e["w"]].append(split_job_id(e["job"])[1])
+        if isinstance(e, JobReady):
+            extracted[e.w].append(split_job_id(e.job)[1])
     return {"queue": queue, "extracted": dict(extracted)}

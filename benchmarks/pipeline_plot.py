@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.pipeline_figures import busy_intervals, consumed_mix, measurement_window, utilization_timeline
+from dispatcher.journal_events import Event
 
 MIX_WINDOWS = 40      # windows of the consumed stream (each about 2.5 % of it)
 UTILIZATION_BIN_S = 2.0
@@ -27,7 +28,7 @@ def require_matplotlib() -> Any:
     return plt
 
 
-def write_plot(path: str | Path, events: dict[str, list[dict]], setup: Any, buckets: list[int]) -> Path:
+def write_plot(path: str | Path, events: dict[str, list[Event]], setup: Any, buckets: list[int]) -> Path:
     """``events``: each policy's journal; ``buckets``: the bucket max lengths (the legend)."""
     plt = require_matplotlib()
     names = list(events)

@@ -30,6 +30,7 @@ from typing import get_args
 
 from common.run.config import ConfigError, StepBalance, load_config
 from dispatcher.journal import read_journal
+from dispatcher.journal_events import StepCommitted
 from ops.report import build_report
 
 POLICIES = get_args(StepBalance)
@@ -54,12 +55,12 @@ def _run(policy: str, inputs: list[str], config_file: Path | None, run_dir: Path
     if code != 0:
         raise RuntimeError(f"the {policy}-balanced run failed (exit code {code}); logs in {run_dir / 'logs'}")
     report = build_report(run_dir)
-    commits = [e for e in read_journal(run_dir) if e["ev"] == "commit" and e.get("rank_busy_s")]
-    jobs_per_rank = [n for e in commits for n in e.get("rank_jobs") or ()]
+    commits = [e for e in read_journal(run_dir, only=(StepCommitted,)) if e.rank_busy_s]
+    jobs_per_rank = [n for e in commits for n in e.rank_jobs]
     return {"step_balance": policy, "group_steps": report.get("group_steps", 0),
             "allreduce_wait_share": report.get("allreduce_wait_share", 0.0),
             "rank_wait_share": report.get("rank_wait_share", 0.0),
-            "median_step_ms": round(1000 * statistics.median(e["step_s"] for e in commits), 1) if commits else 0.0,
+            "median_step_ms": round(1000 * statistics.median(e.step_s for e in commits), 1) if commits else 0.0,
             "jobs_per_rank_range": [min(jobs_per_rank), max(jobs_per_rank)] if jobs_per_rank else [0, 0],
             "witness_duplicates": report["witness_duplicates"], "witness_missing": report["witness_missing"],
             "wall_s": round(wall_s, 1)}

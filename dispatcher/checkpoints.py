@@ -15,6 +15,7 @@ from pathlib import Path
 
 from common.run.witness import latest_checkpoint, model_dir
 from dispatcher.journal import Journal
+from dispatcher.journal_events import Checkpointed
 
 log = logging.getLogger("hsd.dispatcher")
 
@@ -54,5 +55,5 @@ class KnownCheckpoints(dict):
             log.warning("model %s: no checkpoint of step %d in %s (%s): not counted", model, step, self.run_dir, via)
             return
         self[model] = step
-        self.journal.record("checkpoint", durable=True, model=model, step=step, w=worker_id, via=via)
+        self.journal.record(Checkpointed(model=model, step=step, w=worker_id, via=via), durable=True)
         log.info("model %s: checkpoint at step %d known (%s)", model, step, via)

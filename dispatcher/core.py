@@ -33,6 +33,8 @@ from dispatcher.group_ops import GroupOps
 from dispatcher.groups import DrafterGroups, Membership
 from dispatcher.job_ops import JobOps
 from dispatcher.journal import Journal
+from dispatcher.journal_events import (Checkpointed, DispatcherStarted, ModelRolledBack, StepCommitted, WorkerJoined,
+                                       WorkerLeft)
 from dispatcher.ledger import Job, JobLedger, LedgerError
 from dispatcher.model_ops import ModelOps
 from dispatcher.pool import HSPool
@@ -88,16 +90,16 @@ class DispatcherCore:
                 self.checkpoints[model] = record.checkpoint
         self.store.restore(recovered)
         for event in recovered.events:
-            kind = event["ev"]
-            if kind == "commit":
-                self.ledger.restore_commit(event["model"], event["step"], event["jobs"])
-            elif kind == "rollback":  # as the live path (_rollback): the known checkpoint never past the step
-                self.ledger.rollback(event["model"], event["step"])
-                self.checkpoints.lower_to(event["model"], event["step"])
-            elif kind == "checkpoint":
-                self.checkpoints[event["model"]] = max(self.checkpoints.get(event["model"], 0), event["step"])
-        self.journal.record("start", durable=True, resumed=bool(recovered.epochs_started),
-                            committed=sum(p.committed for p in self.ledger.epochs.values()))
+            if isinstance(event, StepCommitted):
+                self.ledger.restore_commit(event.model, event.step, event.jobs)
+            elif isinstance(event, ModelRolledBack):  # as the live path: the known checkpoint never past the step
+                self.ledger.rollback(event.model, event.step)
+                self.checkpoints.lower_to(event.model, event.step)
+            elif isinstance(event, Checkpointed):
+                self.checkpoints[event.model] = max(self.checkpoints.get(event.model, 0), event.step)
+        self.journal.record(DispatcherStarted(resumed=bool(recovered.epochs_started),
+                                              committed=sum(p.committed for p in self.ledger.epochs.values())),
+                            durable=True)
         self.store.settle(recovered)
 
     @property
@@ -171,11 +173,10 @@ class DispatcherCore:
             except ValueError as exc:
                 raise LedgerError(str(exc)) from None
         self.workers[worker_id] = worker
-        extra = {}
         if role == "target" and self.options.num_target_queues:
             worker.queue = self.registry.free_queue(self.options.num_target_queues)
-            extra["queue"] = worker.queue
-        self.journal.record("join", w=worker_id, role=role, name=name, pid=pid, host=host, node=worker.node, **extra)
+        self.journal.record(WorkerJoined(w=worker_id, role=role, name=name, pid=pid, host=host, node=worker.node,
+                                         queue=worker.queue))
         if spec is not None:  # a rank's step matters only once a version names it (dispatcher/group_ops.py)
             self.group_ops.maybe_open(self.groups.groups[model_id], now)
         elif model_id is not None:
@@ -212,7 +213,7 @@ class DispatcherCore:
         self.registry.end_wait(worker, now)
         self.jobs.end_session(worker, reason)
         del self.workers[worker_id]
-        self.journal.record("leave", w=worker_id, reason=reason)
+        self.journal.record(WorkerLeft(w=worker_id, reason=reason))
         if worker.model is not None:
             self.group_ops.rank_left(worker_id, now)
 

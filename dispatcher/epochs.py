@@ -23,6 +23,7 @@ import numpy as np
 
 from common.run.durable import atomic_write
 from dispatcher.journal import Journal, last_segment_number
+from dispatcher.journal_events import EpochStarted
 from dispatcher.ledger import JobLedger
 from dispatcher.recovery import ModelRecord, Recovered, Snapshot, SnapshotWriter, map_arrays
 from dispatcher.schedule import EpochSchedule, load_schedule
@@ -117,8 +118,8 @@ class EpochStore:
         schedule = load_schedule(self.run_dir, epoch)
         assert schedule is not None, "the builder wrote it"
         self._add(schedule)
-        self.journal.record("epoch", durable=True, epoch=epoch, jobs=schedule.num_jobs,
-                            buckets=[b.num_batches for b in schedule.buckets])
+        self.journal.record(EpochStarted(epoch=epoch, jobs=schedule.num_jobs,
+                                         buckets=[b.num_batches for b in schedule.buckets]), durable=True)
         self._request_next_build()
 
     def _request_next_build(self) -> None:

@@ -17,6 +17,7 @@ from dispatcher.checkpoints import KnownCheckpoints
 from dispatcher.groups import DrafterGroup, DrafterGroups, GroupSpec, Membership
 from dispatcher.job_ops import JobOps
 from dispatcher.journal import Journal
+from dispatcher.journal_events import MembershipOpened
 from dispatcher.ledger import JobLedger, LedgerError
 from dispatcher.model_ops import ModelOps
 from dispatcher.registry import WorkerRegistry
@@ -116,8 +117,8 @@ class GroupOps:
         transfer = next(iter(group.memberships.values())).transfer
         log.info("model %s: membership %d opens at step %d with %d rank(s) %s%s", group.model, group.version,
                  group.step, len(ranks), ranks, " (the state goes out from rank 0)" if transfer else "")
-        self.journal.record("membership", model=group.model, version=group.version, step=group.step,
-                            ranks=list(group.members), transfer=transfer)
+        self.journal.record(MembershipOpened(model=group.model, version=group.version, step=group.step,
+                                             ranks=list(group.members), transfer=transfer))
 
     def rank_left(self, worker_id: str, now: float) -> None:
         """A rank deregistered or died: when it was a member its version ends, and the next one opens

@@ -17,6 +17,7 @@ from dispatcher.core_types import CoreOptions, Counters, JobGrant, Worker
 from dispatcher.epochs import EpochStore
 from dispatcher.groups import DrafterGroup
 from dispatcher.journal import Journal
+from dispatcher.journal_events import JobConsumed, JobGivenBack, JobReady
 from dispatcher.ledger import Job, JobLedger, JobState, LedgerError, split_job_id
 from dispatcher.pool import HSPool
 from dispatcher.registry import WorkerRegistry
@@ -82,7 +83,7 @@ class JobOps:
             else:  # the slot's memory went with its owner: extract the job again
                 self.ledger.drop_ready(job)
         self.counters.given_back[reason.split(":")[0]] += 1
-        self.journal.record("give_back", job=job.job_id, was=previous.value, reason=reason, w=holder)
+        self.journal.record(JobGivenBack(job=job.job_id, was=previous.value, reason=reason, w=holder))
 
     def give_back_unlisted(self, worker_id: str, holding: list[int], seen_grant: int) -> None:
         """A job the ledger says the worker holds, granted no later than ``seen_grant``, but not in
@@ -149,7 +150,7 @@ class JobOps:
         num_tokens = self.num_tokens(job)
         worker.num_tokens += num_tokens
         worker.num_jobs += 1
-        self.journal.record("ready", job=job_id, w=worker.id, tokens=num_tokens, busy_s=round(busy_s, 6))
+        self.journal.record(JobReady(job=job_id, w=worker.id, tokens=num_tokens, busy_s=round(busy_s, 6)))
 
     def job_failed(self, worker_id: str, job_id: int, reason: str) -> None:
         job = self.ledger.jobs.get(job_id)
@@ -159,8 +160,8 @@ class JobOps:
         self.ledger.give_back(job)
         self.pool.abort_write(slot_id)  # the writer says it stopped writing
         self.counters.given_back["target_failed"] += 1
-        self.journal.record("give_back", job=job_id, was="extracting", reason=f"target_failed: {reason}"[:200],
-                            w=worker_id)
+        self.journal.record(JobGivenBack(job=job_id, was="extracting", reason=f"target_failed: {reason}"[:200],
+                                         w=worker_id))
 
     # -- drafters -----------------------------------------------------------------------------------
     def serving_epoch(self) -> tuple[int, bool] | None:
@@ -223,9 +224,9 @@ class JobOps:
         slot_id = job.slot if job is not None else None
         self.ledger.mark_consumed(job_id, worker.id)
         slot = self.pool.slots.get(slot_id)
-        remote = {"remote": 1} if slot is not None and slot.node not in (None, worker.node) else {}
+        remote = 1 if slot is not None and slot.node not in (None, worker.node) else 0
         self.pool.release(slot_id)
-        self.journal.record("consumed", job=job_id, w=worker.id, bucket=job.bucket, **remote)
+        self.journal.record(JobConsumed(job=job_id, w=worker.id, bucket=job.bucket, remote=remote))
 
     def read_failed(self, worker_id: str, job_id: int, reason: str) -> None:
         """The drafter found the slot stale: its data cannot be trusted, so the job is extracted again."""
@@ -236,4 +237,5 @@ class JobOps:
         self.ledger.drop_ready(job)
         self.pool.discard_ready(slot_id)
         self.counters.given_back["read_failed"] += 1
-        self.journal.record("give_back", job=job_id, was="training", reason=f"read_failed: {reason}"[:200], w=worker_id)
+        self.journal.record(JobGivenBack(job=job_id, was="training", reason=f"read_failed: {reason}"[:200],
+                                         w=worker_id))

@@ -16,6 +16,7 @@ from dispatcher.epochs import EpochStore
 from dispatcher.groups import DrafterGroup
 from dispatcher.job_ops import JobOps
 from dispatcher.journal import Journal
+from dispatcher.journal_events import Checkpointed, EpochCommitted, ModelRolledBack, StepCommitted
 from dispatcher.ledger import JobLedger, JobState, LedgerError
 from dispatcher.recovery import ModelRecord
 from dispatcher.registry import WorkerRegistry
@@ -53,7 +54,7 @@ class ModelOps:
         self.checkpoints.lower_to(model, step)
         # Every rollback is a restart from a checkpoint: a lone drafter's, or a group's none of whose
         # live ranks held the committed step (a membership change itself never rolls back).
-        self.journal.record("rollback", durable=True, model=model, step=step, jobs=len(reverted), cause="restart")
+        self.journal.record(ModelRolledBack(model=model, step=step, jobs=len(reverted), cause="restart"), durable=True)
         if reverted:
             log.info("model %s registered at step %d: %d job(s) committed after it go back to pending",
                      model, step, len(reverted))
@@ -87,16 +88,18 @@ class ModelOps:
                     self.jobs.give_back(job, "step_refused")
             raise
         num_tokens = sum(self.jobs.num_tokens(j) for j in jobs)
-        self.journal.record("commit", durable=True, model=model, step=step, jobs=list(job_ids), w=worker.id,
-                            buckets=sorted({j.bucket for j in jobs}), avail=stepper.window_avail,
-                            mixed=stepper.window_mixed, tokens=num_tokens, busy_s=round(busy_s, 6), verified=verified,
-                            **({"metrics": {**metrics, "step": int(metrics["step"])}} if metrics and "step" in metrics
-                               else {}),  # the figures of that step (the drafter's previous one)
-                            **({"membership": group.version, "sync_wait_s": round(sync_wait_s, 6),
-                                "step_s": round(step_s, 6),
-                                **({"rank_jobs": list(rank_jobs), "rank_busy_s": [round(b, 6) for b in rank_busy_s]}
-                                   if rank_busy_s and rank_jobs else {})}
-                               if group else {}))
+        record = StepCommitted(model=model, step=step, jobs=list(job_ids), w=worker.id,
+                               buckets=sorted({j.bucket for j in jobs}), avail=stepper.window_avail,
+                               mixed=stepper.window_mixed, tokens=num_tokens, busy_s=round(busy_s, 6),
+                               verified=verified)
+        if metrics and "step" in metrics:  # the figures of that step (the drafter's previous one)
+            record.metrics = {**metrics, "step": int(metrics["step"])}
+        if group:
+            record.membership = group.version
+            record.sync_wait_s, record.step_s = round(sync_wait_s, 6), round(step_s, 6)
+            if rank_busy_s and rank_jobs:
+                record.rank_jobs, record.rank_busy_s = list(rank_jobs), [round(b, 6) for b in rank_busy_s]
+        self.journal.record(record, durable=True)
         stepper.window_avail, stepper.window_mixed = None, True
         if metrics:
             worker.metrics = {k: v for k, v in metrics.items() if k != "step"}
@@ -104,7 +107,7 @@ class ModelOps:
         worker.num_tokens += num_tokens
         for epoch in sorted({j.epoch for j in jobs}):
             if self.ledger.epoch_complete(epoch):
-                self.journal.record("epoch_committed", durable=True, epoch=epoch)
+                self.journal.record(EpochCommitted(epoch=epoch), durable=True)
                 self.store.finish_if_complete(epoch)
         return step, True
 
@@ -116,8 +119,8 @@ class ModelOps:
         if step > held:
             raise LedgerError(f"model {model}: checkpoint of step {step} is ahead of the ledger's {held}")
         self.checkpoints[model] = max(self.checkpoints.get(model, 0), step)
-        self.journal.record("checkpoint", durable=True, model=model, step=step, w=worker.id,
-                            **({"metrics": {**metrics, "step": step}} if metrics else {}))
+        self.journal.record(Checkpointed(model=model, step=step, w=worker.id,
+                                         metrics={**metrics, "step": step} if metrics else None), durable=True)
 
     def find_unreported_checkpoints(self) -> None:
         """Once every job is committed, a model whose known checkpoint lags its step and that no live

@@ -26,10 +26,12 @@ import numpy as np
 
 from common.run.durable import atomic_write
 from dispatcher.journal import read_journal
+from dispatcher.journal_events import Checkpointed, DispatcherStarted, EpochStarted, ModelRolledBack, StepCommitted
 
 SNAPSHOT_DIR = "snapshots"
 _SNAP = re.compile(r"^snap-(\d{6})$")
-RECOVERY_EVENTS = ("start", "epoch", "commit", "rollback", "checkpoint")
+RECOVERY_EVENTS = (DispatcherStarted, EpochStarted, StepCommitted, ModelRolledBack, Checkpointed)
+Replayed = StepCommitted | ModelRolledBack | Checkpointed
 
 
 @dataclass
@@ -68,7 +70,7 @@ class Recovered:
     snapshot_path: Path | None = None
     num_starts: int = 0
     epochs_started: list[int] = field(default_factory=list)
-    events: list[dict[str, Any]] = field(default_factory=list)  # commit / rollback / checkpoint after the snapshot
+    events: list[Replayed] = field(default_factory=list)  # the commits, rollbacks and checkpoints after the snapshot
 
 
 def snapshot_root(run_dir: str | os.PathLike) -> Path:
@@ -179,12 +181,11 @@ def recover(run_dir: str | os.PathLike) -> Recovered:
         out.num_starts = out.snapshot.num_starts
         out.epochs_started = list(out.snapshot.epochs_started)
     for event in read_journal(run_dir, after=after, only=RECOVERY_EVENTS):
-        kind = event["ev"]
-        if kind == "start":
+        if isinstance(event, DispatcherStarted):
             out.num_starts += 1
-        elif kind == "epoch":
-            if event["epoch"] not in out.epochs_started:
-                out.epochs_started.append(event["epoch"])
+        elif isinstance(event, EpochStarted):
+            if event.epoch not in out.epochs_started:
+                out.epochs_started.append(event.epoch)
         else:
             out.events.append(event)
     return out

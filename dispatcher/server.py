@@ -420,8 +420,9 @@ class DispatcherServer:
     def close(self) -> None:
         self.polls.close()
         if self.journal.failed is None:
-            self.journal.record("stop", done=self.core.done, peak_slots=self.core.pool.peak_in_use,
-                                slot_bytes=self.data_plane.describe_dict()["slot_bytes"])
+            from dispatcher.journal_events import DispatcherStopped
+            self.journal.record(DispatcherStopped(done=self.core.done, peak_slots=self.core.pool.peak_in_use,
+                                                  slot_bytes=self.data_plane.describe_dict()["slot_bytes"]))
         self.journal.close()  # its last fsync makes every held commit durable
         if self.journal.failed is None:
             self._release_durable_replies()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import statistics
 import time
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from common.run.config import ConfigError, load_config
 from dispatcher.journal import read_journal
+from dispatcher.journal_events import Checkpointed, StepCommitted
 from ops.configs import bundled_config
 
 log = logging.getLogger("hsd.demo")
@@ -62,10 +64,12 @@ def _step_figures(run_dir: Path) -> list[tuple[int, float, float]]:
     step's are there too); a step trained again after a resume keeps its last figures. The loss is
     rounded as the drafter's log line shows it."""
     steps: dict[int, tuple[float, float]] = {}
-    for event in read_journal(run_dir, only=("commit", "checkpoint")):
-        figures = event.get("metrics")
-        if event.get("model") == DRAFTER_NAME and figures and "loss" in figures and "tokens_per_s" in figures:
-            steps[int(figures["step"])] = (round(figures["loss"], 4), figures["tokens_per_s"])
+    for event in read_journal(run_dir, only=(StepCommitted, Checkpointed)):
+        figures = event.metrics
+        if event.model == DRAFTER_NAME and figures and "loss" in figures and "tokens_per_s" in figures:
+            # a figure that was not a number is journaled as null
+            loss, rate = (math.nan if v is None else v for v in (figures["loss"], figures["tokens_per_s"]))
+            steps[int(figures["step"])] = (round(loss, 4), rate)
     return [(step, *steps[step]) for step in sorted(steps)]
 
 

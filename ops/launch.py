@@ -25,6 +25,7 @@ from pathlib import Path
 from common.run.config import Config, write_resolved
 from common.worker.runtime import EXIT_UNUSABLE
 from dispatcher.journal import read_journal
+from dispatcher.journal_events import DispatcherStopped
 from dispatcher.rundir import STATE_FILE
 from ops.report import build_report, format_report
 
@@ -46,8 +47,8 @@ def die_with_parent() -> None:
 
 def _run_completed(run_dir: Path) -> bool:
     """Whether the dispatcher's last stop, as journaled, came after every epoch was committed."""
-    stops = [e for e in read_journal(run_dir) if e["ev"] == "stop"]
-    return bool(stops) and bool(stops[-1].get("done"))
+    stops = list(read_journal(run_dir, only=(DispatcherStopped,)))
+    return bool(stops) and stops[-1].done
 
 
 @dataclass

@@ -104,8 +104,8 @@ def measured_work(run_dir: str | os.PathLike) -> dict[str, dict[str, float]]:
     commits = [c for model_commits in run.commits.values() for c in model_commits]
     return {"target": {"tokens": float(run.tokens_target), "busy_s": run.busy_target,
                        "workers": len(run.worker_names["target"])},
-            "drafter": {"tokens": float(sum(c.get("tokens") or 0 for c in commits)),
-                        "busy_s": sum(c.get("busy_s") or 0.0 for c in commits),
+            "drafter": {"tokens": float(sum(c.tokens for c in commits)),
+                        "busy_s": sum(c.busy_s for c in commits),
                         "workers": len(run.worker_names["drafter"])}}
 
 

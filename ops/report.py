@@ -16,6 +16,9 @@ import numpy as np
 from common.run.witness import latest_checkpoint, list_models
 from dispatcher.fairness import prefix_deviation_array, tail_skew
 from dispatcher.journal import read_journal
+from dispatcher.journal_events import (DispatcherStarted, DispatcherStopped, EpochCommitted, EpochStarted, Event,
+                                       JobConsumed, JobGivenBack, JobReady, ModelRolledBack, StepCommitted,
+                                       WorkerJoined, WorkerLeft)
 from dispatcher.ledger import split_job_id
 from dispatcher.schedule import load_schedule
 
@@ -48,7 +51,7 @@ class _ReportPass:
         self.last_t = 0.0
         self.epoch_jobs: dict[int, int] = {}
         self.epochs_committed: set[int] = set()
-        self.commits: dict[str, list[dict]] = defaultdict(list)  # model -> its live commits, in order
+        self.commits: dict[str, list[StepCommitted]] = defaultdict(list)  # model -> its live commits, in order
         self.consumed_at: dict[int, np.ndarray] = {}  # epoch -> position of each job's last consumed event
         self.num_consumed = 0
         self.reads: Counter = Counter()  # "local" | "remote" -> slots read (nixl runs mark the remote ones)
@@ -61,48 +64,47 @@ class _ReportPass:
         self.num_starts = 0
         self.stopped_done = False
 
-    def add(self, e: dict) -> None:
-        kind, t = e["ev"], e["t"]
+    def add(self, e: Event) -> None:
+        t = e.t
         if self.first_t is None:
             self.first_t = t
         self.last_t = t
-        if kind == "commit":
-            self.commits[e.get("model", e.get("w", ""))].append(
-                {k: e.get(k) for k in ("step", "jobs", "buckets", "avail", "mixed", "tokens", "busy_s", "verified",
-                                    "membership", "sync_wait_s", "step_s", "rank_busy_s")})
-        elif kind == "rollback":
-            self.commits[e["model"]] = [c for c in self.commits[e["model"]] if c["step"] <= e["step"]]
-        elif kind == "consumed":
-            epoch, index = split_job_id(e["job"])
+        if isinstance(e, StepCommitted):
+            e.metrics = None  # not reported; the commits of a long run are many
+            self.commits[e.model or e.w].append(e)
+        elif isinstance(e, ModelRolledBack):
+            self.commits[e.model] = [c for c in self.commits[e.model] if c.step <= e.step]
+        elif isinstance(e, JobConsumed):
+            epoch, index = split_job_id(e.job)
             positions = self.consumed_at.get(epoch)
             if positions is not None and index < len(positions):
                 positions[index] = self.num_consumed
             self.num_consumed += 1
-            self.reads["remote" if e.get("remote") else "local"] += 1
-        elif kind == "ready":
-            self.busy_target += e.get("busy_s", 0.0)
-            self.tokens_target += e.get("tokens", 0)
-        elif kind == "epoch":
-            if e["epoch"] not in self.epoch_jobs:
-                self.epoch_jobs[e["epoch"]] = e["jobs"]
-                self.consumed_at[e["epoch"]] = np.full(e["jobs"], -1, dtype=np.int64)
-        elif kind == "epoch_committed":
-            self.epochs_committed.add(e["epoch"])
-        elif kind == "give_back":
-            self.given_back[e["reason"].split(":")[0]] += 1
-        elif kind == "join":
-            self.joined[e["w"]] = (e["role"], t)
-            self.worker_names[e["role"]].add(e.get("name") or e["w"])
-        elif kind == "leave" and e["w"] in self.joined:
-            role, since = self.joined.pop(e["w"])
+            self.reads["remote" if e.remote else "local"] += 1
+        elif isinstance(e, JobReady):
+            self.busy_target += e.busy_s
+            self.tokens_target += e.tokens
+        elif isinstance(e, EpochStarted):
+            if e.epoch not in self.epoch_jobs:
+                self.epoch_jobs[e.epoch] = e.jobs
+                self.consumed_at[e.epoch] = np.full(e.jobs, -1, dtype=np.int64)
+        elif isinstance(e, EpochCommitted):
+            self.epochs_committed.add(e.epoch)
+        elif isinstance(e, JobGivenBack):
+            self.given_back[e.reason.split(":")[0]] += 1
+        elif isinstance(e, WorkerJoined):
+            self.joined[e.w] = (e.role, t)
+            self.worker_names[e.role].add(e.name or e.w)
+        elif isinstance(e, WorkerLeft) and e.w in self.joined:
+            role, since = self.joined.pop(e.w)
             self.alive[role] += t - since
-        elif kind in ("start", "stop"):  # a dispatcher restart forgets every worker
+        elif isinstance(e, (DispatcherStarted, DispatcherStopped)):  # a dispatcher restart forgets every worker
             for role, since in self.joined.values():
                 self.alive[role] += t - since
             self.joined.clear()
-            if kind == "start":
+            if isinstance(e, DispatcherStarted):
                 self.num_starts += 1
-            elif e.get("done"):
+            elif e.done:
                 self.stopped_done = True
 
     def close(self) -> None:
@@ -132,11 +134,11 @@ def build_report(run_dir: str | os.PathLike) -> dict[str, Any]:
     schedules = {epoch: load_schedule(run_dir, epoch) for epoch in epochs}
     jobs_total = sum(s.num_jobs for s in schedules.values() if s is not None)
     commits = [c for model_commits in run.commits.values() for c in model_commits]
-    num_committed_entries = sum(len(c["jobs"]) for c in commits)
+    num_committed_entries = sum(len(c.jobs) for c in commits)
     committed_per_epoch: Counter = Counter()
     distinct: set[int] = set()
     for c in commits:
-        for job in c["jobs"]:
+        for job in c.jobs:
             if job not in distinct:
                 distinct.add(job)
                 committed_per_epoch[split_job_id(job)[0]] += 1
@@ -144,8 +146,8 @@ def build_report(run_dir: str | os.PathLike) -> dict[str, Any]:
     # step_mix: the step took a new bucket at every pull where an eligible new one was ready, i.e. it
     # covers min(accum, buckets available) with availability judged at each pull. The stricter
     # step_mix_at_open judges it once, when the step's window opened (other drafters may take those).
-    mixed = sum(1 for c in commits if c.get("mixed", True) is not False)
-    mixed_at_open = sum(1 for c in commits if len(c["buckets"]) >= min(len(c["jobs"]), c.get("avail") or 0))
+    mixed = sum(1 for c in commits if c.mixed)
+    mixed_at_open = sum(1 for c in commits if len(c.buckets) >= min(len(c.jobs), c.avail or 0))
 
     per_epoch = []
     for epoch, schedule in schedules.items():
@@ -164,8 +166,8 @@ def build_report(run_dir: str | os.PathLike) -> dict[str, Any]:
 
     wall_s = max(run.last_t - run.first_t, 1e-9)
     alive = dict(run.alive)
-    busy = {"target": run.busy_target, "drafter": sum(c.get("busy_s") or 0.0 for c in commits)}
-    tokens = {"target": run.tokens_target, "drafter": sum(c.get("tokens") or 0 for c in commits)}
+    busy = {"target": run.busy_target, "drafter": sum(c.busy_s for c in commits)}
+    tokens = {"target": run.tokens_target, "drafter": sum(c.tokens for c in commits)}
     stages = {}
     for stage in STAGES:
         capacity = tokens[stage] / busy[stage] * alive.get(stage, 0.0) / wall_s if busy[stage] else 0.0
@@ -188,12 +190,12 @@ def build_report(run_dir: str | os.PathLike) -> dict[str, Any]:
         # A finished run that misses a job lost it; an unfinished one has it still to do.
         "lost": jobs_total - len(distinct) if finished else 0,
         "uncommitted": jobs_total - len(distinct),
-        "slots_verified": sum(c.get("verified") or 0 for c in commits),
+        "slots_verified": sum(c.verified for c in commits),
         "given_back": dict(run.given_back),
         "steps": len(commits),
         "step_mix": round(mixed / len(commits), 4) if commits else 0.0,
         "step_mix_at_open": round(mixed_at_open / len(commits), 4) if commits else 0.0,
-        "mean_buckets_per_step": round(sum(len(c["buckets"]) for c in commits) / len(commits), 3) if commits else 0.0,
+        "mean_buckets_per_step": round(sum(len(c.buckets) for c in commits) / len(commits), 3) if commits else 0.0,
         "prefix_deviation": {"schedule": max((p["schedule_prefix_deviation"] for p in per_epoch), default=0.0),
                              "consumed": max((p["consumed_prefix_deviation"] for p in per_epoch), default=0.0)},
         "tail_skew": {"schedule": max((p["schedule_tail_skew"] for p in per_epoch), default=0.0),
@@ -208,21 +210,21 @@ def build_report(run_dir: str | os.PathLike) -> dict[str, Any]:
     }
 
 
-def _group_figures(commits: list[dict[str, Any]]) -> dict[str, Any]:
+def _group_figures(commits: list[StepCommitted]) -> dict[str, Any]:
     """Data-parallel steps: how long rank 0 waited at the gradient all-reduce, as a share of its steps."""
-    group_steps = [c for c in commits if c.get("membership") is not None]
+    group_steps = [c for c in commits if c.membership is not None]
     if not group_steps:
         return {}
-    wait_s = sum(c.get("sync_wait_s") or 0.0 for c in group_steps)
-    step_s = sum(c.get("step_s") or 0.0 for c in group_steps)
+    wait_s = sum(c.sync_wait_s for c in group_steps)
+    step_s = sum(c.step_s for c in group_steps)
     # every rank's wait for the step's slowest rank: its compute time short of the slowest's
-    measured = [c for c in group_steps if len(c.get("rank_busy_s") or ()) > 1]
-    behind_s = sum(max(c["rank_busy_s"]) - b for c in measured for b in c["rank_busy_s"])
-    rank_s = sum(len(c["rank_busy_s"]) * (c.get("step_s") or 0.0) for c in measured)
+    measured = [c for c in group_steps if len(c.rank_busy_s) > 1]
+    behind_s = sum(max(c.rank_busy_s) - b for c in measured for b in c.rank_busy_s)
+    rank_s = sum(len(c.rank_busy_s) * c.step_s for c in measured)
     return {"group_steps": len(group_steps), "allreduce_wait_s": round(wait_s, 3),
             "allreduce_wait_share": round(wait_s / step_s, 4) if step_s else 0.0,
             "rank_wait_share": round(behind_s / rank_s, 4) if rank_s else 0.0,
-            "memberships": len({c["membership"] for c in group_steps})}
+            "memberships": len({c.membership for c in group_steps})}
 
 
 def format_report(report: dict[str, Any]) -> str:

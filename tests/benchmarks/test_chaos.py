@@ -17,6 +17,7 @@ from benchmarks.chaos_figures import rollbacks_from_journal
 from benchmarks.chaos_plan import ATTACH, DETACH, KILL, PROGRESS_SPAN, SHARES, build_plan, count_events
 from common.wire.client import run_id_for
 from common.dataplane.shm_arena import list_segments
+from dispatcher.journal_events import MembershipOpened, ModelRolledBack, StepCommitted
 from hsd_testing import assert_session_ended, run_hsd_in_session
 
 
@@ -64,12 +65,12 @@ def test_the_plan_follows_from_the_seed_and_hits_every_role():
 
 
 def test_rolled_back_steps_are_counted_from_commit_and_rollback_records():
-    journal = [{"ev": "commit", "model": "a", "step": s} for s in range(1, 8)]
-    journal += [{"ev": "rollback", "model": "a", "step": 4, "jobs": 6},          # a restart from step 4: 3 steps
-                {"ev": "rollback", "model": "b", "step": 0, "jobs": 0},          # a new model: nothing
-                {"ev": "commit", "model": "a", "step": 5},
-                {"ev": "membership", "model": "a", "version": 2},
-                {"ev": "rollback", "model": "a", "step": 4, "jobs": 2},          # its group changed: 1 step
-                {"ev": "commit", "model": "a", "step": 5},
-                {"ev": "rollback", "model": "a", "step": 5, "jobs": 0, "cause": "membership"}]
+    journal = [StepCommitted(model="a", step=s, jobs=[s]) for s in range(1, 8)]
+    journal += [ModelRolledBack(model="a", step=4, jobs=6),          # a restart from step 4: 3 steps
+                ModelRolledBack(model="b", step=0, jobs=0),          # a new model: nothing
+                StepCommitted(model="a", step=5, jobs=[5]),
+                MembershipOpened(model="a", version=2, step=5),
+                ModelRolledBack(model="a", step=4, jobs=2),          # its group changed: 1 step
+                StepCommitted(model="a", step=5, jobs=[5]),
+                ModelRolledBack(model="a", step=5, jobs=0, cause="membership")]
     assert rollbacks_from_journal(journal) == {"restart": 3, "membership": 1}

@@ -17,6 +17,7 @@ from benchmarks.pipeline_figures import target_queues
 from common.wire.client import run_id_for
 from common.dataplane.shm_arena import list_segments
 from dispatcher.journal import read_journal
+from dispatcher.journal_events import JobConsumed, JobReady, StepCommitted
 from dispatcher.schedule import load_schedule
 from hsd_testing import assert_session_ended, run_hsd_in_session
 from ops.report import build_report
@@ -80,11 +81,11 @@ def test_a_workers_busy_intervals_never_overlap():
     consumed close together would overlap and count the drafter busy twice over. Each job's
     interval belongs to the rank that consumed it (a group's rank 0 commits every rank's jobs)."""
     from benchmarks.pipeline_figures import busy_intervals
-    events = [{"ev": "ready", "w": "t0", "t": 1.0, "busy_s": 0.5, "tokens": 10},
-              {"ev": "ready", "w": "t0", "t": 1.2, "busy_s": 0.5, "tokens": 10},  # reported overlapping
-              {"ev": "consumed", "w": "d0", "t": 2.0, "job": 1}, {"ev": "consumed", "w": "d0", "t": 2.1, "job": 2},
-              {"ev": "consumed", "w": "d1", "t": 2.0, "job": 3},
-              {"ev": "commit", "w": "d0", "t": 3.0, "jobs": [1, 2, 3], "busy_s": 1.2, "tokens": 30}]
+    events = [JobReady(w="t0", t=1.0, job=1, busy_s=0.5, tokens=10),
+              JobReady(w="t0", t=1.2, job=2, busy_s=0.5, tokens=10),  # reported overlapping
+              JobConsumed(w="d0", t=2.0, job=1, bucket=0), JobConsumed(w="d0", t=2.1, job=2, bucket=0),
+              JobConsumed(w="d1", t=2.0, job=3, bucket=0),
+              StepCommitted(w="d0", t=3.0, model="m", step=1, jobs=[1, 2, 3], busy_s=1.2, tokens=30)]
     intervals = busy_intervals(events)
     assert [(i.start, i.end) for i in intervals["target"]] == [(0.5, 1.0), (1.0, 1.2)]
     drafter = {(i.worker, round(i.start, 6), round(i.end, 6)) for i in intervals["drafter"]}

@@ -7,6 +7,7 @@ import pytest
 from core_harness import Sim, all_job_ids, make_core, register
 from dispatcher.core_types import DONE, Incompatible, UnknownWorker
 from dispatcher.journal import read_journal
+from dispatcher.journal_events import EpochCommitted, JobGivenBack, StepCommitted
 from dispatcher.ledger import JobState, LedgerError, make_job_id
 from dispatcher.schedule import load_schedule
 from dispatcher.snapshot import build_snapshot, worker_state
@@ -37,9 +38,9 @@ def test_two_targets_two_drafters_two_epochs(tmp_path):
     assert core.get_job("t0.0", sim.now) == DONE
     assert core.get_hs("d1.0", sim.now) == (DONE, False)
     # the journal agrees: every job in exactly one commit
-    journal_jobs = [j for e in read_journal(tmp_path) if e["ev"] == "commit" for j in e["jobs"]]
+    journal_jobs = [j for e in read_journal(tmp_path, only=(StepCommitted,)) for j in e.jobs]
     assert Counter(journal_jobs) == Counter(committed)
-    epochs_committed = [e["epoch"] for e in read_journal(tmp_path) if e["ev"] == "epoch_committed"]
+    epochs_committed = [e.epoch for e in read_journal(tmp_path, only=(EpochCommitted,))]
     assert epochs_committed == [0, 1]
     snapshot = build_snapshot(core, sim.now)
     assert snapshot["done"] is True and snapshot["jobs_by_state"]["committed"] == 24
@@ -67,7 +68,7 @@ def test_commit_errors(tmp_path):
     # a retried commit (its reply was lost) gets the first answer, and commits nothing twice
     assert core.commit_step(d0, [hs.job.job_id], 0.0, 1.0, model="m", step=1) == 1
     assert core.num_steps == 1
-    assert sum(1 for e in read_journal(tmp_path) if e["ev"] == "commit") == 1
+    assert sum(1 for e in read_journal(tmp_path) if isinstance(e, StepCommitted)) == 1
 
 
 # -- dead workers ---------------------------------------------------------------------------------
@@ -92,9 +93,9 @@ def test_dead_target_gives_its_job_back_and_it_is_handed_out_again(tmp_path):
     with pytest.raises(UnknownWorker):                        # the dead target's late report
         core.job_ready(t0, grant.job.job_id, grant.job.generation, 0.0, 3.0)
     core.journal.flush()
-    events = [e for e in read_journal(tmp_path) if e["ev"] == "give_back"]
-    assert sorted(e["job"] for e in events) == sorted([grant.job.job_id, second.job.job_id])
-    assert all(e["was"] == "extracting" for e in events)
+    events = [e for e in read_journal(tmp_path) if isinstance(e, JobGivenBack)]
+    assert sorted(e.job for e in events) == sorted([grant.job.job_id, second.job.job_id])
+    assert all(e.was == "extracting" for e in events)
     assert core.counters.given_back["dead"] == 2
     # the run still completes exactly once with the survivor
     sim = Sim(core, [t1], [d0])

@@ -5,6 +5,9 @@ state it holds and the ledger rolls back to exactly that step, whether or not th
 restarted.
 """
 
+import json
+import math
+import zlib
 from collections import Counter
 
 import pytest
@@ -14,6 +17,7 @@ from core_harness import (Model, ModelSim, all_job_ids, make_core, register, reg
                           witness_counts)
 from dispatcher.core_types import DONE, UnknownWorker
 from dispatcher.journal import read_journal
+from dispatcher.journal_events import Checkpointed, ModelRolledBack, StepCommitted
 from dispatcher.ledger import JobState, LedgerError, make_job_id
 
 
@@ -41,7 +45,7 @@ def test_dispatcher_restart_while_drafters_keep_running(tmp_path):
     assert resumed.ledger.epochs[0].committed == sum(len(m.trained) for m in models)   # nothing reverted
     sim2 = ModelSim(resumed, register(resumed, "target", 2), register_models(resumed, models), every=3)
     sim2.run()
-    assert not [e for e in read_journal(tmp_path) if e["ev"] == "rollback" and e["jobs"]]
+    assert not [e for e in read_journal(tmp_path, only=(ModelRolledBack,)) if e.jobs]
     assert_exactly_once(resumed, models)
 
 
@@ -159,7 +163,7 @@ def test_a_checkpoint_said_at_register_ends_a_run_whose_report_was_lost(tmp_path
         resumed.register(role="drafter", name=f"drafter-{m.id}", pid=3000 + i, host="h", gpu=None, now=0.0,
                          model=ModelClaim(id=m.id, step=m.step, checkpoint=m.ckpt_step))
     assert resumed.done
-    assert [e["via"] for e in read_journal(tmp_path) if e["ev"] == "checkpoint"] == ["register", "register"]
+    assert [e.via for e in read_journal(tmp_path, only=(Checkpointed,))] == ["register", "register"]
     assert_exactly_once(resumed, models)
 
 
@@ -241,7 +245,7 @@ def test_a_commit_whose_answer_was_lost_is_applied_when_the_ledger_holds_it(tmp_
                          model=ModelClaim(id="m0", step=m.step,
                                                        pending=PendingCommit(step=last[0], job_ids=list(last[1]))))
     assert w.pending_committed and resumed.ledger.model_step["m0"] == last[0]
-    assert not [e for e in read_journal(tmp_path) if e["ev"] == "rollback" and e["jobs"]]
+    assert not [e for e in read_journal(tmp_path, only=(ModelRolledBack,)) if e.jobs]
 
 
 def test_a_segment_archived_without_its_snapshot_is_never_overwritten(tmp_path):
@@ -259,12 +263,60 @@ def test_a_segment_archived_without_its_snapshot_is_never_overwritten(tmp_path):
     sim.run(until=lambda s: m.step >= 4)
     core.journal.rotate(core.store._segment + 1)        # segment 1 archived; its snapshot never published
     sim.run(until=lambda s: m.step >= 5)
-    committed = [e["step"] for e in read_journal(tmp_path) if e["ev"] == "commit"]
+    committed = [e.step for e in read_journal(tmp_path, only=(StepCommitted,))]
     resumed = restart(core, tmp_path, lengths=lengths)
     sim2 = ModelSim(resumed, register(resumed, "target", 1), register_models(resumed, [m]), every=0)
     sim2.run(until=lambda s: m.step >= 6)
     assert resumed.maybe_snapshot(force=True)
     resumed.store.wait_for_snapshot()
-    assert [e["step"] for e in read_journal(tmp_path) if e["ev"] == "commit"][:len(committed)] == committed
+    assert [e.step for e in read_journal(tmp_path, only=(StepCommitted,))][:len(committed)] == committed
     again = restart(resumed, tmp_path, lengths=lengths)
     assert again.ledger.model_step["m0"] == m.step == 6
+
+
+def _old_line(ev, t, **fields):
+    """A journal line as the dispatcher wrote it before its events were typed: json.dumps of the merged
+    map (``ev`` and ``t`` first, the keyword arguments after), compact, its crc32 in front."""
+    body = json.dumps({"ev": ev, "t": t, **fields}, separators=(",", ":")).encode()
+    return b"%08x " % zlib.crc32(body) + body + b"\n"
+
+
+def test_a_journal_written_before_the_typed_events_resumes(tmp_path):
+    lengths = small_lengths(scale=1)
+    first = make_core(tmp_path, lengths=lengths, epochs=1)  # the run directory: its schedule and data
+    bucket = [int(b) for b in first.schedule(0).job_bucket]
+    first.journal.close()
+    first.close()
+    j = [make_job_id(0, i) for i in range(len(bucket))]
+    old = [
+        _old_line("start", 1.0, resumed=False, committed=0),
+        _old_line("epoch", 1.1, epoch=0, jobs=len(bucket), buckets=[3, 4, 5]),
+        _old_line("revert", 1.2, steps=[]),  # a kind the first dispatchers wrote, long gone: skipped
+        _old_line("join", 2.0, w="t0.0", role="target", name="target0", pid=1000, host="h", node="h"),
+        _old_line("join", 2.0, w="d0.0", role="drafter", name="drafter-m", pid=2000, host="h", node="h"),
+        *[_old_line("ready", 3.0 + i, job=j[i], w="t0.0", tokens=100, busy_s=0.5) for i in range(4)],
+        *[_old_line("consumed", 4.0 + i, job=j[i], w="d0.0", bucket=bucket[i], **({"remote": 1} if i else {}))
+          for i in range(4)],
+        _old_line("give_back", 4.5, job=j[4], was="extracting", reason="lease_expired", w=None),
+        _old_line("commit", 5.0, model="m", step=1, jobs=j[:2], w="d0.0", buckets=sorted(set(bucket[:2])), avail=2,
+                  mixed=True, tokens=200, busy_s=0.25, verified=0),
+        _old_line("checkpoint", 5.5, model="m", step=1, w="d0.0", metrics={"step": 1, "loss": math.nan}),
+        _old_line("commit", 6.0, model="m", step=2, jobs=j[2:4], w="d0.0", buckets=sorted(set(bucket[2:4])),
+                  avail=None, mixed=False, tokens=200, busy_s=0.25, verified=2, metrics={"step": 1, "loss": 2.5}),
+        _old_line("rollback", 7.0, model="m", step=1, jobs=2, cause="restart"),  # step 2 was never checkpointed
+        _old_line("checkpoint", 7.5, model="m", step=1, w=None, via="register"),
+        _old_line("leave", 8.0, w="d0.0", reason="left"),
+        _old_line("leave", 8.0, w="t0.0", reason="left"),
+        _old_line("stop", 9.0, done=False, peak_slots=4, slot_bytes=4096),
+    ]
+    (tmp_path / "journal.jsonl").write_bytes(b"".join(old))
+    assert len(list(read_journal(tmp_path))) == len(old) - 1  # each line decodes but the unknown kind's
+    resumed = make_core(tmp_path, lengths=lengths, epochs=1)
+    assert resumed.incarnation == 1  # the old journal's start counted
+    assert resumed.ledger.model_step["m"] == 1 and resumed.checkpoints["m"] == 1
+    assert [resumed.ledger.state_of(job) for job in j[:4]] == [JobState.COMMITTED] * 2 + [JobState.PENDING] * 2
+    model = Model("m")
+    model.step, model.trained = 1, j[:2]
+    model.checkpoint()
+    ModelSim(resumed, register(resumed, "target", 2), register_models(resumed, [model]), every=2).run()
+    assert_exactly_once(resumed, [model])

@@ -9,6 +9,7 @@ from core_harness import make_core, register
 from dispatcher.groups import GroupChanged
 from dispatcher.journal import read_journal
 from common.wire.messages import GroupClaim, ModelClaim, ProtocolError
+from dispatcher.journal_events import ModelRolledBack
 from dispatcher.ledger import JobState, LedgerError
 
 
@@ -49,7 +50,7 @@ def _lone_rank_stepping(tmp_path, num_steps, *, extra_jobs=0):
 
 
 def _rollbacks(run_dir):
-    return [e for e in read_journal(run_dir) if e["ev"] == "rollback" and e["jobs"]]
+    return [e for e in read_journal(run_dir, only=(ModelRolledBack,)) if e.jobs]
 
 
 def test_a_new_group_waits_for_count_ranks_then_opens_one_version(tmp_path):
@@ -151,7 +152,7 @@ def test_a_group_back_from_its_checkpoint_rolls_the_ledger_back_to_it(tmp_path):
     core.deregister(a.id, 4.0, reason="dead")
     again = _rank(core, "a", size=1, step=1, now=5.0)  # its checkpoint holds step 1
     assert _join(core, again, step=1).step == 1
-    assert core.ledger.model_step["m"] == 1 and [r["cause"] for r in _rollbacks(tmp_path)] == ["restart"]
+    assert core.ledger.model_step["m"] == 1 and [r.cause for r in _rollbacks(tmp_path)] == ["restart"]
 
 
 def test_a_joiner_whose_source_died_before_any_step_says_its_step_before_the_ledger_moves(tmp_path):

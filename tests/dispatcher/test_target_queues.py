@@ -10,6 +10,7 @@ from core_harness import BUCKETS, TOKENS, Sim, all_job_ids, register, small_leng
 from dispatcher.core import DispatcherCore
 from dispatcher.core_types import CoreOptions
 from dispatcher.journal import Journal, read_journal
+from dispatcher.journal_events import JobReady, WorkerJoined
 from dispatcher.ledger import JobLedger, JobState, LedgerError, make_job_id, split_job_id
 from dispatcher.pool import HSPool
 
@@ -80,12 +81,12 @@ def test_core_serves_each_target_only_its_own_queue(tmp_path):
     assert core.done and sorted(sim.committed_ids()) == sorted(all_job_ids(core))
     core.journal.close()
     events = list(read_journal(tmp_path))
-    joined = {e["w"]: e["queue"] for e in events if e["ev"] == "join" and e["role"] == "target"}
+    joined = {e.w: e.queue for e in events if isinstance(e, WorkerJoined) and e.role == "target"}
     assert joined == queue_of
-    ready = [e for e in events if e["ev"] == "ready"]
+    ready = [e for e in events if isinstance(e, JobReady)]
     assert len(ready) == len(sim.committed_ids())
     for e in ready:
-        assert split_job_id(e["job"])[1] % 2 == joined[e["w"]], e
+        assert split_job_id(e.job)[1] % 2 == joined[e.w], e
 
 
 def test_a_queue_without_its_target_waits_and_a_new_target_takes_it_over(tmp_path):

@@ -15,6 +15,7 @@ import signal
 
 from common import faults
 from dispatcher.journal import read_journal
+from dispatcher.journal_events import MembershipOpened, ModelRolledBack, StepCommitted
 from drafter_worker.step_group import GROUP_NEVER_FORMED_EXIT
 from hsd_testing import assert_exactly_once, kill_tree, report, start_hsd, stats, wait_for
 
@@ -44,19 +45,19 @@ def test_a_rank_sigkilled_inside_a_step_the_survivor_goes_on_from_its_own_weight
     launch_log = (tmp_path / "launch.log").read_text()
     assert launch_log.count("exited with code") == 2, launch_log[-3000:]  # the two kills, restarted
     events = list(read_journal(run_dir))
-    steps = [e["step"] for e in events if e["ev"] == "commit"]
+    steps = [e.step for e in events if isinstance(e, StepCommitted)]
     assert steps == list(range(1, len(steps) + 1))  # the step count only goes up
-    assert not [e for e in events if e["ev"] == "rollback" and e["jobs"]]
+    assert not [e for e in events if isinstance(e, ModelRolledBack) and e.jobs]
     # After each kill the survivor alone committed steps at once; in between the restarted rank came
     # back. (A version opened just before the dispatcher saw a death, or killed in its first step,
     # commits nothing.) State transfers to joiners are checked in test_elastic_group.py.
-    committed_in = {e.get("membership") for e in events if e["ev"] == "commit"}
-    memberships = [e for e in events if e["ev"] == "membership"]
-    alone = [m["version"] for m in memberships if len(m["ranks"]) == 1 and m["version"] in committed_in]
-    assert len(memberships[0]["ranks"]) == 2 and len(alone) >= 2, memberships
+    committed_in = {e.membership for e in events if isinstance(e, StepCommitted)}
+    memberships = [e for e in events if isinstance(e, MembershipOpened)]
+    alone = [m.version for m in memberships if len(m.ranks) == 1 and m.version in committed_in]
+    assert len(memberships[0].ranks) == 2 and len(alone) >= 2, memberships
     # the restarted rank came back in between: by a state transfer, or without one when the survivor
     # had committed nothing past the checkpoint the restarted rank loaded (both hold that step)
-    assert any(len(m["ranks"]) == 2 and alone[0] < m["version"] < alone[1] for m in memberships), memberships
+    assert any(len(m.ranks) == 2 and alone[0] < m.version < alone[1] for m in memberships), memberships
     logs = "".join(p.read_text() for p in (run_dir / "logs").glob("drafter-*.log"))
     assert "SIGKILL at backward of step 4" in logs and "SIGKILL at allreduce of step" in logs
     # the survivor of the all-reduce kill saw it in its own gradient sum: the group's bounded wait

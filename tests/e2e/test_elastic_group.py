@@ -23,6 +23,7 @@ from common.wire.client import run_id_for
 from common.dataplane.shm_arena import list_segments
 from dflash_run import tiny_run_args
 from dispatcher.journal import read_journal
+from dispatcher.journal_events import ModelRolledBack, StepCommitted, WorkerLeft
 from hsd_testing import assert_exactly_once, kill_tree, report, start_hsd, stats, wait_for
 
 CRC_LINE = re.compile(r"(drafter-\d+): weights crc32 ([0-9a-f]{8}) at step (\d+)")
@@ -60,9 +61,9 @@ def _check_witnesses(run_dir):
         crcs[int(step)].add(crc)
     assert len(crcs) >= 10 and all(len(v) == 1 for v in crcs.values()), {s: v for s, v in crcs.items() if len(v) > 1}
     events = list(read_journal(run_dir))
-    steps = [e["step"] for e in events if e["ev"] == "commit"]
+    steps = [e.step for e in events if isinstance(e, StepCommitted)]
     assert steps == list(range(1, len(steps) + 1)), "a step was committed twice or rolled back"
-    assert not [e for e in events if e["ev"] == "rollback" and e["jobs"]]
+    assert not [e for e in events if isinstance(e, ModelRolledBack) and e.jobs]
     r = report(run_dir)
     assert_exactly_once(r)
     assert not list_segments(run_id_for(run_dir)), "shared memory left behind"
@@ -142,9 +143,9 @@ def test_drafters_attach_and_leave_a_running_run(tmp_path, monkeypatch):
     assert max(len(v) for v in ranks_per_step.values()) == 4  # four ranks applied the same steps, bit-identical
     # The one that left said so (deregister, not a silence the dispatcher had to time out), and the
     # 3 left went on without waiting out a collective with it: its version ended for them, none failed.
-    assert [e["reason"] for e in events if e["ev"] == "leave" and e["w"] == leaver["id"]] == ["left"]
+    assert [e.reason for e in events if isinstance(e, WorkerLeft) and e.w == leaver["id"]] == ["left"]
     failed = re.findall(rf"(drafter-\d+): membership {v2 + 1} failed: (.*)", _logs(run_dir))
     assert not failed, failed
     print(f"\njoiner start to first step: {joiner_start}; SIGTERM to the next step of the 3 left: "
           f"{next_step_s:.1f}s; run {time.monotonic() - started:.0f}s, "
-          f"{len([e for e in events if e['ev'] == 'commit'])} steps")
+          f"{len([e for e in events if isinstance(e, StepCommitted)])} steps")

@@ -16,6 +16,7 @@ from common.wire.client import DispatcherClient, DispatcherUnavailable
 from common.wire.messages import ErrorCode, ProtocolError
 from common.run.witness import TrainedJobs, latest_checkpoint, list_models, save_checkpoint
 from dispatcher.journal import read_journal
+from dispatcher.journal_events import ModelRolledBack
 from dispatcher.server import FAIL_CLOSED_EXIT_CODE
 from hsd_testing import hsd, report, running_hsd, sim_args, stats, wait_for_stats
 
@@ -63,7 +64,7 @@ def test_drafter_restarts_from_an_older_checkpoint_while_the_dispatcher_runs(run
                                        what="a model past its checkpoint")
         os.kill(victim["pid"], signal.SIGKILL)   # it comes back (hsd launch restarts it) from its checkpoint
         assert launch.wait(timeout=240) == 0, (tmp_path / "launch.log").read_text()[-3000:]
-    rollbacks = [e for e in read_journal(run_dir) if e["ev"] == "rollback" and e["model"] == model and e["jobs"]]
+    rollbacks = [e for e in read_journal(run_dir, only=(ModelRolledBack,)) if e.model == model and e.jobs]
     assert rollbacks, "the restarted drafter's commits after its checkpoint went back to pending"
     assert exact(report(run_dir))
 

@@ -15,6 +15,7 @@ import subprocess
 
 from common import faults
 from dispatcher.journal import read_journal
+from dispatcher.journal_events import MembershipOpened, ModelRolledBack, StepCommitted
 from hsd_testing import assert_exactly_once, kill_tree, report, start_hsd, stats
 
 
@@ -26,9 +27,9 @@ def _args(run_dir, *overrides: str) -> list[str]:
 
 
 def _steps_each_once(events):
-    steps = [e["step"] for e in events if e["ev"] == "commit"]
+    steps = [e.step for e in events if isinstance(e, StepCommitted)]
     assert steps == list(range(1, len(steps) + 1)), "a step was committed twice or rolled back"
-    assert not [e for e in events if e["ev"] == "rollback" and e["jobs"]]
+    assert not [e for e in events if isinstance(e, ModelRolledBack) and e.jobs]
 
 
 def test_rank0_killed_inside_its_commit_loses_no_step_and_no_survivor(run_dir, tmp_path, monkeypatch):
@@ -93,10 +94,10 @@ def test_count_balance_on_a_group_whose_size_does_not_divide_the_step(run_dir, t
         if third is not None:
             kill_tree(third)
     events = list(read_journal(run_dir))
-    triples = {m["version"] for m in events if m["ev"] == "membership" and len(m["ranks"]) == 3}
-    three_rank_steps = [e for e in events if e["ev"] == "commit" and e.get("membership") in triples]
+    triples = {m.version for m in events if isinstance(m, MembershipOpened) and len(m.ranks) == 3}
+    three_rank_steps = [e for e in events if isinstance(e, StepCommitted) and e.membership in triples]
     assert three_rank_steps, "no step was committed by the 3-rank group"
-    assert all(len(e["jobs"]) == 4 for e in three_rank_steps[:-1])  # shares 2, 1, 1 of 4 (the last may be partial)
+    assert all(len(e.jobs) == 4 for e in three_rank_steps[:-1])  # shares 2, 1, 1 of 4 (the last may be partial)
     assert "exited with code" not in (tmp_path / "launch.log").read_text()
     _steps_each_once(events)
     assert_exactly_once(report(run_dir))

@@ -12,6 +12,7 @@ from common import faults
 from common.wire.client import run_id_for
 from common.dataplane.shm_arena import list_segments
 from dispatcher.journal import read_journal
+from dispatcher.journal_events import JobGivenBack, JobReady, WorkerJoined
 from hsd_testing import assert_exactly_once, hsd, report, running_hsd, sim_args, stats, wait_for, wait_for_stats
 
 
@@ -53,12 +54,12 @@ def test_sigkilled_target_job_is_extracted_again(run_dir, tmp_path, monkeypatch)
     assert_exactly_once(r)
     assert r["given_back"].get("dead", 0) >= 1
     events = list(read_journal(run_dir))
-    given_back = {e["job"] for e in events if e["ev"] == "give_back" and e["was"] == "extracting"
-                  and e["w"] == victim["id"]}
+    given_back = {e.job for e in events if isinstance(e, JobGivenBack) and e.was == "extracting"
+                  and e.w == victim["id"]}
     assert held["job_id"] in given_back
     for job in given_back:
-        back_at = next(i for i, e in enumerate(events) if e["ev"] == "give_back" and e["job"] == job)
-        assert any(e["ev"] == "ready" and e["job"] == job for e in events[back_at:]), "job was not extracted again"
+        back_at = next(i for i, e in enumerate(events) if isinstance(e, JobGivenBack) and e.job == job)
+        assert any(isinstance(e, JobReady) and e.job == job for e in events[back_at:]), "job was not extracted again"
     assert "restart 1/2" in (tmp_path / "launch.log").read_text()
 
 
@@ -102,7 +103,7 @@ def test_sigkill_everything_then_relaunch_resumes_and_sweeps_shm(run_dir, tmp_pa
     assert not any(s.name == stale[0].name for s in list_segments(run_id))
     r = report(run_dir)
     assert r["restarts"] == 2
-    joined = [e["w"] for e in read_journal(run_dir) if e["ev"] == "join"]
+    joined = [e.w for e in read_journal(run_dir, only=(WorkerJoined,))]
     assert len(joined) == len(set(joined)), "a worker id was handed out twice"
     assert_exactly_once(r)
 

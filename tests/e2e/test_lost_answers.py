@@ -15,6 +15,7 @@ import signal
 
 from common import faults
 from dispatcher.journal import read_journal
+from dispatcher.journal_events import ModelRolledBack, StepCommitted
 from hsd_testing import assert_exactly_once, kill_tree, report, start_hsd, stats, wait_for_stats
 
 
@@ -84,8 +85,8 @@ def test_a_commit_durable_whose_reply_never_came_is_applied_not_rolled_back(run_
         for proc in procs.values():
             kill_tree(proc)
     events = list(read_journal(run_dir))
-    steps = [e["step"] for e in events if e["ev"] == "commit"]
+    steps = [e.step for e in events if isinstance(e, StepCommitted)]
     assert steps == list(range(1, len(steps) + 1)), "a step was committed twice or rolled back"
-    assert not [e for e in events if e["ev"] == "rollback" and e["jobs"]]
+    assert not [e for e in events if isinstance(e, ModelRolledBack) and e.jobs]
     assert "committed: applied" in (tmp_path / "drafter-0.log").read_text()
     assert_exactly_once(report(run_dir))

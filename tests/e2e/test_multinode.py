@@ -25,6 +25,7 @@ from hsd_testing import (assert_exactly_once, curve_args, free_port, hsd, kill_t
 from common import faults
 from common.dataplane.transport_info import engine_missing
 from dispatcher.journal import read_journal
+from dispatcher.journal_events import MembershipOpened, ModelRolledBack, StepCommitted
 
 needs_engine = pytest.mark.skipif(engine_missing() is not None, reason="NIXL is not installed (make install adds it)")
 
@@ -216,9 +217,9 @@ def test_a_group_with_a_rank_on_each_node_meets_without_a_shared_run_dir(run_dir
                 kill_tree(rank)
     assert_exactly_once(report(run_dir))
     events = list(read_journal(run_dir))
-    assert not [e for e in events if e["ev"] == "rollback" and e["jobs"]]
-    committed_in = {e.get("membership") for e in events if e["ev"] == "commit"}
-    memberships = [(m["version"], len(m["ranks"]), m["transfer"]) for m in events if m["ev"] == "membership"]
+    assert not [e for e in events if isinstance(e, ModelRolledBack) and e.jobs]
+    committed_in = {e.membership for e in events if isinstance(e, StepCommitted)}
+    memberships = [(m.version, len(m.ranks), m.transfer) for m in events if isinstance(m, MembershipOpened)]
     pair = next(v for v, n, _ in memberships if n == 2 and v in committed_in)  # the group trained across nodes
     alone = next(v for v, n, _ in memberships if n == 1 and v > pair and v in committed_in)  # the survivor, at once
     # drafter-b back: it took drafter-a's state over the new group, and the pair trained on

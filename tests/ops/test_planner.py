@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from dispatcher.journal import encode_line
+from dispatcher.journal import encode_event
+from dispatcher.journal_events import DispatcherStarted, JobReady, ModelRolledBack, StepCommitted, WorkerJoined
 
 import pytest
 
@@ -65,28 +66,28 @@ def test_cheap_and_heavy_drafters_get_different_splits():
 
 def _journal(run_dir, events):
     run_dir.mkdir()
-    (run_dir / "journal.jsonl").write_bytes(b"".join(encode_line(e) for e in events))
+    (run_dir / "journal.jsonl").write_bytes(b"".join(encode_event(e) for e in events))
 
 
 def test_rates_from_a_journal(tmp_path):
     run_dir = tmp_path / "run"
     _journal(run_dir, [
-        {"ev": "start", "t": 0.0},
-        {"ev": "join", "t": 0.1, "w": "a", "role": "target", "name": "target-0"},
-        {"ev": "join", "t": 0.1, "w": "b", "role": "target", "name": "target-1"},
-        {"ev": "join", "t": 0.1, "w": "c", "role": "drafter", "name": "drafter-0"},
-        {"ev": "ready", "t": 1.0, "job": 1, "w": "a", "tokens": 8000, "busy_s": 1.0},
-        {"ev": "ready", "t": 1.5, "job": 2, "w": "b", "tokens": 8000, "busy_s": 3.0},
-        {"ev": "commit", "t": 2.0, "model": "m", "step": 1, "jobs": [1], "buckets": [0], "tokens": 8000, "busy_s": 0.5},
-        {"ev": "commit", "t": 3.0, "model": "m", "step": 2, "jobs": [2], "buckets": [1], "tokens": 8000, "busy_s": 9.0},
-        {"ev": "rollback", "t": 4.0, "model": "m", "step": 1, "jobs": 1},  # a redone step: its time is not throughput
-        {"ev": "commit", "t": 5.0, "model": "m", "step": 2, "jobs": [2], "buckets": [1], "tokens": 8000, "busy_s": 0.5},
+        DispatcherStarted(t=0.0),
+        WorkerJoined(t=0.1, w="a", role="target", name="target-0"),
+        WorkerJoined(t=0.1, w="b", role="target", name="target-1"),
+        WorkerJoined(t=0.1, w="c", role="drafter", name="drafter-0"),
+        JobReady(t=1.0, job=1, w="a", tokens=8000, busy_s=1.0),
+        JobReady(t=1.5, job=2, w="b", tokens=8000, busy_s=3.0),
+        StepCommitted(t=2.0, model="m", step=1, jobs=[1], buckets=[0], tokens=8000, busy_s=0.5),
+        StepCommitted(t=3.0, model="m", step=2, jobs=[2], buckets=[1], tokens=8000, busy_s=9.0),
+        ModelRolledBack(t=4.0, model="m", step=1, jobs=1),  # a redone step: its time is not throughput
+        StepCommitted(t=5.0, model="m", step=2, jobs=[2], buckets=[1], tokens=8000, busy_s=0.5),
     ])
     rates = rates_from_run(run_dir)
     assert (rates.target, rates.drafter) == (4000.0, 16000.0)
     assert "2 targets, 1 drafters" in rates.source
     empty = tmp_path / "empty"
-    _journal(empty, [{"ev": "start", "t": 0.0}])
+    _journal(empty, [DispatcherStarted(t=0.0)])
     with pytest.raises(ValueError, match="no target work"):
         rates_from_run(empty)
 
