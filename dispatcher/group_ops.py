@@ -12,7 +12,8 @@ from typing import Callable
 
 import numpy as np
 
-from common.wire.messages import GroupClaim, ModelClaim, PendingCommit, parse_store_address, store_address
+from common.wire.messages import GroupClaim, ModelClaim, PendingCommit
+from common.wire.store_names import parse_store_address, store_address
 from dispatcher.checkpoints import KnownCheckpoints
 from dispatcher.groups import DrafterGroup, DrafterGroups, GroupSpec, Membership
 from dispatcher.job_ops import JobOps

@@ -43,7 +43,7 @@ from typing import get_args
 
 from common.run.config import ElasticBatch, StepBalance, step_jobs
 from common.wire import messages
-from common.wire.messages import tcp_store_name
+from common.wire.store_names import tcp_store_name
 
 GROUPS_DIR = "groups"
 

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _abort_process_group
 
-from common.wire.messages import parse_tcp_store, store_address
+from common.wire.store_names import parse_tcp_store, store_address
 from drafter_worker.collective_wait import wait_bounded
 from drafter_worker.rendezvous import RendezvousServer
 from drafter_worker.step_group import CollectiveFailed, RankRound

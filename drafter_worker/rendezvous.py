@@ -26,7 +26,7 @@ import psutil
 import torch.distributed as dist
 
 from common.run.config import Config, ConfigError
-from common.wire.messages import store_address
+from common.wire.store_names import store_address
 
 log = logging.getLogger("hsd.drafter")
 

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from common.wire.messages import tcp_store_name
+from common.wire.store_names import tcp_store_name
 from drafter_worker.process_group import CollectiveFailed, RendezvousIncomplete, StepGroup
 from drafter_worker.rendezvous import RendezvousServer
 

@@ -20,36 +20,14 @@ from typing import Annotated, Any, Literal, Union
 
 import msgspec
 
+from common.wire.errors import ErrorCode, ProtocolError
+
 PROTOCOL_VERSION = 2
 
 Count = Annotated[int, msgspec.Meta(ge=0)]
 MAX_STEP_METRICS = 16  # commit_step's metrics: a few figures for hsd stats, never a payload
 StepMetrics = Annotated[dict[Annotated[str, msgspec.Meta(max_length=32)], float],
                         msgspec.Meta(max_length=MAX_STEP_METRICS)]
-
-
-class ErrorCode:
-    MALFORMED = "malformed"            # not a msgpack map, missing or ill-typed fields
-    BAD_VERSION = "bad_version"        # protocol version differs
-    UNKNOWN_OP = "unknown_op"
-    TOO_LARGE = "too_large"            # message over dispatcher.max_message_bytes
-    UNAUTHORIZED = "unauthorized"      # missing or wrong shared secret
-    UNKNOWN_WORKER = "unknown_worker"  # not registered, or declared dead: register again
-    BAD_STATE = "bad_state"            # the job is not in the state the op expects (stale lease)
-    INCOMPATIBLE = "incompatible"      # the worker cannot serve this run (transport, capture contract)
-    GROUP_CHANGED = "group_changed"    # the rank's membership version ended: drop the step, join_group again
-    READ_ONLY = "read_only"            # a control op sent to the stats socket
-    INTERNAL = "internal"
-
-
-class ProtocolError(Exception):
-    """An error reply from the peer, or a message that breaks the protocol."""
-
-    def __init__(self, code: str, message: str, request_id: int | None = None):
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-        self.request_id = request_id  # of the offending request, when it could be read
 
 
 # -- what requests carry -----------------------------------------------------------------------
@@ -462,38 +440,3 @@ def error_reply(request_id: int | None, code: str, message: str) -> ErrorReply:
 
 def op_of(request: Request) -> str:
     return type(request).__struct_config__.tag
-
-
-# -- rendezvous store names ---------------------------------------------------------------------
-
-STORE_SCHEME = "tcp://"  # a version's store on rank 0's TCPStore (drafter.rendezvous=tcp), not a FileStore path
-
-
-def parse_store_address(value: Any) -> tuple[str, int]:
-    """``(host, port)`` of a rank's rendezvous store (``model.group.store``: ``HOST:PORT``, an IPv6
-    host in brackets), or a MALFORMED error naming the field."""
-    host, _, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not host or not port.isdigit() or not 0 < int(port) < 65536 or any(c.isspace() or c in "/[]" for c in host):
-        raise ProtocolError(ErrorCode.MALFORMED, f"model.group.store: expected HOST:PORT of the rank's rendezvous "
-                                                 f"store, got {value!r}")
-    return host, int(port)
-
-
-def store_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def tcp_store_name(address: str, prefix: str) -> str:
-    """The store of one membership version: the TCPStore at ``address`` under the key ``prefix``."""
-    return f"{STORE_SCHEME}{address}/{prefix}"
-
-
-def parse_tcp_store(name: str) -> tuple[str, int, str] | None:
-    """``(host, port, prefix)`` of a version's TCP store name (None: a FileStore path)."""
-    if not name.startswith(STORE_SCHEME):
-        return None
-    address, _, prefix = name[len(STORE_SCHEME):].partition("/")
-    host, port = parse_store_address(address)
-    return host, port, prefix

@@ -4,8 +4,8 @@ protocol error, and a group's rendezvous store names (the requests' fields: test
 import msgpack
 import pytest
 
-from common.wire.messages import (ErrorCode, ProtocolError, decode_any, decode_request, encode, error_reply,
-                                  parse_store_address, parse_tcp_store, store_address, tcp_store_name)
+from common.wire.messages import ErrorCode, ProtocolError, decode_any, decode_request, encode, error_reply
+from common.wire.store_names import parse_store_address, parse_tcp_store, store_address, tcp_store_name
 
 
 @pytest.mark.parametrize("frame", [b"\xc1", b"", b"\x92\x01", msgpack.packb({"a": 1}) + b"\x01", b"\xde\xad\xbe\xef" * 4,

@@ -16,7 +16,7 @@ import time
 
 import pytest
 from common.run.config import ConfigError, load_config
-from common.wire.messages import tcp_store_name
+from common.wire.store_names import tcp_store_name
 from drafter_worker.process_group import RendezvousIncomplete, StepGroup, VersionEnded
 from drafter_worker.rendezvous import GLOO_IFNAME_ENV, RendezvousServer, address_towards, interface_of
 from hsd_testing import child_message, free_port
