@@ -153,15 +153,23 @@ class JobOps:
         self.journal.record(JobReady(job=job_id, w=worker.id, tokens=num_tokens, busy_s=round(busy_s, 6)))
 
     def job_failed(self, worker_id: str, job_id: int, reason: str) -> None:
-        job = self.ledger.jobs.get(job_id)
-        if job is None or job.state is not JobState.EXTRACTING or job.holder != worker_id:
-            raise LedgerError(f"job {job_id} is not being extracted by {worker_id}")
+        job = self._held_as(job_id, worker_id, JobState.EXTRACTING)
         slot_id = job.slot
         self.ledger.give_back(job)
         self.pool.abort_write(slot_id)  # the writer says it stopped writing
-        self.counters.given_back["target_failed"] += 1
-        self.journal.record(JobGivenBack(job=job_id, was="extracting", reason=f"target_failed: {reason}"[:200],
-                                         w=worker_id))
+        self._reported_back(job_id, worker_id, "target_failed", reason, was=JobState.EXTRACTING)
+
+    def _held_as(self, job_id: int, worker_id: str, state: JobState) -> Job:
+        """The job a worker reports on, which it must hold in ``state`` (else the report is stale)."""
+        job = self.ledger.jobs.get(job_id)
+        if job is None or job.state is not state or job.holder != worker_id:
+            doing = "extracted" if state is JobState.EXTRACTING else "read"
+            raise LedgerError(f"job {job_id} is not being {doing} by {worker_id}")
+        return job
+
+    def _reported_back(self, job_id: int, worker_id: str, cause: str, reason: str, *, was: JobState) -> None:
+        self.counters.given_back[cause] += 1
+        self.journal.record(JobGivenBack(job=job_id, was=was.value, reason=f"{cause}: {reason}"[:200], w=worker_id))
 
     # -- drafters -----------------------------------------------------------------------------------
     def serving_epoch(self) -> tuple[int, bool] | None:
@@ -230,12 +238,8 @@ class JobOps:
 
     def read_failed(self, worker_id: str, job_id: int, reason: str) -> None:
         """The drafter found the slot stale: its data cannot be trusted, so the job is extracted again."""
-        job = self.ledger.jobs.get(job_id)
-        if job is None or job.state is not JobState.TRAINING or job.holder != worker_id:
-            raise LedgerError(f"job {job_id} is not being read by {worker_id}")
+        job = self._held_as(job_id, worker_id, JobState.TRAINING)
         slot_id = job.slot
         self.ledger.drop_ready(job)
         self.pool.discard_ready(slot_id)
-        self.counters.given_back["read_failed"] += 1
-        self.journal.record(JobGivenBack(job=job_id, was="training", reason=f"read_failed: {reason}"[:200],
-                                         w=worker_id))
+        self._reported_back(job_id, worker_id, "read_failed", reason, was=JobState.TRAINING)

@@ -6,7 +6,8 @@ import json
 import os
 from types import SimpleNamespace
 
-from benchmarks.dispatcher_load import DispatcherLoad, SimDrafter, SimModel, samples_for_jobs
+from benchmarks.dispatcher_load import DispatcherLoad, samples_for_jobs
+from benchmarks.load_clients import SimDrafter, SimModel
 from dispatcher.ledger import make_job_id
 from hsd_testing import hsd
 
