@@ -167,6 +167,7 @@ def test_a_joiner_whose_source_died_before_any_step_says_its_step_before_the_led
 
 def test_the_stats_and_metrics_show_the_group(tmp_path):
     from dispatcher.metrics import render_prometheus
+    from common.wire import messages
     from common.wire.stats_snapshot import serving_snapshot
     from dispatcher.snapshot import build_snapshot
     from ops.stats_view import format_stats
@@ -183,6 +184,8 @@ def test_the_stats_and_metrics_show_the_group(tmp_path):
     assert 'hsd_group_ranks{model="m"} 1.0' in text and 'hsd_group_waiting{model="m"} 1.0' in text
     assert 'hsd_group_steps_since_change{model="m"} 2.0' in text
     assert "group     m: 1 rank(s) [0:d0.0]  membership 1  1 waiting  2 steps since change" in format_stats(served)
+    # the stats reply carries it over the wire as it is
+    assert messages.decode_reply(messages.encode(messages.StatsReply(id=1, stats=served)), "stats").stats == served
 
 
 def test_a_restarted_rank_joins_a_live_group_from_an_older_or_a_newer_checkpoint_without_a_rollback(tmp_path):
