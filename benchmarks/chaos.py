@@ -39,6 +39,7 @@ from benchmarks.chaos_setups import ChaosSetup, real_inputs, real_setup, sim_set
 from common.run.config import ConfigError, load_config, write_resolved
 from dispatcher.rundir import STATE_FILE
 from ops.launch import die_with_parent  # a killed bench takes its run with it, as hsd launch does
+from common.wire.stats_snapshot import ModelView, Snapshot, to_json_object
 from ops.stats_view import run_stats_or_none
 
 JSON_KEYS = ("kills", "attaches", "detaches", "jobs_total", "committed", "witness_duplicates", "witness_missing",
@@ -153,7 +154,7 @@ class ChaosSupervisor:
         if now >= self._serving_checked + 0.5:
             self._serving_checked = now
             stats = run_stats_or_none(self.run_dir) if self.dispatcher_ready() else None
-            self._serving = bool(stats and stats.get("workers"))
+            self._serving = bool(stats and stats.workers)
             if stats:
                 self.progress = committed_share(stats)
         return self._serving and self.dispatcher_ready()
@@ -230,14 +231,14 @@ class ChaosSupervisor:
                 proc.killed = True
                 self.restarts.append((now + 1.0, proc.name, proc.role))
 
-    def reattach_unsaved_models(self, models: dict[str, dict]) -> None:
+    def reattach_unsaved_models(self, models: dict[str, ModelView]) -> None:
         """A detached sim drafter whose model holds commits after its last checkpoint the dispatcher
         knows of (killed and restarted, then detached before its next checkpoint; or its dispatcher
         was down as it left) holds the run open: the run is done only once every model's last step
         is checkpointed. Start it again: it rolls its model back to its checkpoint and finishes it."""
         for name, state in models.items():
             proc = self.procs.get(name)
-            if proc is not None and proc.detached and proc.popen.poll() is not None and state["step"] > state["checkpoint"]:
+            if proc is not None and proc.detached and proc.popen.poll() is not None and state.step > state.checkpoint:
                 new = self.start(name, "drafter", "reattach")
                 self.reattached += 1
                 self.log.event("reattach", "drafter", name, new.popen.pid, "its model's last step is not checkpointed")
@@ -281,20 +282,20 @@ def _signal(popen: subprocess.Popen, signum: int) -> None:
             pass
 
 
-def committed_share(stats: dict) -> float:
+def committed_share(stats: Snapshot) -> float:
     """The share of the run's jobs committed, from a stats snapshot: the epochs started so far give
     the jobs an epoch has (they differ a little with the batching), times the run's epochs."""
-    epochs = stats.get("epochs") or []
+    epochs = stats.epochs
     if not epochs:
         return 0.0
-    per_epoch = sum(e["jobs"] for e in epochs) / len(epochs)
-    total = per_epoch * max(stats.get("epochs_total") or 1, len(epochs))
-    return sum(e["committed"] for e in epochs) / total if total else 0.0
+    per_epoch = sum(e.jobs for e in epochs) / len(epochs)
+    total = per_epoch * max(stats.epochs_total or 1, len(epochs))
+    return sum(e.committed for e in epochs) / total if total else 0.0
 
 
 def wait_until_training(supervisor: ChaosSupervisor, run_dir: Path) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
-    while not ((run_stats_or_none(run_dir) or {}).get("steps") or 0):
+    while (stats := run_stats_or_none(run_dir)) is None or not stats.steps:
         supervisor.tend()
         if time.monotonic() > deadline:
             raise RuntimeError(f"no step committed within {READY_TIMEOUT_S:.0f}s; see {supervisor.logs_dir}")
@@ -337,7 +338,9 @@ def drive(setup: ChaosSetup, plan: list[ChaosEvent], run_dir: Path, *, window_s:
                 stats = run_stats_or_none(run_dir)
                 if stats is None:
                     return supervisor, {"reasons": ["no dispatcher answers"]}
-                return supervisor, stats.get("waiting_for") or {"reasons": ["done, but the dispatcher has not exited"]}
+                if stats.waiting_for is None:
+                    return supervisor, {"reasons": ["done, but the dispatcher has not exited"]}
+                return supervisor, to_json_object(stats.waiting_for)
             supervisor.tend()
             if (settle_end is None and serving and pending and clock >= pending[0].at_s
                     and supervisor.progress >= pending[0].at_progress):
@@ -356,7 +359,7 @@ def drive(setup: ChaosSetup, plan: list[ChaosEvent], run_dir: Path, *, window_s:
                 next_stats = now + 2.0
                 stats = run_stats_or_none(run_dir)
                 if stats:
-                    supervisor.reattach_unsaved_models(stats.get("models") or {})
+                    supervisor.reattach_unsaved_models(stats.models)
             time.sleep(0.05)
         return supervisor, None
     finally:

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.gpu_sections import CheckContext, Skip, save_random_qwen3
+from common.wire.stats_snapshot import WorkerView
 from ops.stats_view import run_stats_or_none
 
 RUN_OVERRIDES = ("run.epochs=1", "run.seed=0", "target.capture_layers=[1,2]", "target.count=1",
@@ -140,15 +141,14 @@ def launch(ctx: CheckContext) -> dict[str, Any]:
 
 
 # -- two NCCL ranks, one killed mid-step --------------------------------------------------------
-def _committing_rank_mid_step(run_dir: Path) -> tuple[dict[str, Any], int] | None:
+def _committing_rank_mid_step(run_dir: Path) -> tuple[WorkerView, int] | None:
     """Rank 0 holding jobs of a step after the group's first checkpoint, and the membership version."""
     s = run_stats_or_none(run_dir)
-    group = (s or {}).get("groups", {}).get("drafter")
-    model = (s or {}).get("models", {}).get("drafter", {})
-    if not group or not group["formed"] or model.get("checkpoint", 0) < 2:
+    group, model = (s.groups.get("drafter"), s.models.get("drafter")) if s is not None else (None, None)
+    if group is None or not group.formed or model is None or model.checkpoint < 2:
         return None
-    holding = [w for w in s["workers"] if w.get("rank") == 0 and w["held"]]
-    return (holding[0], group["version"]) if holding else None
+    holding = [w for w in s.workers if w.rank == 0 and w.held]
+    return (holding[0], group.version) if holding else None
 
 
 def nccl_group(ctx: CheckContext) -> dict[str, Any]:
@@ -176,12 +176,13 @@ def nccl_group(ctx: CheckContext) -> dict[str, Any]:
             if found is None:
                 raise RuntimeError(f"rank 0 was never seen holding jobs after a checkpoint (log: {log_path})")
             victim, version = found
-            os.kill(victim["pid"], signal.SIGKILL)
+            os.kill(victim.pid, signal.SIGKILL)
             killed_at = time.monotonic()
             regrouped_s = None
             while time.monotonic() < deadline and proc.poll() is None:
-                group = ((run_stats_or_none(run_dir) or {}).get("groups", {}) or {}).get("drafter")
-                if group and group["formed"] and group["version"] > version:
+                s = run_stats_or_none(run_dir)
+                group = s.groups.get("drafter") if s is not None else None
+                if group is not None and group.formed and group.version > version:
                     regrouped_s = round(time.monotonic() - killed_at, 2)
                     break
                 time.sleep(0.1)
@@ -189,7 +190,7 @@ def nccl_group(ctx: CheckContext) -> dict[str, Any]:
         finally:
             _stop(proc)
     figures = _run_figures(_report(run_dir), returncode=returncode, wall_s=time.monotonic() - started)
-    figures.update(killed_rank_pid=victim["pid"], killed_in_version=version, regrouped_after_s=regrouped_s)
+    figures.update(killed_rank_pid=victim.pid, killed_in_version=version, regrouped_after_s=regrouped_s)
     if not figures["exactly_once"]:
         figures["log_tail"] = log_path.read_text(errors="replace")[-2000:]
     return figures
@@ -210,8 +211,9 @@ def _used_mib(device) -> float:
     return round((total - free) / 2**20, 1)
 
 
-def _workers(run_dir: Path, role: str) -> list[dict[str, Any]]:
-    return [w for w in (run_stats_or_none(run_dir) or {}).get("workers", []) if w["role"] == role]
+def _workers(run_dir: Path, role: str) -> list[WorkerView]:
+    s = run_stats_or_none(run_dir)
+    return [w for w in s.workers if w.role == role] if s is not None else []
 
 
 def target_restart(ctx: CheckContext) -> dict[str, Any]:
@@ -237,13 +239,13 @@ def target_restart(ctx: CheckContext) -> dict[str, Any]:
                         return found
                     time.sleep(0.1)
                 raise RuntimeError(f"{what} not seen (exit code {proc.poll()}, log: {log_path})")
-            drafter_jobs = lambda: sum(w["jobs"] for w in _workers(run_dir, "drafter"))  # noqa: E731
+            drafter_jobs = lambda: sum(w.jobs for w in _workers(run_dir, "drafter"))  # noqa: E731
             victim = wait_for("a target that extracted and a drafter that read", lambda: next(
-                (w for w in _workers(run_dir, "target") if w["jobs"] >= 4), None) if drafter_jobs() >= 4 else None)
+                (w for w in _workers(run_dir, "target") if w.jobs >= 4), None) if drafter_jobs() >= 4 else None)
             figures["used_before_mib"] = _used_mib(ctx.device)
-            os.kill(victim["pid"], signal.SIGKILL)
+            os.kill(victim.pid, signal.SIGKILL)
             killed_at, read_before = time.monotonic(), drafter_jobs()
-            wait_for("the restarted target", lambda: any(w["pid"] != victim["pid"] and w["jobs"] >= 2
+            wait_for("the restarted target", lambda: any(w.pid != victim.pid and w.jobs >= 2
                                                          for w in _workers(run_dir, "target")))
             wait_for("the drafter reading the new target's slots", lambda: drafter_jobs() >= read_before + 4)
             time.sleep(1.0)

@@ -7,7 +7,7 @@ touches the core (which is single-threaded and not locked), and costs the loop n
 The metric families are produced by a custom collector rather than by Gauge/Counter objects:
 the snapshot already holds every figure, and the core's counters only ever grow, so re-exposing
 them as they are keeps counter semantics without a second copy of the state. Figures the snapshot
-does not carry (an older or newer core) are simply left out.
+leaves unset (None: this core does not fill them) are simply left out.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from prometheus_client import start_http_server
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from common.wire.stats_snapshot import Snapshot
 from dispatcher.stats_figures import pool_usage
 
 WORKER_STATES = ("busy", "idle", "starved", "blocked")
@@ -41,110 +42,102 @@ def _counter(name: str, help_text: str, labels: tuple[str, ...], rows: list[tupl
     return family
 
 
-def _labelled(mapping: dict[str, Any] | None) -> list[tuple[tuple, float]]:
-    return [((key,), value) for key, value in sorted((mapping or {}).items())]
+def _labelled(mapping: dict[str, Any]) -> list[tuple[tuple, float]]:
+    return [((key,), value) for key, value in sorted(mapping.items())]
 
 
-def _membership_version(s: dict[str, Any]) -> int | None:
-    membership = s.get("membership")
-    if isinstance(membership, dict) and "version" in membership:
-        return membership["version"]
-    return s.get("membership_version")
-
-
-def _lease_expiries(s: dict[str, Any]) -> float:
+def _lease_expiries(s: Snapshot) -> float:
     """The core's own counter when it has one; else the give-backs it recorded for expired leases."""
-    if "lease_expiries" in s:
-        return s["lease_expiries"]
-    return (s.get("given_back") or {}).get(LEASE_EXPIRED, 0)
+    if s.lease_expiries is not None:
+        return s.lease_expiries
+    return s.given_back.get(LEASE_EXPIRED, 0)
 
 
-def snapshot_families(s: dict[str, Any]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+def snapshot_families(s: Snapshot) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
     """Every ``hsd_*`` metric family of one stats snapshot."""
     yield _gauge("hsd_up", "1 while the dispatcher serves; 0 once every epoch is committed.", (),
-                 [((), 0 if s.get("done") else 1)])
+                 [((), 0 if s.done else 1)])
     yield _gauge("hsd_snapshot_age_seconds", "Seconds since the snapshot this scrape shows was taken.", (),
-                 [((), max(0.0, time.time() - s.get("time", time.time())))])
-    yield _gauge("hsd_uptime_seconds", "Seconds since the dispatcher started.", (), [((), s.get("uptime_s", 0.0))])
-    yield _gauge("hsd_jobs", "Jobs by ledger state.", ("state",), _labelled(s.get("jobs_by_state")))
+                 [((), max(0.0, time.time() - s.time))])
+    yield _gauge("hsd_uptime_seconds", "Seconds since the dispatcher started.", (), [((), s.uptime_s)])
+    yield _gauge("hsd_jobs", "Jobs by ledger state.", ("state",), _labelled(s.jobs_by_state))
     yield _gauge("hsd_ready_slots", "Ready hidden-state slots per bucket (q_hsb).", ("bucket",),
-                 [((b,), n) for b, n in (s.get("q_hsb") or {}).items()])
-    yield _gauge("hsd_pool_slots", "Pool slots by state.", ("state",), _labelled(s.get("pool")))
+                 [((b,), n) for b, n in s.q_hsb.items()])
+    yield _gauge("hsd_pool_slots", "Pool slots by state.", ("state",), _labelled(s.pool))
     usage = pool_usage(s)
     if usage is not None:
         yield _gauge("hsd_pool_bytes", "Bytes of the hidden-state pool.", (), [((), usage[1])])
         yield _gauge("hsd_pool_used_bytes", "Bytes of the pool held by a job (writing, ready or reading).", (),
                      [((), usage[0])])
-    nodes = s.get("nodes") or {}
+    nodes = s.nodes
     yield _gauge("hsd_node_slots", "Pool slots of each node by state.", ("node", "state"),
-                 [((node, state), n) for node, e in nodes.items() for state, n in e["slots"].items()])
+                 [((node, state), n) for node, e in nodes.items() for state, n in e.slots.items()])
     yield _counter("hsd_node_reads", "Slots handed to each node's drafters, of their own node or another's.",
-                   ("node", "where"), [((node, where), e[f"reads_{where}"]) for node, e in nodes.items()
-                                       for where in ("local", "remote")])
-    yield _counter("hsd_steps", "Committed optimizer steps.", (), [((), s.get("steps", 0))])
+                   ("node", "where"), [((node, where), n) for node, e in nodes.items()
+                                       for where, n in (("local", e.reads_local), ("remote", e.reads_remote))])
+    yield _counter("hsd_steps", "Committed optimizer steps.", (), [((), s.steps)])
 
-    epochs = s.get("epochs") or []
-    yield _gauge("hsd_epochs", "Epochs the run trains.", (), [((), s.get("epochs_total", 0))])
-    yield _gauge("hsd_epoch_jobs", "Jobs of each started epoch.", ("epoch",),
-                 [((e["epoch"],), e["jobs"]) for e in epochs])
+    epochs = s.epochs
+    yield _gauge("hsd_epochs", "Epochs the run trains.", (), [((), s.epochs_total)])
+    yield _gauge("hsd_epoch_jobs", "Jobs of each started epoch.", ("epoch",), [((e.epoch,), e.jobs) for e in epochs])
     yield _gauge("hsd_epoch_jobs_committed", "Committed jobs of each started epoch.", ("epoch",),
-                 [((e["epoch"],), e["committed"]) for e in epochs])
+                 [((e.epoch,), e.committed) for e in epochs])
     yield _gauge("hsd_prefix_deviation", "Prefix deviation in batches, of the schedule and of the consumed stream.",
                  ("epoch", "stream"),
-                 [((e["epoch"], stream), e[key]) for e in epochs for stream in ("schedule", "consumed")
-                  if (key := f"{stream}_prefix_deviation") in e])
-    skew = [((e["epoch"], stream), e[key]) for e in epochs for stream in ("schedule", "consumed")
-            if (key := f"{stream}_tail_skew") in e]
+                 [((e.epoch, stream), value) for e in epochs for stream, value in
+                  (("schedule", e.schedule_prefix_deviation), ("consumed", e.consumed_prefix_deviation))])
+    skew = [((e.epoch, stream), value) for e in epochs for stream, value in
+            (("schedule", e.schedule_tail_skew), ("consumed", e.consumed_tail_skew)) if value is not None]
     if skew:
         yield _gauge("hsd_tail_skew", "Total variation distance of the last 10% of the jobs from the epoch's mix.",
                      ("epoch", "stream"), skew)
-    if "step_mix" in s:
+    if s.step_mix is not None:
         yield _gauge("hsd_step_mix", "Share of optimizer steps that mix as many buckets as were available.", (),
-                     [((), s["step_mix"])])
+                     [((), s.step_mix)])
 
-    workers = s.get("workers") or []
-    per_worker = [(w["name"], w["role"]) for w in workers]
+    workers = s.workers
+    per_worker = [(w.name, w.role) for w in workers]
     yield _gauge("hsd_worker_tokens_per_second", "Tokens per second of each worker since it registered.",
-                 ("worker", "role"), [(key, w["tokens_per_s"]) for key, w in zip(per_worker, workers)])
+                 ("worker", "role"), [(key, w.tokens_per_s) for key, w in zip(per_worker, workers)])
     yield _gauge("hsd_worker_idle_ratio", "Share of its time a worker spent waiting.",
-                 ("worker", "role"), [(key, w["idle_ratio"]) for key, w in zip(per_worker, workers)])
+                 ("worker", "role"), [(key, w.idle_ratio) for key, w in zip(per_worker, workers)])
     yield _gauge("hsd_worker_heartbeat_age_seconds", "Seconds since a worker was last heard from.",
-                 ("worker", "role"), [(key, w["heartbeat_age_s"]) for key, w in zip(per_worker, workers)])
+                 ("worker", "role"), [(key, w.heartbeat_age_s) for key, w in zip(per_worker, workers)])
     yield _counter("hsd_worker_jobs", "Jobs a worker finished since it registered.",
-                   ("worker", "role"), [(key, w.get("jobs", 0)) for key, w in zip(per_worker, workers)])
+                   ("worker", "role"), [(key, w.jobs) for key, w in zip(per_worker, workers)])
     # One series per (worker, state), 1 for the state it is in: a stateset that sums and graphs well.
     yield _gauge("hsd_worker_state", "1 for the state a worker is in (busy, idle, starved, blocked), else 0.",
                  ("worker", "role", "state"),
-                 [((*key, state), int(w["state"] == state)) for key, w in zip(per_worker, workers)
+                 [((*key, state), int(w.state == state)) for key, w in zip(per_worker, workers)
                   for state in WORKER_STATES])
     yield _gauge("hsd_workers", "Workers by role and state.", ("role", "state"),
-                 [((role, state), sum(1 for w in workers if w["role"] == role and w["state"] == state))
+                 [((role, state), sum(1 for w in workers if w.role == role and w.state == state))
                   for role in ROLES for state in WORKER_STATES])
 
-    yield _counter("hsd_requests", "Requests by op.", ("op",), _labelled(s.get("requests")))
-    yield _counter("hsd_errors", "Error replies by code.", ("code",), _labelled(s.get("errors")))
-    yield _counter("hsd_given_back", "Jobs given back by reason.", ("reason",), _labelled(s.get("given_back")))
+    yield _counter("hsd_requests", "Requests by op.", ("op",), _labelled(s.requests))
+    yield _counter("hsd_errors", "Error replies by code.", ("code",), _labelled(s.errors))
+    yield _counter("hsd_given_back", "Jobs given back by reason.", ("reason",), _labelled(s.given_back))
     yield _counter("hsd_lease_expiries", "Leases that expired (their jobs were given back).", (),
                    [((), _lease_expiries(s))])
-    version = _membership_version(s)
-    if version is not None:
-        yield _gauge("hsd_membership_version", "Version of the drafter group's membership.", (), [((), version)])
-    groups = s.get("groups") or {}
-    for key, name, text in (("world_size", "hsd_group_ranks", "Ranks of a drafter group's current membership."),
-                            ("waiting", "hsd_group_waiting", "Ranks waiting to join a drafter group."),
-                            ("steps_since_change", "hsd_group_steps_since_change",
-                             "Steps a drafter group committed since its membership last changed.")):
+    if s.membership_version is not None:
+        yield _gauge("hsd_membership_version", "Version of the drafter group's membership.", (),
+                     [((), s.membership_version)])
+    groups = s.groups
+    for field, name, text in (("world_size", "hsd_group_ranks", "Ranks of a drafter group's current membership."),
+                              ("waiting", "hsd_group_waiting", "Ranks waiting to join a drafter group."),
+                              ("steps_since_change", "hsd_group_steps_since_change",
+                               "Steps a drafter group committed since its membership last changed.")):
         if groups:
-            yield _gauge(name, text, ("model",), [((m,), g.get(key, 0)) for m, g in groups.items()])
+            yield _gauge(name, text, ("model",), [((m,), getattr(g, field)) for m, g in groups.items()])
 
 
 class SnapshotCollector(Collector):
     """Exposes the latest snapshot handed to it; exposes nothing before the first one."""
 
     def __init__(self) -> None:
-        self._snapshot: dict[str, Any] | None = None
+        self._snapshot: Snapshot | None = None
 
-    def update(self, snapshot: dict[str, Any]) -> None:
+    def update(self, snapshot: Snapshot) -> None:
         # One reference swap: a scrape in flight keeps the snapshot it started with.
         self._snapshot = snapshot
 
@@ -154,7 +147,7 @@ class SnapshotCollector(Collector):
             yield from snapshot_families(snapshot)
 
 
-def render_prometheus(snapshot: dict[str, Any]) -> str:
+def render_prometheus(snapshot: Snapshot) -> str:
     """The text exposition of one snapshot (what a scrape returns)."""
     from prometheus_client import generate_latest
     registry = CollectorRegistry(auto_describe=False)
@@ -175,7 +168,7 @@ class MetricsServer:
         self._http, self._thread = start_http_server(port, addr=host, registry=self._registry)
         self.port = self._http.server_address[1]
 
-    def update(self, snapshot: dict[str, Any]) -> None:
+    def update(self, snapshot: Snapshot) -> None:
         self._collector.update(snapshot)
 
     def close(self) -> None:

@@ -7,42 +7,50 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from common.wire.stats_snapshot import NodeView
 
-def node_summary(pool: Any, workers: dict[str, Any], reads: Counter, *, home: str) -> dict[str, dict[str, Any]]:
-    """node -> {slots: {state: n}, min_ready, targets, drafters, reads_local, reads_remote}.
+
+def node_summary(pool: Any, workers: dict[str, Any], reads: Counter, *, home: str) -> dict[str, NodeView]:
+    """node -> its slots by state, reserve (min_ready), targets, drafters and reads (local, remote).
 
     ``home`` names the dispatcher's node, where its own arena's slots (node None) live.
     """
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, NodeView] = {}
 
-    def entry(node: str | None) -> dict[str, Any]:
+    def entry(node: str | None) -> NodeView:
         name = node or home
         if name not in out:
-            out[name] = {"slots": {}, "min_ready": 0, "targets": 0, "drafters": 0, "reads_local": 0,
-                         "reads_remote": 0}
+            out[name] = NodeView(slots={}, min_ready=0, targets=0, drafters=0, reads_local=0, reads_remote=0)
         return out[name]
 
     for node, counts in pool.node_counts().items():
         e = entry(node)
-        e["slots"], e["min_ready"] = counts, pool.node_min_ready(node)
+        e.slots, e.min_ready = counts, pool.node_min_ready(node)
     for worker in workers.values():
-        entry(worker.node)[f"{worker.role}s"] += 1
+        e = entry(worker.node)
+        if worker.role == "target":
+            e.targets += 1
+        else:
+            e.drafters += 1
     for (node, kind), n in reads.items():
-        entry(node)[f"reads_{kind}"] += n
+        e = entry(node)
+        if kind == "local":
+            e.reads_local += n
+        else:
+            e.reads_remote += n
     return dict(sorted(out.items()))
 
 
-def format_nodes(nodes: dict[str, dict[str, Any]], slot_bytes: int) -> list[str]:
+def format_nodes(nodes: dict[str, NodeView], slot_bytes: int) -> list[str]:
     """One ``hsd stats`` line per node, once a run has more than one."""
     if len(nodes) < 2:
         return []
     lines = []
     for name, e in nodes.items():
-        slots = e["slots"]
-        total = sum(slots.values())
-        used = total - slots.get("free", 0)
-        lines.append(f"node {name}: {e['targets']} target(s), {e['drafters']} drafter(s); {total} slots "
+        total = sum(e.slots.values())
+        used = total - e.slots.get("free", 0)
+        lines.append(f"node {name}: {e.targets} target(s), {e.drafters} drafter(s); {total} slots "
                      f"({used * slot_bytes / 2**20:.1f} of {total * slot_bytes / 2**20:.1f} MiB held), ready "
-                     f"{slots.get('ready', 0)} (min {e['min_ready']}); reads local {e['reads_local']} "
-                     f"remote {e['reads_remote']}")
+                     f"{e.slots.get('ready', 0)} (min {e.min_ready}); reads local {e.reads_local} "
+                     f"remote {e.reads_remote}")
     return lines

@@ -25,6 +25,7 @@ from common.wire import messages
 from common.wire.client import run_id_for
 from common.run.config import Config, write_resolved
 from common.wire.messages import ErrorCode, ProtocolError
+from common.wire.stats_snapshot import Snapshot, serving_snapshot
 from dispatcher.core import DispatcherCore
 from common import faults
 from common.wire.curve import HandshakeMonitor, ZapAuthorizer, auth_stats, server_from_config
@@ -408,14 +409,12 @@ class DispatcherServer:
             log.exception("internal error on the stats socket")
             return self._error(request_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"), False
 
-    def _stats_snapshot(self) -> dict[str, Any]:
-        snapshot = build_snapshot(self.core, time.monotonic())
-        snapshot.update(run_dir=str(self.run_dir), run_id=self.run_id, pid=os.getpid(),
-                        transport=self.data_plane.describe_dict(), waiters=len(self.polls.waiters),
-                        auth=auth_stats(self.authorizer, self.handshakes, secret=bool(self.config.dispatcher.secret)),
-                        nodes=node_summary(self.core.pool, self.core.workers, self.core.counters.reads,
-                                           home=self.data_plane.node))
-        return snapshot
+    def _stats_snapshot(self) -> Snapshot:
+        return serving_snapshot(
+            build_snapshot(self.core, time.monotonic()), run_dir=str(self.run_dir), run_id=self.run_id,
+            pid=os.getpid(), transport=self.data_plane.describe_dict(), waiters=len(self.polls.waiters),
+            auth=auth_stats(self.authorizer, self.handshakes, secret=bool(self.config.dispatcher.secret)),
+            nodes=node_summary(self.core.pool, self.core.workers, self.core.counters.reads, home=self.data_plane.node))
 
     def close(self) -> None:
         self.polls.close()

@@ -7,8 +7,9 @@ core and ledger, so a snapshot costs O(workers + buckets), not O(jobs).
 from __future__ import annotations
 
 import time
-from typing import Any
 
+from common.wire.stats_snapshot import (CoreSnapshot, EpochView, GroupView, ModelView, StepCost, WaitingFor,
+                                          WaitingModel, WorkerView)
 from dispatcher.core import DispatcherCore
 from dispatcher.core_types import Worker
 from dispatcher.ledger import JobState
@@ -27,41 +28,41 @@ def worker_state(core: DispatcherCore, worker: Worker) -> str:
     return "idle"
 
 
-def build_snapshot(core: DispatcherCore, now: float) -> dict[str, Any]:
+def build_snapshot(core: DispatcherCore, now: float) -> CoreSnapshot:
     epochs = []
     for epoch in sorted(core.ledger.epochs):
         progress = core.ledger.epochs[epoch]
-        epochs.append({"epoch": epoch, "jobs": progress.num_jobs, "committed": progress.committed,
-                       "taken": sum(progress.taken.values()),
-                       "schedule_prefix_deviation": round(core.store.deviation[epoch], 3),
-                       "consumed_prefix_deviation": round(progress.consumed_deviation.value, 3)})
+        epochs.append(EpochView(epoch=epoch, jobs=progress.num_jobs, committed=progress.committed,
+                                taken=sum(progress.taken.values()),
+                                schedule_prefix_deviation=round(float(core.store.deviation[epoch]), 3),
+                                consumed_prefix_deviation=round(progress.consumed_deviation.value, 3)))
     workers = []
     for w in core.workers.values():
         alive_s = max(now - w.registered_at, 1e-9)
         waiting = w.total_wait_s + (now - w.waiting_since if w.waiting_since is not None else 0.0)
-        workers.append({"id": w.id, "name": w.name, "role": w.role, "pid": w.pid, "host": w.host, "gpu": w.gpu,
-                        "state": worker_state(core, w), "jobs": w.num_jobs,
-                        "tokens_per_s": round(w.num_tokens / alive_s, 1),
-                        "idle_ratio": round(min(1.0, waiting / alive_s), 3),
-                        "heartbeat_age_s": round(now - w.last_seen, 3),
-                        # cumulative seconds: a viewer differences two snapshots for a recent idle ratio
-                        "alive_s": round(alive_s, 3), "wait_s": round(waiting, 3),
-                        "held": [j.job_id for j in core.ledger.held_by(w.id)],
-                        **({"metrics": dict(w.metrics)} if w.metrics else {}),
-                        **({"rank": w.group.rank, "membership": w.group.version} if w.group else {})})
-    return {"time": time.time(), "uptime_s": round(now - core.started_at, 3), "done": core.done,
-            "epochs_total": core.options.epochs, "epochs": epochs,
-            "jobs_by_state": core.ledger.counts_by_state(),
-            "q_hsb": {str(b): n for b, n in core.pool.ready_per_bucket().items()},  # msgpack map keys are str
-            "pool": core.pool.counts(), "pool_peak_slots": core.pool.peak_in_use, "workers": workers, "steps": core.num_steps,
-            "models": {m: {"step": s, "checkpoint": core.checkpoints.get(m, 0)} for m, s in core.ledger.model_step.items()},
-            "groups": {m: group_view(core, g) for m, g in core.groups.groups.items()},
-            **({"membership_version": max(core.groups.versions().values())} if core.groups.groups else {}),
-            "given_back": dict(core.counters.given_back), "requests": dict(core.counters.requests),
-            "errors": dict(core.counters.errors), **({} if core.done else {"waiting_for": waiting_for(core)})}
+        workers.append(WorkerView(id=w.id, name=w.name, role=w.role, pid=w.pid, host=w.host, gpu=w.gpu,
+                                  state=worker_state(core, w), jobs=w.num_jobs,
+                                  tokens_per_s=round(w.num_tokens / alive_s, 1),
+                                  idle_ratio=round(min(1.0, waiting / alive_s), 3),
+                                  heartbeat_age_s=round(now - w.last_seen, 3),
+                                  alive_s=round(alive_s, 3), wait_s=round(waiting, 3),
+                                  held=[j.job_id for j in core.ledger.held_by(w.id)],
+                                  metrics=dict(w.metrics) if w.metrics else None,
+                                  rank=w.group.rank if w.group else None,
+                                  membership=w.group.version if w.group else None))
+    return CoreSnapshot(
+        time=time.time(), uptime_s=round(now - core.started_at, 3), done=core.done,
+        epochs_total=core.options.epochs, epochs=epochs, jobs_by_state=core.ledger.counts_by_state(),
+        q_hsb={str(b): n for b, n in core.pool.ready_per_bucket().items()},  # msgpack map keys are str
+        pool=core.pool.counts(), pool_peak_slots=core.pool.peak_in_use, workers=workers, steps=core.num_steps,
+        models={m: ModelView(step=s, checkpoint=core.checkpoints.get(m, 0)) for m, s in core.ledger.model_step.items()},
+        groups={m: group_view(core, g) for m, g in core.groups.groups.items()},
+        membership_version=max(core.groups.versions().values()) if core.groups.groups else None,
+        given_back=dict(core.counters.given_back), requests=dict(core.counters.requests),
+        errors=dict(core.counters.errors), waiting_for=None if core.done else waiting_for(core))
 
 
-def waiting_for(core: DispatcherCore) -> dict[str, Any]:
+def waiting_for(core: DispatcherCore) -> WaitingFor:
     """What a run that is not done waits for: each open epoch's jobs by state (and who holds them),
     each model whose known checkpoint is behind its step (and whether a live drafter trains it),
     and one line a person reads for each."""
@@ -84,27 +85,29 @@ def waiting_for(core: DispatcherCore) -> dict[str, Any]:
         if checkpoint >= step:
             continue
         live = sorted(w.name for w in core.workers.values() if w.model == model)
-        models[model] = {"step": step, "checkpoint": checkpoint, "drafters": live}
+        models[model] = WaitingModel(step=step, checkpoint=checkpoint, drafters=live)
         reasons.append(f"model {model} at step {step}, its known checkpoint at step {checkpoint}: "
                        + (f"waiting for {', '.join(live)} to checkpoint it" if live
                           else "no live drafter trains it (one must register, or its checkpoint be found on disk)"))
         holders.update(live)
-    return {"epochs": epochs, "models": models, "workers": sorted(holders), "reasons": reasons}
+    return WaitingFor(epochs=epochs, models=models, workers=sorted(holders), reasons=reasons)
 
 
-def group_view(core, group) -> dict[str, Any]:
+def group_view(core, group) -> GroupView:
     """A data-parallel group as a watcher sees it: its ranks, membership version, the ranks waiting
     to join, the steps it committed since its membership last changed, and how its steps are
     balanced (with cost: the fitted cost model's seconds per job, sequence and padded token)."""
     costs = core.step_costs.get(group.model)
-    balance = {"step_balance": group.spec.balance, "step_jobs": group.step_jobs if group.formed else 0}
+    step_cost = None
     if costs is not None and costs.observations and group.spec.balance == "cost":
-        balance["step_cost"] = {**{name: float(w) for name, w in zip(FEATURES, costs.weights())},
-                                "observations": costs.observations}
-    return {"version": group.version, "world_size": group.world_size, "formed": group.formed, **balance,
-            "members": {str(r): w for w, r in group.members.items()}, "waiting": len(group.waiting),
-            "steps_since_change": max(0, core.ledger.model_step.get(group.model, 0) - group.opened_at_steps)
-            if group.formed else 0}
+        step_cost = StepCost(**{name: float(w) for name, w in zip(FEATURES, costs.weights())},
+                             observations=costs.observations)
+    return GroupView(version=group.version, world_size=group.world_size, formed=group.formed,
+                     step_balance=group.spec.balance, step_jobs=group.step_jobs if group.formed else 0,
+                     step_cost=step_cost, members={str(r): w for w, r in group.members.items()},
+                     waiting=len(group.waiting),
+                     steps_since_change=max(0, core.ledger.model_step.get(group.model, 0) - group.opened_at_steps)
+                     if group.formed else 0)
 
 
 def progress_line(core: DispatcherCore, epochs: int) -> str:

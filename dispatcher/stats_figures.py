@@ -4,7 +4,7 @@ the snapshot, below the operator's view, so the daemon never imports its own cli
 
 from __future__ import annotations
 
-from typing import Any
+from common.wire.stats_snapshot import Snapshot
 
 
 def format_q_hsb(q_hsb: dict) -> str:
@@ -12,9 +12,9 @@ def format_q_hsb(q_hsb: dict) -> str:
     return "  ".join(f"b{b}:{n}" for b, n in q_hsb.items()) or "(no bucket)"
 
 
-def pool_usage(s: dict[str, Any]) -> tuple[int, int] | None:
+def pool_usage(s: Snapshot) -> tuple[int, int] | None:
     """(bytes held by a job, bytes of the pool), from the slot states and the transport's slot size."""
-    transport, pool = s.get("transport"), s.get("pool")
+    transport, pool = s.transport, s.pool
     if not transport or not pool:
         return None
     slot_bytes = transport["slot_bytes"]

@@ -11,9 +11,9 @@ import json
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
 
 from common.wire import messages
+from common.wire.stats_snapshot import Snapshot, WaitingFor, WorkerView, to_json_object
 from common.wire.client import DispatcherClient, DispatcherUnavailable
 from common.run.config import ConfigError, load_config, load_run_config
 from common.wire.curve import CurveClient, client_from_config, client_from_keys, handshake_refused
@@ -47,7 +47,7 @@ STATS_TIMEOUT_S = 10.0  # hsd stats: how long a dispatcher may take to answer be
 
 
 def fetch_stats(endpoint: str, secret: str = "", timeout_s: float = 3.0, *,
-                curve: CurveClient | None = None) -> dict[str, Any]:
+                curve: CurveClient | None = None) -> Snapshot:
     client = DispatcherClient(endpoint, secret=secret, timeout_s=timeout_s, curve=curve)
     try:
         return client.call(messages.Stats()).stats
@@ -55,7 +55,7 @@ def fetch_stats(endpoint: str, secret: str = "", timeout_s: float = 3.0, *,
         client.close()
 
 
-def run_stats_or_none(run_dir: str | Path, *, timeout_s: float = 1.0) -> dict[str, Any] | None:
+def run_stats_or_none(run_dir: str | Path, *, timeout_s: float = 1.0) -> Snapshot | None:
     """The snapshot of ``run_dir``'s dispatcher, or None while none answers (not started yet,
     restarting): for whoever watches a run from outside it (tests, ``hsd bench gpu``)."""
     if not (Path(run_dir) / "config.yaml").exists():
@@ -84,20 +84,20 @@ def _duration(seconds: float) -> str:
 RATE_WINDOW_S = 30.0  # long enough to smooth over optimizer-step bursts, short enough to follow a change
 
 
-def committed_jobs(s: dict[str, Any]) -> int:
-    return sum(e["committed"] for e in s.get("epochs", []))
+def committed_jobs(s: Snapshot) -> int:
+    return sum(e.committed for e in s.epochs)
 
 
-def remaining_jobs(s: dict[str, Any]) -> tuple[int, int]:
+def remaining_jobs(s: Snapshot) -> tuple[int, int]:
     """(jobs left in the current epoch, jobs left in the run); epochs not yet started count as large
     as the last started one (epochs of one dataset differ by a few batches at most)."""
-    epochs = s.get("epochs", [])
+    epochs = s.epochs
     if not epochs:
         return 0, 0
-    open_epochs = [e for e in epochs if e["committed"] < e["jobs"]]
-    epoch_left = open_epochs[0]["jobs"] - open_epochs[0]["committed"] if open_epochs else 0
-    unstarted = max(0, s.get("epochs_total", len(epochs)) - len(epochs))
-    run_left = sum(e["jobs"] - e["committed"] for e in epochs) + unstarted * epochs[-1]["jobs"]
+    open_epochs = [e for e in epochs if e.committed < e.jobs]
+    epoch_left = open_epochs[0].jobs - open_epochs[0].committed if open_epochs else 0
+    unstarted = max(0, s.epochs_total - len(epochs))
+    run_left = sum(e.jobs - e.committed for e in epochs) + unstarted * epochs[-1].jobs
     return epoch_left, run_left
 
 
@@ -108,24 +108,24 @@ class CommitRate:
         self._samples: deque[tuple[float, int]] = deque()
         self._pid: int | None = None
 
-    def add(self, s: dict[str, Any]) -> None:
-        if s.get("pid") != self._pid:  # another dispatcher: its counts start over
+    def add(self, s: Snapshot) -> None:
+        if s.pid != self._pid:  # another dispatcher: its counts start over
             self._samples.clear()
-            self._pid = s.get("pid")
-        self._samples.append((s["time"], committed_jobs(s)))
+            self._pid = s.pid
+        self._samples.append((s.time, committed_jobs(s)))
         while len(self._samples) > 2 and self._samples[-1][0] - self._samples[1][0] >= RATE_WINDOW_S:
             self._samples.popleft()
 
-    def rate(self, s: dict[str, Any]) -> float:
+    def rate(self, s: Snapshot) -> float:
         if len(self._samples) >= 2 and self._samples[-1][0] > self._samples[0][0]:
             (t0, c0), (t1, c1) = self._samples[0], self._samples[-1]
             return max(0.0, (c1 - c0) / (t1 - t0))
         # a single snapshot: the average since the dispatcher started
-        return committed_jobs(s) / s["uptime_s"] if s.get("uptime_s") else 0.0
+        return committed_jobs(s) / s.uptime_s if s.uptime_s else 0.0
 
 
-def eta_line(s: dict[str, Any], rate: float) -> str:
-    if s.get("done"):
+def eta_line(s: Snapshot, rate: float) -> str:
+    if s.done:
         return "eta       run complete"
     epoch_left, run_left = remaining_jobs(s)
     if rate <= 0:
@@ -140,37 +140,32 @@ def eta_line(s: dict[str, Any], rate: float) -> str:
 WAIT_THRESHOLD = 0.15
 
 
-def stage_waits(s: dict[str, Any], previous: dict[str, Any] | None = None) -> dict[str, float | None]:
+def stage_waits(s: Snapshot, previous: Snapshot | None = None) -> dict[str, float | None]:
     """Share of time each stage's workers waited: since the previous snapshot when there is one
     (workers present in both), else since each worker registered. None for a stage with no worker."""
-    old = {w["id"]: w for w in (previous or {}).get("workers", [])
-           if previous and previous.get("pid") == s.get("pid")}
+    old = {w.id: w for w in previous.workers} if previous is not None and previous.pid == s.pid else {}
     waits: dict[str, float | None] = {}
     for role in ("target", "drafter"):
-        workers = [w for w in s.get("workers", []) if w["role"] == role]
+        workers = [w for w in s.workers if w.role == role]
         if not workers:
             waits[role] = None
             continue
         alive = wait = 0.0
         for w in workers:
-            before = old.get(w["id"])
-            if before is not None and "alive_s" in w and w["alive_s"] > before["alive_s"]:
-                alive += w["alive_s"] - before["alive_s"]
-                wait += w["wait_s"] - before["wait_s"]
-            elif "alive_s" in w:
-                alive += w["alive_s"]
-                wait += w["wait_s"]
-            else:  # a snapshot without the cumulative seconds: the mean of the ratios
-                alive += 1.0
-                wait += w["idle_ratio"]
+            before = old.get(w.id)
+            if before is not None and w.alive_s > before.alive_s:
+                alive += w.alive_s - before.alive_s
+                wait += w.wait_s - before.wait_s
+            else:
+                alive += w.alive_s
+                wait += w.wait_s
         waits[role] = min(1.0, max(0.0, wait / alive)) if alive > 0 else 0.0
     return waits
 
 
-def nothing_to_extract(s: dict[str, Any]) -> bool:
+def nothing_to_extract(s: Snapshot) -> bool:
     """The last epoch has started and no job of it is pending: targets may idle, that is the tail."""
-    return (len(s.get("epochs", [])) >= s.get("epochs_total", 0)
-            and s.get("jobs_by_state", {}).get("pending", 0) == 0)
+    return len(s.epochs) >= s.epochs_total and s.jobs_by_state.get("pending", 0) == 0
 
 
 def name_bottleneck(*, target_wait: float | None, drafter_wait: float | None, tail: bool = False,
@@ -202,79 +197,80 @@ def name_bottleneck(*, target_wait: float | None, drafter_wait: float | None, ta
     return f"balanced: targets wait {t_pct}, drafters wait {d_pct}"
 
 
-def bottleneck_line(s: dict[str, Any], previous: dict[str, Any] | None = None) -> str:
+def bottleneck_line(s: Snapshot, previous: Snapshot | None = None) -> str:
     waits = stage_waits(s, previous)
     return "bottleneck " + name_bottleneck(target_wait=waits["target"], drafter_wait=waits["drafter"],
-                                           tail=nothing_to_extract(s), done=bool(s.get("done")))
+                                           tail=nothing_to_extract(s), done=s.done)
 
 
-def format_stats(s: dict[str, Any], *, previous: dict[str, Any] | None = None, rate: float | None = None) -> str:
+def format_stats(s: Snapshot, *, previous: Snapshot | None = None, rate: float | None = None) -> str:
     """The table ``hsd stats`` prints; ``previous`` (the last snapshot shown) and ``rate`` (committed
     jobs/s) make the idle shares and the ETA recent rather than averages since the start."""
-    t = s["transport"]
-    lines = [f"run {s['run_dir']}  (run id {s['run_id']}, dispatcher pid {s['pid']}, up {s['uptime_s']:.0f}s)"
-             + ("  DONE" if s["done"] else "")]
-    for e in s["epochs"]:
-        pct = e["committed"] / max(1, e["jobs"])
-        lines.append(f"epoch {e['epoch'] + 1}/{s['epochs_total']}: {e['committed']}/{e['jobs']} committed ({pct:.0%}), "
-                     f"{e['taken']} taken; prefix deviation schedule {e['schedule_prefix_deviation']:.2f} "
-                     f"consumed {e['consumed_prefix_deviation']:.2f}")
+    t = s.transport
+    lines = [f"run {s.run_dir}  (run id {s.run_id}, dispatcher pid {s.pid}, up {s.uptime_s:.0f}s)"
+             + ("  DONE" if s.done else "")]
+    for e in s.epochs:
+        pct = e.committed / max(1, e.jobs)
+        lines.append(f"epoch {e.epoch + 1}/{s.epochs_total}: {e.committed}/{e.jobs} committed ({pct:.0%}), "
+                     f"{e.taken} taken; prefix deviation schedule {e.schedule_prefix_deviation:.2f} "
+                     f"consumed {e.consumed_prefix_deviation:.2f}")
     lines.append(eta_line(s, rate if rate is not None else CommitRate().rate(s)))
-    lines.append("jobs      " + "  ".join(f"{k} {v}" for k, v in s["jobs_by_state"].items()))
-    lines.append("q_hsb     " + format_q_hsb(s["q_hsb"]))
+    lines.append("jobs      " + "  ".join(f"{k} {v}" for k, v in s.jobs_by_state.items()))
+    lines.append("q_hsb     " + format_q_hsb(s.q_hsb))
     lines.append(f"pool      {t['kind']}, {t['num_slots']} slots{' per target' if t['per_target'] else ''} x "
                  f"{_mib(t['slot_bytes'])} = {_mib(t['pool_bytes'])}; "
-                 + "  ".join(f"{k} {v}" for k, v in s["pool"].items()))
+                 + "  ".join(f"{k} {v}" for k, v in s.pool.items()))
     usage = pool_usage(s)
     if usage is not None:
         lines.append(f"pool use  {_mib(usage[0])} of {_mib(usage[1])} ({usage[0] / max(1, usage[1]):.0%})")
-    lines.extend(format_nodes(s.get("nodes") or {}, t["slot_bytes"]))
-    lines.append(f"steps     {s['steps']}   given back {s['given_back'] or 0}   errors {s['errors'] or 0}")
-    for model, g in (s.get("groups") or {}).items():
-        ranks = " ".join(f"{r}:{w}" for r, w in sorted(g.get("members", {}).items(), key=lambda m: int(m[0])))
-        lines.append(f"group     {model}: {g['world_size']} rank(s) [{ranks}]  membership {g['version']}  "
-                     f"{g.get('waiting', 0)} waiting  {g.get('steps_since_change', 0)} steps since change  "
-                     f"{g.get('step_jobs', 0)} jobs/step balanced by {g.get('step_balance', 'count')}")
-        cost = g.get("step_cost")
-        if cost:
-            lines.append(f"          step cost model: {cost['jobs'] * 1e3:.2f} ms/job + {cost['sequences'] * 1e3:.3f} ms/"
-                         f"sequence + {cost['padded_tokens'] * 1e6:.2f} us/padded token "
-                         f"({cost['observations']} observations)")
-    auth = s.get("auth") or {}
+    lines.extend(format_nodes(s.nodes, t["slot_bytes"]))
+    lines.append(f"steps     {s.steps}   given back {s.given_back or 0}   errors {s.errors or 0}")
+    for model, g in s.groups.items():
+        ranks = " ".join(f"{r}:{w}" for r, w in sorted(g.members.items(), key=lambda m: int(m[0])))
+        lines.append(f"group     {model}: {g.world_size} rank(s) [{ranks}]  membership {g.version}  "
+                     f"{g.waiting} waiting  {g.steps_since_change} steps since change  "
+                     f"{g.step_jobs} jobs/step balanced by {g.step_balance}")
+        cost = g.step_cost
+        if cost is not None:
+            lines.append(f"          step cost model: {cost.jobs * 1e3:.2f} ms/job + {cost.sequences * 1e3:.3f} ms/"
+                         f"sequence + {cost.padded_tokens * 1e6:.2f} us/padded token "
+                         f"({cost.observations} observations)")
+    auth = s.auth
     if auth.get("mechanism") == "curve":
         lines.append(f"auth      curve: {auth['accepted']} accepted, {auth['refused']} keys refused, "
                      f"{auth['handshakes_failed']} handshakes failed")
     lines.append(bottleneck_line(s, previous))
-    lines.extend(waiting_lines(s))
+    lines.extend(waiting_lines(s.waiting_for))
     lines.append("")
     lines.append(f"{'worker':<12} {'id':<5} {'role':<8} {'state':<8} {'jobs':>6} {'tok/s':>10} {'idle':>6} "
                  f"{'hb age':>7}  pid@host")
-    for w in sorted(s["workers"], key=lambda w: (w["role"], w["name"])):
-        lines.append(f"{w['name']:<12} {w['id']:<5} {w['role']:<8} {w['state']:<8} {w['jobs']:>6} "
-                     f"{w['tokens_per_s']:>10,.0f} {w['idle_ratio']:>6.1%} {w['heartbeat_age_s']:>6.1f}s  "
-                     f"{w['pid']}@{w['host']}")
-    if not s["workers"]:
+    for w in sorted(s.workers, key=lambda w: (w.role, w.name)):
+        lines.append(f"{w.name:<12} {w.id:<5} {w.role:<8} {w.state:<8} {w.jobs:>6} "
+                     f"{w.tokens_per_s:>10,.0f} {w.idle_ratio:>6.1%} {w.heartbeat_age_s:>6.1f}s  "
+                     f"{w.pid}@{w.host}")
+    if not s.workers:
         lines.append("(no worker registered)")
-    lines += step_metric_lines(s["workers"])
+    lines += step_metric_lines(s.workers)
     return "\n".join(lines)
 
 
-def waiting_lines(s: dict[str, Any]) -> list[str]:
+def waiting_lines(waiting: WaitingFor | None) -> list[str]:
     """What a run that is not done waits for (the snapshot's ``waiting_for``), a line a reason."""
-    waiting = s.get("waiting_for") or {}
-    lines = [f"waiting   {reason}" for reason in waiting.get("reasons", [])]
-    if waiting.get("workers"):
-        lines.append(f"          on {', '.join(waiting['workers'])}")
+    if waiting is None:
+        return []
+    lines = [f"waiting   {reason}" for reason in waiting.reasons]
+    if waiting.workers:
+        lines.append(f"          on {', '.join(waiting.workers)}")
     return lines
 
 
-def step_metric_lines(workers: list[dict[str, Any]]) -> list[str]:
+def step_metric_lines(workers: list[WorkerView]) -> list[str]:
     """The latest step figures each drafter sent with its commits (loss, accuracy, lr, ...)."""
     lines = []
-    for w in sorted(workers, key=lambda w: w["name"]):
-        if w.get("metrics"):
-            figures = "  ".join(f"{k} {v:.4g}" for k, v in w["metrics"].items())
-            lines.append(f"{w['name']:<12} last step: {figures}")
+    for w in sorted(workers, key=lambda w: w.name):
+        if w.metrics:
+            figures = "  ".join(f"{k} {v:.4g}" for k, v in w.metrics.items())
+            lines.append(f"{w.name:<12} last step: {figures}")
     return lines
 
 
@@ -303,7 +299,7 @@ def run_stats(*, endpoint: str | None, run_dir: str | None, as_json: bool, watch
                 return 1
         else:
             if as_json:
-                print(json.dumps(stats), flush=True)
+                print(json.dumps(to_json_object(stats)), flush=True)
             else:
                 commit_rate.add(stats)
                 if watch_s:

@@ -53,9 +53,12 @@ def assert_exactly_once(r: dict) -> None:
 
 
 def stats(run_dir: Path) -> dict | None:
-    """The dispatcher's stats snapshot, or None while none answers (asked in-process: fast)."""
+    """The dispatcher's stats snapshot as ``hsd stats --json`` prints it, or None while none answers
+    (asked in-process: fast)."""
+    from common.wire.stats_snapshot import to_json_object
     from ops.stats_view import run_stats_or_none
-    return run_stats_or_none(run_dir)
+    snapshot = run_stats_or_none(run_dir)
+    return to_json_object(snapshot) if snapshot is not None else None
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "condition"):

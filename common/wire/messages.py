@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal, Union
 import msgspec
 
 from common.wire.errors import ErrorCode, ProtocolError
+from common.wire.stats_snapshot import Snapshot
 
 PROTOCOL_VERSION = 2
 
@@ -335,7 +336,7 @@ class OutcomeReply(Reply, kw_only=True):
 
 
 class StatsReply(Reply, kw_only=True):
-    stats: dict[str, Any]  # the snapshot of dispatcher/snapshot.py
+    stats: Snapshot  # dispatcher/snapshot.py's, with what dispatcher/server.py adds
 
 
 REPLY_TYPES: dict[str, type[Reply]] = {

@@ -43,7 +43,7 @@ def test_two_targets_two_drafters_two_epochs(tmp_path):
     epochs_committed = [e.epoch for e in read_journal(tmp_path, only=(EpochCommitted,))]
     assert epochs_committed == [0, 1]
     snapshot = build_snapshot(core, sim.now)
-    assert snapshot["done"] is True and snapshot["jobs_by_state"]["committed"] == 24
+    assert snapshot.done is True and snapshot.jobs_by_state["committed"] == 24
 
 
 def test_commit_errors(tmp_path):

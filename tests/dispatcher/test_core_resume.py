@@ -206,15 +206,15 @@ def test_a_run_that_is_not_done_says_what_it_waits_for(tmp_path):
     drafters = register_models(core, models)
     sim = ModelSim(core, targets, drafters, every=0, last_checkpoint=False)
     sim.run(until=lambda s: s.core.num_steps >= 2)
-    waiting = build_snapshot(core, 1.0)["waiting_for"]
-    assert waiting["epochs"]["0"]["pending"] > 0 and waiting["reasons"][0].startswith("epoch 1: ")
+    waiting = build_snapshot(core, 1.0).waiting_for
+    assert waiting.epochs["0"]["pending"] > 0 and waiting.reasons[0].startswith("epoch 1: ")
     sim.run(until=lambda s: s.core.all_committed)
     assert core.all_committed
     core.deregister(next(d for d, m in drafters.items() if m.id == "m1"), 2.0)
-    waiting = build_snapshot(core, 2.0)["waiting_for"]
-    assert waiting["epochs"] == {} and set(waiting["models"]) == {"m0", "m1"}
-    assert waiting["models"]["m0"]["drafters"] == ["drafter-m0"] and waiting["models"]["m1"]["drafters"] == []
-    lines = waiting_lines({"waiting_for": waiting})
+    waiting = build_snapshot(core, 2.0).waiting_for
+    assert waiting.epochs == {} and set(waiting.models) == {"m0", "m1"}
+    assert waiting.models["m0"].drafters == ["drafter-m0"] and waiting.models["m1"].drafters == []
+    lines = waiting_lines(waiting)
     assert any("model m1" in line and "no live drafter trains it" in line for line in lines), lines
     assert any("waiting for drafter-m0 to checkpoint it" in line for line in lines), lines
     for d, m in drafters.items():
@@ -222,7 +222,7 @@ def test_a_run_that_is_not_done_says_what_it_waits_for(tmp_path):
             core.checkpoint(d, m.step, 3.0, model="m0")
     core.register(role="drafter", name="drafter-m1", pid=9, host="h", gpu=None, now=3.0,
                   model=ModelClaim(id="m1", step=models[1].step, checkpoint=models[1].step))
-    assert core.done and "waiting_for" not in build_snapshot(core, 3.0)
+    assert core.done and build_snapshot(core, 3.0).waiting_for is None
 
 
 def test_a_commit_whose_answer_was_lost_is_applied_when_the_ledger_holds_it(tmp_path):

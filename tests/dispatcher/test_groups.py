@@ -167,20 +167,25 @@ def test_a_joiner_whose_source_died_before_any_step_says_its_step_before_the_led
 
 def test_the_stats_and_metrics_show_the_group(tmp_path):
     from dispatcher.metrics import render_prometheus
+    from common.wire import messages
+    from common.wire.stats_snapshot import serving_snapshot
     from dispatcher.snapshot import build_snapshot
     from ops.stats_view import format_stats
     core, a, v1 = _lone_rank_stepping(tmp_path, 2, extra_jobs=1)
     _consume(core, a.id, v1)  # a step in flight: a joiner waits
     _rank(core, "b", size=1)
     s = build_snapshot(core, 4.0)
-    assert {k: s["groups"]["m"][k] for k in ("world_size", "version", "waiting", "steps_since_change")} == {
+    assert {k: getattr(s.groups["m"], k) for k in ("world_size", "version", "waiting", "steps_since_change")} == {
         "world_size": 1, "version": v1, "waiting": 1, "steps_since_change": 2}
-    text = render_prometheus({**s, "pool": s["pool"]})
+    served = serving_snapshot(s, run_dir=str(tmp_path), run_id="r", pid=1, waiters=0, auth={}, nodes={},
+                              transport={"kind": "shm", "num_slots": 8, "per_target": False, "slot_bytes": 1,
+                                         "pool_bytes": 8})
+    text = render_prometheus(served)
     assert 'hsd_group_ranks{model="m"} 1.0' in text and 'hsd_group_waiting{model="m"} 1.0' in text
     assert 'hsd_group_steps_since_change{model="m"} 2.0' in text
-    served = {**s, "run_dir": str(tmp_path), "run_id": "r", "pid": 1, "waiters": 0,
-              "transport": {"kind": "shm", "num_slots": 8, "per_target": False, "slot_bytes": 1, "pool_bytes": 8}}
     assert "group     m: 1 rank(s) [0:d0.0]  membership 1  1 waiting  2 steps since change" in format_stats(served)
+    # the stats reply carries it over the wire as it is
+    assert messages.decode_reply(messages.encode(messages.StatsReply(id=1, stats=served)), "stats").stats == served
 
 
 def test_a_restarted_rank_joins_a_live_group_from_an_older_or_a_newer_checkpoint_without_a_rollback(tmp_path):

@@ -22,11 +22,11 @@ def test_commit_metrics_show_in_the_snapshot(tmp_path):
     core.job_ready(t, grant.job.job_id, grant.job.generation, 0.0, 1.0)
     hs, _ = core.get_hs(d, 1.0)
     core.consumed(d, hs.job.job_id, 1.0)
-    assert "metrics" not in next(w for w in build_snapshot(core, 1.0)["workers"] if w["id"] == d)
+    assert next(w for w in build_snapshot(core, 1.0).workers if w.id == d).metrics is None
     core.commit_step(d, [hs.job.job_id], 0.0, 1.0, model="m", step=1, metrics={"loss": 2.5, "acc1": 0.25})
     snapshot = build_snapshot(core, 2.0)
-    assert next(w for w in snapshot["workers"] if w["id"] == d)["metrics"] == {"loss": 2.5, "acc1": 0.25}
-    assert step_metric_lines(snapshot["workers"]) == ["drafter0     last step: loss 2.5  acc1 0.25"]
+    assert next(w for w in snapshot.workers if w.id == d).metrics == {"loss": 2.5, "acc1": 0.25}
+    assert step_metric_lines(snapshot.workers) == ["drafter0     last step: loss 2.5  acc1 0.25"]
 
 
 def test_step_figures_are_journaled_with_their_step_and_replayed_past(tmp_path):
@@ -43,7 +43,7 @@ def test_step_figures_are_journaled_with_their_step_and_replayed_past(tmp_path):
         core.commit_step(d, [hs.job.job_id], 0.0, 1.0, model="m", step=step,
                          metrics={"step": 1, "loss": 2.5} if step == 2 else None)
     core.checkpoint(d, 2, 2.0, model="m", metrics={"step": 2.0, "loss": 2.25})
-    assert next(w for w in build_snapshot(core, 2.0)["workers"] if w["id"] == d)["metrics"] == {"loss": 2.5}
+    assert next(w for w in build_snapshot(core, 2.0).workers if w.id == d).metrics == {"loss": 2.5}
     core.journal.close()
     core.close()
     records = list(read_journal(tmp_path, only=(StepCommitted, Checkpointed)))

@@ -119,7 +119,7 @@ def test_stats_socket_is_read_only(dispatcher, run_dir):
         with pytest.raises(ProtocolError) as denied:
             client.call(messages.Register(role="target", name="x", pid=1, host="h"))
         assert denied.value.code == ErrorCode.READ_ONLY
-        assert client.call(messages.Stats()).stats["run_dir"] == str(run_dir)
+        assert client.call(messages.Stats()).stats.run_dir == str(run_dir)
     finally:
         client.close()
 

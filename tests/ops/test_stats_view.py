@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+from common.wire.stats_snapshot import EpochView, Snapshot, WorkerView
 from core_harness import make_core, register
 from dispatcher.snapshot import build_snapshot
 from dispatcher.stats_figures import format_q_hsb, pool_usage
@@ -11,29 +12,31 @@ from ops.stats_view import (CommitRate, WAIT_THRESHOLD, bottleneck_line, eta_lin
                             remaining_jobs, stage_waits)
 
 
-def worker(wid: str, role: str, *, alive_s: float, wait_s: float, state: str = "busy") -> dict:
-    return {"id": wid, "name": f"{role}-{wid}", "role": role, "pid": 1, "host": "h", "gpu": None, "state": state,
-            "jobs": 3, "tokens_per_s": 1000.0, "idle_ratio": round(wait_s / alive_s, 3), "heartbeat_age_s": 0.1,
-            "held": [], "alive_s": alive_s, "wait_s": wait_s}
+def worker(wid: str, role: str, *, alive_s: float, wait_s: float, state: str = "busy") -> WorkerView:
+    return WorkerView(id=wid, name=f"{role}-{wid}", role=role, pid=1, host="h", gpu=None, state=state, jobs=3,
+                      tokens_per_s=1000.0, idle_ratio=round(wait_s / alive_s, 3), heartbeat_age_s=0.1, held=[],
+                      alive_s=alive_s, wait_s=wait_s)
 
 
 def snapshot(*, t: float = 100.0, target_wait: float = 0.0, drafter_wait: float = 0.0, pending: int = 10,
              committed: tuple[int, ...] = (20,), jobs: tuple[int, ...] = (100,), epochs_total: int = 2,
-             done: bool = False) -> dict:
+             done: bool = False) -> Snapshot:
     """Two targets and one drafter, each alive ``t`` seconds, waiting the given share of it."""
-    return {"run_dir": "runs/x", "run_id": "r", "pid": 42, "time": 1000.0 + t, "uptime_s": t, "done": done,
-            "epochs_total": epochs_total,
-            "epochs": [{"epoch": i, "jobs": n, "committed": c, "taken": c, "schedule_prefix_deviation": 1.0,
-                        "consumed_prefix_deviation": 1.5} for i, (n, c) in enumerate(zip(jobs, committed))],
-            "jobs_by_state": {"pending": pending, "extracting": 2, "ready": 3, "training": 1, "consumed": 0,
-                              "committed": sum(committed)},
-            "q_hsb": {"0": 1, "5": 2}, "pool": {"free": 10, "writing": 2, "ready": 3, "reading": 1},
-            "transport": {"kind": "shm", "slot_bytes": 2**20, "num_slots": 16, "pool_bytes": 16 * 2**20,
-                          "per_target": False},
-            "workers": [worker("1", "target", alive_s=t, wait_s=target_wait * t),
-                        worker("2", "target", alive_s=t, wait_s=target_wait * t),
-                        worker("3", "drafter", alive_s=t, wait_s=drafter_wait * t)],
-            "steps": 5, "given_back": {}, "errors": {}, "requests": {}}
+    return Snapshot(run_dir="runs/x", run_id="r", pid=42, time=1000.0 + t, uptime_s=t, done=done,
+                    epochs_total=epochs_total,
+                    epochs=[EpochView(epoch=i, jobs=n, committed=c, taken=c, schedule_prefix_deviation=1.0,
+                                      consumed_prefix_deviation=1.5) for i, (n, c) in enumerate(zip(jobs, committed))],
+                    jobs_by_state={"pending": pending, "extracting": 2, "ready": 3, "training": 1, "consumed": 0,
+                                   "committed": sum(committed)},
+                    q_hsb={"0": 1, "5": 2}, pool={"free": 10, "writing": 2, "ready": 3, "reading": 1},
+                    pool_peak_slots=6,
+                    transport={"kind": "shm", "slot_bytes": 2**20, "num_slots": 16, "pool_bytes": 16 * 2**20,
+                               "per_target": False},
+                    workers=[worker("1", "target", alive_s=t, wait_s=target_wait * t),
+                             worker("2", "target", alive_s=t, wait_s=target_wait * t),
+                             worker("3", "drafter", alive_s=t, wait_s=drafter_wait * t)],
+                    steps=5, models={}, groups={}, given_back={}, errors={}, requests={}, waiters=0, auth={},
+                    nodes={})
 
 
 def test_drafters_starving_names_the_targets():
@@ -67,15 +70,15 @@ def test_stage_waits_since_start_and_over_the_last_interval():
     assert stage_waits(early) == {"target": 0.0, "drafter": 0.5}
     # in the last 100 s the drafter waited 90 s: the recent share, not the average since the start
     later = copy.deepcopy(early)
-    later["time"] += 100
-    for w in later["workers"]:
-        w["alive_s"] += 100
-    later["workers"][2]["wait_s"] += 90
+    later.time += 100
+    for w in later.workers:
+        w.alive_s += 100
+    later.workers[2].wait_s += 90
     assert stage_waits(later, early)["drafter"] == 0.9
     assert abs(stage_waits(later)["drafter"] - 0.7) < 1e-9
     # a snapshot from another dispatcher (restart) is not a baseline
     other = copy.deepcopy(early)
-    other["pid"] = 7
+    other.pid = 7
     assert abs(stage_waits(later, other)["drafter"] - 0.7) < 1e-9
 
 
@@ -120,12 +123,12 @@ def test_q_hsb_lists_every_bucket_empty_ones_as_zero(tmp_path):
     (t,) = register(core, "target", 1)
     grant = core.get_job(t, 1.0)
     core.job_ready(t, grant.job.job_id, grant.job.generation, 0.0, 1.0)
-    q_hsb = build_snapshot(core, 1.0)["q_hsb"]
+    q_hsb = build_snapshot(core, 1.0).q_hsb
     assert list(q_hsb) == ["0", "1", "2"] and sum(q_hsb.values()) == 1
     assert q_hsb[str(grant.job.bucket)] == 1
     empty = next(b for b, n in q_hsb.items() if n == 0)
     assert f"b{empty}:0" in format_q_hsb(q_hsb)
     s = snapshot()
-    s["q_hsb"] = q_hsb
+    s.q_hsb = q_hsb
     assert "q_hsb     " + format_q_hsb(q_hsb) in format_stats(s).splitlines()
     assert format_q_hsb(core.pool.ready_per_bucket()) == format_q_hsb(q_hsb)  # the progress line's figures

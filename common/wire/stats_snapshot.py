@@ -1,0 +1,154 @@
+"""The stats snapshot as typed structs: what the stats socket's reply carries, ``hsd stats`` shows
+and ``/metrics`` exposes of a running dispatcher.
+
+:class:`CoreSnapshot` is what dispatcher/snapshot.py builds from the core; :class:`Snapshot` adds
+what only the serving dispatcher knows (its run, process, transport, auth and nodes). Maps keyed
+by data (per state, per bucket, per op, per node, per model) stay maps. A field that is ``None``
+is left out when encoded (``omit_defaults``), so ``hsd stats --json`` shows only what is there.
+Every class names ``kw_only`` itself: msgspec does not inherit it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class Part(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A part of the snapshot."""
+
+
+class EpochView(Part, kw_only=True, omit_defaults=True):
+    """One started epoch's progress."""
+    epoch: int  # 0-based
+    jobs: int  # the jobs the epoch has
+    committed: int  # of them committed
+    taken: int  # times a job of it was taken by a drafter (retries count again)
+    schedule_prefix_deviation: float  # of the schedule's order, in batches
+    consumed_prefix_deviation: float  # of the order drafters consumed it in, in batches
+    # total variation distance of the last 10% of the jobs from the epoch's mix; this dispatcher
+    # does not fill them (hsd report does): /metrics exposes them when set
+    schedule_tail_skew: float | None = None
+    consumed_tail_skew: float | None = None
+
+
+class WorkerView(Part, kw_only=True, omit_defaults=True):
+    """One registered worker."""
+    id: str
+    name: str
+    role: str  # target or drafter
+    pid: int
+    host: str
+    gpu: int | None
+    state: str  # busy, idle, starved (waiting with nothing to do) or blocked (waiting for a free slot)
+    jobs: int  # jobs it finished since it registered
+    tokens_per_s: float  # since it registered
+    idle_ratio: float  # share of its time it waited, since it registered
+    heartbeat_age_s: float  # seconds since it was last heard from
+    # cumulative seconds: a viewer differences two snapshots for a recent idle ratio
+    alive_s: float
+    wait_s: float
+    held: list[int]  # the job ids it holds
+    metrics: dict[str, float] | None = None  # drafter: its latest step's figures (loss, lr, ...), when it sent any
+    rank: int | None = None  # drafter of a data-parallel group: its rank
+    membership: int | None = None  # ... and the group's membership version it registered in
+
+
+class ModelView(Part, kw_only=True, omit_defaults=True):
+    """A model the ledger trains."""
+    step: int  # its committed step
+    checkpoint: int  # the step of its newest checkpoint the dispatcher knows of
+
+
+class StepCost(Part, kw_only=True, omit_defaults=True):
+    """A group's fitted step cost model (step_balance=cost): seconds per job, sequence, padded token."""
+    jobs: float
+    sequences: float
+    padded_tokens: float
+    observations: int  # the steps it was fitted on
+
+
+class GroupView(Part, kw_only=True, omit_defaults=True):
+    """A data-parallel drafter group as a watcher sees it."""
+    version: int  # its membership version
+    world_size: int  # ranks of its current membership
+    formed: bool  # it took its first step's ranks
+    step_balance: str  # how a step's jobs are spread over the ranks (count, tokens, cost)
+    step_jobs: int  # jobs per step once formed, else 0
+    step_cost: StepCost | None = None  # under step_balance=cost, once it has observations
+    members: dict[str, str]  # rank (as text) -> worker id
+    waiting: int  # ranks waiting to join
+    steps_since_change: int  # steps it committed since its membership last changed (0 until formed)
+
+
+class WaitingModel(Part, kw_only=True, omit_defaults=True):
+    """A model whose known checkpoint is behind its step: the run cannot end before it is saved."""
+    step: int
+    checkpoint: int
+    drafters: list[str]  # names of the live drafters that train it
+
+
+class WaitingFor(Part, kw_only=True, omit_defaults=True):
+    """What a run that is not done waits for."""
+    epochs: dict[str, dict[str, int]]  # open epoch (as text) -> its jobs by state (states with none left out)
+    models: dict[str, WaitingModel]
+    workers: list[str]  # names of the workers that hold its jobs or must checkpoint a model
+    reasons: list[str]  # a line a person reads for each
+
+
+class NodeView(Part, kw_only=True, omit_defaults=True):
+    """One node of the run: its slots, reservoir, workers and reads."""
+    slots: dict[str, int]  # its pool slots by state
+    min_ready: int  # ready slots it keeps in reserve
+    targets: int
+    drafters: int
+    reads_local: int  # slots its drafters read from its own node
+    reads_remote: int  # ... and from another node's
+
+
+class CoreSnapshot(Part, kw_only=True, omit_defaults=True):
+    """What the core knows: built by dispatcher/snapshot.py's build_snapshot."""
+    time: float  # wall clock (time.time()) when it was taken
+    uptime_s: float
+    done: bool  # every epoch committed
+    epochs_total: int  # epochs the run trains
+    epochs: list[EpochView]  # the started ones
+    jobs_by_state: dict[str, int]
+    q_hsb: dict[str, int]  # ready slots per bucket (as text: msgpack map keys are str), every bucket
+    pool: dict[str, int]  # pool slots by state
+    pool_peak_slots: int  # the most slots held at once
+    workers: list[WorkerView]
+    steps: int  # committed optimizer steps
+    models: dict[str, ModelView]  # model id -> its step and checkpoint
+    groups: dict[str, GroupView]  # model id -> its data-parallel group
+    membership_version: int | None = None  # the newest group membership version, when there is a group
+    given_back: dict[str, int]  # jobs given back, by reason
+    requests: dict[str, int]  # requests, by op
+    errors: dict[str, int]  # error replies, by code
+    waiting_for: WaitingFor | None = None  # while the run is not done
+    # figures this dispatcher does not fill: /metrics exposes them when set
+    lease_expiries: int | None = None  # leases that expired (else derived from the give-backs)
+    step_mix: float | None = None  # share of steps that mixed as many buckets as were available
+
+
+class Snapshot(CoreSnapshot, kw_only=True, omit_defaults=True):
+    """The stats reply: the core's snapshot and what the serving dispatcher adds (dispatcher/server.py)."""
+    run_dir: str
+    run_id: str
+    pid: int  # the dispatcher's process
+    transport: dict[str, Any]  # the hidden-state transport's description (kind, num_slots, slot_bytes, ...)
+    waiters: int  # long polls waiting for an answer
+    auth: dict[str, Any]  # the control socket's authentication (common/wire/curve.py's auth_stats)
+    nodes: dict[str, NodeView]  # node -> its view
+
+
+def serving_snapshot(core: CoreSnapshot, **served: Any) -> Snapshot:
+    """The stats reply: ``core`` (build_snapshot's, its parts as they are) and the fields the serving
+    dispatcher adds."""
+    return Snapshot(**msgspec.structs.asdict(core), **served)
+
+
+def to_json_object(snapshot: CoreSnapshot) -> dict[str, Any]:
+    """The snapshot as plain JSON-ready values (what ``hsd stats --json`` prints)."""
+    return msgspec.to_builtins(snapshot)
