@@ -232,15 +232,7 @@ class JobLedger:
         progress.state[index] = code
 
     def _set_state(self, job: Job, state: JobState) -> None:
-        # _set_code, inlined: every transition of every job comes through here
-        progress, index, code = self.epochs[job.epoch], job.job_id - job.epoch * JOB_ID_STRIDE, _CODE[state]
-        old = progress.state.item(index)
-        counts, totals = progress.counts, self._totals
-        counts[old] -= 1
-        counts[code] += 1
-        totals[old] -= 1
-        totals[code] += 1
-        progress.state[index] = code
+        self._set_code(job.epoch, self.epochs[job.epoch], job.job_id - job.epoch * JOB_ID_STRIDE, _CODE[state])
         job.state = state
 
     def _expect(self, job_id: int, state: JobState, holder: str | None = None) -> Job:

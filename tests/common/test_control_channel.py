@@ -1,6 +1,7 @@
 """common/wire/control_channel.py: requests go out from submit in order, a full socket queue included;
 replies are seen by the I/O thread; a reset drops what was queued."""
 
+import contextlib
 import threading
 
 import msgpack
@@ -21,6 +22,23 @@ def _serve(router: zmq.Socket, stop: threading.Event, seen: list[int]) -> None:
         router.send_multipart([identity, msgpack.packb({"v": 2, "id": request["id"], "ok": True, "done": False})])
 
 
+@contextlib.contextmanager
+def _answering(endpoint: str):
+    """A ROUTER bound at ``endpoint`` answering every heartbeat on a thread; yields the ids it saw."""
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(endpoint)
+    stop, seen = threading.Event(), []
+    server = threading.Thread(target=_serve, args=(router, stop, seen), daemon=True)
+    server.start()
+    try:
+        yield seen
+    finally:
+        stop.set()
+        server.join(5)
+        router.close(linger=0)
+
+
 def test_requests_go_out_in_order_when_the_socket_queue_fills_before_a_dispatcher_listens(tmp_path):
     endpoint = f"ipc://{tmp_path / 'd.sock'}"
     replies: list[int] = []
@@ -28,24 +46,13 @@ def test_requests_go_out_in_order_when_the_socket_queue_fills_before_a_dispatche
     try:
         # Nobody listens yet: past the socket's high-water mark (1000) requests wait in the outbox.
         ids = [channel.submit(messages.Heartbeat(holding=[])) for _ in range(1500)]
-        context = zmq.Context.instance()
-        router = context.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        router.bind(endpoint)
-        stop, seen = threading.Event(), []
-        server = threading.Thread(target=_serve, args=(router, stop, seen), daemon=True)
-        server.start()
-        try:
+        with _answering(endpoint) as seen:
             assert channel.result(ids[-1], timeout_s=30) == messages.Done(id=ids[-1], done=False)
             assert all(channel.result(i, timeout_s=5).id == i for i in ids[:-1])
             assert seen == ids  # sent in order, the queued ones after those the socket took
             assert sorted(replies) == ids  # every reply went through on_reply on the I/O thread
             later = channel.submit(messages.Heartbeat(holding=[]))  # the outbox drained: straight from submit again
             assert channel.result(later, timeout_s=5).id == later and seen[-1] == later
-        finally:
-            stop.set()
-            server.join(5)
-            router.close(linger=0)
     finally:
         channel.close()
 
@@ -61,30 +68,21 @@ def test_a_reply_seen_by_the_hook_reaches_the_caller_who_asks_while_the_hook_run
         in_hook.set()
         release.wait(2)  # whatever the caller does meanwhile, the hook finishes (the channel must not hang)
 
-    context = zmq.Context.instance()
-    router = context.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    router.bind(endpoint)
-    stop, seen = threading.Event(), []
-    server = threading.Thread(target=_serve, args=(router, stop, seen), daemon=True)
-    server.start()
-    channel = ControlChannel(endpoint, on_reply=hook)
-    try:
-        request_id = channel.submit(messages.Heartbeat(holding=[]))
-        assert in_hook.wait(10)
-        outcome: list = []
-        caller = threading.Thread(target=lambda: outcome.append(_result_or_error(channel, request_id)))
-        caller.start()
-        caller.join(0.5)  # the caller asks while the hook still runs ...
-        release.set()  # ... and the hook then finishes
-        caller.join(10)
-        assert outcome == [messages.Done(id=request_id, done=False)]
-    finally:
-        release.set()
-        channel.close()
-        stop.set()
-        server.join(5)
-        router.close(linger=0)
+    with _answering(endpoint):
+        channel = ControlChannel(endpoint, on_reply=hook)
+        try:
+            request_id = channel.submit(messages.Heartbeat(holding=[]))
+            assert in_hook.wait(10)
+            outcome: list = []
+            caller = threading.Thread(target=lambda: outcome.append(_result_or_error(channel, request_id)))
+            caller.start()
+            caller.join(0.5)  # the caller asks while the hook still runs ...
+            release.set()  # ... and the hook then finishes
+            caller.join(10)
+            assert outcome == [messages.Done(id=request_id, done=False)]
+        finally:
+            release.set()
+            channel.close()
 
 
 def _result_or_error(channel: ControlChannel, request_id: int):
