@@ -263,8 +263,9 @@ class HSPool:
 
     def servable_nodes(self, draining: bool) -> set[str | None]:
         """Nodes whose ready slots may be handed out now: the min-ready reservoir, held per node."""
+        min_ready, slots_on = self.min_ready, self._slots_on  # node_min_ready, inlined: asked by every get_hs
         return {node for node, ready in self._ready_on.items()
-                if ready > 0 and (draining or ready >= self.node_min_ready(node))}
+                if ready > 0 and (draining or ready >= max(1, min(min_ready, slots_on[node] - 1)))}
 
     def may_serve(self, draining: bool) -> bool:
         """The min-ready reservoir: keep a mix to choose from unless the epoch's tail drains."""
@@ -293,7 +294,7 @@ class HSPool:
             if not deficits:
                 return None
             jobs = ready[choose_bucket(deficits, window=window, rng=self.rng)]
-            return self.rng.choice([jobs[job_id] for job_id in sorted(jobs)])
+            return jobs[self.rng.choice(sorted(jobs))]
         allowed = (lambda job: True) if servable is None else (lambda job: job.node in servable)
         candidates = {b: [j for j in self._ready[epoch].get(b, {}).values() if allowed(j)] for b in
                       (self._ready[epoch] if self.pull == "random" else eligible)}
