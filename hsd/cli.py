@@ -80,7 +80,7 @@ def cmd_worker(args) -> int:
 
 def _sim_target(config):
     from target_worker.sim import SimTarget
-    return SimTarget(config)
+    return SimTarget(config.target)
 
 
 def _hf_target(config):
@@ -99,8 +99,9 @@ def _hf_target(config):
         check_tokenizer(dataset, config.target.model)
     # hsd launch gives each worker one GPU (CUDA_VISIBLE_DEVICES): it is cuda:0 in the worker.
     pinned = config.target.gpus and os.environ.get("CUDA_VISIBLE_DEVICES", "").strip().isdigit()
-    device = torch.device("cuda", 0) if pinned else default_device(config)
-    return HFTargetBackend(config, device=device, dataset=dataset)
+    device = torch.device("cuda", 0) if pinned else default_device(config.target)
+    return HFTargetBackend(config.target, config.schedule, objective=config.drafter.objective,
+                           device=device, dataset=dataset)
 
 
 def cmd_launch(args) -> int:

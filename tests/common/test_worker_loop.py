@@ -93,7 +93,7 @@ def test_target_prefetches_its_second_job_and_lists_it_while_extracting(tmp_path
     fake.add_job(make_job(1, slot=0, generation=1))
     fake.add_job(make_job(2, slot=1, generation=1))
     config = worker_config(tmp_path / "run", fake.endpoint, "target.sim_cost_per_token=0.02")
-    loop = TargetLoop(config, "target-0", SimTarget(config))
+    loop = TargetLoop(config, "target-0", SimTarget(config.target))
     with running(loop):
         fake.wait_for(lambda f: len(f.ops("job_ready")) == 2, what="two ready jobs")
         polls, ready = fake.ops("get_job"), fake.ops("job_ready")
@@ -320,8 +320,8 @@ class DeferredSimTarget(SimTarget):
     """The sim target with its header published only by the returned write's ``wait()``: the shape of a GPU
     target whose slot copy is still on its side stream when ``extract`` returns."""
 
-    def __init__(self, config):
-        super().__init__(config)
+    def __init__(self, target):
+        super().__init__(target)
         self.calls: list[tuple[str, int, float]] = []
 
     def extract(self, job, slot):
@@ -344,7 +344,7 @@ def test_target_queues_its_next_job_before_it_waits_for_the_last_slot_copy(tmp_p
     fake.add_job(make_job(1, slot=0, generation=1))
     fake.add_job(make_job(2, slot=1, generation=1))
     config = worker_config(tmp_path / "run", fake.endpoint, "target.sim_cost_per_token=0.02")
-    backend = DeferredSimTarget(config)
+    backend = DeferredSimTarget(config.target)
     loop = TargetLoop(config, "target-0", backend)
     with running(loop):
         fake.wait_for(lambda f: len(f.ops("job_ready")) == 2, what="two ready jobs")
