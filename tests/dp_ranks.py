@@ -41,7 +41,8 @@ def data_dir(out: str) -> str:
 def make_backend(kind: str, target_dir: str | None, run_dir: str):
     if kind == "linear":
         from drafter_worker.linear_backend import LinearDrafter
-        return LinearDrafter(config(), "m")
+        linear = config()
+        return LinearDrafter("m", drafter=linear.drafter, target=linear.target, seed=linear.run.seed)
     if kind == "eagle3":
         from drafter_worker.eagle3_backend import Eagle3Backend
         from eagle3_testing import backend_config as eagle3_config

@@ -40,7 +40,7 @@ def fake(tmp_path):
 
 def drafter(tmp_path, fake, *overrides: str, name: str = "drafter-0") -> DrafterLoop:
     config = worker_config(tmp_path / "run", fake.endpoint, *overrides)
-    return DrafterLoop(config, name, SimDrafter(config, model_id=name))
+    return DrafterLoop(config, name, SimDrafter(config.drafter, model_id=name, dataset_path=None))
 
 
 def _index(fake, event) -> int:
@@ -53,7 +53,7 @@ class SimDrafterHeldWhile(SimDrafter):
     test decides when the compute ends, not the machine's speed."""
 
     def __init__(self, config, model_id, fake, job_id, until):
-        super().__init__(config, model_id=model_id)
+        super().__init__(config.drafter, model_id=model_id, dataset_path=None)
         self.fake, self.job_id, self.until = fake, job_id, until
 
     def micro_batch(self, job, batch):
@@ -144,7 +144,8 @@ def test_a_steps_figures_go_with_the_next_commit_and_the_last_with_its_checkpoin
     for job_id in (1, 2):
         fake.add_ready_job(job_id, slot=job_id - 1)
     config = worker_config(tmp_path / "run", fake.endpoint)
-    loop = DrafterLoop(config, "drafter-0", SimDrafterWithFigures(config, model_id="drafter-0"))
+    backend = SimDrafterWithFigures(config.drafter, model_id="drafter-0", dataset_path=None)
+    loop = DrafterLoop(config, "drafter-0", backend)
     with running(loop) as thread:
         fake.wait_for(lambda f: len(f.ops("commit_step")) == 2, what="two steps")
         fake.flush = True
