@@ -36,7 +36,9 @@ def trainer_backend(config: Config, model_id: str, *, backend_class: Any = None,
             from drafter_worker.eagle3_backend import Eagle3Backend as backend_class
         else:
             from drafter_worker.dflash_backend import DFlashBackend as backend_class
-    return backend_class(config, model_id, device=device, schedule_jobs=schedule_jobs)
+    return backend_class(model_id, training=getattr(config, backend_class.section), target=config.target,
+                         drafter=config.drafter, run=config.run, data=config.data, device=device,
+                         schedule_jobs=schedule_jobs)
 
 
 def drafter_backend(config: Config, model_id: str) -> Any:
