@@ -170,11 +170,11 @@ def _backend_config(ctx: CheckContext, objective: str, run_dir: Path):
 
 
 def _backend(ctx: CheckContext, objective: str, config):
-    if objective == "eagle3":
-        from drafter_worker.eagle3_backend import Eagle3Backend as Backend
-    else:
-        from drafter_worker.dflash_backend import DFlashBackend as Backend
-    return Backend(config, "drafter-0", device=ctx.device, schedule_jobs=64)
+    from drafter_worker.dflash_backend import DFlashBackend
+    from drafter_worker.eagle3_backend import Eagle3Backend
+    from drafter_worker.factory import trainer_backend
+    return trainer_backend(config, "drafter-0", backend_class=Eagle3Backend if objective == "eagle3" else DFlashBackend,
+                           device=ctx.device, schedule_jobs=64)
 
 
 def _batches(ctx: CheckContext, config, count: int, *, batch: int = 4, seq_len: int = 64) -> list:

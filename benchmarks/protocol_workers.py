@@ -20,7 +20,7 @@ from drafter_worker.loop import DrafterLoop
 from common.dataplane.slots import SlotBatch, SlotHeader, SlotView
 from target_worker.loop import TargetLoop
 from common.run.witness import TrainedJobs, save_checkpoint
-from common.worker.runtime import WorkerSession
+from common.worker.runtime import DispatcherAddress, WorkerSession
 
 
 # -- shm arena through the real protocol: benchmark backends on the one worker loop --------------
@@ -137,7 +137,7 @@ def rtt_drafter(config: Config, spec: BenchSpec, num_cycles: int, stop: Any, res
     """
     _init_process()
     with _errors_to(results):
-        session = WorkerSession(config, "drafter", "bench-rtt-drafter")
+        session = WorkerSession(DispatcherAddress.from_config(config), "drafter", "bench-rtt-drafter")
         model = "bench-rtt-drafter"
         step = session.register(model=messages.ModelClaim(id=model, step=0)).model_step or 0
         num_warmup = max(20, num_cycles // 20)

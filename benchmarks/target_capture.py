@@ -94,9 +94,10 @@ def bench_target(config: Config, *, warmup: int = 1, reps: int = 3, seed: int = 
         raise ValueError(f"--warmup must be >= 0 and --reps positive, got {warmup} and {reps}")
     schedule_config = config.schedule
     lengths = lognormal_lengths(num_samples, median=median, sigma=sigma, max_len=schedule_config.buckets[-1], seed=seed)
-    device = default_device(config)
+    device = default_device(config.target)
     dataset = _RandomSamples(lengths, _vocab_size(config), seed)
-    backend = HFTargetBackend(config, device=device, dataset=dataset, keep_full_model=True)
+    backend = HFTargetBackend(config.target, config.schedule, objective=config.drafter.objective,
+                              device=device, dataset=dataset, keep_full_model=True)
     layer_ids = list(backend.contract["layer_ids"])
     model = backend.model
 

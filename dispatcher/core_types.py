@@ -8,7 +8,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.run.config import Config
+from common.run.config import Config, Objective, TargetSection
 from common.wire import messages
 from dispatcher.groups import Membership
 from dispatcher.ledger import Job
@@ -102,17 +102,19 @@ class CoreOptions:
                    epochs=config.run.epochs, run_seed=config.run.seed, buckets=list(config.schedule.buckets),
                    tokens_per_batch=config.schedule.tokens_per_batch, order=config.schedule.order,
                    batching=config.schedule.batching, heartbeat_s=config.dispatcher.heartbeat_s, build_ahead=True,
-                   allow_changed_data=config.data.allow_changed, contract=run_contract(config),
+                   allow_changed_data=config.data.allow_changed,
+                   contract=run_contract(config.target, config.drafter.objective),
                    num_target_queues=config.target.count if config.schedule.assignment == "per_target" else 0)
 
 
-def run_contract(config: Config) -> dict[str, Any] | None:
+def run_contract(target: TargetSection, objective: Objective) -> dict[str, Any] | None:
     """The capture contract the run's slots are laid out for: from the target model's config.json when
-    the run has a real target; None for a sim run (then the first worker that declares one sets it)."""
-    if config.target.sim or not config.target.model:
+    the run has a real target; None for a sim run (then the first worker that declares one sets it).
+    ``objective``: the run's ``drafter.objective``."""
+    if target.sim or not target.model:
         return None
-    from common.run.capture_contract import contract_from_config
-    return contract_from_config(config).to_dict()
+    from common.run.capture_contract import contract_of
+    return contract_of(target, objective).to_dict()
 
 
 @dataclass

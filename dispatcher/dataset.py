@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from common.run.config import Config
+from common.run.config import DataSection, RunSection, ScheduleSection
 
 # Sample shares per bucket of the synthetic default, shortest bucket first: the length mix measured on
 # a real chat-distillation set, dominated by long responses.
@@ -54,12 +54,14 @@ def synthetic_lengths(num_samples: int, bucket_max_lens: list[int], seed: int = 
     return lengths
 
 
-def load_lengths(config: Config) -> list[int]:
-    if config.data.lengths:
-        return read_lengths_file(config.data.lengths)
-    if config.data.path:
-        path = Path(config.data.path) / LENGTHS_FILE_IN_DATASET
+def load_lengths(data: DataSection, schedule: ScheduleSection, run: RunSection) -> list[int]:
+    """The samples' lengths: ``data.lengths``'s, the prepared dataset's at ``data.path``, or the
+    synthetic distribution over ``schedule.buckets`` drawn from ``run.seed``."""
+    if data.lengths:
+        return read_lengths_file(data.lengths)
+    if data.path:
+        path = Path(data.path) / LENGTHS_FILE_IN_DATASET
         if not path.is_file():
-            raise DatasetError(f"data.path {config.data.path} is not a prepared dataset (no {LENGTHS_FILE_IN_DATASET})")
+            raise DatasetError(f"data.path {data.path} is not a prepared dataset (no {LENGTHS_FILE_IN_DATASET})")
         return read_lengths_file(path)
-    return synthetic_lengths(config.data.synthetic_samples, config.schedule.buckets, seed=config.run.seed)
+    return synthetic_lengths(data.synthetic_samples, schedule.buckets, seed=run.seed)

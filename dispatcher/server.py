@@ -77,8 +77,9 @@ class DispatcherServer:
         now = time.monotonic()
         try:
             self.core = DispatcherCore(CoreOptions.from_config(config), run_dir=self.run_dir,
-                                       lengths=load_lengths(config), journal=self.journal, pool=pool,
-                                       shared_slots=self.data_plane.shared_slots, now=now)
+                                       lengths=load_lengths(config.data, config.schedule, config.run),
+                                       journal=self.journal, pool=pool, shared_slots=self.data_plane.shared_slots,
+                                       now=now)
         except Exception:
             self.data_plane.close()
             self.journal.close()

@@ -13,7 +13,6 @@ import dataclasses
 import logging
 from typing import Any
 
-from common.run.config import Config
 from common.mix import splitmix64
 from common.run.target_config import TargetDims
 from drafter_worker.dflash.config import DFlashTrainConfig
@@ -40,14 +39,15 @@ class DFlashBackend(TrainerBackend):
     target_use = "the DFlash drafter reads the target's config.json and shares its embedding and LM head"
     log = log
 
-    def __init__(self, config: Config, model_id: str, **kwargs: Any):
+    def __init__(self, model_id: str, **kwargs: Any):
         self.mask_token = ""  # its text in the target's tokenizer, exported beside the id
-        super().__init__(config, model_id, **kwargs)
+        super().__init__(model_id, **kwargs)
 
-    def _resolve_section(self, config: Config, section):
+    def _resolve_section(self, section):
         # Chosen once, at start: the tokenizer's mask token or a reserved one, never a token of the data.
         section = dataclasses.replace(section, mask_token_id=resolve_mask_token_id(
-            config, vocab_size=TargetDims.read(self.target_dir).vocab_size))
+            section, target=self.target, data=self.data, run_dir=self.run_dir,
+            vocab_size=TargetDims.read(self.target_dir).vocab_size))
         self.mask_token = mask_token_text(self.target_dir, section.mask_token_id)
         return section
 

@@ -25,13 +25,14 @@ import logging
 import math
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from common import faults
-from common.run.capture_contract import LEGACY_CAPTURE_POINT, capture_point_hint, contract_from_config
-from common.run.config import Config, ConfigError
+from common.run.capture_contract import LEGACY_CAPTURE_POINT, capture_point_hint, contract_of
+from common.run.config import ConfigError, DataSection, DrafterSection, RunSection, TargetSection, TrainingRecipe
 from common.dataplane.host_staging import HostStaging
 from common.dataplane.slots import SlotBatch
 from common.wire import messages
@@ -47,24 +48,26 @@ from drafter_worker.state_transfer import weights_checksum, witness_from_tensor,
 # checkpoint, so a test can show that a resumed run trains exactly as an uninterrupted one.
 
 
-def derive_schedule_jobs(config: Config, section: str, *, jobs_per_epoch: int | None = None) -> int | None:
+def derive_schedule_jobs(training: TrainingRecipe, drafter: DrafterSection, *, epochs: int,
+                         jobs_per_epoch: int | None = None) -> int | None:
     """The learning-rate schedule's length in jobs trained (it advances by every step's job count,
     so its position follows what was trained whatever the world size of a group did):
-    ``<section>.total_steps`` steps of ``accum_steps x drafter.count`` jobs; or every job of every
-    epoch, shared among ``drafter.count`` independent drafters. An epoch's jobs are the dispatcher's
-    count (the ``register`` reply's ``jobs_per_epoch``): None while it is not known."""
-    num_drafters = max(1, config.drafter.count)
-    if getattr(config, section).total_steps:
-        return getattr(config, section).total_steps * config.drafter.accum_steps * num_drafters
+    ``training.total_steps`` steps of ``accum_steps x drafter.count`` jobs; or every job of every
+    one of ``epochs`` (``run.epochs``), shared among ``drafter.count`` independent drafters. An
+    epoch's jobs are the dispatcher's count (the ``register`` reply's ``jobs_per_epoch``): None while
+    it is not known."""
+    num_drafters = max(1, drafter.count)
+    if training.total_steps:
+        return training.total_steps * drafter.accum_steps * num_drafters
     if jobs_per_epoch is None:
         return None
-    num_jobs = jobs_per_epoch * config.run.epochs
-    return max(1, math.ceil(num_jobs / (1 if config.drafter.grouped else num_drafters)))
+    num_jobs = jobs_per_epoch * epochs
+    return max(1, math.ceil(num_jobs / (1 if drafter.grouped else num_drafters)))
 
 
-def default_device(config: Config) -> torch.device:
+def default_device(drafter: DrafterSection) -> torch.device:
     # hsd launch gives each worker one GPU (CUDA_VISIBLE_DEVICES): it is cuda:0 in the worker.
-    if config.drafter.gpus and torch.cuda.is_available():
+    if drafter.gpus and torch.cuda.is_available():
         return torch.device("cuda", 0)
     return torch.device("cpu")
 
@@ -73,34 +76,42 @@ class TrainerBackend:
     """A :class:`common.worker.backends.GroupDrafterBackend` around a
     :class:`drafter_worker.recipe.AccumulatingTrainer`. A subclass sets the class attributes below
     and may override the hooks (``_resolve_section``, ``_trainer_extras``, ``_seed_job``,
-    ``_servable_config``)."""
+    ``_servable_config``).
 
-    section: str  # the config section of the drafter's keys
+    It takes the sections it reads: ``training``, the drafter's own section (``section``: dflash or
+    eagle3), and the run's ``target``, ``drafter``, ``run`` and ``data`` sections
+    (:func:`drafter_worker.factory.trainer_backend` hands a config's over)."""
+
+    section: str  # the config section of the drafter's keys (the one passed as ``training``)
     train_config_class: Any  # its trainer's config: ``from_section(section, total_steps=...)``
     trainer_class: Any  # the trainer, built on ``(train_config, target_dir, layer_ids, device, seed, **extras)``
     export_config: Any  # staticmethod: the servable config.json of a model config and dtype
     target_use: str  # why it needs target.model (the error when it is not set)
     log: logging.Logger  # its step lines' logger
 
-    def __init__(self, config: Config, model_id: str, *, device: str | torch.device | None = None,
+    def __init__(self, model_id: str, *, training: TrainingRecipe, target: TargetSection, drafter: DrafterSection,
+                 run: RunSection, data: DataSection, device: str | torch.device | None = None,
                  schedule_jobs: int | None = None):
-        if not config.target.model:
+        if not target.model:
             raise ConfigError(f"target.model: {self.target_use}; set the target model directory")
-        self.config = config
+        self.training, self.drafter, self.data = training, drafter, data
+        self.epochs = run.epochs
+        self.run_dir = Path(run.dir)
         self.model_id = check_model_id(model_id)
-        contract = contract_from_config(config)  # what the target derives too: the dispatcher compares them
+        contract = contract_of(target, drafter.objective)  # what the target derives too: the dispatcher compares them
         self.contract: dict[str, Any] = contract.to_dict()
         self.layer_ids = list(contract.layer_ids)
-        self.target_dir = str(config.target.model)
-        self.device = torch.device(device) if device is not None else default_device(config)
-        self.seed = config.run.seed
-        section = self._resolve_section(config, getattr(config, self.section))
+        self.target = target
+        self.target_dir = str(target.model)
+        self.device = torch.device(device) if device is not None else default_device(drafter)
+        self.seed = run.seed
+        section = self._resolve_section(training)
         # Known now when given or set by <section>.total_steps; else the first register reply brings
         # the epoch's job count (adopt_registration), before the optimizer and its schedule are built.
-        self.schedule_jobs = schedule_jobs or derive_schedule_jobs(config, self.section)
+        self.schedule_jobs = schedule_jobs or derive_schedule_jobs(training, drafter, epochs=self.epochs)
         self.train_config = self.train_config_class.from_section(section, total_steps=self.schedule_jobs or 1)
         self.train_config.validate()
-        self.keep = config.drafter.checkpoint_keep
+        self.keep = drafter.checkpoint_keep
         self.export_dtype = section.export_dtype
         self.log_every = section.log_every
         self.trainer = self._new_trainer()
@@ -110,11 +121,11 @@ class TrainerBackend:
         self.window: list[int] = []
         self.clock = StepClock()
         self.last_metrics: dict[str, float] = {}
-        self.tensorboard = TensorBoardLog(config.run_dir, self.model_id)
+        self.tensorboard = TensorBoardLog(self.run_dir, self.model_id)
         self._synced_total: torch.Tensor | None = None  # the group's weight total, once sync_gradients ran
 
     # -- what a drafter names ----------------------------------------------------------------
-    def _resolve_section(self, config: Config, section):
+    def _resolve_section(self, section):
         """The drafter's config section as it trains (a value chosen at start filled in)."""
         return section
 
@@ -146,7 +157,8 @@ class TrainerBackend:
         if reply.jobs_per_epoch is None:
             raise RuntimeError(f"{self.model_id}: the dispatcher's register reply has no jobs_per_epoch; the "
                                f"learning-rate schedule needs it (or set {self.section}.total_steps)")
-        self.schedule_jobs = derive_schedule_jobs(self.config, self.section, jobs_per_epoch=reply.jobs_per_epoch)
+        self.schedule_jobs = derive_schedule_jobs(self.training, self.drafter, epochs=self.epochs,
+                                                  jobs_per_epoch=reply.jobs_per_epoch)
         self.train_config.total_steps = self.schedule_jobs
         self.train_config.validate()
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from common.run.config import Config, ConfigError
+from common.run.config import ConfigError
 from common.run.prepared import PreparedDataset
 from common.run.target_config import TargetDims
 from drafter_worker.drafter_backend import TrainerBackend
@@ -54,12 +54,12 @@ class Eagle3Backend(TrainerBackend):
     target_use = "the EAGLE-3 drafter reads the target's config.json and uses its embedding and LM head"
     log = log
 
-    def _resolve_section(self, config: Config, section):
-        if config.drafter.objective != "eagle3":
-            raise ConfigError(f"drafter.objective is {config.drafter.objective!r}: an EAGLE-3 drafter needs eagle3 "
+    def _resolve_section(self, section):
+        if self.drafter.objective != "eagle3":
+            raise ConfigError(f"drafter.objective is {self.drafter.objective!r}: an EAGLE-3 drafter needs eagle3 "
                               f"(the capture contract then carries the target's final-norm state)")
         vocab_size = TargetDims.read(self.target_dir).vocab_size  # multimodal: the language model's
-        self.d2t, self.t2d = draft_vocab_of_dataset(config.data.path, vocab_size, config.eagle3.draft_vocab)
+        self.d2t, self.t2d = draft_vocab_of_dataset(self.data.path, vocab_size, section.draft_vocab)
         return section
 
     def _trainer_extras(self) -> dict[str, Any]:

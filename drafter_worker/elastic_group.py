@@ -88,7 +88,8 @@ class ElasticGroup:
         self.timeout_s = section.collective_timeout_s
         self.group_wait_s = section.group_wait_s
         # drafter.rendezvous=tcp: the store this rank hosts for the versions whose rank 0 it is
-        self.rendezvous = RendezvousServer.for_config(config) if config.group_rendezvous == "tcp" else None
+        self.rendezvous = (RendezvousServer.for_rank(section, control_endpoint=config.control_endpoint)
+                           if config.group_rendezvous == "tcp" else None)
         self.group: StepGroup | None = None
         self.membership: messages.Membership | None = None  # the version this rank trains in
         self.rank, self.world_size = -1, 0

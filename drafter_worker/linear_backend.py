@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
-from common.run.config import Config
+from common.run.config import DrafterSection, TargetSection
 from common.dataplane.slots import SlotBatch
 from common.wire import messages
 from common.run.witness import CheckpointSnapshot, TrainedJobs, check_model_id, latest_checkpoint, training_dir
@@ -34,11 +34,13 @@ LABEL_MODULUS = 16
 class LinearDrafter:
     contract = None
 
-    def __init__(self, config: Config, model_id: str, *, lr: float = 0.05, seed: int | None = None):
+    def __init__(self, model_id: str, *, drafter: DrafterSection, target: TargetSection, seed: int,
+                 lr: float = 0.05):
+        """``seed``: the run seed (``run.seed``), which draws the initial weights."""
         self.model_id = check_model_id(model_id)
-        self.keep = config.drafter.checkpoint_keep
-        num_features = config.target.num_capture_layers * config.target.hidden_size
-        generator = torch.Generator().manual_seed(config.run.seed if seed is None else seed)
+        self.keep = drafter.checkpoint_keep
+        num_features = target.num_capture_layers * target.hidden_size
+        generator = torch.Generator().manual_seed(seed)
         # Every rank draws the same initial weights from the run seed: the group starts in agreement.
         self.weight = torch.nn.Parameter(torch.randn(num_features, generator=generator) / num_features ** 0.5)
         self.bias = torch.nn.Parameter(torch.zeros(()))
@@ -47,7 +49,7 @@ class LinearDrafter:
         self.step = 0
         self.trained = TrainedJobs()
         # a modeled per-sequence cost on top of its own (DFlash's anchor blocks), for benchmarks
-        self.cost_per_sequence = config.drafter.sim_cost_per_sequence
+        self.cost_per_sequence = drafter.sim_cost_per_sequence
         self.local_weight_total = 0.0  # supervised positions of the micro-batches since the last step
         self.local_loss_sum = 0.0
         self._step_total: float | None = None  # the group's weight total, once gradients were all-reduced

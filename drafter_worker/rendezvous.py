@@ -25,7 +25,7 @@ import socket
 import psutil
 import torch.distributed as dist
 
-from common.run.config import Config, ConfigError
+from common.run.config import ConfigError, DrafterSection
 from common.wire.store_names import store_address
 
 log = logging.getLogger("hsd.drafter")
@@ -78,12 +78,12 @@ class RendezvousServer:
         self.address = store_address(self.host, self.port)
 
     @classmethod
-    def for_config(cls, config: Config) -> RendezvousServer:
-        """The store of a rank of ``config`` (drafter.rendezvous=tcp). Gloo, which picks its
-        interface from the hostname (127.0.1.1 on many hosts, unreachable from another node), takes
-        the store's unless GLOO_SOCKET_IFNAME says otherwise."""
-        host = config.drafter.rendezvous_host or address_towards(config.control_endpoint)
-        server = cls(host, timeout_s=config.drafter.collective_timeout_s)
+    def for_rank(cls, drafter: DrafterSection, *, control_endpoint: str) -> RendezvousServer:
+        """The store of a rank of a group (drafter.rendezvous=tcp) whose dispatcher is at
+        ``control_endpoint``. Gloo, which picks its interface from the hostname (127.0.1.1 on many
+        hosts, unreachable from another node), takes the store's unless GLOO_SOCKET_IFNAME says otherwise."""
+        host = drafter.rendezvous_host or address_towards(control_endpoint)
+        server = cls(host, timeout_s=drafter.collective_timeout_s)
         interface = interface_of(server.host)
         if interface is not None and GLOO_IFNAME_ENV not in os.environ:
             os.environ[GLOO_IFNAME_ENV] = interface  # read by gloo each time a process group is made

@@ -12,7 +12,7 @@ import os
 import time
 
 from common import faults
-from common.run.config import Config
+from common.run.config import DrafterSection
 from common.dataplane.slot_pattern import verify_against_dataset, verify_pattern
 from common.dataplane.slots import SlotBatch
 from common.wire import messages
@@ -23,24 +23,26 @@ class SimDrafter:
     contract = None
     verifies_slots = True  # every micro-batch is checked byte for byte (commit_step's ``verified``)
 
-    def __init__(self, config: Config, model_id: str):
+    def __init__(self, drafter: DrafterSection, model_id: str, *, dataset_path: str | None):
+        """``dataset_path``: the prepared dataset a real target reads, to check the slots against (None
+        behind a sim target: the slots then hold the sim target's pattern)."""
         self.model_id = check_model_id(model_id)
         self.step = 0
         self.trained = TrainedJobs()
-        self.cost_per_token = config.drafter.sim_cost_per_token
+        self.cost_per_token = drafter.sim_cost_per_token
         # DFlash trains a fixed number of anchor blocks per sequence: its cost follows the sequence
         # count far more than the length.
-        self.cost_per_sequence = config.drafter.sim_cost_per_sequence
-        self.keep = config.drafter.checkpoint_keep
+        self.cost_per_sequence = drafter.sim_cost_per_sequence
+        self.keep = drafter.checkpoint_keep
         self._window: list[int] = []
         # test-only faults planted in the witness (common.faults), so a test can show the report catches them
         self._duplicate, self._drop = faults.witness_faults()
         # Behind a real target the slots hold a model's states, not a pattern: check them against the
         # prepared dataset the target read instead.
         self._dataset = None
-        if not config.target.sim and config.data.path:
+        if dataset_path:
             from common.run.prepared import PreparedDataset
-            self._dataset = PreparedDataset(config.data.path)
+            self._dataset = PreparedDataset(dataset_path)
 
     def load_latest(self, run_dir: str | os.PathLike) -> int:
         checkpoint = latest_checkpoint(run_dir, self.model_id)

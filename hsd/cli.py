@@ -50,26 +50,16 @@ def cmd_worker(args) -> int:
     if role == "target":
         from target_worker.loop import TargetLoop
         return TargetLoop(config, name, _sim_target(config) if sim else _hf_target(config)).run()
+    from drafter_worker.factory import drafter_backend, sim_drafter
     from drafter_worker.loop import DrafterLoop
     if sim:
-        from drafter_worker.sim import SimDrafter
         # An independent sim drafter trains a model of its own, named after it: a restart resumes it.
-        return DrafterLoop(config, name, SimDrafter(config, model_id=name)).run()
+        return DrafterLoop(config, name, sim_drafter(config, model_id=name)).run()
     grouped = config.drafter.grouped
     # Every rank of a data-parallel group trains the group's one model (rank 0 writes its checkpoints);
     # an independent drafter trains a model of its own, named after it: a restart resumes it.
     model_id = config.drafter.model if grouped else name
-    if config.drafter.backend == "linear":
-        from drafter_worker.linear_backend import LinearDrafter
-        backend = LinearDrafter(config, model_id=model_id)
-    else:
-        if not config.target.model:  # said before torch loads: the drafter reads the target's config and head
-            raise ConfigError("target.model: the drafter needs the target model directory (or use --sim)")
-        if config.drafter.objective == "eagle3":
-            from drafter_worker.eagle3_backend import Eagle3Backend as Backend
-        else:
-            from drafter_worker.dflash_backend import DFlashBackend as Backend
-        backend = Backend(config, model_id=model_id)
+    backend = drafter_backend(config, model_id=model_id)
     loop = DrafterLoop(config, name, backend, grouped=grouped)
     try:
         return loop.run()
@@ -80,7 +70,7 @@ def cmd_worker(args) -> int:
 
 def _sim_target(config):
     from target_worker.sim import SimTarget
-    return SimTarget(config)
+    return SimTarget(config.target)
 
 
 def _hf_target(config):
@@ -99,8 +89,9 @@ def _hf_target(config):
         check_tokenizer(dataset, config.target.model)
     # hsd launch gives each worker one GPU (CUDA_VISIBLE_DEVICES): it is cuda:0 in the worker.
     pinned = config.target.gpus and os.environ.get("CUDA_VISIBLE_DEVICES", "").strip().isdigit()
-    device = torch.device("cuda", 0) if pinned else default_device(config)
-    return HFTargetBackend(config, device=device, dataset=dataset)
+    device = torch.device("cuda", 0) if pinned else default_device(config.target)
+    return HFTargetBackend(config.target, config.schedule, objective=config.drafter.objective,
+                           device=device, dataset=dataset)
 
 
 def cmd_launch(args) -> int:

@@ -141,16 +141,17 @@ def run_demo(*, out: str | os.PathLike, config_path: str | os.PathLike | None, o
     from common.run.witness import latest_checkpoint, servable_dir
     from drafter_worker.speculative_eval import evaluate
     from drafter_worker.dflash.prompts import load_chat_prompts
-    if objective == "eagle3":
-        from drafter_worker.eagle3_backend import Eagle3Backend as Backend
-    else:
-        from drafter_worker.dflash_backend import DFlashBackend as Backend
+    from drafter_worker.dflash_backend import DFlashBackend
+    from drafter_worker.eagle3_backend import Eagle3Backend
+    from drafter_worker.factory import trainer_backend
     from transformers import AutoModelForCausalLM, AutoTokenizer
     started = _stage(5, f"speculative decoding on {eval_prompts} held-out prompts, before and after training")
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     prompts = load_chat_prompts(target_dir / "heldout.jsonl", tokenizer, eval_prompts)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    untrained = Backend(config, "untrained", schedule_jobs=1).trainer.model.eval()  # the run's initial weights
+    backend_class = Eagle3Backend if objective == "eagle3" else DFlashBackend
+    untrained = trainer_backend(config, "untrained", backend_class=backend_class,
+                                schedule_jobs=1).trainer.model.eval()  # the run's initial weights
     before = evaluate(target_dir, untrained, prompts, max_new_tokens, target=target)
     drafter_dir = servable_dir(latest_checkpoint(run_dir, DRAFTER_NAME))
     after = evaluate(target_dir, drafter_dir, prompts, max_new_tokens, target=target)

@@ -17,7 +17,7 @@ def _lengths(config: Config, lengths_file: str | None, data_dir: str | None) -> 
     if data_dir:
         from pathlib import Path
         return read_lengths_file(Path(data_dir) / LENGTHS_FILE_IN_DATASET)
-    return load_lengths(config)
+    return load_lengths(config.data, config.schedule, config.run)
 
 
 def _build(config: Config, lengths: list[int], epoch: int, order: str) -> EpochSchedule:

@@ -23,8 +23,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from common.run.capture_contract import CaptureContract, check_same_contract, contract_from_config
-from common.run.config import Config
+from common.run.capture_contract import CaptureContract, check_same_contract, contract_of
+from common.run.config import Objective, ScheduleSection, TargetSection
 from common.dataplane.slots import DTYPES, SlotHeader, SlotView
 from common.wire import messages
 from target_worker.capture import LayerCapture, contract_shape_of, drop_unused_modules, load_target_model
@@ -95,27 +95,29 @@ class SideStreamWrite:
             self.slot.write_header(self.header)
 
 
-def default_device(config: Config) -> torch.device:
+def default_device(target: TargetSection) -> torch.device:
     """The first of ``target.gpus``, or the CPU (``target.dtype=auto`` then resolves to float32)."""
-    return torch.device("cuda", config.target.gpus[0]) if config.target.gpus else torch.device("cpu")
+    return torch.device("cuda", target.gpus[0]) if target.gpus else torch.device("cpu")
 
 
 class HFTargetBackend:
     """Loads ``target.model`` once; :meth:`extract` fills one slot per job."""
 
-    def __init__(self, config: Config, *, device: str | torch.device, dataset: SampleSource,
-                 keep_full_model: bool = False):
-        """``keep_full_model`` keeps the layers past the last captured one and the LM head (the benchmark
-        runs the plain forward too); a worker frees them (on an 8B target, about 2 GB of GPU memory)."""
+    def __init__(self, target: TargetSection, schedule: ScheduleSection, *, objective: Objective,
+                 device: str | torch.device, dataset: SampleSource, keep_full_model: bool = False):
+        """``objective``: the run's ``drafter.objective`` (the capture contract's default layers and
+        final-norm state follow it). ``keep_full_model`` keeps the layers past the last captured one
+        and the LM head (the benchmark runs the plain forward too); a worker frees them (on an 8B
+        target, about 2 GB of GPU memory)."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.dataset = dataset
-        self.tokens_per_batch = config.schedule.tokens_per_batch
-        declared = contract_from_config(config)
-        self.model = load_target_model(config.target.model, dtype=DTYPES[declared.dtype],
-                                       attn_implementation=config.target.attn_implementation, device=device)
+        self.tokens_per_batch = schedule.tokens_per_batch
+        declared = contract_of(target, objective)
+        self.model = load_target_model(target.model, dtype=DTYPES[declared.dtype],
+                                       attn_implementation=target.attn_implementation, device=device)
         architecture, num_layers, hidden_size = contract_shape_of(self.model)
         loaded = CaptureContract(architecture=architecture, num_layers=num_layers, hidden_size=hidden_size,
                                  layer_ids=declared.layer_ids, dtype=str(self.model.dtype).removeprefix("torch."),

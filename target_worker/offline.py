@@ -88,7 +88,8 @@ def capture_to_file(config: Config, dataset: SampleSource, *, num_samples: int, 
                               tokens_per_batch=config.schedule.tokens_per_batch)
     dropped = set(skipped)
     captured = [i for i in range(num_samples) if i not in dropped]
-    backend = HFTargetBackend(config, device=default_device(config), dataset=dataset)
+    backend = HFTargetBackend(config.target, config.schedule, objective=config.drafter.objective,
+                              device=default_device(config.target), dataset=dataset)
     layout = SlotLayout.from_contract(backend.contract, config.schedule)
     slot = SlotView(torch.zeros(layout.slot_bytes, dtype=torch.uint8), layout)
     specs = []

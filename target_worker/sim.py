@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from common.run.config import Config
+from common.run.config import TargetSection
 from common.wire import messages
 from common.dataplane.slot_pattern import fill_pattern
 from common.dataplane.slots import SlotView
@@ -21,9 +21,9 @@ from common.dataplane.slots import SlotView
 class SimTarget:
     contract = None
 
-    def __init__(self, config: Config):
-        self.cost_per_token = config.target.sim_cost_per_token
-        self.cost_attention = config.target.sim_cost_attention
+    def __init__(self, target: TargetSection):
+        self.cost_per_token = target.sim_cost_per_token
+        self.cost_attention = target.sim_cost_attention
 
     def cost_s(self, job: messages.Job) -> float:
         return self.cost_per_token * job.num_tokens + self.cost_attention * len(job.samples) * job.seq_len ** 2

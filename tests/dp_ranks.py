@@ -41,15 +41,18 @@ def data_dir(out: str) -> str:
 def make_backend(kind: str, target_dir: str | None, run_dir: str):
     if kind == "linear":
         from drafter_worker.linear_backend import LinearDrafter
-        return LinearDrafter(config(), "m")
+        linear = config()
+        return LinearDrafter("m", drafter=linear.drafter, target=linear.target, seed=linear.run.seed)
+    from drafter_worker.factory import trainer_backend
     if kind == "eagle3":
         from drafter_worker.eagle3_backend import Eagle3Backend
         from eagle3_testing import backend_config as eagle3_config
-        return Eagle3Backend(eagle3_config(target_dir, run_dir, data_dir(os.path.dirname(run_dir)), "run.seed=7"),
-                             "m", device="cpu", schedule_jobs=NUM_STEPS * WORLD * PER_RANK)
+        return trainer_backend(eagle3_config(target_dir, run_dir, data_dir(os.path.dirname(run_dir)), "run.seed=7"),
+                               "m", backend_class=Eagle3Backend, device="cpu",
+                               schedule_jobs=NUM_STEPS * WORLD * PER_RANK)
     from drafter_worker.dflash_backend import DFlashBackend
-    return DFlashBackend(backend_config(target_dir, run_dir, "run.seed=7"), "m", device="cpu",
-                         schedule_jobs=NUM_STEPS * WORLD * PER_RANK)
+    return trainer_backend(backend_config(target_dir, run_dir, "run.seed=7"), "m", backend_class=DFlashBackend,
+                           device="cpu", schedule_jobs=NUM_STEPS * WORLD * PER_RANK)
 
 
 def weights(backend) -> dict[str, torch.Tensor]:

@@ -160,26 +160,35 @@ def capture_point_hint(ours: str, theirs: str) -> str:
 
 
 def resolve_capture_dtype(config: Any) -> str:
-    """``target.dtype`` with ``auto`` resolved from the config alone, so every process agrees on it.
+    """``target.dtype`` with ``auto`` resolved from the config alone, so every process agrees on it
+    (:func:`capture_dtype` of ``config.target``)."""
+    return capture_dtype(config.target)
+
+
+def capture_dtype(target: Any) -> str:
+    """A ``target`` section's ``dtype`` with ``auto`` resolved from the section alone.
 
     A real target on the CPU (a model and no ``target.gpus``) runs float32: bf16 matmuls there are
     slow and lossy. Everything else, sim targets included, captures bfloat16.
     """
-    target = config.target
     if target.dtype != "auto":
         return target.dtype
     return "float32" if target.model and not target.sim and not target.gpus else "bfloat16"
 
 
 def contract_from_config(config: Any, *, model_config: Mapping[str, Any] | None = None) -> CaptureContract:
-    """The run's contract from ``target.model`` (its ``config.json``), ``target.capture_layers`` or the
-    default of ``drafter.objective``, and the resolved ``target.dtype``."""
-    target = config.target
+    """The run's contract (:func:`contract_of` its ``target`` section and ``drafter.objective``)."""
+    return contract_of(config.target, config.drafter.objective, model_config=model_config)
+
+
+def contract_of(target: Any, objective: str, *, model_config: Mapping[str, Any] | None = None) -> CaptureContract:
+    """The contract from ``target.model`` (its ``config.json``), ``target.capture_layers`` or the
+    default of the drafter's ``objective``, and the resolved ``target.dtype``."""
     if not target.model:
         raise ValueError("target.model is not set: the capture contract comes from the target model's config.json")
     doc = model_config if model_config is not None else read_model_config(target.model)
     return build_contract(doc, layer_ids=target.capture_layers, num_capture_layers=target.num_capture_layers,
-                          dtype=resolve_capture_dtype(config), objective=config.drafter.objective)
+                          dtype=capture_dtype(target), objective=objective)
 
 
 def adopt_contract(current: Mapping[str, Any] | None, contract: Mapping[str, Any], *,

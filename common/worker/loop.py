@@ -27,8 +27,8 @@ import msgspec
 from common.run.config import Config
 from common.wire import messages
 from common.wire.messages import ErrorCode, ProtocolError
-from common.worker.runtime import (CALL_TIMEOUT_S, RECONNECT_S, DispatcherGone, NoReply, WorkerLost, WorkerSession,
-                                   on_no_reply, resend_until_answered)
+from common.worker.runtime import (CALL_TIMEOUT_S, RECONNECT_S, DispatcherAddress, DispatcherGone, NoReply, WorkerLost,
+                                   WorkerSession, on_no_reply, resend_until_answered)
 
 log = logging.getLogger("hsd.worker")
 
@@ -50,7 +50,7 @@ class WorkerLoop:
         self.config = config
         self.name = name
         self.backend = backend
-        self.session = WorkerSession(config, self.role, name, gpu=gpu)
+        self.session = WorkerSession(DispatcherAddress.from_config(config), self.role, name, gpu=gpu)
         self._external_stop = external_stop
         self.poll_ms = POLL_MS
 

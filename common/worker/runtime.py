@@ -14,13 +14,14 @@ import os
 import socket
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
 import msgspec
 
 from common.wire import messages
 from common.wire.client import DispatcherUnavailable
-from common.run.config import Config
+from common.run.config import Config, CurveSection
 from common.wire.control_channel import ControlChannel
 from common.wire.curve import client_from_config
 from common.worker.held_jobs import HeldJobs
@@ -101,18 +102,34 @@ def on_no_reply(logger: logging.Logger, message: str, *args: Any,
     return again
 
 
+@dataclass(frozen=True)
+class DispatcherAddress:
+    """What a worker's session needs to reach its dispatcher: the control endpoint, the shared
+    secret, the connecting side's CURVE keys (the ``curve`` section) and the node it names when it
+    registers (:meth:`from_config`: a run config's)."""
+
+    endpoint: str
+    secret: str = ""
+    curve: CurveSection = field(default_factory=CurveSection)
+    node: str = ""  # empty = this host's name
+
+    @classmethod
+    def from_config(cls, config: Config) -> DispatcherAddress:
+        return cls(endpoint=config.control_endpoint, secret=config.dispatcher.secret, curve=config.curve,
+                   node=config.nodes.name)
+
+
 class WorkerSession:
-    def __init__(self, config: Config, role: str, name: str, *, gpu: int | None = None):
-        self.config = config
+    def __init__(self, address: DispatcherAddress, role: str, name: str, *, gpu: int | None = None):
         self.role = role
         self.name = name
         self.gpu = gpu
-        self.node = config.nodes.name or socket.gethostname()
-        self.endpoint = config.control_endpoint
+        self.node = address.node or socket.gethostname()
+        self.endpoint = address.endpoint
         self.held = HeldJobs()
         self.seen_grant = 0  # the grant number of the latest job received in this session
-        self.channel = ControlChannel(self.endpoint, secret=config.dispatcher.secret,
-                                      curve=client_from_config(config.curve), on_reply=self._on_reply, name=name)
+        self.channel = ControlChannel(self.endpoint, secret=address.secret,
+                                      curve=client_from_config(address.curve), on_reply=self._on_reply, name=name)
         self.worker_id: str | None = None
         self.token: str | None = None
         self.registration: messages.RegisterReply | None = None

@@ -36,7 +36,7 @@ from typing import Callable
 
 import numpy as np
 
-from common.run.config import Config, ConfigError
+from common.run.config import ConfigError, DataSection, DFlashSection, TargetSection
 from common.run.durable import atomic_write
 
 log = logging.getLogger("hsd.dflash")
@@ -100,20 +100,21 @@ def token_occurs(tokens: np.ndarray, token_id: int) -> bool:
     return False
 
 
-def choice_key(config: Config, *, vocab_size: int) -> str:
-    """What the default depends on: the tokenizer's files, the dataset's manifest and token file
-    (size and modification time: the data is not read), the embedding's size."""
+def choice_key(target: TargetSection, data: DataSection, *, vocab_size: int) -> str:
+    """What the default depends on: the tokenizer's files (``target.model``), the dataset's manifest
+    and token file (``data.path``; size and modification time: the data is not read), the embedding's
+    size."""
     from common.run.prepared import MANIFEST_FILE, TOKENS_FILE
     digest = hashlib.sha256(f"vocab_size={vocab_size}".encode())
-    model_dir = Path(config.target.model)
+    model_dir = Path(target.model)
     for path in sorted(model_dir.iterdir()):
         if path.is_file() and _TOKENIZER_FILES.match(path.name):
             digest.update(f"\0{path.name}\0".encode())
             digest.update(path.read_bytes())
-    if config.data.path:
-        data = Path(config.data.path)
-        digest.update((data / MANIFEST_FILE).read_bytes())
-        tokens = (data / TOKENS_FILE).stat()
+    if data.path:
+        data_dir = Path(data.path)
+        digest.update((data_dir / MANIFEST_FILE).read_bytes())
+        tokens = (data_dir / TOKENS_FILE).stat()
         digest.update(f"\0{tokens.st_size}:{tokens.st_mtime_ns}".encode())
     return digest.hexdigest()
 
@@ -137,21 +138,22 @@ def _write_choice(path: Path, key: str, chosen: MaskToken) -> None:
         log.warning("the mask token choice was not kept in %s: %s", path, exc)
 
 
-def resolve_mask_token_id(config: Config, *, vocab_size: int) -> int:
+def resolve_mask_token_id(dflash: DFlashSection, *, target: TargetSection, data: DataSection,
+                          run_dir: str | os.PathLike, vocab_size: int) -> int:
     """``dflash.mask_token_id``, or its default from ``target.model``'s tokenizer and ``data.path``
-    (as chosen before in this run directory, when nothing it depends on changed)."""
-    if config.dflash.mask_token_id != UNSET:
-        return config.dflash.mask_token_id
-    key = choice_key(config, vocab_size=vocab_size) if Path(config.target.model).is_dir() else None
-    kept = config.run_dir / CHOICE_FILE
+    (as chosen before in ``run_dir``, the run directory, when nothing it depends on changed)."""
+    if dflash.mask_token_id != UNSET:
+        return dflash.mask_token_id
+    key = choice_key(target, data, vocab_size=vocab_size) if Path(target.model).is_dir() else None
+    kept = Path(run_dir) / CHOICE_FILE
     chosen = _read_choice(kept, key) if key else None
     if chosen is not None:
         log.info("%s unset: the mask token is %r (id %d), %s, absent from the training data (as chosen before, %s)",
                  KEY, chosen.token, chosen.token_id, chosen.why, kept)
         return chosen.token_id
     from common.run.prepared import PreparedDataset, load_tokenizer
-    tokenizer = load_tokenizer(config.target.model)
-    tokens = PreparedDataset(config.data.path).tokens if config.data.path else np.zeros(0, dtype=np.int32)
+    tokenizer = load_tokenizer(target.model)
+    tokens = PreparedDataset(data.path).tokens if data.path else np.zeros(0, dtype=np.int32)
     chosen = choose_mask_token(tokenizer, vocab_size=vocab_size, occurs_in_data=lambda i: token_occurs(tokens, i))
     log.info("%s unset: the mask token is %r (id %d), %s, absent from the training data", KEY, chosen.token,
              chosen.token_id, chosen.why)

@@ -40,7 +40,7 @@ def fake(tmp_path):
 
 def drafter(tmp_path, fake, *overrides: str, name: str = "drafter-0") -> DrafterLoop:
     config = worker_config(tmp_path / "run", fake.endpoint, *overrides)
-    return DrafterLoop(config, name, SimDrafter(config, model_id=name))
+    return DrafterLoop(config, name, SimDrafter(config.drafter, model_id=name, dataset_path=None))
 
 
 def _index(fake, event) -> int:
@@ -53,7 +53,7 @@ class SimDrafterHeldWhile(SimDrafter):
     test decides when the compute ends, not the machine's speed."""
 
     def __init__(self, config, model_id, fake, job_id, until):
-        super().__init__(config, model_id=model_id)
+        super().__init__(config.drafter, model_id=model_id, dataset_path=None)
         self.fake, self.job_id, self.until = fake, job_id, until
 
     def micro_batch(self, job, batch):
@@ -93,7 +93,7 @@ def test_target_prefetches_its_second_job_and_lists_it_while_extracting(tmp_path
     fake.add_job(make_job(1, slot=0, generation=1))
     fake.add_job(make_job(2, slot=1, generation=1))
     config = worker_config(tmp_path / "run", fake.endpoint, "target.sim_cost_per_token=0.02")
-    loop = TargetLoop(config, "target-0", SimTarget(config))
+    loop = TargetLoop(config, "target-0", SimTarget(config.target))
     with running(loop):
         fake.wait_for(lambda f: len(f.ops("job_ready")) == 2, what="two ready jobs")
         polls, ready = fake.ops("get_job"), fake.ops("job_ready")
@@ -144,7 +144,8 @@ def test_a_steps_figures_go_with_the_next_commit_and_the_last_with_its_checkpoin
     for job_id in (1, 2):
         fake.add_ready_job(job_id, slot=job_id - 1)
     config = worker_config(tmp_path / "run", fake.endpoint)
-    loop = DrafterLoop(config, "drafter-0", SimDrafterWithFigures(config, model_id="drafter-0"))
+    backend = SimDrafterWithFigures(config.drafter, model_id="drafter-0", dataset_path=None)
+    loop = DrafterLoop(config, "drafter-0", backend)
     with running(loop) as thread:
         fake.wait_for(lambda f: len(f.ops("commit_step")) == 2, what="two steps")
         fake.flush = True
@@ -320,8 +321,8 @@ class DeferredSimTarget(SimTarget):
     """The sim target with its header published only by the returned write's ``wait()``: the shape of a GPU
     target whose slot copy is still on its side stream when ``extract`` returns."""
 
-    def __init__(self, config):
-        super().__init__(config)
+    def __init__(self, target):
+        super().__init__(target)
         self.calls: list[tuple[str, int, float]] = []
 
     def extract(self, job, slot):
@@ -344,7 +345,7 @@ def test_target_queues_its_next_job_before_it_waits_for_the_last_slot_copy(tmp_p
     fake.add_job(make_job(1, slot=0, generation=1))
     fake.add_job(make_job(2, slot=1, generation=1))
     config = worker_config(tmp_path / "run", fake.endpoint, "target.sim_cost_per_token=0.02")
-    backend = DeferredSimTarget(config)
+    backend = DeferredSimTarget(config.target)
     loop = TargetLoop(config, "target-0", backend)
     with running(loop):
         fake.wait_for(lambda f: len(f.ops("job_ready")) == 2, what="two ready jobs")

@@ -74,14 +74,19 @@ def test_synthetic_lengths_more_buckets_than_shares():
     assert counts[6] == pytest.approx(counts[5], abs=2) and counts[7] == pytest.approx(counts[5], abs=2)
 
 
+def _lengths_of(overrides: list[str]) -> list[int]:
+    config = load_config(None, overrides)
+    return load_lengths(config.data, config.schedule, config.run)
+
+
 def test_load_lengths_from_config(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "l.txt").write_text("5\n6\n")
-    assert load_lengths(load_config(None, ["data.lengths=l.txt"])) == [5, 6]
+    assert _lengths_of(["data.lengths=l.txt"]) == [5, 6]
     (tmp_path / "ds").mkdir()
     with pytest.raises(DatasetError, match="lengths.txt"):
-        load_lengths(load_config(None, ["data.path=ds"]))
+        _lengths_of(["data.path=ds"])
     (tmp_path / "ds" / "lengths.txt").write_text("9\n")
-    assert load_lengths(load_config(None, ["data.path=ds"])) == [9]
-    synthetic = load_lengths(load_config(None, ["data.synthetic_samples=300"]))
+    assert _lengths_of(["data.path=ds"]) == [9]
+    synthetic = _lengths_of(["data.synthetic_samples=300"])
     assert len(synthetic) == pytest.approx(300, abs=6)

@@ -18,6 +18,7 @@ from dflash_testing import LAYER_IDS, backend_config, random_batch
 from host_reads import HostReads
 from drafter_worker.dflash.export import load_drafter
 from drafter_worker.dflash_backend import DFlashBackend
+from drafter_worker.factory import trainer_backend
 from drafter_worker.drafter_backend import derive_schedule_jobs
 from hsd.cli import main as cli_main
 from worker_jobs import held_job, registration
@@ -48,16 +49,16 @@ def _train(backend, jobs, steps: range, accum: int = 2) -> list[float]:
 def test_checkpoint_then_load_latest_continues_identically(tiny_target, tiny_target_model, tmp_path):
     config = backend_config(tiny_target, tmp_path / "run")
     jobs = _jobs(tiny_target_model, 12)
-    straight = DFlashBackend(config, "drafter-0", schedule_jobs=12)
+    straight = trainer_backend(config, "drafter-0", backend_class=DFlashBackend, schedule_jobs=12)
     assert straight.contract == contract_from_config(config).to_dict()  # what the target sends too
     reference = _train(straight, jobs, range(6))
 
-    first = DFlashBackend(config, "drafter-0", schedule_jobs=12)
+    first = trainer_backend(config, "drafter-0", backend_class=DFlashBackend, schedule_jobs=12)
     assert first.load_latest(config.run_dir) == 0
     assert _train(first, jobs, range(3)) == reference[:3]
     first.save_checkpoint(config.run_dir)
     first.micro_batch(*jobs[6])  # a step in progress when the worker stops: it is not in the checkpoint
-    resumed = DFlashBackend(config, "drafter-0", schedule_jobs=12)
+    resumed = trainer_backend(config, "drafter-0", backend_class=DFlashBackend, schedule_jobs=12)
     assert resumed.load_latest(config.run_dir) == 3
     assert list(resumed.trained) == list(range(6))
     assert _train(resumed, jobs, range(3, 6)) == reference[3:]
@@ -71,13 +72,13 @@ def test_a_snapshot_written_after_later_steps_holds_its_own_step(tiny_target, ti
     its snapshot, whatever the steps trained meanwhile changed in place (weights, AdamW moments)."""
     config = backend_config(tiny_target, tmp_path / "run")
     jobs = _jobs(tiny_target_model, 8)
-    straight = DFlashBackend(config, "drafter-0", schedule_jobs=16)
+    straight = trainer_backend(config, "drafter-0", backend_class=DFlashBackend, schedule_jobs=16)
     _train(straight, jobs, range(2))
     snapshot = straight.snapshot_checkpoint()
     at_step_2 = {k: v.clone() for k, v in straight.trainer.model.draft_state_dict().items()}
     later = _train(straight, jobs, range(2, 4))  # before the snapshot is written
     snapshot.write(config.run_dir)
-    resumed = DFlashBackend(config, "drafter-0", schedule_jobs=16)
+    resumed = trainer_backend(config, "drafter-0", backend_class=DFlashBackend, schedule_jobs=16)
     assert resumed.load_latest(config.run_dir) == 2
     for name, tensor in resumed.trainer.model.draft_state_dict().items():
         assert torch.equal(tensor, at_step_2[name]), name
@@ -87,7 +88,7 @@ def test_a_snapshot_written_after_later_steps_holds_its_own_step(tiny_target, ti
 def test_load_latest_without_checkpoint_starts_afresh(tiny_target, tiny_target_model, tmp_path):
     config = backend_config(tiny_target, tmp_path / "run")
     jobs = _jobs(tiny_target_model, 4)
-    backend = DFlashBackend(config, "drafter-0", schedule_jobs=8)
+    backend = trainer_backend(config, "drafter-0", backend_class=DFlashBackend, schedule_jobs=8)
     first = _train(backend, jobs, range(2))
     assert backend.load_latest(config.run_dir) == 0  # e.g. the dispatcher refused a model ahead of it
     assert backend.step == 0 and len(backend.trained) == 0
@@ -100,7 +101,7 @@ def test_checkpoint_holds_a_servable_drafter_and_hsd_export_copies_it(tiny_targe
     the training state lives beside them."""
     config = backend_config(tiny_target, tmp_path / "run")
     jobs = _jobs(tiny_target_model, 4)
-    backend = DFlashBackend(config, "drafter-0", schedule_jobs=8)
+    backend = trainer_backend(config, "drafter-0", backend_class=DFlashBackend, schedule_jobs=8)
     _train(backend, jobs, range(2))
     backend.save_checkpoint(config.run_dir)
     checkpoint = latest_checkpoint(config.run_dir, "drafter-0")
@@ -139,7 +140,7 @@ def test_a_checkpoint_trained_at_another_capture_point_is_refused(tiny_target, t
     """A checkpoint from before the capture point was recorded (its last layer was the final norm's
     output) never resumes a run of the current capture: the drafter stops naming both points."""
     config = backend_config(tiny_target, tmp_path / "run")
-    backend = DFlashBackend(config, "drafter-0", schedule_jobs=8)
+    backend = trainer_backend(config, "drafter-0", backend_class=DFlashBackend, schedule_jobs=8)
     _train(backend, _jobs(tiny_target_model, 2), range(1))
     backend.save_checkpoint(config.run_dir)
     config_path = servable_dir(latest_checkpoint(config.run_dir, "drafter-0")) / "config.json"
@@ -148,15 +149,15 @@ def test_a_checkpoint_trained_at_another_capture_point_is_refused(tiny_target, t
     config_path.write_text(json.dumps(doc))
     with pytest.raises(ValueError, match=r"trained on target states taken at 'hidden_states', this run captures at "
                                          r"'layer_output'.*train it again in a new run directory"):
-        DFlashBackend(config, "drafter-0", schedule_jobs=8).load_latest(config.run_dir)
+        trainer_backend(config, "drafter-0", backend_class=DFlashBackend, schedule_jobs=8).load_latest(config.run_dir)
 
 
 def test_sync_gradients_sums_over_ranks(tiny_target, tiny_target_model, tmp_path):
     """Two identical ranks: the summed gradients over the summed weight equal one rank's step."""
     config = backend_config(tiny_target, tmp_path / "run")
     jobs = _jobs(tiny_target_model, 2)
-    single = DFlashBackend(config, "a", schedule_jobs=8)
-    pair = DFlashBackend(config, "b", schedule_jobs=8)
+    single = trainer_backend(config, "a", backend_class=DFlashBackend, schedule_jobs=8)
+    pair = trainer_backend(config, "b", backend_class=DFlashBackend, schedule_jobs=8)
     for backend in (single, pair):
         for job, batch in jobs:
             backend.micro_batch(job, batch)
@@ -174,19 +175,22 @@ def test_schedule_length_from_the_dispatchers_count_of_an_epoch(tmp_path):
     jobs_per_epoch: tests/dispatcher/test_core.py checks it is every epoch's schedule), or
     dflash.total_steps steps; the optimizer's schedule is never built before the count is known."""
     config = tiny_run(tmp_path, tmp_path / "run", num_samples=32, epochs=3, extra=("drafter.accum_steps=3",))
-    assert derive_schedule_jobs(config, "dflash") is None  # the dispatcher's to count
-    assert derive_schedule_jobs(config, "dflash", jobs_per_epoch=11) == 11 * config.run.epochs
+    def schedule_jobs(config, **known):
+        return derive_schedule_jobs(config.dflash, config.drafter, epochs=config.run.epochs, **known)
+    assert schedule_jobs(config) is None  # the dispatcher's to count
+    assert schedule_jobs(config, jobs_per_epoch=11) == 11 * config.run.epochs
     fixed = tiny_run(tmp_path, tmp_path / "run", num_samples=32, epochs=3,
                      extra=("drafter.accum_steps=3", "dflash.total_steps=17"))
-    assert derive_schedule_jobs(fixed, "dflash") == derive_schedule_jobs(fixed, "dflash", jobs_per_epoch=11) == 17 * 3
-    backend = DFlashBackend(config, "drafter-0")
+    assert schedule_jobs(fixed) == schedule_jobs(fixed, jobs_per_epoch=11) == 17 * 3
+    backend = trainer_backend(config, "drafter-0", backend_class=DFlashBackend)
     with pytest.raises(RuntimeError, match="register reply"):
         backend.apply_step([])
     backend.adopt_registration(registration(jobs_per_epoch=11))
     assert backend.schedule_jobs == backend.trainer.config.total_steps == 11 * 3
     backend.adopt_registration(registration(jobs_per_epoch=5))  # a later registration changes nothing
     assert backend.trainer.config.total_steps == 11 * 3
-    assert DFlashBackend(fixed, "drafter-1").trainer.config.total_steps == 17 * 3  # known without a reply
+    known = trainer_backend(fixed, "drafter-1", backend_class=DFlashBackend)
+    assert known.trainer.config.total_steps == 17 * 3  # known without a reply
 
 
 def test_the_learning_rate_follows_the_jobs_trained_whatever_the_world_size(tiny_target, tmp_path):
@@ -195,7 +199,7 @@ def test_the_learning_rate_follows_the_jobs_trained_whatever_the_world_size(tiny
     config = backend_config(tiny_target, tmp_path / "run", "dflash.warmup_ratio=0.25")
     lrs = {}
     for name, sizes in (("four", [4, 4, 4, 4]), ("two", [2] * 8), ("elastic", [1, 3, 2, 2, 4, 4])):
-        backend = DFlashBackend(config, name, schedule_jobs=16)
+        backend = trainer_backend(config, name, backend_class=DFlashBackend, schedule_jobs=16)
         done, seen = 0, {}
         for size in sizes:
             done += size
@@ -213,7 +217,7 @@ def test_an_optimizer_step_reads_the_host_once(tiny_target, tiny_target_model, t
     figures at its end (for the log line and the commit). On a GPU every read waits for the queued
     work, so more would keep the next slot's copy from overlapping compute."""
     config = backend_config(tiny_target, tmp_path / "run", "dflash.log_every=1")
-    backend = DFlashBackend(config, "drafter-0", schedule_jobs=8)
+    backend = trainer_backend(config, "drafter-0", backend_class=DFlashBackend, schedule_jobs=8)
     jobs = _jobs(tiny_target_model, 2)
     with HostReads() as reads:  # the first step: the optimizer's state is created in it too
         for job, batch in jobs:

@@ -14,6 +14,7 @@ from common.dataplane.slots import SlotBatch, SlotHeader
 from common.run.witness import latest_checkpoint, servable_dir
 from drafter_worker.eagle3.export import load_drafter
 from drafter_worker.eagle3_backend import Eagle3Backend
+from drafter_worker.factory import trainer_backend
 from drafter_worker.speculative_eval import evaluate
 from eagle3_testing import DRAFT_VOCAB, LAYER_IDS, backend_config, random_batch, random_prepared
 from worker_jobs import held_job
@@ -45,16 +46,16 @@ def test_checkpoint_resumes_exactly_and_exports_the_eagle3_layout(tiny_target, t
     config = backend_config(tiny_target, tmp_path / "run", random_prepared(tmp_path / "data"))
     contract = contract_from_config(config)
     jobs = _jobs(tiny_target_model, 8)
-    straight = Eagle3Backend(config, "drafter-0", schedule_jobs=8)
+    straight = trainer_backend(config, "drafter-0", backend_class=Eagle3Backend, schedule_jobs=8)
     assert straight.contract == contract.to_dict() and contract.final_norm and contract.row_width == 4 * HIDDEN
     reference = _train(straight, jobs, range(4))
     assert reference[-1] < reference[0]
 
-    first = Eagle3Backend(config, "drafter-0", schedule_jobs=8)
+    first = trainer_backend(config, "drafter-0", backend_class=Eagle3Backend, schedule_jobs=8)
     assert first.load_latest(config.run_dir) == 0
     assert _train(first, jobs, range(2)) == reference[:2]
     first.save_checkpoint(config.run_dir)
-    resumed = Eagle3Backend(config, "drafter-0", schedule_jobs=8)
+    resumed = trainer_backend(config, "drafter-0", backend_class=Eagle3Backend, schedule_jobs=8)
     assert resumed.load_latest(config.run_dir) == 2
     assert _train(resumed, jobs, range(2, 4)) == reference[2:]
     for name, tensor in straight.trainer.model.draft_state_dict().items():
@@ -99,7 +100,7 @@ def test_an_optimizer_step_reads_the_host_once(tiny_target, tiny_target_model, t
 
     from host_reads import HostReads
     config = backend_config(tiny_target, tmp_path / "run", random_prepared(tmp_path / "data"), "eagle3.log_every=1")
-    backend = Eagle3Backend(config, "drafter-0", schedule_jobs=8)
+    backend = trainer_backend(config, "drafter-0", backend_class=Eagle3Backend, schedule_jobs=8)
     jobs = _jobs(tiny_target_model, 2)
     with HostReads() as reads:
         for job, batch in jobs:

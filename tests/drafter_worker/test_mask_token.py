@@ -12,10 +12,10 @@ import pytest
 from common.run.config import ConfigError, write_resolved
 from common.run.prepared import load_tokenizer
 from common.run.witness import latest_checkpoint, servable_dir
-from dflash_run import write_dataset
 from dflash_testing import backend_config, make_target
 from drafter_worker.dflash.mask_token import CHOICE_FILE, resolve_mask_token_id
 from drafter_worker.dflash_backend import DFlashBackend
+from drafter_worker.factory import trainer_backend
 from tiny_tokenizers import save_tiny_tokenizer, save_word_tokenizer
 
 RESERVED = ["<|reserved_special_token_0|>", "<|reserved_special_token_1|>"]
@@ -45,6 +45,12 @@ def _dataset(out, sequences: list[list[int]], tokenizer_dir):
     return out
 
 
+def _resolve(config, *, vocab_size: int) -> int:
+    """The mask token id a DFlash drafter of ``config`` trains with."""
+    return resolve_mask_token_id(config.dflash, target=config.target, data=config.data, run_dir=config.run_dir,
+                                 vocab_size=vocab_size)
+
+
 def test_the_tokenizers_mask_token_is_the_default_and_goes_into_the_export(tmp_path):
     target = tmp_path / "target"
     make_target(target)
@@ -53,7 +59,7 @@ def test_the_tokenizers_mask_token_is_the_default_and_goes_into_the_export(tmp_p
     mask_id = tokenizer.mask_token_id
     assert tokenizer.mask_token == "<|mask|>"
     config = _config(target, tmp_path, [tokenizer("user assistant system")["input_ids"]])
-    backend = DFlashBackend(config, "drafter-0", schedule_jobs=4)
+    backend = trainer_backend(config, "drafter-0", backend_class=DFlashBackend, schedule_jobs=4)
     assert backend.trainer.model_config.mask_token_id == mask_id
     backend.save_checkpoint(config.run_dir)
     exported = json.loads((servable_dir(latest_checkpoint(config.run_dir, "drafter-0")) / "config.json").read_text())
@@ -67,13 +73,13 @@ def test_a_reserved_special_token_absent_from_the_data_is_the_default(tmp_path):
     make_target(target)
     save_word_tokenizer(target, ["hello", "world"], special_tokens=["<|endoftext|>", *RESERVED])
     first, second = (load_tokenizer(target).convert_tokens_to_ids(t) for t in RESERVED)
-    assert resolve_mask_token_id(_config(target, tmp_path / "a", [[3, 4, 3]]), vocab_size=300) == first
+    assert _resolve(_config(target, tmp_path / "a", [[3, 4, 3]]), vocab_size=300) == first
     # The first reserved token occurs in the data (a text quoting it): the next one is chosen.
-    assert resolve_mask_token_id(_config(target, tmp_path / "b", [[3, first, 4]]), vocab_size=300) == second
+    assert _resolve(_config(target, tmp_path / "b", [[3, first, 4]]), vocab_size=300) == second
     with pytest.raises(ConfigError, match="dflash.mask_token_id.*occurs in the training data"):
-        resolve_mask_token_id(_config(target, tmp_path / "c", [[first], [4, second]]), vocab_size=300)
-    assert resolve_mask_token_id(_config(target, tmp_path / "d", [[first]], "dflash.mask_token_id=7"),
-                                 vocab_size=300) == 7  # an explicit id is used as given
+        _resolve(_config(target, tmp_path / "c", [[first], [4, second]]), vocab_size=300)
+    assert _resolve(_config(target, tmp_path / "d", [[first]], "dflash.mask_token_id=7"),
+                    vocab_size=300) == 7  # an explicit id is used as given
 
 
 def test_no_mask_token_and_no_reserved_token_fails_at_start(tmp_path):
@@ -81,14 +87,17 @@ def test_no_mask_token_and_no_reserved_token_fails_at_start(tmp_path):
     make_target(target)
     save_word_tokenizer(target, ["hello", "world"], special_tokens=["<|endoftext|>", "<|im_start|>"])
     with pytest.raises(ConfigError, match="dflash.mask_token_id: the target's tokenizer has no mask token"):
-        DFlashBackend(_config(target, tmp_path, [[2, 3]]), "drafter-0", schedule_jobs=4)
+        trainer_backend(_config(target, tmp_path, [[2, 3]]), "drafter-0", backend_class=DFlashBackend,
+                        schedule_jobs=4)
 
 
 AGAIN = """
 import sys
 from common.run.config import load_config
 from drafter_worker.dflash.mask_token import resolve_mask_token_id
-print(resolve_mask_token_id(load_config(sys.argv[1]), vocab_size=300), "transformers" in sys.modules)
+config = load_config(sys.argv[1])
+print(resolve_mask_token_id(config.dflash, target=config.target, data=config.data, run_dir=config.run_dir,
+                            vocab_size=300), "transformers" in sys.modules)
 """
 
 
@@ -98,7 +107,7 @@ def test_the_choice_is_kept_in_the_run_directory_and_made_again_when_the_tokeniz
     save_word_tokenizer(target, ["hello", "world"], special_tokens=["<|endoftext|>", *RESERVED])
     first = load_tokenizer(target).convert_tokens_to_ids(RESERVED[0])
     config = _config(target, tmp_path, [[3, 4, 3]])
-    assert resolve_mask_token_id(config, vocab_size=300) == first
+    assert _resolve(config, vocab_size=300) == first
     kept = json.loads((config.run_dir / CHOICE_FILE).read_text())
     assert (kept["token_id"], kept["token"]) == (first, RESERVED[0])
     path = write_resolved(config)

@@ -79,7 +79,8 @@ def test_a_rank_binds_its_store_to_its_address_towards_the_dispatcher_and_gloo_t
     monkeypatch.delenv(GLOO_IFNAME_ENV, raising=False)
     assert address_towards("ipc:///runs/x/control.sock") == "127.0.0.1"
     assert address_towards(f"tcp://127.0.0.1:{free_port()}") == "127.0.0.1"  # (nothing is sent)
-    server = RendezvousServer.for_config(load_config(None, ["drafter.rendezvous=tcp"]))
+    config = load_config(None, ["drafter.rendezvous=tcp"])
+    server = RendezvousServer.for_rank(config.drafter, control_endpoint=config.control_endpoint)
     assert server.host == "127.0.0.1" and server.address == f"127.0.0.1:{server.port}" and server.port > 0
     assert os.environ[GLOO_IFNAME_ENV] == interface_of("127.0.0.1") is not None
     with pytest.raises(ConfigError, match="drafter.rendezvous_host: cannot bind"):

@@ -18,6 +18,7 @@ from common.run.witness import latest_checkpoint, servable_dir
 from dflash_testing import VOCAB, backend_config, load_target, make_target, random_batch
 from drafter_worker.dflash_backend import DFlashBackend
 from drafter_worker.eagle3_backend import Eagle3Backend
+from drafter_worker.factory import trainer_backend
 from eagle3_testing import backend_config as eagle3_config
 from eagle3_testing import random_batch as eagle3_batch
 from eagle3_testing import random_prepared
@@ -66,7 +67,8 @@ def dflash_export(target, tmp_path_factory):
     config = backend_config(target, tmp / "run")
     model = load_target(target)
     batches = [random_batch(model, batch=2, seq_len=20, seed=s) for s in (1, 2)]
-    run_model, copy = _train_and_export(DFlashBackend(config, "drafter-0", schedule_jobs=8), config, batches, tmp)
+    backend = trainer_backend(config, "drafter-0", backend_class=DFlashBackend, schedule_jobs=8)
+    run_model, copy = _train_and_export(backend, config, batches, tmp)
     return run_model, copy, list(contract_from_config(config).layer_ids)
 
 
@@ -76,7 +78,8 @@ def eagle3_export(target, tmp_path_factory):
     config = eagle3_config(target, tmp / "run", random_prepared(tmp / "data"))
     model = load_target(target)
     batches = [eagle3_batch(model, batch=2, seq_len=20, seed=s) for s in (1, 2)]
-    run_model, copy = _train_and_export(Eagle3Backend(config, "drafter-0", schedule_jobs=8), config, batches, tmp)
+    backend = trainer_backend(config, "drafter-0", backend_class=Eagle3Backend, schedule_jobs=8)
+    run_model, copy = _train_and_export(backend, config, batches, tmp)
     return run_model, copy, list(contract_from_config(config).layer_ids)
 
 

@@ -132,7 +132,8 @@ def test_default_attention_on_an_architecture_without_sdpa(tmp_path, caplog):
     lengths = [29, 40, 17]  # a batch padded to its longest, 3 × 40 of the 128 tokens
     dataset = random_samples(lengths, seed=4)
     with caplog.at_level(logging.INFO, logger="hsd.target"):
-        backend = HFTargetBackend(config, device="cpu", dataset=dataset, keep_full_model=True)
+        backend = HFTargetBackend(config.target, config.schedule, objective=config.drafter.objective,
+                                  device="cpu", dataset=dataset, keep_full_model=True)
     assert "Gemma2ForCausalLM: attention eager (auto, of eager, flash_attention_3, flash_attention_2, flex_attention)" \
         in caplog.text
     assert backend.model.config._attn_implementation == "eager"
@@ -172,7 +173,8 @@ def test_padding_to_bucket_shape_leaves_real_states_unchanged(model_dir, tmp_pat
     config = tiny_config(tmp_path, model_dir)  # buckets 16/32/64, 128 tokens per batch
     lengths = [33, 64, 40, 50]
     dataset = random_samples(lengths, seed=2)
-    backend = HFTargetBackend(config, device="cpu", dataset=dataset, keep_full_model=True)
+    backend = HFTargetBackend(config.target, config.schedule, objective=config.drafter.objective,
+                              device="cpu", dataset=dataset, keep_full_model=True)
     slot = _slot(backend, config)
     layer_ids = backend.contract["layer_ids"]
 
@@ -199,7 +201,8 @@ def test_extract_fills_the_slot_as_readers_expect(model_dir, tmp_path):
     config = tiny_config(tmp_path, model_dir)
     lengths = [10, 3, 16, 7, 12]
     dataset = random_samples(lengths, seed=3)
-    backend = HFTargetBackend(config, device="cpu", dataset=dataset)
+    backend = HFTargetBackend(config.target, config.schedule, objective=config.drafter.objective,
+                              device="cpu", dataset=dataset)
     slot = _slot(backend, config)
     job = _job(41, [4, 0, 2, 1, 3], lengths, 16, 0)  # 5 of the bucket's 8 rows
     backend.extract(job, slot)
@@ -217,7 +220,8 @@ def test_extract_fills_the_slot_as_readers_expect(model_dir, tmp_path):
 
     # A worker frees the layers past the last captured one and the LM head; the slot is the same.
     assert len(backend.model.model.layers) == 6 and backend.model.lm_head is None
-    full = HFTargetBackend(config, device="cpu", dataset=dataset, keep_full_model=True)
+    full = HFTargetBackend(config.target, config.schedule, objective=config.drafter.objective,
+                           device="cpu", dataset=dataset, keep_full_model=True)
     assert len(full.model.model.layers) == 8
     again = _slot(full, config)
     full.extract(job, again)
@@ -230,7 +234,8 @@ def test_eagle3_contract_puts_the_final_norm_state_in_the_slot(model_dir, tmp_pa
     config = tiny_config(tmp_path, model_dir, "drafter.objective=eagle3")
     lengths = [10, 16]
     dataset = random_samples(lengths, seed=4)
-    backend = HFTargetBackend(config, device="cpu", dataset=dataset)
+    backend = HFTargetBackend(config.target, config.schedule, objective=config.drafter.objective,
+                              device="cpu", dataset=dataset)
     assert (backend.contract["layer_ids"], backend.contract["final_norm"]) == ([1, 3, 4], True)
     assert len(backend.model.model.layers) == 8  # the final norm needs every layer
     slot = _slot(backend, config)
@@ -249,7 +254,8 @@ def test_eagle3_contract_puts_the_final_norm_state_in_the_slot(model_dir, tmp_pa
 
 def test_extract_refuses_a_dataset_that_is_not_the_scheduled_one(model_dir, tmp_path):
     config = tiny_config(tmp_path, model_dir)
-    backend = HFTargetBackend(config, device="cpu", dataset=random_samples([10, 20], seed=0))
+    backend = HFTargetBackend(config.target, config.schedule, objective=config.drafter.objective,
+                              device="cpu", dataset=random_samples([10, 20], seed=0))
     slot = _slot(backend, config)
     with pytest.raises(ValueError, match="sample 1 has 20 tokens .* schedule says 12"):
         backend.extract(held_job(0, bucket=1, seq_len=32, samples=[1], lengths=[12]), slot)

@@ -58,7 +58,8 @@ def test_capture_file_matches_what_extract_writes_into_a_shm_slot(setup, monkeyp
     # The worker's path: the same jobs extracted into a slot of a real shared-memory arena.
     config = load_config(config_path)
     dataset = NpzSamples.open(data_dir)
-    backend = HFTargetBackend(config, device="cpu", dataset=dataset)
+    backend = HFTargetBackend(config.target, config.schedule, objective=config.drafter.objective,
+                              device="cpu", dataset=dataset)
     layout = SlotLayout.from_config(config)
     assert layout == SlotLayout.from_contract(backend.contract, config.schedule)
     jobs, skipped = offline.plan_jobs(LENGTHS[:8], buckets=[16, 32, 64], tokens_per_batch=128)

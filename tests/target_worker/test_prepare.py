@@ -96,7 +96,8 @@ def test_bad_rows_are_reported_and_the_rest_is_prepared(tmp_path, tokenizer_dir,
     assert lengths == dataset.lengths.tolist() and sum(lengths) == manifest["num_tokens"]
     assert sum(h["count"] for h in manifest["lengths"]["histogram"]) == 3
     # The dispatcher's schedule reads the same lengths through data.path.
-    assert load_lengths(load_config(None, [f"data.path={out}"])) == lengths
+    prepared = load_config(None, [f"data.path={out}"])
+    assert load_lengths(prepared.data, prepared.schedule, prepared.run) == lengths
 
     # Token by token: the mask is exactly the assistant turns (+ their end-of-turn token).
     messages = as_messages(MULTI_TURN)

@@ -1,0 +1,50 @@
+"""The drafter backends of a run's config: where a drafter process reads its :class:`Config` and hands
+each backend the sections it reads (no backend sees the whole config).
+
+``hsd drafter`` builds its backend here (:func:`drafter_backend`), and so do the tools and tests that
+build one from a config as a worker would. The backend modules are imported when one is built: a
+sim drafter loads no torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from common.run.config import Config, ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+
+def sim_drafter(config: Config, model_id: str) -> Any:
+    """The sim drafter; behind a real target it checks the slots against the dataset the target reads."""
+    from drafter_worker.sim import SimDrafter
+    dataset_path = config.data.path if not config.target.sim and config.data.path else None
+    return SimDrafter(config.drafter, model_id, dataset_path=dataset_path)
+
+
+def linear_drafter(config: Config, model_id: str) -> Any:
+    from drafter_worker.linear_backend import LinearDrafter
+    return LinearDrafter(model_id, drafter=config.drafter, target=config.target, seed=config.run.seed)
+
+
+def trainer_backend(config: Config, model_id: str, *, backend_class: Any = None,
+                    device: str | torch.device | None = None, schedule_jobs: int | None = None) -> Any:
+    """The drafter model of ``drafter.objective`` (or ``backend_class``: DFlashBackend, Eagle3Backend)."""
+    if backend_class is None:
+        if config.drafter.objective == "eagle3":
+            from drafter_worker.eagle3_backend import Eagle3Backend as backend_class
+        else:
+            from drafter_worker.dflash_backend import DFlashBackend as backend_class
+    return backend_class(model_id, training=getattr(config, backend_class.section), target=config.target,
+                         drafter=config.drafter, run=config.run, data=config.data, device=device,
+                         schedule_jobs=schedule_jobs)
+
+
+def drafter_backend(config: Config, model_id: str) -> Any:
+    """What a real (non-sim) drafter runs: drafter.backend's."""
+    if config.drafter.backend == "linear":
+        return linear_drafter(config, model_id)
+    if not config.target.model:  # said before torch loads: the drafter reads the target's config and head
+        raise ConfigError("target.model: the drafter needs the target model directory (or use --sim)")
+    return trainer_backend(config, model_id)
