@@ -123,3 +123,5 @@ class Counters:
     errors: Counter = field(default_factory=Counter)
     given_back: Counter = field(default_factory=Counter)
     reads: Counter = field(default_factory=Counter)  # (reader's node, "local" | "remote") -> slots handed out
+    steps: int = 0  # optimizer steps committed since this dispatcher started
+    mixed_steps: int = 0  # ... of which took a new bucket at every pull where an eligible new one was ready

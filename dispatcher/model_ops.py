@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from dispatcher.checkpoints import KnownCheckpoints
-from dispatcher.core_types import Worker
+from dispatcher.core_types import Counters, Worker
 from dispatcher.epochs import EpochStore
 from dispatcher.groups import DrafterGroup
 from dispatcher.job_ops import JobOps
@@ -26,8 +26,9 @@ log = logging.getLogger("hsd.dispatcher")
 
 class ModelOps:
     def __init__(self, *, ledger: JobLedger, checkpoints: KnownCheckpoints, store: EpochStore, jobs: JobOps,
-                 registry: WorkerRegistry, journal: Journal):
+                 registry: WorkerRegistry, journal: Journal, counters: Counters):
         self.ledger = ledger
+        self.counters = counters
         self.checkpoints = checkpoints
         self.store = store
         self.jobs = jobs
@@ -100,6 +101,8 @@ class ModelOps:
             if rank_busy_s and rank_jobs:
                 record.rank_jobs, record.rank_busy_s = list(rank_jobs), [round(b, 6) for b in rank_busy_s]
         self.journal.record(record, durable=True)
+        self.counters.steps += 1
+        self.counters.mixed_steps += stepper.window_mixed
         stepper.window_avail, stepper.window_mixed = None, True
         if metrics:
             worker.metrics = {k: v for k, v in metrics.items() if k != "step"}

@@ -59,7 +59,8 @@ def build_snapshot(core: DispatcherCore, now: float) -> CoreSnapshot:
         groups={m: group_view(core, g) for m, g in core.groups.groups.items()},
         membership_version=max(core.groups.versions().values()) if core.groups.groups else None,
         given_back=dict(core.counters.given_back), requests=dict(core.counters.requests),
-        errors=dict(core.counters.errors), waiting_for=None if core.done else waiting_for(core))
+        errors=dict(core.counters.errors), waiting_for=None if core.done else waiting_for(core),
+        step_mix=round(c.mixed_steps / c.steps, 4) if (c := core.counters).steps else None)
 
 
 def waiting_for(core: DispatcherCore) -> WaitingFor:

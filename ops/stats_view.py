@@ -224,7 +224,8 @@ def format_stats(s: Snapshot, *, previous: Snapshot | None = None, rate: float |
     if usage is not None:
         lines.append(f"pool use  {_mib(usage[0])} of {_mib(usage[1])} ({usage[0] / max(1, usage[1]):.0%})")
     lines.extend(format_nodes(s.nodes, t["slot_bytes"]))
-    lines.append(f"steps     {s.steps}   given back {s.given_back or 0}   errors {s.errors or 0}")
+    mix = f" (mixed {s.step_mix:.0%} since the dispatcher started)" if s.step_mix is not None else ""
+    lines.append(f"steps     {s.steps}{mix}   given back {s.given_back or 0}   errors {s.errors or 0}")
     for model, g in s.groups.items():
         ranks = " ".join(f"{r}:{w}" for r, w in sorted(g.members.items(), key=lambda m: int(m[0])))
         lines.append(f"group     {model}: {g.world_size} rank(s) [{ranks}]  membership {g.version}  "

@@ -127,9 +127,10 @@ class CoreSnapshot(Part, kw_only=True, omit_defaults=True):
     requests: dict[str, int]  # requests, by op
     errors: dict[str, int]  # error replies, by code
     waiting_for: WaitingFor | None = None  # while the run is not done
-    # figures this dispatcher does not fill: /metrics exposes them when set
-    lease_expiries: int | None = None  # leases that expired (else derived from the give-backs)
-    step_mix: float | None = None  # share of steps that mixed as many buckets as were available
+    lease_expiries: int | None = None  # leases that expired; not filled here: /metrics derives it from the give-backs
+    # share of the steps committed since this dispatcher started that took a new bucket at every pull
+    # where an eligible new one was ready (None before the first)
+    step_mix: float | None = None
 
 
 class Snapshot(CoreSnapshot, kw_only=True, omit_defaults=True):

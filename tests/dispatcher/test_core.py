@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from core_harness import Sim, all_job_ids, make_core, register
+from core_harness import Sim, all_job_ids, make_core, register, small_lengths
 from dispatcher.core_types import DONE, Incompatible, UnknownWorker
 from dispatcher.journal import read_journal
 from dispatcher.journal_events import EpochCommitted, JobGivenBack, StepCommitted
@@ -44,6 +44,22 @@ def test_two_targets_two_drafters_two_epochs(tmp_path):
     assert epochs_committed == [0, 1]
     snapshot = build_snapshot(core, sim.now)
     assert snapshot.done is True and snapshot.jobs_by_state["committed"] == 24
+
+
+def test_the_live_step_mix_is_the_share_of_steps_the_journal_records_as_mixed(tmp_path):
+    for name, pull in (("deficit", "deficit"), ("random", "random")):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        core = make_core(run_dir, lengths=small_lengths(scale=4))
+        assert build_snapshot(core, 0.0).step_mix is None  # no step yet: no figure
+        core.pool.pull = pull  # random pulls take a bucket the step already holds now and then
+        sim = Sim(core, register(core, "target", 2), register(core, "drafter", 2), accum=3)
+        sim.run(max_rounds=2000)
+        assert core.done
+        steps = list(read_journal(run_dir, only=(StepCommitted,)))
+        mixed = sum(e.mixed for e in steps) / len(steps)
+        assert len(steps) == len(sim.commits) and build_snapshot(core, sim.now).step_mix == round(mixed, 4)
+        assert (mixed == 1.0) if pull == "deficit" else (0.0 < mixed < 1.0)
 
 
 def test_commit_errors(tmp_path):

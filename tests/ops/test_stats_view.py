@@ -115,6 +115,9 @@ def test_pool_usage_and_the_printed_view():
     assert "pool use  6.0 MiB of 16.0 MiB (38%)" in text
     assert "eta       epoch in" in text
     assert "bottleneck drafters wait for data 38% — targets are the bottleneck" in text
+    assert "steps     5   given back" in text  # no step mix before a step committed here
+    s.step_mix = 0.875
+    assert "steps     5 (mixed 88% since the dispatcher started)   given back" in format_stats(s)
 
 
 def test_q_hsb_lists_every_bucket_empty_ones_as_zero(tmp_path):
