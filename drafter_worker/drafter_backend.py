@@ -5,8 +5,8 @@ exported drafter in its servable part (:func:`common.run.witness.servable_dir`: 
 ``model.safetensors`` in the drafter's published layout, which ``hsd eval --drafter`` and serving
 engines load as is), the training state in its training part (:func:`common.run.witness.training_dir`:
 ``state.safetensors`` + ``state.json``: optimizer, scheduler, step, the trainer's own RNGs, the
-process RNG), and the trained-jobs witness. Resuming from it continues the run exactly as if it had
-not stopped.
+process RNGs of the CPU and, on a GPU, of the device), and the trained-jobs witness. Resuming from
+it continues the run exactly as if it had not stopped.
 
 Gradients of a step accumulate unnormalised over its micro-batches (see
 :class:`drafter_worker.recipe.AccumulatingTrainer`); :meth:`TrainerBackend.sync_gradients` is where
@@ -179,7 +179,7 @@ class TrainerBackend:
             self._check_capture_point(checkpoint.path)
             state = load_state(training_dir(checkpoint))
             self.trainer.load_state_dict(state["trainer"])
-            torch.set_rng_state(state["torch_rng"])
+            self._restore_rngs(state)
             self.step, self.trained = checkpoint.step, checkpoint.trained_jobs()
             if self.trainer.step != self.step:
                 raise ValueError(f"checkpoint {checkpoint.path}: training state at step {self.trainer.step}, "
@@ -187,6 +187,19 @@ class TrainerBackend:
         self.window = []
         self.clock = StepClock()
         return self.step
+
+    def _rng_states(self) -> dict[str, torch.Tensor]:
+        """The random generators a step draws from (anchors, dropout): the CPU's, and on a GPU the
+        device's, so a resumed or joining rank draws what the uninterrupted one would have."""
+        states = {"torch_rng": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            states["cuda_rng"] = torch.cuda.get_rng_state(self.device)
+        return states
+
+    def _restore_rngs(self, state: dict) -> None:
+        torch.set_rng_state(state["torch_rng"])
+        if self.device.type == "cuda" and "cuda_rng" in state:  # a checkpoint written on a CPU has none
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
 
     def _check_capture_point(self, step_dir) -> None:
         """A checkpoint trained on states taken elsewhere than this run's capture point is refused."""
@@ -202,12 +215,12 @@ class TrainerBackend:
     def live_state(self) -> dict:
         """Everything a rank holds between steps: weights, optimizer, scheduler, RNGs, witness."""
         self._check_schedule()
-        return {"trainer": self.trainer.state_dict(), "torch_rng": torch.get_rng_state(), "step": self.step,
+        return {"trainer": self.trainer.state_dict(), **self._rng_states(), "step": self.step,
                 "trained": witness_tensor(self.trained)}
 
     def load_live_state(self, state: dict) -> None:
         self.trainer.load_state_dict(state["trainer"])
-        torch.set_rng_state(state["torch_rng"])
+        self._restore_rngs(state)
         self.step, self.trained = int(state["step"]), witness_from_tensor(state["trained"])
         self.window, self.clock, self._synced_total = [], StepClock(), None
 
@@ -224,7 +237,7 @@ class TrainerBackend:
         thread can write it while training goes on."""
         self._check_schedule()
         tensors: dict[str, torch.Tensor] = {}
-        structure = flatten_state({"trainer": self.trainer.state_dict(), "torch_rng": torch.get_rng_state()}, tensors,
+        structure = flatten_state({"trainer": self.trainer.state_dict(), **self._rng_states()}, tensors,
                                   host=False)
         draft = {f"servable/{name}": t for name, t in self.trainer.model.draft_state_dict().items()}
         host = self.staging.copy({**tensors, **draft})
