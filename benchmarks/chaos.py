@@ -38,7 +38,7 @@ from benchmarks.chaos_plan import ATTACH, DETACH, KILL, ChaosEvent, build_plan
 from benchmarks.chaos_setups import ChaosSetup, real_inputs, real_setup, sim_setup
 from common.run.config import ConfigError, load_config, write_resolved
 from dispatcher.rundir import STATE_FILE
-from ops.launch import die_with_parent  # a killed bench takes its run with it, as hsd launch does
+from common.child_process import die_with_parent  # a killed bench takes its run with it, as hsd launch does
 from common.wire.stats_snapshot import ModelView, Snapshot, to_json_object
 from ops.stats_view import run_stats_or_none
 

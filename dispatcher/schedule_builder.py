@@ -12,9 +12,7 @@ semaphores in /dev/shm) when a dispatcher is SIGKILLed, and the child dies with 
 
 from __future__ import annotations
 
-import ctypes
 import json
-import signal
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -22,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common.child_process import die_with_parent
 from dispatcher.schedule import build_epoch_schedule, load_schedule, save_schedule
 
 LENGTHS_FILE = "lengths.npy"
@@ -34,14 +33,6 @@ class ScheduleSpec:
     run_seed: int
     order: str
     batching: str = "sorted"
-
-
-def _die_with_parent() -> None:
-    """In the child, before it runs: a SIGKILLed dispatcher takes its builder with it (Linux)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def build_and_save(run_dir: str, epoch: int, spec: ScheduleSpec) -> int:
@@ -76,7 +67,7 @@ class ScheduleBuilder:
             return
         self._children[epoch] = subprocess.Popen(
             [sys.executable, "-m", "dispatcher.schedule_builder", self.run_dir, str(epoch), json.dumps(asdict(self.spec))],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=die_with_parent)
 
     def requested(self, epoch: int) -> bool:
         return epoch in self._built or epoch in self._children

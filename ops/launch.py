@@ -10,7 +10,6 @@ epoch is committed.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -22,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.child_process import die_with_parent
 from common.run.config import Config, write_resolved
 from common.worker.runtime import EXIT_UNUSABLE
 from dispatcher.journal import read_journal
@@ -33,17 +33,6 @@ log = logging.getLogger("hsd.launch")
 
 READY_TIMEOUT_S = 120.0
 STOP_GRACE_S = 10.0
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """A child's ``preexec_fn``: it is SIGKILLed when the process that started it dies (Linux), so a
-    killed launcher (or a bench that starts hsd processes itself) takes its run with it."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass  # not Linux: children outlive a killed launcher, as with any plain spawn
-
 
 def _run_completed(run_dir: Path) -> bool:
     """Whether the dispatcher's last stop, as journaled, came after every epoch was committed."""
