@@ -12,7 +12,8 @@ def test_late_drafter_and_dispatcher_restart_keep_exactly_once(run_dir, tmp_path
     args = ["--config", str(tmp_path / "run.yaml")]
     (tmp_path / "run.yaml").write_text("\n".join([
         "run: {epochs: 1}", "data: {synthetic_samples: 400}", "target: {sim: true, sim_cost_per_token: 4.0e-5}",
-        "drafter: {sim: true}", "dispatcher: {heartbeat_s: 0.2, worker_timeout_s: 3}"]) + "\n")
+        # a worker stopped below must outlive its silence: it is never meant to be declared dead here
+        "drafter: {sim: true}", "dispatcher: {heartbeat_s: 0.2, worker_timeout_s: 240}"]) + "\n")
     overrides = [f"run.dir={run_dir}"]
     procs = []
     try:
@@ -23,10 +24,20 @@ def test_late_drafter_and_dispatcher_restart_keep_exactly_once(run_dir, tmp_path
             procs.append(start_hsd(role, *args, *overrides, "--name", name, log_path=tmp_path / f"{name}.log"))
         wait_for(lambda: (lambda s: s and s["steps"] >= 3)(stats(run_dir)), 120, what="3 committed steps")
 
+        # The run must not end before the late drafter takes part, however long its start takes: the
+        # targets and drafter-0 are stopped until it has registered, and drafter-0 until it has work.
+        first = procs[1:4]
+        for proc in first:
+            os.kill(proc.pid, signal.SIGSTOP)
         late = start_hsd("drafter", *args, *overrides, "--name", "drafter-late", log_path=tmp_path / "late.log")
         procs.append(late)
-        wait_for(lambda: (lambda s: s and any(w["name"] == "drafter-late" and w["jobs"] > 0 for w in s["workers"]))(
-            stats(run_dir)), 120, what="the late drafter to commit work")
+        late_worker = lambda s: next((w for w in (s or {}).get("workers", ()) if w["name"] == "drafter-late"), None)
+        wait_for(lambda: late_worker(stats(run_dir)), 120, what="the late drafter to register")
+        for proc in first[:2]:
+            os.kill(proc.pid, signal.SIGCONT)
+        wait_for(lambda: (late_worker(stats(run_dir)) or {}).get("jobs", 0) > 0, 120,
+                 what="the late drafter to commit work")
+        os.kill(first[2].pid, signal.SIGCONT)
 
         os.kill(dispatcher.pid, signal.SIGKILL)
         dispatcher.wait(timeout=10)
