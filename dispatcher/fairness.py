@@ -18,10 +18,16 @@ def bucket_totals(order: Sequence[int]) -> dict[int, int]:
 
 
 class PrefixDeviation:
-    """prefix deviation of a stream that grows one job at a time, in O(buckets) per job.
+    """prefix deviation of a stream that grows one job at a time, in O(1) per job.
 
     The dispatcher keeps one per epoch for the consumed stream, so stats and metrics never rescan
-    an epoch of 100,000 jobs.
+    an epoch of 100,000 jobs; ``value`` (read a few times a second) costs O(buckets).
+
+    Between two jobs of bucket b, count_b - t * share_b only falls: its largest value is right after
+    a job of b, its most negative one right before b's next job (or now). So each job settles those
+    two of its own bucket, and ``value`` adds every bucket's current shortfall. A give-back breaks
+    that order: the job after one measures every bucket (the plain way), and the order holds again
+    from there.
     """
 
     def __init__(self, totals: dict[int, int]):
@@ -29,42 +35,73 @@ class PrefixDeviation:
         self.shares = {b: n / num_jobs for b, n in totals.items()} if num_jobs else {}
         self.counts: Counter = Counter()
         self.length = 0
-        self.value = 0.0
+        self._settled = 0.0  # the worst deviation of the states no longer current
+        self._after_give_back = False
+
+    @property
+    def value(self) -> float:
+        if self._after_give_back:  # the state a give-back left is not measured: the figure as it was
+            return self._settled
+        length, get, worst = self.length, self.counts.get, self._settled
+        for b, share in self.shares.items():
+            shortfall = length * share - get(b, 0)
+            if shortfall > worst:
+                worst = shortfall
+        return worst
 
     def add(self, bucket: int) -> None:
-        self.length += 1
+        counts, share = self.counts, self.shares.get(bucket)
+        before = counts[bucket]
+        self.length = length = self.length + 1
+        counts[bucket] = before + 1
+        if self._after_give_back:
+            self._measure_every_bucket(bucket)
+            return
+        worst = self._settled
+        if share is None:  # a bucket the totals do not know counts fully against them
+            if before + 1 > worst:
+                worst = before + 1
+        else:
+            shortfall = (length - 1) * share - before  # in the previous state: the deepest since b's last job
+            if shortfall > worst:
+                worst = shortfall
+            deviation = before + 1 - length * share
+            if deviation > worst:
+                worst = deviation
+        self._settled = worst
+
+    def _measure_every_bucket(self, bucket: int) -> None:
         counts, length = self.counts, self.length
-        counts[bucket] += 1
-        if bucket not in self.shares:  # a bucket the totals do not know counts fully against them
-            self.value = max(self.value, counts[bucket])
-        value = self.value
-        for b, share in self.shares.items():  # max(value, abs(...)) without two calls per bucket: once per job
+        value = self._settled
+        if bucket not in self.shares:
+            value = max(value, counts[bucket])
+        for b, share in self.shares.items():  # max(value, abs(...)) without two calls per bucket
             deviation = counts.get(b, 0) - length * share
             if deviation > value:
                 value = deviation
             elif -deviation > value:
                 value = -deviation
-        self.value = value
+        self._settled, self._after_give_back = value, False
 
     def add_many(self, bucket: int, count: int) -> None:
-        """``count`` jobs of ``bucket`` in a row, in O(buckets): the same figure as ``count`` calls of
-        :meth:`add`. Over such a run each |count_b(t) - t * share_b| is linear in t, so its largest
-        value is at the run's first or last job."""
+        """``count`` jobs of ``bucket`` in a row: the same figure as ``count`` calls of :meth:`add`.
+        Over such a run each count_b(t) - t * share_b is linear in t: the run's first job settles
+        what it must, its last one the bucket's new count."""
         if count <= 0:
             return
         self.add(bucket)
         if count == 1:
             return
         self.length += count - 1
-        self.counts[bucket] += count - 1
-        if bucket not in self.shares:
-            self.value = max(self.value, self.counts[bucket])
-        for b, share in self.shares.items():
-            self.value = max(self.value, abs(self.counts[b] - self.length * share))
+        last = self.counts[bucket] = self.counts[bucket] + count - 1
+        share = self.shares.get(bucket)
+        self._settled = max(self._settled, last if share is None else last - self.length * share)
 
     def remove(self, bucket: int) -> None:
         """Take back one job of ``bucket`` (a give-back). The figure keeps the worst prefix seen so far:
         recomputing it exactly would rescan the stream, and a give-back is the exception."""
+        self._settled = self.value
+        self._after_give_back = True
         self.length -= 1
         self.counts[bucket] -= 1
 

@@ -220,7 +220,7 @@ class JobOps:
             self.registry.wait(worker, "local_wait", now)
             return None, False
         self.counters.reads[worker.node, "local" if ready.local_to(worker.node) else "remote"] += 1
-        if ready.bucket in window and any(b not in window for b in eligible):
+        if ready.bucket in window and not window.issuperset(eligible):
             stepper.window_mixed = False
         self.pool.begin_read(ready)
         job = self.ledger.start_training(ready.job_id, worker.id, now, self.options.lease_s)

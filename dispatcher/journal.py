@@ -72,7 +72,8 @@ _kind_decoder = msgspec.json.Decoder(_Kind)
 def encode_event(event: Event) -> bytes:
     """The journal line of ``event``: its JSON (fields in the struct's order) after the JSON's crc32."""
     body = _encoder.encode(event)
-    return b"%08x %s\n" % (zlib.crc32(body), body)
+    # the crc as 8 hex digits: bytes.hex is cheaper than %-formatting bytes, on every journaled op
+    return zlib.crc32(body).to_bytes(4, "big").hex().encode() + b" " + body + b"\n"
 
 
 def intact_body(line: bytes) -> bytes | None:

@@ -158,6 +158,8 @@ class JobLedger:
         if progress is None:
             return 0
         counts = progress.counts
+        if len(states) == 1:  # the common question, asked by every get_hs: no generator
+            return counts[_CODE[states[0]]]
         return sum(counts[_CODE[state]] for state in states)
 
     @property

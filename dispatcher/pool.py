@@ -78,6 +78,7 @@ MAX_LAG = 1.5
 # eligible bucket lagging at most this many batches less is taken instead of a remote read. 0 keeps
 # the consumed stream exactly as on one node; more keeps more reads local.
 LOCAL_SLACK = 0.25
+_NO_DEFICIT = float("-inf")
 
 
 def eligible_buckets(candidates: Iterable[int], *, totals: dict[int, int], taken: Counter,
@@ -90,14 +91,17 @@ def eligible_buckets(candidates: Iterable[int], *, totals: dict[int, int], taken
     """
     num_jobs = sum(totals.values()) if num_jobs is None else num_jobs
     position = (sum(taken.values()) if num_taken is None else num_taken) + 1
-    deficits = {b: position * totals.get(b, 0) / num_jobs - taken.get(b, 0) for b in candidates}
-    if not deficits:
-        return {}
-    best = max(deficits.values())
-    eligible = {b: d for b, d in deficits.items() if d > -MIX_SLACK}
-    if best >= MAX_LAG or not eligible:
-        eligible = {b: d for b, d in deficits.items() if d >= best - 1e-9}
-    return eligible
+    deficits = {}
+    best = _NO_DEFICIT
+    for b in candidates:  # one pass for the deficits and their largest: asked by every get_hs
+        deficit = deficits[b] = position * totals.get(b, 0) / num_jobs - taken.get(b, 0)
+        if deficit > best:
+            best = deficit
+    if best < MAX_LAG:
+        eligible = {b: d for b, d in deficits.items() if d > -MIX_SLACK}
+        if eligible or not deficits:
+            return eligible
+    return {b: d for b, d in deficits.items() if d >= best - 1e-9}
 
 
 def choose_bucket(deficits: dict[int, float], *, window: set[int], rng: random.Random) -> int:
@@ -106,6 +110,29 @@ def choose_bucket(deficits: dict[int, float], *, window: set[int], rng: random.R
     pool = fresh or deficits
     best = max(pool.values())
     return rng.choice(sorted(b for b, d in pool.items() if d >= best - 1e-9))
+
+
+def _choose_ready_bucket(eligible: dict[int, float], ready: dict[int, dict], *, window: set[int],
+                         rng: random.Random) -> int | None:
+    """choose_bucket over the eligible buckets that have a ready job (None: none has), in one pass
+    and drawing from ``rng`` exactly as it does: the pick of every get_hs on one node."""
+    best_fresh = best_any = _NO_DEFICIT
+    for b, d in eligible.items():
+        if ready.get(b):
+            if d > best_any:
+                best_any = d
+            if d > best_fresh and b not in window:
+                best_fresh = d
+    if best_any == _NO_DEFICIT:
+        return None
+    if best_fresh != _NO_DEFICIT:
+        floor = best_fresh - 1e-9
+        tied = [b for b, d in eligible.items() if d >= floor and b not in window and ready.get(b)]
+    else:
+        floor = best_any - 1e-9
+        tied = [b for b, d in eligible.items() if d >= floor and ready.get(b)]
+    tied.sort()
+    return rng.choice(tied)
 
 
 class HSPool:
@@ -290,10 +317,10 @@ class HSPool:
             # Every ready slot is the dispatcher's arena, local to every reader and servable: what the
             # general path below picks, without its per-slot filters.
             ready = self._ready[epoch]
-            deficits = {b: d for b, d in eligible.items() if ready.get(b)}
-            if not deficits:
+            bucket = _choose_ready_bucket(eligible, ready, window=window, rng=self.rng)
+            if bucket is None:
                 return None
-            jobs = ready[choose_bucket(deficits, window=window, rng=self.rng)]
+            jobs = ready[bucket]
             return jobs[self.rng.choice(sorted(jobs))]
         allowed = (lambda job: True) if servable is None else (lambda job: job.node in servable)
         candidates = {b: [j for j in self._ready[epoch].get(b, {}).values() if allowed(j)] for b in

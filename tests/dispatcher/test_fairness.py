@@ -106,3 +106,60 @@ def test_add_many_matches_adding_one_at_a_time():
             many.add_many(bucket, count)
         assert many.length == one.length and many.counts == one.counts
         assert abs(many.value - one.value) < 1e-9
+
+
+class _EveryBucketEveryJob:
+    """The figure the plain way, as its definition reads: every bucket measured after every job."""
+
+    def __init__(self, totals: dict[int, int]):
+        num_jobs = sum(totals.values())
+        self.shares = {b: n / num_jobs for b, n in totals.items()}
+        self.counts: dict[int, int] = {}
+        self.length = 0
+        self.value = 0.0
+
+    def measure(self) -> None:
+        for b, count in self.counts.items():
+            if b not in self.shares:
+                self.value = max(self.value, count)
+        for b, share in self.shares.items():
+            self.value = max(self.value, abs(self.counts.get(b, 0) - self.length * share))
+
+    def add(self, bucket: int) -> None:
+        self.length += 1
+        self.counts[bucket] = self.counts.get(bucket, 0) + 1
+        self.measure()
+
+    def remove(self, bucket: int) -> None:
+        self.length -= 1
+        self.counts[bucket] -= 1
+
+
+def test_tracker_equals_measuring_every_bucket_after_every_job_through_give_backs():
+    """The tracker settles each bucket's extremes as its jobs come instead of measuring every bucket
+    every time: the same figure exactly, give-backs (which break the extremes' order) and runs included."""
+    import random
+    from dispatcher.fairness import PrefixDeviation
+    rng = random.Random(11)
+    for trial in range(300):
+        totals = {b: rng.randint(1, 60) for b in range(rng.randint(1, 6))}
+        tracker, reference = PrefixDeviation(totals), _EveryBucketEveryJob(totals)
+        for _ in range(rng.randint(1, 120)):
+            bucket = rng.choice([*totals, len(totals)])  # now and then a bucket the totals do not know
+            roll = rng.random()
+            if roll < 0.2 and reference.counts.get(bucket, 0) > 0:
+                tracker.remove(bucket)
+                reference.remove(bucket)
+            elif roll < 0.35:
+                count = rng.randint(0, 5)
+                tracker.add_many(bucket, count)
+                if count:
+                    reference.add(bucket)  # a run is measured at its first and last job, as its jobs one by one
+                    reference.length += count - 1
+                    reference.counts[bucket] += count - 1
+                    reference.measure()
+            else:
+                tracker.add(bucket)
+                reference.add(bucket)
+            assert tracker.value == reference.value, trial
+            assert tracker.length == reference.length

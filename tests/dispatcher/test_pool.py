@@ -351,3 +351,34 @@ def test_a_quarantined_slot_is_reused_only_once_its_writer_is_gone():
     assert pool.release_quarantined("t1") == 0
     assert pool.release_quarantined("t0") == 1
     assert pool.writable_slot("t1") == slot and pool.writable_slot("t0") == slot
+
+
+def test_the_one_node_pick_draws_what_the_general_pick_draws():
+    """With every ready slot in the dispatcher's arena, pick takes a shortcut past the per-slot node
+    filters: it must choose the same job, drawing the same random numbers, as the general path (taken
+    here because another epoch has a ready slot on a node)."""
+    rng = random.Random(3)
+    shortcut, general = make_pool(12, seed=7), HSPool(min_ready=1, target_credits=100, pull="deficit", seed=7)
+    general.add_slots(range(12))
+    general.add_slots([99], owner="far-target", node="far")
+    general.begin_write(99, "far-target", 10**9)
+    general.publish(99, epoch=5, bucket=0)  # not the epoch picked from: it only turns the shortcut off
+    totals, taken = {0: 40, 1: 25, 2: 20, 3: 15}, Counter()
+    next_job = 0
+    for _ in range(300):
+        while shortcut.writable_slot("t0") is not None and rng.random() < 0.7:
+            bucket = rng.choice(list(totals))
+            assert publish(shortcut, next_job, bucket) == publish(general, next_job, bucket)
+            next_job += 1
+        window = set(rng.sample(list(totals), rng.randint(0, 3)))
+        eligible = shortcut.eligible(0, totals=totals, taken=taken)
+        assert eligible == general.eligible(0, totals=totals, taken=taken)
+        a = shortcut.pick(0, eligible=eligible, window=window)
+        b = general.pick(0, eligible=eligible, window=window, servable={None, "far"})
+        assert (a and (a.job_id, a.slot)) == (b and (b.job_id, b.slot))
+        if a is not None:
+            take(shortcut, a)
+            take(general, b)
+            taken[a.bucket] += 1
+    assert shortcut.rng.random() == general.rng.random()
+    assert sum(taken.values()) > 150
