@@ -11,11 +11,15 @@ destination, and is measured for ``--seconds`` after a short warm-up (GB/s, 1 GB
   The drafter reads with ``DrafterTransport.read`` and commits every ``drafter.accum_steps`` (4)
   items, as a drafter does; ``shm_copy`` is its copy alone and ``shm_control_ms`` its time in
   those calls per item.
+- ``shm_piped``: the same arena and the same copies, with a pipe between the two processes in place
+  of the dispatcher: the data plane's ceiling on this host, so ``shm_vs_shm_piped`` is what the
+  control plane keeps of it.
 - ``torch_mp_queue``: a torch.multiprocessing Queue of fresh CPU tensors, put as a producer usually
   does (``_shared``: allocated in shared memory up front, the queue's best case).
 - ``zmq_ipc``: ZeroMQ PUSH/PULL over ipc:// with zero-copy sends.
 - ``rtt``: control-plane latency of a get_hs + consumed cycle against the dispatcher, and of
-  commit_step (journaled with fsync) separately.
+  commit_step (journaled with fsync) separately. ``rtt_floor``: the same two requests, as the wire
+  encodes them, against a bare ZeroMQ echo in another process: the host's floor under that cycle.
 - on CUDA hosts ``d2d`` (one GPU, in process) and ``cuda_ipc`` (a target's slot block opened by a
   drafter process; it includes a message per slot, as a real handoff does).
 
@@ -30,6 +34,7 @@ import json
 import math
 import os
 import queue
+import secrets
 import shutil
 import sys
 import tempfile
@@ -41,10 +46,13 @@ from typing import Any, Callable, Iterator
 import psutil
 import torch
 
+from common.wire import messages
 from common.wire.client import run_id_for
 from common.run.config import Config, load_config
 from common.dataplane.cuda_ipc import cuda_ipc_available
 from common.dataplane.shm_arena import SHM_DIR, sweep_dead_segments
+from common.dataplane.shm_segment import PoolSegment
+from common.dataplane.transport_info import cuda_ipc_transport_info, shm_transport_info
 from common.dataplane.slots import SlotLayout, format_bytes
 from benchmarks import protocol_workers, transport_workers as workers
 from benchmarks.transport_workers import BenchSpec, Meter
@@ -98,11 +106,15 @@ class HostLoad:
 
 
 def _dispatcher_config(run_dir: Path, layout: SlotLayout, num_jobs: int) -> Config:
-    # One bucket as long as the token budget: every job fills the whole slot (max_seqs 1, as here).
+    # One bucket as long as the token budget, its sequences padded to the bucket's length (batching
+    # fixed, max_seqs 1): every job fills the whole slot, as every other path's item does. Padded to
+    # each sample's own length (sorted), a job would move half a slot on average and the per-item
+    # cost of the control plane would weigh twice as much.
     return load_config(None, [
         f"run.dir={run_dir}", f"target.hidden_size={layout.hidden_size}",
         f"target.num_capture_layers={layout.num_layers}", f"target.dtype={layout.dtype}",
         f"schedule.tokens_per_batch={layout.tokens_per_batch}", f"schedule.buckets=[{layout.tokens_per_batch}]",
+        "schedule.batching=fixed",
         f"pool.slots={NUM_SLOTS}", "pool.min_ready=0", "pool.transport=shm",
         f"data.synthetic_samples={num_jobs}", "dispatcher.exit_when_done=false"])
 
@@ -204,16 +216,33 @@ def _measure_memcpy(spec: BenchSpec, *, num_buffers: int = 2, device: str = "cpu
                                 for _ in range(num_buffers)])
 
 
+def _run_piped(ctx: Any, what: str, spec: BenchSpec, info: dict[str, Any], producer_device: str,
+               consumer_device: str, *, timeout_s: float) -> dict:
+    """A target and a drafter of the transport ``info`` names, handing slots over through a pipe."""
+    producer_end, consumer_end = ctx.Pipe()
+    return _run_pair(ctx, what, workers.piped_target, (spec, info, producer_device, producer_end),
+                     workers.piped_drafter, (spec, info, consumer_device, consumer_end), timeout_s=timeout_s,
+                     after_start=lambda: (producer_end.close(), consumer_end.close()))
+
+
+def measure_shm_piped(ctx: Any, spec: BenchSpec, timeout_s: float) -> float:
+    """The shm data plane alone: the same slot copies as the shm path, a pipe in place of the
+    dispatcher. What the control plane costs is the gap between the two; this one is the host's."""
+    segment = PoolSegment(f"bench{secrets.token_hex(3)}", spec.layout, NUM_SLOTS)
+    try:
+        return _run_piped(ctx, "shm_piped", spec, shm_transport_info(segment), "cpu", "cpu", timeout_s=timeout_s)["gbps"]
+    finally:
+        segment.unlink()
+
+
 def measure_cuda(ctx: Any, spec: BenchSpec, timeout_s: float) -> dict[str, Any]:
     figures: dict[str, Any] = {"d2d_gbps": _measure_memcpy(spec, device="cuda:0")}
     _progress(f"d2d copy on cuda:0: {figures['d2d_gbps']:.2f} GB/s")
     if not cuda_ipc_available():
         return figures
     consumer_index = 1 if torch.cuda.device_count() > 1 else 0  # different GPUs, as in a real run
-    producer_end, consumer_end = ctx.Pipe()
-    result = _run_pair(ctx, "cuda_ipc", workers.cuda_ipc_target, (spec, 0, producer_end),
-                       workers.cuda_ipc_drafter, (spec, consumer_index, consumer_end), timeout_s=timeout_s,
-                       after_start=lambda: (producer_end.close(), consumer_end.close()))
+    result = _run_piped(ctx, "cuda_ipc", spec, cuda_ipc_transport_info(spec.layout, NUM_SLOTS), "cuda:0",
+                        f"cuda:{consumer_index}", timeout_s=timeout_s)
     figures["cuda_ipc_gbps"] = result["gbps"]
     figures["cuda_ipc_devices"] = f"cuda:0->cuda:{consumer_index}"
     _progress(f"cuda_ipc {figures['cuda_ipc_devices']}: {result['gbps']:.2f} GB/s")
@@ -229,7 +258,8 @@ def _measure_protocol(ctx: Any, spec: BenchSpec, config: Config, *, num_rtt_cycl
                            protocol_workers.shm_drafter, (config, spec), timeout_s=timeout_s)
         figures.update(shm_gbps=result["gbps"], shm_copy_gbps=result["copy_gbps"],
                        shm_control_ms=result["control_ms"])
-        _progress(f"shm: {result['gbps']:.2f} GB/s, {result['items']} items; the drafter copies at "
+        item_mb = result["gbps"] * 1e3 * result["elapsed_s"] / result["items"]
+        _progress(f"shm: {result['gbps']:.2f} GB/s, {result['items']} items of {item_mb:.1f} MB; the drafter copies at "
                   f"{result['copy_gbps']:.2f} GB/s and spends {result['control_ms']:.2f} ms per item in "
                   f"get_hs/consumed/commit_step (a commit every {config.drafter.accum_steps} items)")
         result = _run_pair(ctx, "rtt", protocol_workers.shm_target, (config, spec, False),
@@ -238,6 +268,19 @@ def _measure_protocol(ctx: Any, spec: BenchSpec, config: Config, *, num_rtt_cycl
         _progress(f"rtt get_hs+consumed: p50 {result['rtt_p50_ms']:.3f} ms, p99 {result['rtt_p99_ms']:.3f} ms "
                   f"({result['rtt_cycles']} cycles, {result['rtt_waited']} waited)")
     return figures
+
+
+def measure_rtt_floor(ctx: Any, tmp: Path, num_cycles: int, timeout_s: float) -> dict[str, Any]:
+    """get_hs + consumed as the wire encodes them, against a bare echo answering with a grant."""
+    job = messages.Job(job_id=1, epoch=0, bucket=3, seq_len=2048, samples=[101, 102, 103], lengths=[2000, 1900, 1800],
+                       num_tokens=5700, slot=2, generation=7, owner=None, grant=9)
+    reply = messages.encode(messages.GrantReply(id=1, job=job, done=False))
+    requests = tuple(messages.encode(r) for r in (messages.GetHS(id=1, worker_id="drafter-1", token="0" * 32, wait_ms=0),
+                                                  messages.Consumed(id=2, worker_id="drafter-1", token="0" * 32,
+                                                                    job_id=1)))
+    endpoint = f"ipc://{tmp / 'echo.sock'}"
+    return _run_pair(ctx, "rtt_floor", workers.zmq_echo, (endpoint, reply), workers.zmq_echo_client,
+                     (endpoint, requests, num_cycles), timeout_s=timeout_s)
 
 
 def _measure_alternatives(ctx: Any, spec: BenchSpec, tmp: Path, *, timeout_s: float) -> dict[str, Any]:
@@ -290,6 +333,11 @@ def measure(*, slot_mb: float, seconds: float) -> dict[str, Any]:
     try:
         config = _dispatcher_config(tmp / "run", layout, num_jobs)
         figures.update(_measure_protocol(ctx, spec, config, num_rtt_cycles=num_rtt_cycles, timeout_s=timeout_s))
+        figures["shm_piped_gbps"] = measure_shm_piped(ctx, spec, timeout_s)
+        _progress(f"shm_piped (the same copies, a pipe for the dispatcher): {figures['shm_piped_gbps']:.2f} GB/s")
+        figures.update(measure_rtt_floor(ctx, tmp, num_rtt_cycles, timeout_s))
+        _progress(f"rtt_floor (the same two requests against a bare echo): p50 {figures['rtt_floor_p50_ms']:.3f} ms, "
+                  f"p99 {figures['rtt_floor_p99_ms']:.3f} ms")
         figures.update(_measure_alternatives(ctx, spec, tmp, timeout_s=timeout_s))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -302,6 +350,8 @@ def measure(*, slot_mb: float, seconds: float) -> dict[str, Any]:
                   f"every figure is skewed, run again on a quiet host")
     memcpy, shm = figures["memcpy_gbps"], figures["shm_gbps"]
     figures.update(shm_vs_memcpy=shm / memcpy, shm_vs_memcpy_uncached=shm / figures["memcpy_uncached_gbps"],
+                   shm_vs_shm_piped=shm / figures["shm_piped_gbps"],
+                   shm_piped_vs_memcpy=figures["shm_piped_gbps"] / memcpy,
                    shm_vs_torch_mp_queue=shm / figures["torch_mp_queue_gbps"],
                    shm_vs_torch_mp_queue_shared=shm / figures["torch_mp_queue_shared_gbps"],
                    shm_vs_zmq_ipc=shm / figures["zmq_ipc_gbps"])
@@ -315,6 +365,7 @@ _TABLE_ROWS = (
     (f"memcpy over {NUM_SLOTS + 2} buffers", "memcpy_uncached_gbps"),
     ("shm arena, real protocol", "shm_gbps"),
     ("  its drafter's copy alone", "shm_copy_gbps"),
+    ("shm arena, piped, no dispatcher", "shm_piped_gbps"),
     ("torch.multiprocessing Queue", "torch_mp_queue_gbps"),
     ("  tensors allocated in shm", "torch_mp_queue_shared_gbps"),
     ("zmq PUSH/PULL ipc://", "zmq_ipc_gbps"),
@@ -342,11 +393,15 @@ def format_table(figures: dict[str, Any]) -> str:
         "",
         f"shm / memcpy            {f['shm_vs_memcpy']:5.2f}  target >= {TARGETS['shm_vs_memcpy']:g}: "
         f"{verdict('shm_vs_memcpy')}  (vs memcpy over {NUM_SLOTS + 2} buffers: {f['shm_vs_memcpy_uncached']:.2f})",
+        f"shm / shm piped         {f['shm_vs_shm_piped']:5.2f}  what the control plane keeps of this host's "
+        f"data plane (shm piped / memcpy: {f['shm_piped_vs_memcpy']:.2f})",
         f"shm / torch mp Queue    {f['shm_vs_torch_mp_queue']:5.2f}  target >= {TARGETS['shm_vs_torch_mp_queue']:g}: "
         f"{verdict('shm_vs_torch_mp_queue')}  (vs its best case: {f['shm_vs_torch_mp_queue_shared']:.2f})",
         f"shm drafter             {f['shm_control_ms']:.2f} ms per item in get_hs/consumed/commit_step",
         f"get_hs + consumed       p50 {f['rtt_p50_ms']:.3f} ms  p99 {f['rtt_p99_ms']:.3f} ms  "
         f"target p99 <= {RTT_P99_TARGET_MS:g} ms: {verdict('rtt_p99_ms')}",
+        f"  against a bare echo   p50 {f['rtt_floor_p50_ms']:.3f} ms  p99 {f['rtt_floor_p99_ms']:.3f} ms  "
+        f"(two round trips between two processes on this host, no dispatcher)",
         f"commit_step (fsync)     p50 {f['commit_rtt_p50_ms']:.3f} ms  p99 {f['commit_rtt_p99_ms']:.3f} ms  "
         f"({f['rtt_cycles']} cycles timed, {f['rtt_waited']} left out: no slot was ready)",
         f"host                    other processes used {f['other_cpu_pct']:.1f}% of the CPUs, "

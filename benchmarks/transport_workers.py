@@ -27,10 +27,9 @@ import zmq
 
 from common.run.config import Config
 from common.dataplane.slots import SlotHeader, SlotLayout, SlotView
-from common.dataplane.transport import cuda_ipc_transport_info, open_drafter_transport, open_target_transport
+from common.dataplane.transport import open_drafter_transport, open_target_transport
 
 POLL_MS = 100  # how long a producer's long-poll waits before it looks at ``stop`` again
-CUDA_IPC_SLOTS = 4
 
 
 @dataclass(frozen=True)
@@ -214,7 +213,7 @@ def zmq_consumer(spec: BenchSpec, endpoint: str, stop: Any, results: Any) -> Non
         results.put(meter.result())
 
 
-# -- CUDA IPC (GPU hosts only) -------------------------------------------------------------------
+# -- slots handed over through a pipe: the data plane alone, no dispatcher ---------------------
 def _send(conn: Any, message: dict[str, Any]) -> None:
     conn.send_bytes(msgpack.packb(message, use_bin_type=True))
 
@@ -223,21 +222,27 @@ def _recv(conn: Any) -> dict[str, Any]:
     return msgpack.unpackb(conn.recv_bytes(), raw=False)
 
 
-def cuda_ipc_target(spec: BenchSpec, device_index: int, conn: Any, stop: Any, results: Any) -> None:
-    """Own a CudaSlotBlock, export it once, then write slots as the consumer frees them.
+def _open_device(device: str) -> torch.device:
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    return dev
 
-    Messages on ``conn`` are msgpack maps: {"export"} once, then {"slot", "generation"} per
-    written slot; the consumer answers {"slot"} when it has copied a slot out.
+
+def piped_target(spec: BenchSpec, info: dict[str, Any], device: str, conn: Any, stop: Any, results: Any) -> None:
+    """Write slots of the transport ``info`` names as the consumer frees them, told over ``conn``.
+
+    Messages on ``conn`` are msgpack maps: {"export"} once (a cuda_ipc target's block; None for shm),
+    then {"slot", "generation"} per written slot; the consumer answers {"slot"} when it has copied a
+    slot out. What a pipe costs is all that stands in for the control plane: the paths' ceiling.
     """
     _init_process()
     with _errors_to(results):
-        device = torch.device("cuda", device_index)
-        torch.cuda.set_device(device)
-        transport = open_target_transport(cuda_ipc_transport_info(spec.layout, CUDA_IPC_SLOTS), device)
-        src = _scratch_slot(spec.layout, device)
+        transport = open_target_transport(info, _open_device(device))
+        src = _scratch_slot(spec.layout, transport.device)
         rows = spec.layout.tokens_per_batch
         _send(conn, {"export": transport.export()})
-        free = list(range(CUDA_IPC_SLOTS))
+        free = list(range(transport.num_slots))
         generation = 0
         try:
             while not stop.is_set():
@@ -261,20 +266,17 @@ def cuda_ipc_target(spec: BenchSpec, device_index: int, conn: Any, stop: Any, re
             transport.close()
 
 
-def cuda_ipc_drafter(spec: BenchSpec, device_index: int, conn: Any, stop: Any, results: Any) -> None:
+def piped_drafter(spec: BenchSpec, info: dict[str, Any], device: str, conn: Any, stop: Any, results: Any) -> None:
     _init_process()
     with _errors_to(results):
-        device = torch.device("cuda", device_index)
-        torch.cuda.set_device(device)
         export = _recv(conn)["export"]
-        transport = open_drafter_transport(cuda_ipc_transport_info(spec.layout, CUDA_IPC_SLOTS), device)
+        transport = open_drafter_transport(info, _open_device(device))
         row_bytes = spec.layout.row_width * spec.layout.torch_dtype.itemsize
         meter = Meter(spec)
         try:
             while not stop.is_set():
                 message = _recv(conn)
-                # read() copies on a side stream and synchronizes it: the bytes are here on return.
-                # Its fresh tensors come from the caching allocator, so no new pages per read.
+                # read() copies (on a side stream on a GPU, synchronized): the bytes are here on return.
                 batch = transport.read(message["slot"], message["generation"], ipc=export, owner="bench-target")
                 rows = batch.header.num_rows
                 del batch
@@ -285,3 +287,52 @@ def cuda_ipc_drafter(spec: BenchSpec, device_index: int, conn: Any, stop: Any, r
             conn.close()
             transport.close()
         results.put(meter.result())
+
+
+# -- the round trip's floor: a bare echo in place of the dispatcher -------------------------------
+@contextmanager
+def _socket(kind: int, endpoint: str, *, bind: bool) -> Iterator[zmq.Socket]:
+    """One socket on a context of its own, closed with it."""
+    context = zmq.Context()
+    sock = context.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.bind(endpoint) if bind else sock.connect(endpoint)
+        yield sock
+    finally:
+        sock.close(linger=0)
+        context.term()
+
+
+def zmq_echo(endpoint: str, reply: bytes, stop: Any, results: Any) -> None:
+    """A ROUTER answering every request at once with ``reply``: no decode, no handler, no journal."""
+    _init_process()
+    with _errors_to(results), _socket(zmq.ROUTER, endpoint, bind=True) as sock:
+        while not stop.is_set():
+            if sock.poll(POLL_MS):
+                identity, _ = sock.recv_multipart()
+                sock.send_multipart([identity, reply])
+
+
+def zmq_echo_client(endpoint: str, requests: tuple[bytes, bytes], num_cycles: int, stop: Any, results: Any) -> None:
+    """Time cycles of the two ``requests`` (get_hs and consumed, as the wire encodes them), each sent
+    on a DEALER and its answer waited for on the caller's thread: what two round trips between two
+    Python processes cost on this host, the floor under the dispatcher's get_hs + consumed."""
+    _init_process()
+    with _errors_to(results):
+        cycle_ms: list[float] = []
+        num_warmup = max(20, num_cycles // 20)
+        with _socket(zmq.DEALER, endpoint, bind=False) as sock:
+            for i in range(num_warmup + num_cycles):
+                started = time.perf_counter()
+                for request in requests:
+                    sock.send(request)
+                    if not sock.poll(10_000):
+                        raise RuntimeError("the echo did not answer within 10 s")
+                    sock.recv()
+                if i >= num_warmup:
+                    cycle_ms.append(1e3 * (time.perf_counter() - started))
+                if stop.is_set():
+                    break
+        results.put({"rtt_floor_p50_ms": percentile(cycle_ms, 50), "rtt_floor_p99_ms": percentile(cycle_ms, 99),
+                     "rtt_floor_cycles": len(cycle_ms)})
