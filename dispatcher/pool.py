@@ -28,7 +28,7 @@ import enum
 import random
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from typing import Iterable, NamedTuple, get_args
+from typing import Any, Iterable, NamedTuple, get_args
 
 from common.run.config import Locality, Pull
 
@@ -104,33 +104,24 @@ def eligible_buckets(candidates: Iterable[int], *, totals: dict[int, int], taken
     return {b: d for b, d in deficits.items() if d >= best - 1e-9}
 
 
-def choose_bucket(deficits: dict[int, float], *, window: set[int], rng: random.Random) -> int:
-    """Largest deficit among the eligible buckets, those outside the drafter's window first."""
-    fresh = {b: d for b, d in deficits.items() if b not in window}
-    pool = fresh or deficits
-    best = max(pool.values())
-    return rng.choice(sorted(b for b, d in pool.items() if d >= best - 1e-9))
-
-
-def _choose_ready_bucket(eligible: dict[int, float], ready: dict[int, dict], *, window: set[int],
-                         rng: random.Random) -> int | None:
-    """choose_bucket over the eligible buckets that have a ready job (None: none has), in one pass
-    and drawing from ``rng`` exactly as it does: the pick of every get_hs on one node."""
+def choose_bucket(deficits: dict[int, float], *, window: set[int], rng: random.Random,
+                  available: dict[int, Any] | None = None) -> int | None:
+    """Largest deficit among the eligible buckets, those outside the drafter's window first; ties
+    drawn from ``rng``. ``available``: only the buckets it maps to something truthy (a ready job)
+    count. None when no bucket counts. One pass: every get_hs asks."""
     best_fresh = best_any = _NO_DEFICIT
-    for b, d in eligible.items():
-        if ready.get(b):
+    for b, d in deficits.items():
+        if available is None or available.get(b):
             if d > best_any:
                 best_any = d
             if d > best_fresh and b not in window:
                 best_fresh = d
     if best_any == _NO_DEFICIT:
         return None
-    if best_fresh != _NO_DEFICIT:
-        floor = best_fresh - 1e-9
-        tied = [b for b, d in eligible.items() if d >= floor and b not in window and ready.get(b)]
-    else:
-        floor = best_any - 1e-9
-        tied = [b for b, d in eligible.items() if d >= floor and ready.get(b)]
+    fresh_only = best_fresh != _NO_DEFICIT
+    floor = (best_fresh if fresh_only else best_any) - 1e-9
+    tied = [b for b, d in deficits.items() if d >= floor and (available is None or available.get(b))
+            and not (fresh_only and b in window)]
     tied.sort()
     return rng.choice(tied)
 
@@ -317,7 +308,7 @@ class HSPool:
             # Every ready slot is the dispatcher's arena, local to every reader and servable: what the
             # general path below picks, without its per-slot filters.
             ready = self._ready[epoch]
-            bucket = _choose_ready_bucket(eligible, ready, window=window, rng=self.rng)
+            bucket = choose_bucket(eligible, window=window, rng=self.rng, available=ready)
             if bucket is None:
                 return None
             jobs = ready[bucket]
@@ -335,7 +326,7 @@ class HSPool:
                 return None
             if self.pull == "deficit":
                 # The bucket as on one node; the node only decides which of its slots.
-                bucket = choose_bucket({b: eligible[b] for b in candidates}, window=window, rng=self.rng)
+                bucket = choose_bucket(eligible, window=window, rng=self.rng, available=candidates)
                 if bucket not in local:
                     # never trading a bucket new to the drafter's window for one it holds: steps stay mixed
                     near = {b: eligible[b] for b in local if eligible[b] >= eligible[bucket] - LOCAL_SLACK
@@ -349,7 +340,7 @@ class HSPool:
         if self.pull == "random":
             choices = [job for jobs in candidates.values() for job in jobs]
             return self.rng.choice(sorted(choices, key=lambda j: j.job_id))
-        jobs = candidates[choose_bucket({b: eligible[b] for b in candidates}, window=window, rng=self.rng)]
+        jobs = candidates[choose_bucket(eligible, window=window, rng=self.rng, available=candidates)]
         return self.rng.choice(sorted(jobs, key=lambda j: j.job_id))
 
     def begin_read(self, ready: ReadyJob) -> None:
