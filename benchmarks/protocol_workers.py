@@ -132,7 +132,8 @@ def rtt_drafter(config: Config, spec: BenchSpec, num_cycles: int, stop: Any, res
 
     get_hs is sent with ``wait_ms=0``: a cycle that finds no ready slot is not timed (it would
     measure the target, not the control plane) but counted as ``waited`` and served untimed.
-    commit_step (journaled with fsync) is timed separately. A measuring probe, not a worker: it
+    Every ``drafter.accum_steps`` cycles the consumed jobs are committed, as a drafter commits its
+    step; commit_step (journaled with fsync) is timed separately. A measuring probe, not a worker: it
     drives the session by hand, one request at a time, so every figure is one round trip.
     """
     _init_process()
@@ -144,6 +145,7 @@ def rtt_drafter(config: Config, spec: BenchSpec, num_cycles: int, stop: Any, res
         cycle_ms: list[float] = []
         commit_ms: list[float] = []
         num_waited = 0
+        step_jobs: list[int] = []  # consumed since the last commit
         try:
             while len(cycle_ms) < num_cycles and not stop.is_set():
                 started = time.perf_counter()
@@ -158,9 +160,13 @@ def rtt_drafter(config: Config, spec: BenchSpec, num_cycles: int, stop: Any, res
                 job_id = reply.job.job_id
                 session.call(messages.Consumed(job_id=job_id))
                 consumed = time.perf_counter()
-                session.call(messages.CommitStep(model=model, step=step + 1, job_ids=[job_id], busy_s=0.0))
-                committed = time.perf_counter()
-                step += 1
+                step_jobs.append(job_id)
+                commit_s = None
+                if len(step_jobs) >= config.drafter.accum_steps:
+                    session.call(messages.CommitStep(model=model, step=step + 1, job_ids=step_jobs, busy_s=0.0))
+                    commit_s = time.perf_counter() - consumed
+                    step += 1
+                    step_jobs = []
                 if num_warmup:
                     num_warmup -= 1
                     continue
@@ -168,9 +174,10 @@ def rtt_drafter(config: Config, spec: BenchSpec, num_cycles: int, stop: Any, res
                     num_waited += 1
                 else:
                     cycle_ms.append(1e3 * (consumed - started))
-                commit_ms.append(1e3 * (committed - consumed))
+                if commit_s is not None:
+                    commit_ms.append(1e3 * commit_s)
         finally:
             session.close()
         results.put({"rtt_p50_ms": percentile(cycle_ms, 50), "rtt_p99_ms": percentile(cycle_ms, 99),
                      "commit_rtt_p50_ms": percentile(commit_ms, 50), "commit_rtt_p99_ms": percentile(commit_ms, 99),
-                     "rtt_cycles": len(cycle_ms), "rtt_waited": num_waited})
+                     "rtt_cycles": len(cycle_ms), "rtt_waited": num_waited, "rtt_commits": len(commit_ms)})

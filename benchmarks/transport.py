@@ -5,7 +5,10 @@ Every path moves the same bytes per item, the hidden-state region of one slot (a
 destination, and is measured for ``--seconds`` after a short warm-up (GB/s, 1 GB = 1e9 bytes):
 
 - ``memcpy``: one process copying the bytes between two buffers: the limit of every path.
-  ``memcpy_uncached`` is the same copy cycling through as much memory as the shm path does.
+  ``memcpy_uncached`` is the same copy cycling through as much memory as the shm path does;
+  ``memcpy_shared`` is one process's copy while a second process copies too: the shm path copies
+  every byte twice, in two processes at once, so ``memcpy_shared_vs_memcpy`` is the ceiling this
+  host's memory bus puts on ``shm_vs_memcpy``.
 - ``shm``: the shared-memory arena through the real protocol: a dispatcher process, a target
   (get_job, write the slot, job_ready) and a drafter (get_hs, copy out, consumed, commit_step).
   The drafter reads with ``DrafterTransport.read`` and commits every ``drafter.accum_steps`` (4)
@@ -18,7 +21,8 @@ destination, and is measured for ``--seconds`` after a short warm-up (GB/s, 1 GB
   does (``_shared``: allocated in shared memory up front, the queue's best case).
 - ``zmq_ipc``: ZeroMQ PUSH/PULL over ipc:// with zero-copy sends.
 - ``rtt``: control-plane latency of a get_hs + consumed cycle against the dispatcher, and of
-  commit_step (journaled with fsync) separately. ``rtt_floor``: the same two requests, as the wire
+  commit_step (journaled with fsync) separately, sent every ``drafter.accum_steps`` (4) cycles as
+  a drafter commits its step. ``rtt_floor``: the same two requests, as the wire
   encodes them, against a bare ZeroMQ echo in another process: the host's floor under that cycle.
 - on CUDA hosts ``d2d`` (one GPU, in process) and ``cuda_ipc`` (a target's slot block opened by a
   drafter process; it includes a message per slot, as a real handoff does).
@@ -55,7 +59,7 @@ from common.dataplane.shm_segment import PoolSegment
 from common.dataplane.transport_info import cuda_ipc_transport_info, shm_transport_info
 from common.dataplane.slots import SlotLayout, format_bytes
 from benchmarks import protocol_workers, transport_workers as workers
-from benchmarks.transport_workers import BenchSpec, Meter
+from benchmarks.transport_workers import BenchSpec
 
 SLOT_TOKENS = 8192
 SLOT_LAYERS = 5
@@ -67,6 +71,7 @@ MAX_ITEMS_PER_S = 3000  # generous bound on handoffs per second, to size the ben
 PHASE_TIMEOUT_S = 90.0  # beyond the measured time: process start-up, registration, warm-up
 TARGETS = {"shm_vs_memcpy": 0.8, "shm_vs_torch_mp_queue": 3.0}
 RTT_P99_TARGET_MS = 1.5
+STEAL_WARN_PCT = 2.0  # CPU time the hypervisor took, in percent, above which the run is called skewed
 
 
 def bench_layout(slot_mb: float) -> SlotLayout:
@@ -193,27 +198,16 @@ def _dispatcher(ctx: Any, config: Config) -> Iterator[None]:
             _progress(f"warning: removed the dispatcher's leftover shared memory {', '.join(swept)}")
 
 
-def _measure_copy(spec: BenchSpec, buffers: list[torch.Tensor]) -> float:
-    """Copy ``buffers[i]`` into ``buffers[i + 1]`` round the ring (two buffers: src and dst)."""
-    meter = Meter(spec)
-    nbytes, cuda = buffers[0].nbytes, buffers[0].is_cuda
-    # On a GPU, copies are queued and timed in batches of ~20 GB so the synchronize is amortized.
-    batch = max(1, int(2e10 // nbytes)) if cuda else 1
-    i = 0
-    while True:
-        for _ in range(batch):
-            buffers[(i + 1) % len(buffers)].copy_(buffers[i % len(buffers)])
-            i += 1
-        if cuda:
-            torch.cuda.synchronize(buffers[0].device)
-        if meter.add(batch * nbytes):
-            return meter.result()["gbps"]
-
-
 def _measure_memcpy(spec: BenchSpec, *, num_buffers: int = 2, device: str = "cpu") -> float:
     # Every buffer written once first, so the loop copies between resident pages only.
-    return _measure_copy(spec, [torch.full(spec.hs_shape, 0.5, dtype=spec.layout.torch_dtype, device=device)
-                                for _ in range(num_buffers)])
+    return workers.measure_copy(spec, workers.copy_buffers(spec, num_buffers, device))
+
+
+def measure_memcpy_shared(ctx: Any, spec: BenchSpec, timeout_s: float) -> float:
+    """One process's memcpy while a second process copies as well: the share of the memory bus each
+    of the shm path's two copies (the target's write, the drafter's read) can have on this host."""
+    return _run_pair(ctx, "memcpy_shared", workers.copy_until_stopped, (spec,), workers.copy_measured, (spec,),
+                     timeout_s=timeout_s)["gbps"]
 
 
 def _run_piped(ctx: Any, what: str, spec: BenchSpec, info: dict[str, Any], producer_device: str,
@@ -264,7 +258,7 @@ def _measure_protocol(ctx: Any, spec: BenchSpec, config: Config, *, num_rtt_cycl
                   f"get_hs/consumed/commit_step (a commit every {config.drafter.accum_steps} items)")
         result = _run_pair(ctx, "rtt", protocol_workers.shm_target, (config, spec, False),
                            protocol_workers.rtt_drafter, (config, spec, num_rtt_cycles), timeout_s=timeout_s)
-        figures.update(result)
+        figures.update(result, rtt_accum_steps=config.drafter.accum_steps)
         _progress(f"rtt get_hs+consumed: p50 {result['rtt_p50_ms']:.3f} ms, p99 {result['rtt_p99_ms']:.3f} ms "
                   f"({result['rtt_cycles']} cycles, {result['rtt_waited']} waited)")
     return figures
@@ -333,6 +327,8 @@ def measure(*, slot_mb: float, seconds: float) -> dict[str, Any]:
     try:
         config = _dispatcher_config(tmp / "run", layout, num_jobs)
         figures.update(_measure_protocol(ctx, spec, config, num_rtt_cycles=num_rtt_cycles, timeout_s=timeout_s))
+        figures["memcpy_shared_gbps"] = measure_memcpy_shared(ctx, spec, timeout_s)
+        _progress(f"memcpy while another process copies: {figures['memcpy_shared_gbps']:.2f} GB/s")
         figures["shm_piped_gbps"] = measure_shm_piped(ctx, spec, timeout_s)
         _progress(f"shm_piped (the same copies, a pipe for the dispatcher): {figures['shm_piped_gbps']:.2f} GB/s")
         figures.update(measure_rtt_floor(ctx, tmp, num_rtt_cycles, timeout_s))
@@ -348,10 +344,14 @@ def measure(*, slot_mb: float, seconds: float) -> dict[str, Any]:
     if figures["other_cpu_pct"] > 5:
         _progress(f"other processes used {figures['other_cpu_pct']:.0f}% of the CPUs during the run: "
                   f"every figure is skewed, run again on a quiet host")
+    if figures["steal_pct"] > STEAL_WARN_PCT:
+        _progress(f"the hypervisor took {figures['steal_pct']:.1f}% of the CPUs from this VM during the run: the "
+                  f"round trip's tail is skewed the most, run again when the host is quieter")
     memcpy, shm = figures["memcpy_gbps"], figures["shm_gbps"]
     figures.update(shm_vs_memcpy=shm / memcpy, shm_vs_memcpy_uncached=shm / figures["memcpy_uncached_gbps"],
                    shm_vs_shm_piped=shm / figures["shm_piped_gbps"],
                    shm_piped_vs_memcpy=figures["shm_piped_gbps"] / memcpy,
+                   memcpy_shared_vs_memcpy=figures["memcpy_shared_gbps"] / memcpy,
                    shm_vs_torch_mp_queue=shm / figures["torch_mp_queue_gbps"],
                    shm_vs_torch_mp_queue_shared=shm / figures["torch_mp_queue_shared_gbps"],
                    shm_vs_zmq_ipc=shm / figures["zmq_ipc_gbps"])
@@ -363,6 +363,7 @@ def measure(*, slot_mb: float, seconds: float) -> dict[str, Any]:
 _TABLE_ROWS = (
     ("memcpy, one process", "memcpy_gbps"),
     (f"memcpy over {NUM_SLOTS + 2} buffers", "memcpy_uncached_gbps"),
+    ("memcpy beside another copy", "memcpy_shared_gbps"),
     ("shm arena, real protocol", "shm_gbps"),
     ("  its drafter's copy alone", "shm_copy_gbps"),
     ("shm arena, piped, no dispatcher", "shm_piped_gbps"),
@@ -393,6 +394,8 @@ def format_table(figures: dict[str, Any]) -> str:
         "",
         f"shm / memcpy            {f['shm_vs_memcpy']:5.2f}  target >= {TARGETS['shm_vs_memcpy']:g}: "
         f"{verdict('shm_vs_memcpy')}  (vs memcpy over {NUM_SLOTS + 2} buffers: {f['shm_vs_memcpy_uncached']:.2f})",
+        f"memcpy shared / memcpy  {f['memcpy_shared_vs_memcpy']:5.2f}  the ceiling this host's memory bus puts on "
+        f"shm / memcpy: two copies at once",
         f"shm / shm piped         {f['shm_vs_shm_piped']:5.2f}  what the control plane keeps of this host's "
         f"data plane (shm piped / memcpy: {f['shm_piped_vs_memcpy']:.2f})",
         f"shm / torch mp Queue    {f['shm_vs_torch_mp_queue']:5.2f}  target >= {TARGETS['shm_vs_torch_mp_queue']:g}: "
@@ -403,7 +406,8 @@ def format_table(figures: dict[str, Any]) -> str:
         f"  against a bare echo   p50 {f['rtt_floor_p50_ms']:.3f} ms  p99 {f['rtt_floor_p99_ms']:.3f} ms  "
         f"(two round trips between two processes on this host, no dispatcher)",
         f"commit_step (fsync)     p50 {f['commit_rtt_p50_ms']:.3f} ms  p99 {f['commit_rtt_p99_ms']:.3f} ms  "
-        f"({f['rtt_cycles']} cycles timed, {f['rtt_waited']} left out: no slot was ready)",
+        f"({f['rtt_commits']} commits, one every {f['rtt_accum_steps']} cycles; {f['rtt_cycles']} cycles timed, "
+        f"{f['rtt_waited']} left out: no slot was ready)",
         f"host                    other processes used {f['other_cpu_pct']:.1f}% of the CPUs, "
         f"steal {f['steal_pct']:.1f}%",
     ]

@@ -105,6 +105,45 @@ def _scratch_slot(layout: SlotLayout, device: torch.device | str = "cpu") -> Slo
     return view
 
 
+# -- plain copies -------------------------------------------------------------------------------
+def copy_buffers(spec: BenchSpec, num_buffers: int, device: str = "cpu") -> list[torch.Tensor]:
+    """Slot-sized buffers, each written once: the copies run between resident pages only."""
+    return [torch.full(spec.hs_shape, 0.5, dtype=spec.layout.torch_dtype, device=device) for _ in range(num_buffers)]
+
+
+def measure_copy(spec: BenchSpec, buffers: list[torch.Tensor]) -> float:
+    """GB/s of copying ``buffers[i]`` into ``buffers[i + 1]`` round the ring (two buffers: src and dst)."""
+    meter = Meter(spec)
+    nbytes, cuda = buffers[0].nbytes, buffers[0].is_cuda
+    # On a GPU, copies are queued and timed in batches of ~20 GB so the synchronize is amortized.
+    batch = max(1, int(2e10 // nbytes)) if cuda else 1
+    i = 0
+    while True:
+        for _ in range(batch):
+            buffers[(i + 1) % len(buffers)].copy_(buffers[i % len(buffers)])
+            i += 1
+        if cuda:
+            torch.cuda.synchronize(buffers[0].device)
+        if meter.add(batch * nbytes):
+            return meter.result()["gbps"]
+
+
+def copy_until_stopped(spec: BenchSpec, stop: Any, results: Any) -> None:
+    """The second copy on the memory bus: copies between two private buffers until stopped."""
+    _init_process()
+    with _errors_to(results):
+        src, dst = copy_buffers(spec, 2)
+        while not stop.is_set():
+            dst.copy_(src)
+
+
+def copy_measured(spec: BenchSpec, stop: Any, results: Any) -> None:
+    """A plain memcpy measured while :func:`copy_until_stopped` runs in another process."""
+    _init_process()
+    with _errors_to(results):
+        results.put({"gbps": measure_copy(spec, copy_buffers(spec, 2))})
+
+
 # -- the dispatcher ------------------------------------------------------------------------------
 def serve_dispatcher(config: Config) -> int:
     _init_process()
@@ -162,6 +201,23 @@ def queue_consumer(spec: BenchSpec, items: Any, drained: Any, stop: Any, results
         drained.set()
 
 
+@contextmanager
+def _socket(kind: int, endpoint: str, *, bind: bool, options: dict[int, int] | None = None) -> Iterator[zmq.Socket]:
+    """One socket on a context of its own, its ``options`` set before it binds or connects, closed
+    with its context."""
+    context = zmq.Context()
+    sock = context.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    for option, value in (options or {}).items():
+        sock.setsockopt(option, value)
+    try:
+        sock.bind(endpoint) if bind else sock.connect(endpoint)
+        yield sock
+    finally:
+        sock.close(linger=0)
+        context.term()
+
+
 # -- ZeroMQ PUSH/PULL over ipc:// ----------------------------------------------------------------
 ZMQ_HWM = 2  # messages queued per side: bounds memory to a few items
 
@@ -171,45 +227,27 @@ def zmq_producer(spec: BenchSpec, endpoint: str, stop: Any, results: Any) -> Non
     with _errors_to(results):
         src = torch.full(spec.hs_shape, 0.5, dtype=spec.layout.torch_dtype)
         payload = src.view(torch.uint8).numpy()  # zero copy: zmq keeps a reference until sent
-        context = zmq.Context()
-        sock = context.socket(zmq.PUSH)
-        sock.setsockopt(zmq.SNDHWM, ZMQ_HWM)
-        sock.setsockopt(zmq.SNDTIMEO, POLL_MS)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(endpoint)
-        try:
+        with _socket(zmq.PUSH, endpoint, bind=False, options={zmq.SNDHWM: ZMQ_HWM, zmq.SNDTIMEO: POLL_MS}) as sock:
             while not stop.is_set():
                 try:
                     sock.send(payload, copy=False)
                 except zmq.Again:
                     continue
-        finally:
-            sock.close(linger=0)
-            context.term()
 
 
 def zmq_consumer(spec: BenchSpec, endpoint: str, stop: Any, results: Any) -> None:
     _init_process()
     with _errors_to(results):
         dst = torch.zeros(spec.hs_shape, dtype=spec.layout.torch_dtype)
-        context = zmq.Context()
-        sock = context.socket(zmq.PULL)
-        sock.setsockopt(zmq.RCVHWM, ZMQ_HWM)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(endpoint)
         meter = Meter(spec)
-        try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="The given buffer is not writable")
-                while True:
-                    frame = sock.recv(copy=False)
-                    dst.view(-1).copy_(torch.frombuffer(frame.buffer, dtype=dst.dtype))
-                    del frame
-                    if meter.add(dst.nbytes):
-                        break
-        finally:
-            sock.close(linger=0)
-            context.term()
+        with _socket(zmq.PULL, endpoint, bind=True, options={zmq.RCVHWM: ZMQ_HWM}) as sock, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            while True:
+                frame = sock.recv(copy=False)
+                dst.view(-1).copy_(torch.frombuffer(frame.buffer, dtype=dst.dtype))
+                del frame
+                if meter.add(dst.nbytes):
+                    break
         results.put(meter.result())
 
 
@@ -290,20 +328,6 @@ def piped_drafter(spec: BenchSpec, info: dict[str, Any], device: str, conn: Any,
 
 
 # -- the round trip's floor: a bare echo in place of the dispatcher -------------------------------
-@contextmanager
-def _socket(kind: int, endpoint: str, *, bind: bool) -> Iterator[zmq.Socket]:
-    """One socket on a context of its own, closed with it."""
-    context = zmq.Context()
-    sock = context.socket(kind)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.bind(endpoint) if bind else sock.connect(endpoint)
-        yield sock
-    finally:
-        sock.close(linger=0)
-        context.term()
-
-
 def zmq_echo(endpoint: str, reply: bytes, stop: Any, results: Any) -> None:
     """A ROUTER answering every request at once with ``reply``: no decode, no handler, no journal."""
     _init_process()

@@ -12,7 +12,8 @@ from benchmarks.transport import bench_layout
 from benchmarks.transport_workers import BenchSpec, Meter, percentile
 from hsd_testing import assert_session_ended, run_hsd_in_session
 
-REQUIRED_KEYS = ("slot_bytes", "memcpy_gbps", "shm_gbps", "shm_piped_gbps", "torch_mp_queue_gbps", "zmq_ipc_gbps",
+REQUIRED_KEYS = ("slot_bytes", "memcpy_gbps", "shm_gbps", "shm_piped_gbps", "memcpy_shared_gbps",
+                 "torch_mp_queue_gbps", "zmq_ipc_gbps",
                  "rtt_p50_ms", "rtt_p99_ms")
 
 
