@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-import msgpack
+import msgspec
 import torch
 import zmq
 
@@ -252,12 +252,35 @@ def zmq_consumer(spec: BenchSpec, endpoint: str, stop: Any, results: Any) -> Non
 
 
 # -- slots handed over through a pipe: the data plane alone, no dispatcher ---------------------
-def _send(conn: Any, message: dict[str, Any]) -> None:
-    conn.send_bytes(msgpack.packb(message, use_bin_type=True))
+class Exported(msgspec.Struct, tag=True):
+    """The piped target's first message: its CUDA IPC block (None for shm)."""
+    block: dict[str, Any] | None
 
 
-def _recv(conn: Any) -> dict[str, Any]:
-    return msgpack.unpackb(conn.recv_bytes(), raw=False)
+class Written(msgspec.Struct, tag=True):
+    """A slot the piped target wrote and published at ``generation``."""
+    slot: int
+    generation: int
+
+
+class Freed(msgspec.Struct, tag=True):
+    """A slot the piped drafter has copied out: the target may write it again."""
+    slot: int
+
+
+_pipe_encoder = msgspec.msgpack.Encoder()
+_pipe_decoder = msgspec.msgpack.Decoder(Exported | Written | Freed)
+
+
+def _send(conn: Any, message: Exported | Written | Freed) -> None:
+    conn.send_bytes(_pipe_encoder.encode(message))
+
+
+def _recv(conn: Any, kind: type) -> Any:
+    message = _pipe_decoder.decode(conn.recv_bytes())
+    if not isinstance(message, kind):
+        raise RuntimeError(f"expected {kind.__name__} on the bench pipe, got {type(message).__name__}")
+    return message
 
 
 def _open_device(device: str) -> torch.device:
@@ -270,22 +293,22 @@ def _open_device(device: str) -> torch.device:
 def piped_target(spec: BenchSpec, info: dict[str, Any], device: str, conn: Any, stop: Any, results: Any) -> None:
     """Write slots of the transport ``info`` names as the consumer frees them, told over ``conn``.
 
-    Messages on ``conn`` are msgpack maps: {"export"} once (a cuda_ipc target's block; None for shm),
-    then {"slot", "generation"} per written slot; the consumer answers {"slot"} when it has copied a
-    slot out. What a pipe costs is all that stands in for the control plane: the paths' ceiling.
+    On ``conn`` the target sends :class:`Exported` once, then :class:`Written` per slot; the consumer
+    answers :class:`Freed` when it has copied a slot out. What a pipe costs is all that stands in
+    for the control plane: the paths' ceiling.
     """
     _init_process()
     with _errors_to(results):
         transport = open_target_transport(info, _open_device(device))
         src = _scratch_slot(spec.layout, transport.device)
         rows = spec.layout.tokens_per_batch
-        _send(conn, {"export": transport.export()})
+        _send(conn, Exported(block=transport.export()))
         free = list(range(transport.num_slots))
         generation = 0
         try:
             while not stop.is_set():
                 while conn.poll(0 if free else POLL_MS / 1000):
-                    free.append(_recv(conn)["slot"])
+                    free.append(_recv(conn, Freed).slot)
                 if not free:
                     continue
                 slot = free.pop(0)
@@ -296,7 +319,7 @@ def piped_target(spec: BenchSpec, info: dict[str, Any], device: str, conn: Any, 
                 header = SlotHeader(generation=generation, job_id=generation, bucket=0, batch_size=1,
                                     seq_len=rows, num_tokens=rows)
                 transport.finish_write(slot, header)
-                _send(conn, {"slot": slot, "generation": generation})
+                _send(conn, Written(slot=slot, generation=generation))
         except (EOFError, BrokenPipeError, ConnectionResetError):
             pass  # the consumer is done and gone
         finally:
@@ -307,18 +330,18 @@ def piped_target(spec: BenchSpec, info: dict[str, Any], device: str, conn: Any, 
 def piped_drafter(spec: BenchSpec, info: dict[str, Any], device: str, conn: Any, stop: Any, results: Any) -> None:
     _init_process()
     with _errors_to(results):
-        export = _recv(conn)["export"]
+        export = _recv(conn, Exported).block
         transport = open_drafter_transport(info, _open_device(device))
         row_bytes = spec.layout.row_width * spec.layout.torch_dtype.itemsize
         meter = Meter(spec)
         try:
             while not stop.is_set():
-                message = _recv(conn)
+                message = _recv(conn, Written)
                 # read() copies (on a side stream on a GPU, synchronized): the bytes are here on return.
-                batch = transport.read(message["slot"], message["generation"], ipc=export, owner="bench-target")
+                batch = transport.read(message.slot, message.generation, ipc=export, owner="bench-target")
                 rows = batch.header.num_rows
                 del batch
-                _send(conn, {"slot": message["slot"]})
+                _send(conn, Freed(slot=message.slot))
                 if meter.add(rows * row_bytes):
                     break
         finally:
