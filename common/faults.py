@@ -100,7 +100,7 @@ FAULTS = {fault.name: fault for fault in (
     Fault("dispatcher_exit_before_commit_reply", _step, "dispatcher.server: the dispatcher exits once the commit of a "
           "model step >= this one is durable and before its reply is sent (the drafter never hears that it "
           "committed); once per run directory"),
-    Fault("drafter_exit_after_step", _step, "drafter_worker.dflash_backend: the drafter exits (EXIT_MID_WRITE) right "
+    Fault("drafter_exit_after_step", _step, "drafter_worker.drafter_backend: the drafter exits (EXIT_MID_WRITE) right "
           "after it applies this step, between a commit and the next checkpoint (a resumed run must train exactly "
           "as an uninterrupted one); each time it does"),
     Fault("kill_at", _kill_at, "drafter_worker.loop: <name>@<point>:<step> SIGKILLs the drafter named <name> at "

@@ -38,7 +38,7 @@ from common.dataplane.slots import SlotBatch
 from common.wire import messages
 from common.run.witness import (CheckpointSnapshot, TrainedJobs, check_model_id, latest_checkpoint, servable_dir,
                             training_dir)
-from drafter_worker.dflash_metrics import StepClock, TensorBoardLog, format_metrics, step_metrics
+from drafter_worker.step_metrics import StepClock, TensorBoardLog, format_metrics, step_metrics
 from drafter_worker.layers import CONFIG_NAME, write_drafter_files
 from drafter_worker.process_group import AllReduce, all_reduce_flat
 from drafter_worker.state_io import flatten_state, load_state, write_state

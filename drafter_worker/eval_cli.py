@@ -25,7 +25,7 @@ def run_eval(config: Config, *, drafter: str, num_prompts: int, prompts_file: st
         raise ConfigError(f"--prompts must be positive, got {num_prompts}")
     from transformers import AutoTokenizer
 
-    from drafter_worker.dflash.prompts import load_chat_prompts
+    from drafter_worker.eval_prompts import load_chat_prompts
     from drafter_worker.speculative_eval import evaluate
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     prompts = load_chat_prompts(prompts_file or Path(target_dir) / "heldout.jsonl", tokenizer, num_prompts)

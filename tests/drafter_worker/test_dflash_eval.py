@@ -114,7 +114,7 @@ def test_hsd_eval_cli(tiny_target, tmp_path, capsys):
     # the command's figures are those of speculative decoding with that drafter on the first 3
     # held-out prompts, as the chat template renders them
     from transformers import AutoTokenizer
-    from drafter_worker.dflash.prompts import load_chat_prompts
+    from drafter_worker.eval_prompts import load_chat_prompts
     prompts = load_chat_prompts(target_dir / "heldout.jsonl", AutoTokenizer.from_pretrained(target_dir), 3)
     assert result == evaluate(target_dir, str(tmp_path / "drafter"), prompts, 6)
     assert main(["eval", "--config", str(config), "--drafter", str(tmp_path / "drafter"), "--prompts", "1",

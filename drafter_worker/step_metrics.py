@@ -1,4 +1,4 @@
-"""Step metrics of the DFlash drafter worker: one log line per step, TensorBoard when it is installed.
+"""Step metrics of a drafter worker (DFlash or EAGLE-3): one log line per step, TensorBoard when installed.
 
 The worker loop interleaves waiting for data (``get_hs``, the slot copy, the commit round trip) with
 computing on it; the backend only sees its own calls, so it measures a step's wall time from the end
@@ -8,13 +8,10 @@ of the previous step to the end of this one and its compute time as the time spe
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import time
 from pathlib import Path
-
-log = logging.getLogger("hsd.dflash")
 
 # Accuracy is reported at the first few block positions: they set most of the acceptance length.
 NUM_ACCURACY_POSITIONS = 3
