@@ -79,9 +79,9 @@ def test_a_group_commit_whose_reply_died_with_the_dispatcher_is_applied(run_dir,
 
 
 def test_count_balance_on_a_group_whose_size_does_not_divide_the_step(run_dir, tmp_path):
-    # The group opens with drafter.count (2) ranks and the third joins at a step boundary. The targets
-    # start only once the 3-rank version is open, so the run cannot end before it, however fast the
-    # host: every step is the 3-rank group's.
+    # The group opens with drafter.count (2) ranks and the third joins it in the next version. The
+    # targets start only once that 3-rank version is open, so the run cannot end before it, however
+    # fast the host: every step is the 3-rank group's.
     args = _args(run_dir, "drafter.count=2", "drafter.max_ranks=3", "drafter.step_balance=count",
                  "target.sim_cost_per_token=2e-5", "run.epochs=2")
     procs = {}
