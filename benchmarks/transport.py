@@ -9,6 +9,9 @@ destination, and is measured for ``--seconds`` after a short warm-up (GB/s, 1 GB
   ``memcpy_shared`` is one process's copy while a second process copies too: the shm path copies
   every byte twice, in two processes at once, so ``memcpy_shared_vs_memcpy`` is the ceiling this
   host's memory bus puts on ``shm_vs_memcpy``.
+- ``memcpy``, ``memcpy_shared`` and ``shm`` are measured one after another in each of ``--rounds``
+  rounds (default 1), so every ratio among them compares the same moments of the host; with several
+  rounds each figure and ratio is the median of the rounds' own (every round under ``rounds``).
 - ``shm``: the shared-memory arena through the real protocol: a dispatcher process, a target
   (get_job, write the slot, job_ready) and a drafter (get_hs, copy out, consumed, commit_step).
   The drafter reads with ``DrafterTransport.read`` and commits every ``drafter.accum_steps`` (4)
@@ -40,6 +43,7 @@ import os
 import queue
 import secrets
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -243,19 +247,38 @@ def measure_cuda(ctx: Any, spec: BenchSpec, timeout_s: float) -> dict[str, Any]:
     return figures
 
 
-def _measure_protocol(ctx: Any, spec: BenchSpec, config: Config, *, num_rtt_cycles: int,
+def _measure_shm_round(ctx: Any, spec: BenchSpec, config: Config, timeout_s: float) -> dict[str, float]:
+    """One round of the alternation: a lone memcpy, a memcpy beside another copy, then the shm path,
+    one after the other, so the shm path is judged against the memory bus of the same moments (a
+    lone copy's speed varies by a third between runs on a shared host)."""
+    memcpy = _measure_memcpy(spec)
+    shared = measure_memcpy_shared(ctx, spec, timeout_s)
+    result = _run_pair(ctx, "shm", protocol_workers.shm_target, (config, spec, True),
+                       protocol_workers.shm_drafter, (config, spec), timeout_s=timeout_s)
+    item_mb = result["gbps"] * 1e3 * result["elapsed_s"] / result["items"]
+    _progress(f"memcpy {memcpy:.2f} GB/s, beside another copy {shared:.2f}; shm {result['gbps']:.2f} GB/s, "
+              f"{result['items']} items of {item_mb:.1f} MB; the drafter copies at {result['copy_gbps']:.2f} GB/s and "
+              f"spends {result['control_ms']:.2f} ms per item in get_hs/consumed/commit_step (a commit every "
+              f"{config.drafter.accum_steps} items)")
+    return {"memcpy_gbps": memcpy, "memcpy_shared_gbps": shared, "shm_gbps": result["gbps"],
+            "shm_copy_gbps": result["copy_gbps"], "shm_control_ms": result["control_ms"],
+            "shm_vs_memcpy": result["gbps"] / memcpy, "shm_vs_memcpy_shared": result["gbps"] / shared}
+
+
+def _measure_protocol(ctx: Any, spec: BenchSpec, config: Config, *, rounds: int, num_rtt_cycles: int,
                       timeout_s: float) -> dict[str, Any]:
-    """The shm arena and the control plane, against one real dispatcher."""
+    """The shm arena and the control plane, against one real dispatcher: ``rounds`` alternated rounds
+    of :func:`_measure_shm_round` (each figure the median of its rounds, each ratio the median of
+    the rounds' own ratios), then the round trip."""
     figures: dict[str, Any] = {}
     with _dispatcher(ctx, config):
-        result = _run_pair(ctx, "shm", protocol_workers.shm_target, (config, spec, True),
-                           protocol_workers.shm_drafter, (config, spec), timeout_s=timeout_s)
-        figures.update(shm_gbps=result["gbps"], shm_copy_gbps=result["copy_gbps"],
-                       shm_control_ms=result["control_ms"])
-        item_mb = result["gbps"] * 1e3 * result["elapsed_s"] / result["items"]
-        _progress(f"shm: {result['gbps']:.2f} GB/s, {result['items']} items of {item_mb:.1f} MB; the drafter copies at "
-                  f"{result['copy_gbps']:.2f} GB/s and spends {result['control_ms']:.2f} ms per item in "
-                  f"get_hs/consumed/commit_step (a commit every {config.drafter.accum_steps} items)")
+        per_round = []
+        for index in range(rounds):
+            if rounds > 1:
+                _progress(f"round {index + 1} of {rounds}")
+            per_round.append(_measure_shm_round(ctx, spec, config, timeout_s))
+        figures.update({key: statistics.median(r[key] for r in per_round) for key in per_round[0]})
+        figures["rounds"] = per_round
         result = _run_pair(ctx, "rtt", protocol_workers.shm_target, (config, spec, False),
                            protocol_workers.rtt_drafter, (config, spec, num_rtt_cycles), timeout_s=timeout_s)
         figures.update(result, rtt_accum_steps=config.drafter.accum_steps)
@@ -295,10 +318,12 @@ def _measure_alternatives(ctx: Any, spec: BenchSpec, tmp: Path, *, timeout_s: fl
     return figures
 
 
-def measure(*, slot_mb: float, seconds: float) -> dict[str, Any]:
+def measure(*, slot_mb: float, seconds: float, rounds: int = 1) -> dict[str, Any]:
     """Run every measurement; returns the figures (the keys of ``--json``)."""
     if not (math.isfinite(seconds) and seconds > 0):
         raise ValueError(f"--seconds must be a positive number, got {seconds}")
+    if rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, got {rounds}")
     torch.set_num_threads(1)
     layout = bench_layout(slot_mb)
     needed = (NUM_SLOTS + 2) * layout.slot_bytes  # the arena plus each side's own copy
@@ -309,15 +334,13 @@ def measure(*, slot_mb: float, seconds: float) -> dict[str, Any]:
     spec = BenchSpec(layout, seconds=seconds, warmup_s=min(MAX_WARMUP_S, seconds / 4))
     timeout_s = PHASE_TIMEOUT_S + spec.warmup_s + seconds
     num_rtt_cycles = max(200, round(RTT_CYCLES_PER_S * seconds))
-    num_jobs = round(MAX_ITEMS_PER_S * 2 * (seconds + spec.warmup_s)) + 2 * num_rtt_cycles + 1000
+    num_jobs = round(MAX_ITEMS_PER_S * (rounds + 1) * (seconds + spec.warmup_s)) + 2 * num_rtt_cycles + 1000
     ctx = torch.multiprocessing.get_context("spawn")
     load = HostLoad()
     figures: dict[str, Any] = {"slot_bytes": layout.slot_bytes, "hs_bytes": layout.hs_bytes,
                                "seconds": seconds, "num_cpus": os.cpu_count()}
     _progress(f"{layout.describe()}; {seconds:g} s per path after {spec.warmup_s:g} s warm-up")
 
-    figures["memcpy_gbps"] = _measure_memcpy(spec)
-    _progress(f"memcpy: {figures['memcpy_gbps']:.2f} GB/s")
     # Two slot-sized buffers can sit largely in a server's last-level cache; the shm path cycles
     # through the source, every slot and the destination, so it streams from DRAM. This is the
     # same copy over that much memory: the limit the shm path can really approach.
@@ -326,9 +349,8 @@ def measure(*, slot_mb: float, seconds: float) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="hsd_bench_"))
     try:
         config = _dispatcher_config(tmp / "run", layout, num_jobs)
-        figures.update(_measure_protocol(ctx, spec, config, num_rtt_cycles=num_rtt_cycles, timeout_s=timeout_s))
-        figures["memcpy_shared_gbps"] = measure_memcpy_shared(ctx, spec, timeout_s)
-        _progress(f"memcpy while another process copies: {figures['memcpy_shared_gbps']:.2f} GB/s")
+        figures.update(_measure_protocol(ctx, spec, config, rounds=rounds, num_rtt_cycles=num_rtt_cycles,
+                                         timeout_s=timeout_s))
         figures["shm_piped_gbps"] = measure_shm_piped(ctx, spec, timeout_s)
         _progress(f"shm_piped (the same copies, a pipe for the dispatcher): {figures['shm_piped_gbps']:.2f} GB/s")
         figures.update(measure_rtt_floor(ctx, tmp, num_rtt_cycles, timeout_s))
@@ -348,10 +370,11 @@ def measure(*, slot_mb: float, seconds: float) -> dict[str, Any]:
         _progress(f"the hypervisor took {figures['steal_pct']:.1f}% of the CPUs from this VM during the run: the "
                   f"round trip's tail is skewed the most, run again when the host is quieter")
     memcpy, shm = figures["memcpy_gbps"], figures["shm_gbps"]
-    figures.update(shm_vs_memcpy=shm / memcpy, shm_vs_memcpy_uncached=shm / figures["memcpy_uncached_gbps"],
+    figures.update(shm_vs_memcpy_uncached=shm / figures["memcpy_uncached_gbps"],
                    shm_vs_shm_piped=shm / figures["shm_piped_gbps"],
                    shm_piped_vs_memcpy=figures["shm_piped_gbps"] / memcpy,
-                   memcpy_shared_vs_memcpy=figures["memcpy_shared_gbps"] / memcpy,
+                   memcpy_shared_vs_memcpy=statistics.median(r["memcpy_shared_gbps"] / r["memcpy_gbps"]
+                                                             for r in figures["rounds"]),
                    shm_vs_torch_mp_queue=shm / figures["torch_mp_queue_gbps"],
                    shm_vs_torch_mp_queue_shared=shm / figures["torch_mp_queue_shared_gbps"],
                    shm_vs_zmq_ipc=shm / figures["zmq_ipc_gbps"])
@@ -396,6 +419,9 @@ def format_table(figures: dict[str, Any]) -> str:
         f"{verdict('shm_vs_memcpy')}  (vs memcpy over {NUM_SLOTS + 2} buffers: {f['shm_vs_memcpy_uncached']:.2f})",
         f"memcpy shared / memcpy  {f['memcpy_shared_vs_memcpy']:5.2f}  the ceiling this host's memory bus puts on "
         f"shm / memcpy: two copies at once",
+        f"shm / memcpy shared     {f['shm_vs_memcpy_shared']:5.2f}  what the shm path keeps of that ceiling"
+        + (f" (medians of {len(f['rounds'])} alternated rounds; shm / memcpy by round: "
+           f"{', '.join(format(r['shm_vs_memcpy'], '.2f') for r in f['rounds'])})" if len(f["rounds"]) > 1 else ""),
         f"shm / shm piped         {f['shm_vs_shm_piped']:5.2f}  what the control plane keeps of this host's "
         f"data plane (shm piped / memcpy: {f['shm_piped_vs_memcpy']:.2f})",
         f"shm / torch mp Queue    {f['shm_vs_torch_mp_queue']:5.2f}  target >= {TARGETS['shm_vs_torch_mp_queue']:g}: "
@@ -414,7 +440,7 @@ def format_table(figures: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run_transport_bench(*, slot_mb: float = 64.0, as_json: bool = False, seconds: float = 2.0) -> int:
-    figures = measure(slot_mb=slot_mb, seconds=seconds)
+def run_transport_bench(*, slot_mb: float = 64.0, as_json: bool = False, seconds: float = 2.0, rounds: int = 1) -> int:
+    figures = measure(slot_mb=slot_mb, seconds=seconds, rounds=rounds)
     print(json.dumps(figures) if as_json else format_table(figures))
     return 0

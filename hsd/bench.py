@@ -11,13 +11,16 @@ from hsd.shared import add_config_args, config_of, require_model
 
 def cmd_bench(args) -> int:
     if args.remote:
+        if args.rounds != 1:
+            print("error: --rounds applies to the shm path; --remote measures NIXL reads once", file=sys.stderr)
+            return 2
         from benchmarks.remote_transport import run_remote_bench
         return run_remote_bench(slot_mb=args.slot_mb if args.slot_mb is not None else 16.0, seconds=args.seconds,
                                 as_json=args.json)
     from benchmarks.transport import run_transport_bench
     if args.slot_mb is None:
         args.slot_mb = 64.0
-    return run_transport_bench(slot_mb=args.slot_mb, as_json=args.json, seconds=args.seconds)
+    return run_transport_bench(slot_mb=args.slot_mb, as_json=args.json, seconds=args.seconds, rounds=args.rounds)
 
 
 def cmd_bench_dispatcher(args) -> int:
@@ -88,6 +91,8 @@ def add_bench_parser(sub) -> None:
     b = bench.add_parser("transport", help="hidden-state handoff bandwidth and control-plane latency")
     b.add_argument("--slot-mb", type=float, help="hidden-state MiB per slot (default 64, 16 with --remote)")
     b.add_argument("--seconds", type=float, default=2.0, help="time per measurement")
+    b.add_argument("--rounds", type=int, default=1,
+                   help="rounds of memcpy, memcpy beside another copy and shm, alternated; medians reported")
     b.add_argument("--remote", action="store_true",
                    help="slot reads across nodes through NIXL beside a ZeroMQ copy (needs hsdispatch[multinode])")
     b.add_argument("--json", action="store_true")

@@ -18,7 +18,7 @@ REQUIRED_KEYS = ("slot_bytes", "memcpy_gbps", "shm_gbps", "shm_piped_gbps", "mem
 
 
 def test_bench_transport_json_and_clean_exit():
-    run = run_hsd_in_session("bench", "transport", "--slot-mb", "4", "--seconds", "0.5", "--json",
+    run = run_hsd_in_session("bench", "transport", "--slot-mb", "4", "--seconds", "0.5", "--rounds", "2", "--json",
                              timeout=240)  # a shared 2-core host can slow the benchmark a lot
     assert run.returncode == 0, run.stderr[-4000:]
     assert len(run.seen) >= 4, f"expected the benchmark to start its own processes, saw {run.seen}"
@@ -29,6 +29,12 @@ def test_bench_transport_json_and_clean_exit():
         value = figures[key]
         assert isinstance(value, (int, float)) and math.isfinite(value) and value > 0, (key, value)
     assert figures["slot_bytes"] == bench_layout(4).slot_bytes
+    # Two alternated rounds against one dispatcher, each with its own workers; the ratios are per round.
+    assert len(figures["rounds"]) == 2
+    for r in figures["rounds"]:
+        assert r["shm_gbps"] > 0 and math.isclose(r["shm_vs_memcpy_shared"], r["shm_gbps"] / r["memcpy_shared_gbps"])
+    assert min(r["shm_vs_memcpy"] for r in figures["rounds"]) <= figures["shm_vs_memcpy"] \
+        <= max(r["shm_vs_memcpy"] for r in figures["rounds"])
     assert "cuda_ipc_gbps" not in figures or figures["cuda_ipc_gbps"] > 0
 
     assert_session_ended(run.sid, grace_s=10)  # multiprocessing's resource tracker exits when it sees EOF
