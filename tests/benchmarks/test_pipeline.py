@@ -23,13 +23,20 @@ from hsd_testing import assert_session_ended, run_hsd_in_session
 from ops.report import build_report
 
 SMALL_COSTS = ("target.sim_cost_per_token=1e-6", "target.sim_cost_attention=1e-9",
-               "drafter.sim_cost_per_token=1e-6", "drafter.sim_cost_per_sequence=2e-3")
+               "drafter.sim_cost_per_token=1e-5", "drafter.sim_cost_per_sequence=2e-2")
+# The measurement window opens when the last worker has registered. With the whole epoch (20 jobs)
+# fitting in the pool and taking a few tenths of a second, a worker slow to start on a loaded host
+# left no target work inside the window (efficiency 0). Fewer slots than jobs make each extraction
+# past the 8th wait for a slot the drafter frees, and the drafter's cost spreads the epoch over
+# about 2.5 s: a worker would have to start that much later than the others to empty the window.
+POOL_SLOTS = 8
 
 
 def test_bench_pipeline_small_topology(tmp_path):
     runs, plot = tmp_path / "runs", tmp_path / "pipeline.png"
     run = run_hsd_in_session("bench", "pipeline", "--topology", "2x1", "--samples", "60", "--seed", "5", "--json",
-                             "--runs-dir", str(runs), "--plot", str(plot), *SMALL_COSTS, timeout=300)
+                             "--runs-dir", str(runs), "--plot", str(plot), *SMALL_COSTS, f"pool.slots={POOL_SLOTS}",
+                             timeout=300)
     assert_session_ended(run.sid)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout)
@@ -54,7 +61,9 @@ def test_bench_pipeline_small_topology(tmp_path):
     for worker, indices in naive["extracted"].items():
         assert indices and all(i % 2 == naive["queue"][worker] for i in indices), (worker, indices)
     # the shared queue: targets take jobs of either residue
-    fair = target_queues(list(read_journal(runs / "fair")))
+    fair_events = list(read_journal(runs / "fair"))
+    assert sum(isinstance(e, JobReady) for e in fair_events) > POOL_SLOTS  # the premise of the window's figures
+    fair = target_queues(fair_events)
     assert all(q is None for q in fair["queue"].values())
     assert {i % 2 for indices in fair["extracted"].values() for i in indices} == {0, 1}
 
