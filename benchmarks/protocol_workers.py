@@ -68,6 +68,7 @@ class BenchDrafter:
         self.loop: DrafterLoop | None = None
         self.copy_s = self.control_s = 0.0  # inside the window
         self._last: tuple[float, float] | None = None  # (time, loop.read_s) at the previous micro-batch
+        self.num_micro_batches = 0  # warm-up included: every item the dispatcher handed out
         self._window: list[int] = []
 
     def load_latest(self, run_dir: Any) -> int:
@@ -75,6 +76,7 @@ class BenchDrafter:
 
     def micro_batch(self, job: messages.Job, batch: SlotBatch) -> None:
         assert self.loop is not None
+        self.num_micro_batches += 1
         now, read_s = time.perf_counter(), self.loop.read_s
         num_counted = self.meter.num_items
         if self.meter.add(batch.header.num_rows * self.row_bytes):
@@ -101,7 +103,7 @@ class BenchDrafter:
     def result(self) -> dict[str, float]:
         result = self.meter.result()
         result.update(copy_gbps=self.meter.num_bytes / self.copy_s / 1e9,
-                      control_ms=1e3 * self.control_s / self.meter.num_items)
+                      control_ms=1e3 * self.control_s / self.meter.num_items, items_run=self.num_micro_batches)
         return result
 
 
@@ -144,7 +146,7 @@ def rtt_drafter(config: Config, spec: BenchSpec, num_cycles: int, stop: Any, res
         num_warmup = max(20, num_cycles // 20)
         cycle_ms: list[float] = []
         commit_ms: list[float] = []
-        num_waited = 0
+        num_waited = num_run = 0
         step_jobs: list[int] = []  # consumed since the last commit
         try:
             while len(cycle_ms) < num_cycles and not stop.is_set():
@@ -160,6 +162,7 @@ def rtt_drafter(config: Config, spec: BenchSpec, num_cycles: int, stop: Any, res
                 job_id = reply.job.job_id
                 session.call(messages.Consumed(job_id=job_id))
                 consumed = time.perf_counter()
+                num_run += 1
                 step_jobs.append(job_id)
                 commit_s = None
                 if len(step_jobs) >= config.drafter.accum_steps:
@@ -180,4 +183,5 @@ def rtt_drafter(config: Config, spec: BenchSpec, num_cycles: int, stop: Any, res
             session.close()
         results.put({"rtt_p50_ms": percentile(cycle_ms, 50), "rtt_p99_ms": percentile(cycle_ms, 99),
                      "commit_rtt_p50_ms": percentile(commit_ms, 50), "commit_rtt_p99_ms": percentile(commit_ms, 99),
-                     "rtt_cycles": len(cycle_ms), "rtt_waited": num_waited, "rtt_commits": len(commit_ms)})
+                     "rtt_cycles": len(cycle_ms), "rtt_waited": num_waited, "rtt_commits": len(commit_ms),
+                     "rtt_cycles_run": num_run})  # warm-up and waited cycles too

@@ -16,7 +16,8 @@ destination, and is measured for ``--seconds`` after a short warm-up (GB/s, 1 GB
   (get_job, write the slot, job_ready) and a drafter (get_hs, copy out, consumed, commit_step).
   The drafter reads with ``DrafterTransport.read`` and commits every ``drafter.accum_steps`` (4)
   items, as a drafter does; ``shm_copy`` is its copy alone and ``shm_control_ms`` its time in
-  those calls per item.
+  those calls per item; ``shm_dispatcher_cpu_ms`` the dispatcher's CPU time per item (on a host
+  with few cores it is taken from the two copies).
 - ``shm_piped``: the same arena and the same copies, with a pipe between the two processes in place
   of the dispatcher: the data plane's ceiling on this host, so ``shm_vs_shm_piped`` is what the
   control plane keeps of it.
@@ -25,7 +26,8 @@ destination, and is measured for ``--seconds`` after a short warm-up (GB/s, 1 GB
 - ``zmq_ipc``: ZeroMQ PUSH/PULL over ipc:// with zero-copy sends.
 - ``rtt``: control-plane latency of a get_hs + consumed cycle against the dispatcher, and of
   commit_step (journaled with fsync) separately, sent every ``drafter.accum_steps`` (4) cycles as
-  a drafter commits its step. ``rtt_floor``: the same two requests, as the wire
+  a drafter commits its step; ``rtt_dispatcher_cpu_us`` is the dispatcher's CPU time per cycle
+  (the target's job_ready and get_job included). ``rtt_floor``: the same two requests, as the wire
   encodes them, against a bare ZeroMQ echo in another process: the host's floor under that cycle.
 - on CUDA hosts ``d2d`` (one GPU, in process) and ``cuda_ipc`` (a target's slot block opened by a
   drafter process; it includes a message per slot, as a real handoff does).
@@ -63,6 +65,7 @@ from common.dataplane.shm_segment import PoolSegment
 from common.dataplane.transport_info import cuda_ipc_transport_info, shm_transport_info
 from common.dataplane.slots import SlotLayout, format_bytes
 from benchmarks import protocol_workers, transport_workers as workers
+from benchmarks.transport_table import RTT_P99_TARGET_MS, TARGETS, format_table
 from benchmarks.transport_workers import BenchSpec
 
 SLOT_TOKENS = 8192
@@ -73,8 +76,6 @@ MAX_WARMUP_S = 0.5
 RTT_CYCLES_PER_S = 1500  # control-plane cycles timed per second of --seconds ("a few thousand" by default)
 MAX_ITEMS_PER_S = 3000  # generous bound on handoffs per second, to size the benchmark's job list
 PHASE_TIMEOUT_S = 90.0  # beyond the measured time: process start-up, registration, warm-up
-TARGETS = {"shm_vs_memcpy": 0.8, "shm_vs_torch_mp_queue": 3.0}
-RTT_P99_TARGET_MS = 1.5
 STEAL_WARN_PCT = 2.0  # CPU time the hypervisor took, in percent, above which the run is called skewed
 
 
@@ -177,8 +178,25 @@ def _run_pair(ctx: Any, what: str, producer: Callable, producer_args: tuple, con
         results.join_thread()
 
 
+class DispatcherCPU:
+    """The dispatcher process's CPU time (user and system, every thread) while a pair of workers runs."""
+
+    def __init__(self, process: psutil.Process):
+        self.process = process
+
+    def seconds(self) -> float:
+        times = self.process.cpu_times()
+        return times.user + times.system
+
+    def while_running(self, run: Callable[[], dict]) -> tuple[dict, float]:
+        """``run()``'s result and the dispatcher's CPU seconds meanwhile."""
+        cpu = self.seconds()
+        result = run()
+        return result, self.seconds() - cpu
+
+
 @contextmanager
-def _dispatcher(ctx: Any, config: Config) -> Iterator[None]:
+def _dispatcher(ctx: Any, config: Config) -> Iterator[DispatcherCPU]:
     """A real dispatcher in a child process; SIGTERM at the end, after which its arena must be gone."""
     state_file = config.run_dir / "dispatcher.json"
     proc = ctx.Process(target=workers.serve_dispatcher, args=(config,), name="hsd-bench-dispatcher")
@@ -191,7 +209,7 @@ def _dispatcher(ctx: Any, config: Config) -> Iterator[None]:
             if time.monotonic() > deadline:
                 raise RuntimeError("the benchmark dispatcher did not start")
             time.sleep(0.05)
-        yield
+        yield DispatcherCPU(psutil.Process(proc.pid))
     finally:
         if proc.is_alive():
             proc.terminate()
@@ -247,21 +265,25 @@ def measure_cuda(ctx: Any, spec: BenchSpec, timeout_s: float) -> dict[str, Any]:
     return figures
 
 
-def _measure_shm_round(ctx: Any, spec: BenchSpec, config: Config, timeout_s: float) -> dict[str, float]:
+def _measure_shm_round(ctx: Any, spec: BenchSpec, config: Config, dispatcher: DispatcherCPU,
+                       timeout_s: float) -> dict[str, float]:
     """One round of the alternation: a lone memcpy, a memcpy beside another copy, then the shm path,
     one after the other, so the shm path is judged against the memory bus of the same moments (a
     lone copy's speed varies by a third between runs on a shared host)."""
     memcpy = _measure_memcpy(spec)
     shared = measure_memcpy_shared(ctx, spec, timeout_s)
-    result = _run_pair(ctx, "shm", protocol_workers.shm_target, (config, spec, True),
-                       protocol_workers.shm_drafter, (config, spec), timeout_s=timeout_s)
+    result, cpu_s = dispatcher.while_running(lambda: _run_pair(
+        ctx, "shm", protocol_workers.shm_target, (config, spec, True),
+        protocol_workers.shm_drafter, (config, spec), timeout_s=timeout_s))
     item_mb = result["gbps"] * 1e3 * result["elapsed_s"] / result["items"]
+    cpu_ms = 1e3 * cpu_s / result["items_run"]
     _progress(f"memcpy {memcpy:.2f} GB/s, beside another copy {shared:.2f}; shm {result['gbps']:.2f} GB/s, "
               f"{result['items']} items of {item_mb:.1f} MB; the drafter copies at {result['copy_gbps']:.2f} GB/s and "
               f"spends {result['control_ms']:.2f} ms per item in get_hs/consumed/commit_step (a commit every "
-              f"{config.drafter.accum_steps} items)")
+              f"{config.drafter.accum_steps} items); the dispatcher's CPU {cpu_ms:.2f} ms per item")
     return {"memcpy_gbps": memcpy, "memcpy_shared_gbps": shared, "shm_gbps": result["gbps"],
             "shm_copy_gbps": result["copy_gbps"], "shm_control_ms": result["control_ms"],
+            "shm_dispatcher_cpu_ms": cpu_ms,
             "shm_vs_memcpy": result["gbps"] / memcpy, "shm_vs_memcpy_shared": result["gbps"] / shared,
             "memcpy_shared_vs_memcpy": shared / memcpy}
 
@@ -272,19 +294,23 @@ def _measure_protocol(ctx: Any, spec: BenchSpec, config: Config, *, rounds: int,
     of :func:`_measure_shm_round` (each figure the median of its rounds, each ratio the median of
     the rounds' own ratios), then the round trip."""
     figures: dict[str, Any] = {}
-    with _dispatcher(ctx, config):
+    with _dispatcher(ctx, config) as dispatcher:
         per_round = []
         for index in range(rounds):
             if rounds > 1:
                 _progress(f"round {index + 1} of {rounds}")
-            per_round.append(_measure_shm_round(ctx, spec, config, timeout_s))
+            per_round.append(_measure_shm_round(ctx, spec, config, dispatcher, timeout_s))
         figures.update({key: statistics.median(r[key] for r in per_round) for key in per_round[0]})
         figures["rounds"] = per_round
-        result = _run_pair(ctx, "rtt", protocol_workers.shm_target, (config, spec, False),
-                           protocol_workers.rtt_drafter, (config, spec, num_rtt_cycles), timeout_s=timeout_s)
-        figures.update(result, rtt_accum_steps=config.drafter.accum_steps)
+        result, cpu_s = dispatcher.while_running(lambda: _run_pair(
+            ctx, "rtt", protocol_workers.shm_target, (config, spec, False),
+            protocol_workers.rtt_drafter, (config, spec, num_rtt_cycles), timeout_s=timeout_s))
+        cycles_run = result.pop("rtt_cycles_run")
+        figures.update(result, rtt_accum_steps=config.drafter.accum_steps,
+                       rtt_dispatcher_cpu_us=1e6 * cpu_s / cycles_run)
         _progress(f"rtt get_hs+consumed: p50 {result['rtt_p50_ms']:.3f} ms, p99 {result['rtt_p99_ms']:.3f} ms "
-                  f"({result['rtt_cycles']} cycles, {result['rtt_waited']} waited)")
+                  f"({result['rtt_cycles']} cycles, {result['rtt_waited']} waited); the dispatcher's CPU "
+                  f"{figures['rtt_dispatcher_cpu_us']:.0f} us per cycle")
     return figures
 
 
@@ -346,6 +372,7 @@ def measure(*, slot_mb: float, seconds: float, rounds: int = 1) -> dict[str, Any
     # through the source, every slot and the destination, so it streams from DRAM. This is the
     # same copy over that much memory: the limit the shm path can really approach.
     figures["memcpy_uncached_gbps"] = _measure_memcpy(spec, num_buffers=NUM_SLOTS + 2)
+    figures["memcpy_uncached_buffers"] = NUM_SLOTS + 2
     _progress(f"memcpy over {NUM_SLOTS + 2} buffers: {figures['memcpy_uncached_gbps']:.2f} GB/s")
     tmp = Path(tempfile.mkdtemp(prefix="hsd_bench_"))
     try:
@@ -380,63 +407,6 @@ def measure(*, slot_mb: float, seconds: float, rounds: int = 1) -> dict[str, Any
     figures["targets_met"] = {**{key: figures[key] >= bound for key, bound in TARGETS.items()},
                               "rtt_p99_ms": figures["rtt_p99_ms"] <= RTT_P99_TARGET_MS}
     return figures
-
-
-_TABLE_ROWS = (
-    ("memcpy, one process", "memcpy_gbps"),
-    (f"memcpy over {NUM_SLOTS + 2} buffers", "memcpy_uncached_gbps"),
-    ("memcpy beside another copy", "memcpy_shared_gbps"),
-    ("shm arena, real protocol", "shm_gbps"),
-    ("  its drafter's copy alone", "shm_copy_gbps"),
-    ("shm arena, piped, no dispatcher", "shm_piped_gbps"),
-    ("torch.multiprocessing Queue", "torch_mp_queue_gbps"),
-    ("  tensors allocated in shm", "torch_mp_queue_shared_gbps"),
-    ("zmq PUSH/PULL ipc://", "zmq_ipc_gbps"),
-    ("cuda d2d, one GPU", "d2d_gbps"),
-    ("cuda_ipc", "cuda_ipc_gbps"),
-)
-
-
-def format_table(figures: dict[str, Any]) -> str:
-    memcpy, met = figures["memcpy_gbps"], figures["targets_met"]
-
-    def verdict(key: str) -> str:
-        return "ok" if met[key] else "MISSED"
-
-    lines = [f"slot {format_bytes(figures['slot_bytes'])} ({figures['slot_bytes']} bytes), "
-             f"{figures['seconds']:g} s per path, {figures['num_cpus']} CPUs", "",
-             f"{'path':<32} {'GB/s':>7} {'vs memcpy':>10}"]
-    for label, key in _TABLE_ROWS:
-        if key in figures:
-            if key == "cuda_ipc_gbps":
-                label = f"cuda_ipc {figures['cuda_ipc_devices']}"
-            lines.append(f"{label:<32} {figures[key]:>7.2f} {figures[key] / memcpy:>10.2f}")
-    f = figures
-    lines += [
-        "",
-        f"shm / memcpy            {f['shm_vs_memcpy']:5.2f}  target >= {TARGETS['shm_vs_memcpy']:g}: "
-        f"{verdict('shm_vs_memcpy')}  (vs memcpy over {NUM_SLOTS + 2} buffers: {f['shm_vs_memcpy_uncached']:.2f})",
-        f"memcpy shared / memcpy  {f['memcpy_shared_vs_memcpy']:5.2f}  the ceiling this host's memory bus puts on "
-        f"shm / memcpy: two copies at once",
-        f"shm / memcpy shared     {f['shm_vs_memcpy_shared']:5.2f}  what the shm path keeps of that ceiling"
-        + (f" (medians of {len(f['rounds'])} alternated rounds; shm / memcpy by round: "
-           f"{', '.join(format(r['shm_vs_memcpy'], '.2f') for r in f['rounds'])})" if len(f["rounds"]) > 1 else ""),
-        f"shm / shm piped         {f['shm_vs_shm_piped']:5.2f}  what the control plane keeps of this host's "
-        f"data plane (shm piped / memcpy: {f['shm_piped_vs_memcpy']:.2f})",
-        f"shm / torch mp Queue    {f['shm_vs_torch_mp_queue']:5.2f}  target >= {TARGETS['shm_vs_torch_mp_queue']:g}: "
-        f"{verdict('shm_vs_torch_mp_queue')}  (vs its best case: {f['shm_vs_torch_mp_queue_shared']:.2f})",
-        f"shm drafter             {f['shm_control_ms']:.2f} ms per item in get_hs/consumed/commit_step",
-        f"get_hs + consumed       p50 {f['rtt_p50_ms']:.3f} ms  p99 {f['rtt_p99_ms']:.3f} ms  "
-        f"target p99 <= {RTT_P99_TARGET_MS:g} ms: {verdict('rtt_p99_ms')}",
-        f"  against a bare echo   p50 {f['rtt_floor_p50_ms']:.3f} ms  p99 {f['rtt_floor_p99_ms']:.3f} ms  "
-        f"(two round trips between two processes on this host, no dispatcher)",
-        f"commit_step (fsync)     p50 {f['commit_rtt_p50_ms']:.3f} ms  p99 {f['commit_rtt_p99_ms']:.3f} ms  "
-        f"({f['rtt_commits']} commits, one every {f['rtt_accum_steps']} cycles; {f['rtt_cycles']} cycles timed, "
-        f"{f['rtt_waited']} left out: no slot was ready)",
-        f"host                    other processes used {f['other_cpu_pct']:.1f}% of the CPUs, "
-        f"steal {f['steal_pct']:.1f}%",
-    ]
-    return "\n".join(lines)
 
 
 def run_transport_bench(*, slot_mb: float = 64.0, as_json: bool = False, seconds: float = 2.0, rounds: int = 1) -> int:

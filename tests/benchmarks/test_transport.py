@@ -14,7 +14,7 @@ from hsd_testing import assert_session_ended, run_hsd_in_session
 
 REQUIRED_KEYS = ("slot_bytes", "memcpy_gbps", "shm_gbps", "shm_piped_gbps", "memcpy_shared_gbps",
                  "torch_mp_queue_gbps", "zmq_ipc_gbps",
-                 "rtt_p50_ms", "rtt_p99_ms")
+                 "rtt_p50_ms", "rtt_p99_ms", "shm_dispatcher_cpu_ms", "rtt_dispatcher_cpu_us")
 
 
 def test_bench_transport_json_and_clean_exit():
