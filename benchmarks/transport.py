@@ -371,9 +371,9 @@ def measure(*, slot_mb: float, seconds: float, rounds: int = 1) -> dict[str, Any
     # Two slot-sized buffers can sit largely in a server's last-level cache; the shm path cycles
     # through the source, every slot and the destination, so it streams from DRAM. This is the
     # same copy over that much memory: the limit the shm path can really approach.
-    figures["memcpy_uncached_gbps"] = _measure_memcpy(spec, num_buffers=NUM_SLOTS + 2)
-    figures["memcpy_uncached_buffers"] = NUM_SLOTS + 2
-    _progress(f"memcpy over {NUM_SLOTS + 2} buffers: {figures['memcpy_uncached_gbps']:.2f} GB/s")
+    figures["memcpy_uncached_buffers"] = num_buffers = NUM_SLOTS + 2
+    figures["memcpy_uncached_gbps"] = _measure_memcpy(spec, num_buffers=num_buffers)
+    _progress(f"memcpy over {num_buffers} buffers: {figures['memcpy_uncached_gbps']:.2f} GB/s")
     tmp = Path(tempfile.mkdtemp(prefix="hsd_bench_"))
     try:
         config = _dispatcher_config(tmp / "run", layout, num_jobs)

@@ -9,6 +9,7 @@ from common.dataplane.slots import format_bytes
 TARGETS = {"shm_vs_memcpy": 0.8, "shm_vs_torch_mp_queue": 3.0}
 RTT_P99_TARGET_MS = 1.5
 
+# (label, a str.format of the figures; the figure's key): a row for each figure the run measured
 _TABLE_ROWS = (
     ("memcpy, one process", "memcpy_gbps"),
     ("memcpy over {memcpy_uncached_buffers} buffers", "memcpy_uncached_gbps"),
@@ -20,7 +21,7 @@ _TABLE_ROWS = (
     ("  tensors allocated in shm", "torch_mp_queue_shared_gbps"),
     ("zmq PUSH/PULL ipc://", "zmq_ipc_gbps"),
     ("cuda d2d, one GPU", "d2d_gbps"),
-    ("cuda_ipc", "cuda_ipc_gbps"),
+    ("cuda_ipc {cuda_ipc_devices}", "cuda_ipc_gbps"),
 )
 
 
@@ -35,8 +36,7 @@ def format_table(figures: dict[str, Any]) -> str:
              f"{'path':<32} {'GB/s':>7} {'vs memcpy':>10}"]
     for label, key in _TABLE_ROWS:
         if key in figures:
-            label = label.format(**figures) if key != "cuda_ipc_gbps" else f"cuda_ipc {figures['cuda_ipc_devices']}"
-            lines.append(f"{label:<32} {figures[key]:>7.2f} {figures[key] / memcpy:>10.2f}")
+            lines.append(f"{label.format(**figures):<32} {figures[key]:>7.2f} {figures[key] / memcpy:>10.2f}")
     f = figures
     lines += [
         "",

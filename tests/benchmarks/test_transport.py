@@ -9,6 +9,7 @@ import math
 
 from common.dataplane.shm_arena import list_segments
 from benchmarks.transport import bench_layout
+from benchmarks.transport_table import format_table
 from benchmarks.transport_workers import BenchSpec, Meter, percentile
 from hsd_testing import assert_session_ended, run_hsd_in_session
 
@@ -36,6 +37,9 @@ def test_bench_transport_json_and_clean_exit():
     assert min(r["shm_vs_memcpy"] for r in figures["rounds"]) <= figures["shm_vs_memcpy"] \
         <= max(r["shm_vs_memcpy"] for r in figures["rounds"])
     assert "cuda_ipc_gbps" not in figures or figures["cuda_ipc_gbps"] > 0
+    table = format_table(figures)  # what the command prints without --json, from the same figures
+    assert "memcpy over 6 buffers" in table and "shm arena, real protocol" in table
+    assert "the dispatcher's CPU" in table and "shm / memcpy" in table
 
     assert_session_ended(run.sid, grace_s=10)  # multiprocessing's resource tracker exits when it sees EOF
     # Other runs on this host may own segments; none may come from a process of the benchmark.
