@@ -4,7 +4,6 @@ replies are seen by the I/O thread; a reset drops what was queued."""
 import contextlib
 import threading
 
-import msgpack
 import zmq
 
 from common.wire import messages
@@ -17,9 +16,9 @@ def _serve(router: zmq.Socket, stop: threading.Event, seen: list[int]) -> None:
         if not router.poll(50):
             continue
         identity, frame = router.recv_multipart()
-        request = msgpack.unpackb(frame)
-        seen.append(request["id"])
-        router.send_multipart([identity, msgpack.packb({"v": 2, "id": request["id"], "ok": True, "done": False})])
+        request = messages.decode_request(frame)
+        seen.append(request.id)
+        router.send_multipart([identity, messages.encode(messages.Done(id=request.id, done=False))])
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@ import os
 import signal
 
 import msgpack
+import msgspec
 import pytest
 
 from common.wire import messages
@@ -35,8 +36,9 @@ def endpoint(run_dir) -> str:
     return f"ipc://{run_dir / 'control.sock'}"
 
 
-def raw(client: DispatcherClient, frames) -> dict:
-    return client.call_raw(frames, timeout_s=5)
+def raw(client: DispatcherClient, frames) -> messages.ErrorReply:
+    """The dispatcher's answer to raw frames, which must be an error reply."""
+    return msgspec.convert(client.call_raw(frames, timeout_s=5), messages.ErrorReply)
 
 
 def test_bad_messages_get_typed_errors_and_the_dispatcher_keeps_serving(dispatcher, run_dir):
@@ -44,8 +46,8 @@ def test_bad_messages_get_typed_errors_and_the_dispatcher_keeps_serving(dispatch
     try:
         def error_of(frames):
             reply = raw(client, frames)
-            assert reply["ok"] is False
-            return reply["error"]["code"], reply["id"]
+            assert reply.ok is False
+            return reply.error.code, reply.id
 
         base = {"secret": "s3cret"}
         assert error_of(b"\xc1 this is not msgpack")[0] == ErrorCode.MALFORMED
