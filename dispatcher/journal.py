@@ -12,7 +12,7 @@ broken line. An fsync that fails stops the dispatcher (fail closed): what was no
 never acknowledged.
 
 The journal is a sequence of segments: ``journal.jsonl`` is the one being written; a snapshot of
-the ledger (``dispatcher/ledger_snapshot.py``) closes it as ``journal-NNNNNN.jsonl``, so a restart
+the ledger (``dispatcher/recovery.py``) closes it as ``journal-NNNNNN.jsonl``, so a restart
 replays only the segments after the latest snapshot.
 """
 

@@ -1,7 +1,7 @@
 """Read the deploy recipes the way a user's shell, systemd or kubectl would, and list what they use.
 
 Everything is checked against the real thing: subcommands and options against the parser that
-``hsd/cli.py`` builds, config keys against the dataclasses of ``common/run/config.py``. A new
+``hsd/cli.py`` builds, config keys against the dataclasses of ``common/run/config/sections.py``. A new
 subcommand or key needs no change here.
 
 Where a recipe runs ``hsd``:
