@@ -120,6 +120,20 @@ def curve_args(keys: Path, control_port: int, stats_port: int, *, allowed: tuple
             f"curve.client_secret_key={keys / f'{client}.key_secret'}"]
 
 
+@contextlib.contextmanager
+def started(processes: list) -> Iterator[list]:
+    """Start every (multiprocessing) process; on the way out kill those still running and join all."""
+    for proc in processes:
+        proc.start()
+    try:
+        yield processes
+    finally:
+        for proc in processes:
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+
+
 def child_message(queue, child, timeout: float = 120.0):
     """A spawned child's next message, failing fast (not after the timeout) if the child died."""
     from queue import Empty

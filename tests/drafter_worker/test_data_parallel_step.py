@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from dp_ranks import BACKENDS, NUM_STEPS, WORLD, jobs, make_backend, rank_main, train_on, weights
 from eagle3_testing import random_prepared
+from hsd_testing import started
 
 
 @pytest.mark.parametrize("kind", BACKENDS)
@@ -29,17 +30,10 @@ def test_two_ranks_match_one_process_accumulating_the_same_micro_batches(kind, r
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=rank_main, args=(kind, rank, str(tmp_path / "store"), str(tmp_path), target_dir))
              for rank in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
+    with started(procs):
         for p in procs:
             p.join(timeout=180)
             assert p.exitcode == 0
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
 
     single = make_backend(kind, target_dir, str(tmp_path / "single"))
     initial = weights(make_backend(kind, target_dir, str(tmp_path / "initial")))

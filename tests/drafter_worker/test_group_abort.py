@@ -8,16 +8,14 @@ from __future__ import annotations
 import multiprocessing as mp
 
 from abort_ranks import TIMEOUT_S, rank_main
-from hsd_testing import child_message
+from hsd_testing import child_message, started
 
 
 def test_a_rank_killed_inside_the_all_reduce_fails_the_survivors_collective_and_it_goes_on(tmp_path):
     ctx = mp.get_context("spawn")
     queues = [(ctx.Queue(), ctx.Queue()) for _ in range(2)]
     procs = [ctx.Process(target=rank_main, args=(rank, str(tmp_path), *queues[rank])) for rank in range(2)]
-    for p in procs:
-        p.start()
-    try:
+    with started(procs):
         assert child_message(queues[0][0], procs[0]) == "entering"
         queues[1][1].put("go")
         procs[1].join(timeout=120)
@@ -29,8 +27,3 @@ def test_a_rank_killed_inside_the_all_reduce_fails_the_survivors_collective_and_
         assert child_message(queues[0][0], procs[0]) == 3.0  # version 2, alone
         procs[0].join(timeout=60)
         assert procs[0].exitcode == 0
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join()

@@ -19,7 +19,7 @@ from common.run.config import ConfigError, load_config
 from common.wire.store_names import tcp_store_name
 from drafter_worker.process_group import RendezvousIncomplete, StepGroup, VersionEnded
 from drafter_worker.rendezvous import GLOO_IFNAME_ENV, RendezvousServer, address_towards, interface_of
-from hsd_testing import child_message, free_port
+from hsd_testing import child_message, free_port, started
 from rendezvous_ranks import TIMEOUT_S, rank_main
 
 CONNECTION_LOST = re.compile(r"connection reset|connection closed|connection was likely closed|broken pipe|closed by peer",
@@ -30,9 +30,7 @@ def test_ranks_meet_on_rank_0s_store_versions_stay_apart_and_a_dead_rank_0_fails
     ctx = mp.get_context("spawn")
     queues = [(ctx.Queue(), ctx.Queue()) for _ in range(2)]
     procs = [ctx.Process(target=rank_main, args=(rank, *queues[rank])) for rank in range(2)]
-    for p in procs:
-        p.start()
-    try:
+    with started(procs):
         addresses = [child_message(out, p) for (out, _), p in zip(queues, procs)]
         assert addresses[0] != addresses[1] and addresses[0].startswith("127.0.0.1:")
         for _, orders in queues:
@@ -49,11 +47,6 @@ def test_ranks_meet_on_rank_0s_store_versions_stay_apart_and_a_dead_rank_0_fails
         assert not re.search(r"time ?out|timed out", message, re.IGNORECASE), message
         procs[1].join(timeout=60)
         assert procs[1].exitcode == 0
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join()
 
 
 def test_a_rank_0_whose_store_is_not_there_is_waited_for_until_the_version_ends_or_the_bound():
