@@ -227,6 +227,19 @@ def _group_figures(commits: list[StepCommitted]) -> dict[str, Any]:
             "memberships": len({c.membership for c in group_steps})}
 
 
+# Below this utilization for both stages (and this pipeline efficiency) the report says that neither
+# stage's compute set the pace: a simulated run on a small host, where the bytes moved cost more than
+# the modeled compute, reads so.
+IDLE_BELOW = 0.75
+
+
+def idle_pipeline(report: dict[str, Any]) -> bool:
+    """Whether both stages idled most of the run (and the pipeline ran well under the slower one's capacity)."""
+    stages = report["stages"].values()
+    return bool(stages) and report["pipeline_efficiency"] < IDLE_BELOW and all(
+        0 < s["utilization"] < IDLE_BELOW for s in stages)
+
+
 def format_report(report: dict[str, Any]) -> str:
     lines = [f"run {report['run_dir']}: {'finished' if report['finished'] else 'NOT finished'}, "
              f"{report['epochs']} epoch(s), {report['wall_s']:.1f}s, {report['restarts']} dispatcher restart(s)",
@@ -246,6 +259,9 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"{stage:<9} utilization {s['utilization']:.1%}  {s['tokens_per_s']:,.0f} tok/s "
                      f"(capacity {s['capacity_tokens_per_s']:,.0f} tok/s)")
     lines.append(f"pipeline efficiency {report['pipeline_efficiency']:.1%}")
+    if idle_pipeline(report):
+        lines.append(f"          neither stage was busy {IDLE_BELOW:.0%} of its time: what set the pace was not their "
+                     f"compute (the host's CPUs, the pool's slots, the control plane, or a run too short for its start)")
     reads = report.get("reads") or {}
     if reads.get("remote"):
         total = reads["local"] + reads["remote"]
