@@ -270,6 +270,9 @@ class DispatcherCore:
     def consumed(self, worker_id: str, job_id: int, now: float) -> None:
         self.jobs.consumed(self.worker(worker_id, now), job_id)
 
+    def consumed_with_poll(self, worker_id: str, job_ids: list[int], now: float) -> int:
+        return self.jobs.consumed_with_poll(self.worker(worker_id, now), job_ids)
+
     def read_failed(self, worker_id: str, job_id: int, reason: str, now: float) -> None:
         self.worker(worker_id, now)
         self.jobs.read_failed(worker_id, job_id, reason)

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from common.wire.errors import ErrorCode
 from dispatcher.core_types import CoreOptions, Counters, JobGrant, Worker
 from dispatcher.epochs import EpochStore
 from dispatcher.groups import DrafterGroup
@@ -235,6 +236,25 @@ class JobOps:
         remote = 1 if slot is not None and slot.node not in (None, worker.node) else 0
         self.pool.release(slot_id)
         self.journal.record(JobConsumed(job=job_id, w=worker.id, bucket=job.bucket, remote=remote))
+
+    def consumed_with_poll(self, worker: Worker, job_ids: list[int]) -> int:
+        """The consumed reports a drafter's get_hs carries, applied before the poll is served; how
+        many slots they freed. One applied already (the poll was sent again, its reply lost) is
+        skipped; one refused (the job was given back meanwhile) is logged and counted as the error a
+        consumed of its own would have got, and the poll is served all the same."""
+        freed = 0
+        for job_id in job_ids:
+            try:
+                job = self.ledger.jobs.get(job_id)
+                state = job.state if job is not None else self.ledger.state_of(job_id)
+                if state is JobState.COMMITTED or (state is JobState.CONSUMED and job.holder == worker.id):
+                    continue
+                self.consumed(worker, job_id)
+                freed += 1
+            except LedgerError as exc:
+                self.counters.errors[ErrorCode.BAD_STATE] += 1
+                log.warning("%s: the consumed report of job %d on its get_hs was refused: %s", worker.id, job_id, exc)
+        return freed
 
     def read_failed(self, worker_id: str, job_id: int, reason: str) -> None:
         """The drafter found the slot stale: its data cannot be trusted, so the job is extracted again."""

@@ -61,18 +61,26 @@ class LongPolls:
         return min((w.deadline for w in self.waiters), default=float("inf"))
 
     def poll(self, identity: bytes, request: Poll, now: float) -> tuple[PollReply | None, bool]:
-        """(the answer now, whether it hands something out): the empty answer of a poll that does not
-        wait, or None for one parked until something can be handed out or its deadline."""
+        """(the answer now, whether the pool changed: it handed something out or freed a slot): the
+        empty answer of a poll that does not wait, or None for one parked until something can be
+        handed out or its deadline. The consumed reports a get_hs carries are applied first, once,
+        whatever becomes of the poll."""
+        freed = isinstance(request, messages.GetHS) and bool(request.consumed) and self.core.consumed_with_poll(
+            request.worker_id, request.consumed, now) > 0
         reply = self._try_serve(request, now)
         if reply is not None:
             return reply, True
+        return self._park(identity, request, now), freed  # a freed slot may serve a parked get_job
+
+    def _park(self, identity: bytes, request: Poll, now: float) -> PollReply | None:
+        """Park a poll that found nothing (None), or the empty answer of one that does not wait."""
         wait_ms = min(max(0, request.wait_ms), MAX_WAIT_MS)
         if wait_ms == 0:
-            return self._empty_reply(request), False
+            return self._empty_reply(request)
         kind = type(request)
         self.waiters = [w for w in self.waiters if (w.worker_id, type(w.request)) != (request.worker_id, kind)]
         self.waiters.append(Waiter(identity, request, now + wait_ms / 1000))
-        return None, False
+        return None
 
     def _try_serve(self, request: Poll, now: float) -> PollReply | None:
         core, worker_id = self.core, request.worker_id

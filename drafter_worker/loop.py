@@ -7,13 +7,18 @@ the outcome's broadcast, state transfer) are its *step group* (:mod:`drafter_wor
 :class:`~drafter_worker.elastic_group.ElasticGroup`); the commit and its outcome are one path
 (:mod:`drafter_worker.commit`), checkpoints another (:mod:`drafter_worker.checkpointing`).
 
-The handshake with the dispatcher (protocol v2), in the order the loop keeps:
+The handshake with the dispatcher (protocol v3), in the order the loop keeps:
 
 - start: load the model's latest checkpoint and register with its ``model`` claim (id, step); the ledger
   rolls the model back to exactly that step. A model ahead of the ledger reloads its checkpoint and
   registers again. A rank then joins its group's version (:mod:`drafter_worker.elastic_group`).
-- a step: ``get_hs`` (the next one always in flight), copy the slot out, ``consumed``, the backend's
-  ``micro_batch``. On a GPU the copy of slot N+1 runs on the transport's copy stream while
+- a step: ``get_hs``, copy the slot out, ``consumed``, the backend's ``micro_batch``. The next
+  ``get_hs`` is in flight while the slot is copied, and ``consumed`` follows on its own; a lone
+  drafter whose micro-batches take longer than a round trip (any on a GPU, where the next slot's
+  copy overlaps the compute) instead sends its next ``get_hs`` once the slot is copied out,
+  carrying that ``consumed``: a slot then costs the dispatcher one message, not two, and the grant
+  arrives while the micro-batch computes. A rank reports ``consumed`` on its own, answered before
+  its rank 0 commits. On a GPU the copy of slot N+1 runs on the transport's copy stream while
   micro-batch N computes (:meth:`common.dataplane.transport.DrafterTransport.start_read`): the slot is
   released once the copy's event completes, and the compute stream waits on that event, not the
   host on the compute stream. After its share of the step (``accum_steps`` micro-batches alone;
@@ -66,6 +71,12 @@ from drafter_worker.step_group import (GROUP_NEVER_FORMED_EXIT, LEAVE, NEXT_VERS
 
 log = logging.getLogger("hsd.drafter")
 
+# A micro-batch at least this long hides a get_hs round trip (0.1-1 ms between two processes, a few
+# ms at the tail on a loaded two-core host): its poll can wait until the slot is copied out and
+# carry the consumed report. A shorter one (a drafter that computes nothing) keeps its poll in flight
+# during the copy instead, or it would wait a round trip for every slot.
+CARRY_MIN_COMPUTE_S = 0.002
+
 
 class DrafterLoop(StepCommits, Checkpoints, WorkerLoop):
     role = "drafter"
@@ -81,6 +92,9 @@ class DrafterLoop(StepCommits, Checkpoints, WorkerLoop):
         self.accum = config.drafter.accum_steps  # this rank's share of a step (the registration's, or its version's)
         self.clock = BusyClock(getattr(backend, "device", "cpu"))  # the micro-batches' compute time
         self.commit: StepInFlight | None = None  # the step whose outcome is not yet applied
+        # the consumed reports the poll in flight carries (a lone drafter's): asked again, it carries them again
+        self.poll_consumed: list[int] = []
+        self.compute_s = 0.0  # the host's time in the last micro-batch (on a GPU: in queueing it)
         # a commit whose dispatcher died before it answered: its gradients are kept, and the next
         # register asks whether it committed (then it is applied, else dropped)
         self.pending: messages.PendingCommit | None = None
@@ -168,11 +182,12 @@ class DrafterLoop(StepCommits, Checkpoints, WorkerLoop):
             if self.window or self.commit is not None:
                 self.num_dropped_steps += 1
             self.backend.drop_step()
-        self.window, self.commit = [], None
+        self.window, self.commit, self.poll_consumed = [], None, []
         self.clock.discard_open()
 
     def _poll_request(self) -> messages.GetHS:
-        return messages.GetHS(wait_ms=self.poll_ms, membership=self.group.poll_membership())
+        return messages.GetHS(wait_ms=self.poll_ms, membership=self.group.poll_membership(),
+                              consumed=list(self.poll_consumed))
 
     # -- the loop -----------------------------------------------------------------------------
     def _work(self, registration: messages.RegisterReply, transport: DrafterTransport) -> None:
@@ -194,7 +209,7 @@ class DrafterLoop(StepCommits, Checkpoints, WorkerLoop):
         poll: int | None = self._poll()
         while True:
             reply = self._await_poll(poll)
-            poll = None
+            poll, self.poll_consumed = None, []
             leaving = self.stopping
             done, flush, job = reply.done, reply.flush, reply.job
             # step_balance=cost: the dispatcher says when this rank holds its share of the step (a
@@ -203,12 +218,19 @@ class DrafterLoop(StepCommits, Checkpoints, WorkerLoop):
             if leaving and self.group.lone:
                 self._stop_alone(reports)
             elif not leaving:
-                if not done:  # told step_full too: the dispatcher holds this poll until the step commits
+                # A lone drafter whose compute hides a round trip asks for its next job once this
+                # one is copied out, the poll carrying its consumed report: one message a slot. A
+                # rank's consumed goes on its own, acknowledged before its rank 0 commits.
+                carry = (self.group.lone and job is not None and not done
+                         and (self.clock.cuda or self.compute_s >= CARRY_MIN_COMPUTE_S))
+                if not done and not carry:  # told step_full too: the dispatcher holds this poll until the step commits
                     poll = self._poll()  # prefetch: the next job is asked for before this one computes
                 self._report_durable()  # rank 0's checkpoint, once its writer has it on disk
                 reports = self._collect(reports)
                 if job is not None:
-                    self._train_on(job, transport, reports)
+                    sent = self._train_on(job, transport, reports, carry=carry)
+                    if sent is not None:
+                        poll = sent
             if leaving or full or len(self.window) >= self.accum or flush or done:
                 if not self.group.lone:  # rank 0 commits these jobs: consumed at the dispatcher before it does
                     reports = self._collect(reports, wait=True)
@@ -223,7 +245,9 @@ class DrafterLoop(StepCommits, Checkpoints, WorkerLoop):
             if poll is None:
                 poll = self._poll()
 
-    def _train_on(self, job: messages.Job, transport: DrafterTransport, reports: list[int]) -> None:
+    def _train_on(self, job: messages.Job, transport: DrafterTransport, reports: list[int], *,
+                  carry: bool) -> int | None:
+        """One micro-batch on ``job``; the poll it sent (``carry``: the next poll carries its consumed report)."""
         if len(self.window) == 1:
             self._test_fault("micro_batch")
             if self._kill_at:  # inside autograd's backward of this micro-batch, whatever the backend
@@ -232,21 +256,29 @@ class DrafterLoop(StepCommits, Checkpoints, WorkerLoop):
                     return tensor
 
                 with torch.autograd.graph.saved_tensors_hooks(lambda tensor: tensor, unpacked):
-                    self._micro_batch(job, transport, reports)
-                return
-        self._micro_batch(job, transport, reports)
+                    return self._micro_batch(job, transport, reports, carry=carry)
+        return self._micro_batch(job, transport, reports, carry=carry)
 
-    def _micro_batch(self, job: messages.Job, transport: DrafterTransport, reports: list[int]) -> None:
+    def _micro_batch(self, job: messages.Job, transport: DrafterTransport, reports: list[int], *,
+                     carry: bool) -> int | None:
         batch = self._read(job, transport, reports)
         if batch is None:
-            return
-        reports.append(self.session.submit(messages.Consumed(job_id=job.job_id)))
+            return None
+        poll = None
+        if carry:
+            self.poll_consumed = [job.job_id]
+            poll = self._poll()
+        else:
+            reports.append(self.session.submit(messages.Consumed(job_id=job.job_id)))
         self._settle_commit()  # a lone drafter's previous commit was in flight during the copy
         # The compute alone: on a GPU the clock's first event is queued once the copy is waited for,
         # so a stream idle while the host waited for the copy (or the commit) is not counted.
+        started = time.perf_counter()
         with self.clock.measure():
             self.backend.micro_batch(job, batch)
+        self.compute_s = time.perf_counter() - started
         self.window.append(job.job_id)
+        return poll
 
     def _read(self, job: messages.Job, transport: DrafterTransport, reports: list[int]) -> SlotBatch | None:
         started = time.perf_counter()

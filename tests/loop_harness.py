@@ -1,8 +1,9 @@
-"""A scripted protocol-v2 dispatcher for the worker loop's tests: real sockets and shared memory.
+"""A scripted protocol-v3 dispatcher for the worker loop's tests: real sockets and shared memory.
 
 It hands out the jobs a test queued (slots it filled itself, for drafters), records every request
-it receives with its arrival time, and misbehaves on cue (refuse, ignore or forget a commit). The
-worker under test runs its real loop in a thread of the test process.
+it receives with its arrival time, and misbehaves on cue (refuse, ignore or forget a commit). A
+consumed report a get_hs carries is recorded too, once, as the ``consumed`` it stands for, right
+after that get_hs. The worker under test runs its real loop in a thread of the test process.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Event:
     at: float
     op: str
     request: messages.Request
+    carried: bool = False  # a consumed report that came on a get_hs, not a request of its own
 
 
 def make_job(job_id: int, slot: int, generation: int, *, lengths=(16, 12)) -> messages.Job:
@@ -76,6 +78,7 @@ class FakeDispatcher:
         self.flush = False  # answer a get_hs that found nothing with flush
         self.done = False
         self.workers: dict[str, str] = {}  # worker id -> token
+        self._carried: set[tuple[str, int]] = set()  # (worker, job) consumed reports get_hs carried
         self._ids = itertools.count()
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -141,7 +144,7 @@ class FakeDispatcher:
                             exc.request_id, exc.code, exc.message))])
                         continue
                     with self._lock:
-                        self.events.append(Event(time.monotonic(), messages.op_of(request), request))
+                        self._record(request)
                         reply = self._handle(request, parked, identity)
                     if reply is not None:
                         sock.send_multipart([identity, messages.encode(reply)])
@@ -155,6 +158,16 @@ class FakeDispatcher:
                         sock.send_multipart([identity, messages.encode(reply)])
         finally:
             sock.close(linger=0)
+
+    def _record(self, request: messages.Request) -> None:
+        at = time.monotonic()
+        self.events.append(Event(at, messages.op_of(request), request))
+        for job_id in getattr(request, "consumed", ()):
+            if (request.worker_id, job_id) not in self._carried:  # a poll asked again carries it again
+                self._carried.add((request.worker_id, job_id))
+                report = messages.Consumed(id=request.id, worker_id=request.worker_id, token=request.token,
+                                           job_id=job_id)
+                self.events.append(Event(at, "consumed", report, carried=True))
 
     def _handle(self, request: messages.Request, parked: list, identity: bytes) -> messages.Reply | None:
         m, rid = messages, request.id

@@ -23,7 +23,7 @@ import msgspec
 from common.wire.errors import ErrorCode, ProtocolError
 from common.wire.stats_snapshot import Snapshot
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: get_hs carries the consumed reports of the slots copied out since the last poll
 
 Count = Annotated[int, msgspec.Meta(ge=0)]
 MAX_STEP_METRICS = 16  # commit_step's metrics: a few figures for hsd stats, never a payload
@@ -155,9 +155,14 @@ class JobFailed(WorkerRequest, tag="job_failed", kw_only=True):
 
 class GetHS(WorkerRequest, tag="get_hs", kw_only=True):
     """-> GrantReply; long-poll for a ready slot. ``membership``: a group rank's version; a version
-    that ended answers group_changed (so a poll sent before a change is void)."""
+    that ended answers group_changed (so a poll sent before a change is void). ``consumed``: jobs
+    this drafter copied out since its previous poll, each applied as a :class:`Consumed` before the
+    poll is served, so a slot costs one message, not two; one applied already (this poll sent again)
+    is skipped, one refused (the job was given back meanwhile) is logged by the dispatcher and the
+    poll answered all the same."""
     wait_ms: int
     membership: int | None = None
+    consumed: list[int] = []
 
 
 class Consumed(WorkerRequest, tag="consumed", kw_only=True):

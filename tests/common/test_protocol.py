@@ -4,7 +4,8 @@ protocol error, and a group's rendezvous store names (the requests' fields: test
 import msgpack
 import pytest
 
-from common.wire.messages import ErrorCode, ProtocolError, decode_any, decode_request, encode, error_reply
+from common.wire.messages import (PROTOCOL_VERSION, ErrorCode, ProtocolError, decode_any, decode_request, encode,
+                                  error_reply)
 from common.wire.store_names import parse_store_address, parse_tcp_store, store_address, tcp_store_name
 
 
@@ -25,7 +26,7 @@ def test_non_map_is_malformed(value):
 
 def test_an_error_reply_on_the_wire():
     frame = encode(error_reply(None, ErrorCode.UNKNOWN_OP, "nope"))
-    assert decode_any(frame) == {"v": 2, "id": None, "ok": False, "error": {"code": ErrorCode.UNKNOWN_OP, "message": "nope"}}
+    assert decode_any(frame) == {"v": PROTOCOL_VERSION, "id": None, "ok": False, "error": {"code": ErrorCode.UNKNOWN_OP, "message": "nope"}}
 
 
 def test_protocol_error_carries_code_and_message():

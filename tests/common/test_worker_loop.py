@@ -89,6 +89,25 @@ def test_drafter_asks_for_its_next_job_while_computing_and_holds_both(tmp_path, 
     assert loop.backend.step == 2 and list(loop.backend.trained) == [1, 2]
 
 
+def test_a_drafter_whose_compute_hides_a_round_trip_sends_its_consumed_on_the_next_get_hs(tmp_path, fake):
+    """Once a micro-batch has taken longer than CARRY_MIN_COMPUTE_S (the sim's sleep: 28 tokens at
+    1 ms), the next get_hs waits until its slot is copied out and carries its consumed report; the
+    first job, with no compute measured yet, keeps its poll in flight and reports on its own."""
+    for job_id in range(1, 5):
+        fake.add_ready_job(job_id, slot=job_id - 1)
+    loop = drafter(tmp_path, fake, "drafter.sim_cost_per_token=0.001")
+    with running(loop):
+        fake.wait_for(lambda f: len(f.ops("commit_step")) == 4, what="four committed steps")
+        polls = fake.ops("get_hs")
+    assert [p.request.consumed for p in polls[:5]] == [[], [], [2], [3], [4]]
+    reports = fake.ops("consumed")
+    assert [(r.request.job_id, r.carried) for r in reports] == [(1, False), (2, True), (3, True), (4, True)]
+    for report in reports[1:]:  # each carried report came before the commit naming its job
+        commit = next(c for c in fake.ops("commit_step") if report.request.job_id in c.request.job_ids)
+        assert _index(fake, report) < _index(fake, commit)
+    assert loop.backend.step == 4 and list(loop.backend.trained) == [1, 2, 3, 4]
+
+
 def test_target_prefetches_its_second_job_and_lists_it_while_extracting(tmp_path, fake):
     fake.add_job(make_job(1, slot=0, generation=1))
     fake.add_job(make_job(2, slot=1, generation=1))

@@ -115,6 +115,46 @@ def test_a_drafters_registration_says_how_many_jobs_an_epoch_has(dispatcher, run
         client.close()
 
 
+def test_a_get_hs_carries_the_consumed_reports_once_and_is_served_whatever_they_find(dispatcher, run_dir):
+    """A drafter's get_hs carries the consumed report of the slot it copied out: applied before the
+    poll, skipped when the poll is asked again (or the job has committed since), and one that is
+    refused (not this drafter's job) is counted while the poll is answered all the same."""
+    client = DispatcherClient(endpoint(run_dir), secret="s3cret", timeout_s=5)
+    try:
+        target = client.call(messages.Register(role="target", name="probe-t", pid=os.getpid(), host="elsewhere"))
+        drafter = client.call(messages.Register(role="drafter", name="probe-d", pid=os.getpid(), host="elsewhere",
+                                                model=messages.ModelClaim(id="probe-model", step=0)))
+        t = {"worker_id": target.worker_id, "token": target.token}
+        d = {"worker_id": drafter.worker_id, "token": drafter.token}
+        for _ in range(8):  # past pool.min_ready (6): drafters are served
+            job = client.call(messages.GetJob(**t, wait_ms=2000)).job
+            client.call(messages.JobReady(**t, job_id=job.job_id, generation=job.generation, busy_s=0.0))
+        first = client.call(messages.GetHS(**d, wait_ms=2000)).job
+        assert first is not None
+
+        def jobs_by_state():
+            return stats(run_dir)["jobs_by_state"]
+        before = stats(run_dir)["errors"].get(ErrorCode.BAD_STATE, 0)
+        second = client.call(messages.GetHS(**d, wait_ms=2000, consumed=[first.job_id])).job
+        assert second is not None and second.job_id != first.job_id
+        assert jobs_by_state()["consumed"] == 1 and jobs_by_state()["training"] == 1
+        client.call(messages.GetHS(**d, wait_ms=0, consumed=[first.job_id]))  # asked again: applied once only
+        assert jobs_by_state()["consumed"] == 1
+        client.call(messages.CommitStep(**d, model="probe-model", step=1, job_ids=[first.job_id], busy_s=0.0))
+        client.call(messages.GetHS(**d, wait_ms=0, consumed=[first.job_id]))  # committed since: nothing to do
+        assert stats(run_dir)["errors"].get(ErrorCode.BAD_STATE, 0) == before
+        # Not this drafter's job (still the target's to extract, or never granted): refused, the poll answered.
+        pending = client.call(messages.GetJob(**t, wait_ms=2000)).job
+        reply = client.call(messages.GetHS(**d, wait_ms=0, consumed=[pending.job_id]))
+        assert isinstance(reply, messages.GrantReply)
+        assert stats(run_dir)["errors"].get(ErrorCode.BAD_STATE, 0) == before + 1
+        assert jobs_by_state()["consumed"] == 0 and jobs_by_state()["committed"] == 1
+        for reply in (drafter, target):
+            client.call(messages.Deregister(worker_id=reply.worker_id, token=reply.token))
+    finally:
+        client.close()
+
+
 def test_stats_socket_is_read_only(dispatcher, run_dir):
     client = DispatcherClient(f"ipc://{run_dir / 'stats.sock'}", secret="s3cret", timeout_s=5)
     try:
