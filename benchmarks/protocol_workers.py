@@ -130,7 +130,8 @@ def shm_drafter(config: Config, spec: BenchSpec, stop: Any, results: Any) -> Non
 
 
 def rtt_drafter(config: Config, spec: BenchSpec, num_cycles: int, stop: Any, results: Any) -> None:
-    """Time get_hs + consumed round trips (no data copy) while a target keeps the pool full.
+    """Time a drafter's control cycle (no data copy) while a target keeps the pool full: one get_hs
+    carrying the consumed report of the slot the previous cycle got, as a drafter sends it.
 
     get_hs is sent with ``wait_ms=0``: a cycle that finds no ready slot is not timed (it would
     measure the target, not the control plane) but counted as ``waited`` and served untimed.
@@ -147,11 +148,14 @@ def rtt_drafter(config: Config, spec: BenchSpec, num_cycles: int, stop: Any, res
         cycle_ms: list[float] = []
         commit_ms: list[float] = []
         num_waited = num_run = 0
+        carried: list[int] = []  # the previous cycle's job: consumed by this cycle's get_hs
         step_jobs: list[int] = []  # consumed since the last commit
         try:
             while len(cycle_ms) < num_cycles and not stop.is_set():
                 started = time.perf_counter()
-                reply = session.call(messages.GetHS(wait_ms=0))
+                reply = session.call(messages.GetHS(wait_ms=0, consumed=carried))
+                step_jobs += carried
+                carried = []
                 waited = reply.job is None
                 if waited:
                     if reply.done:
@@ -159,15 +163,13 @@ def rtt_drafter(config: Config, spec: BenchSpec, num_cycles: int, stop: Any, res
                     reply = session.call(messages.GetHS(wait_ms=1000), timeout_s=11.0)
                     if reply.job is None:
                         continue
-                job_id = reply.job.job_id
-                session.call(messages.Consumed(job_id=job_id))
-                consumed = time.perf_counter()
+                answered = time.perf_counter()
+                carried = [reply.job.job_id]
                 num_run += 1
-                step_jobs.append(job_id)
                 commit_s = None
                 if len(step_jobs) >= config.drafter.accum_steps:
                     session.call(messages.CommitStep(model=model, step=step + 1, job_ids=step_jobs, busy_s=0.0))
-                    commit_s = time.perf_counter() - consumed
+                    commit_s = time.perf_counter() - answered
                     step += 1
                     step_jobs = []
                 if num_warmup:
@@ -176,7 +178,7 @@ def rtt_drafter(config: Config, spec: BenchSpec, num_cycles: int, stop: Any, res
                 if waited:
                     num_waited += 1
                 else:
-                    cycle_ms.append(1e3 * (consumed - started))
+                    cycle_ms.append(1e3 * (answered - started))
                 if commit_s is not None:
                     commit_ms.append(1e3 * commit_s)
         finally:

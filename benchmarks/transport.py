@@ -24,11 +24,12 @@ destination, and is measured for ``--seconds`` after a short warm-up (GB/s, 1 GB
 - ``torch_mp_queue``: a torch.multiprocessing Queue of fresh CPU tensors, put as a producer usually
   does (``_shared``: allocated in shared memory up front, the queue's best case).
 - ``zmq_ipc``: ZeroMQ PUSH/PULL over ipc:// with zero-copy sends.
-- ``rtt``: control-plane latency of a get_hs + consumed cycle against the dispatcher, and of
+- ``rtt``: control-plane latency of a drafter's cycle against the dispatcher, one get_hs carrying
+  the consumed report of the previous cycle's slot (as a lone drafter sends it), and of
   commit_step (journaled with fsync) separately, sent every ``drafter.accum_steps`` (4) cycles as
   a drafter commits its step; ``rtt_dispatcher_cpu_us`` is the dispatcher's CPU time per cycle
-  (the target's job_ready and get_job included). ``rtt_floor``: the same two requests, as the wire
-  encodes them, against a bare ZeroMQ echo in another process: the host's floor under that cycle.
+  (the target's job_ready and get_job included). ``rtt_floor``: the same request, as the wire
+  encodes it, against a bare ZeroMQ echo in another process: the host's floor under that cycle.
 - on CUDA hosts ``d2d`` (one GPU, in process) and ``cuda_ipc`` (a target's slot block opened by a
   drafter process; it includes a message per slot, as a real handoff does).
 
@@ -308,20 +309,18 @@ def _measure_protocol(ctx: Any, spec: BenchSpec, config: Config, *, rounds: int,
         cycles_run = result.pop("rtt_cycles_run")
         figures.update(result, rtt_accum_steps=config.drafter.accum_steps,
                        rtt_dispatcher_cpu_us=1e6 * cpu_s / cycles_run)
-        _progress(f"rtt get_hs+consumed: p50 {result['rtt_p50_ms']:.3f} ms, p99 {result['rtt_p99_ms']:.3f} ms "
+        _progress(f"rtt get_hs carrying consumed: p50 {result['rtt_p50_ms']:.3f} ms, p99 {result['rtt_p99_ms']:.3f} ms "
                   f"({result['rtt_cycles']} cycles, {result['rtt_waited']} waited); the dispatcher's CPU "
                   f"{figures['rtt_dispatcher_cpu_us']:.0f} us per cycle")
     return figures
 
 
 def measure_rtt_floor(ctx: Any, tmp: Path, num_cycles: int, timeout_s: float) -> dict[str, Any]:
-    """get_hs + consumed as the wire encodes them, against a bare echo answering with a grant."""
+    """A get_hs carrying a consumed report as the wire encodes it, against a bare echo answering with a grant."""
     job = messages.Job(job_id=1, epoch=0, bucket=3, seq_len=2048, samples=[101, 102, 103], lengths=[2000, 1900, 1800],
                        num_tokens=5700, slot=2, generation=7, owner=None, grant=9)
     reply = messages.encode(messages.GrantReply(id=1, job=job, done=False))
-    requests = tuple(messages.encode(r) for r in (messages.GetHS(id=1, worker_id="drafter-1", token="0" * 32, wait_ms=0),
-                                                  messages.Consumed(id=2, worker_id="drafter-1", token="0" * 32,
-                                                                    job_id=1)))
+    requests = (messages.encode(messages.GetHS(id=1, worker_id="drafter-1", token="0" * 32, wait_ms=0, consumed=[1])),)
     endpoint = f"ipc://{tmp / 'echo.sock'}"
     return _run_pair(ctx, "rtt_floor", workers.zmq_echo, (endpoint, reply), workers.zmq_echo_client,
                      (endpoint, requests, num_cycles), timeout_s=timeout_s)
@@ -382,7 +381,7 @@ def measure(*, slot_mb: float, seconds: float, rounds: int = 1) -> dict[str, Any
         figures["shm_piped_gbps"] = measure_shm_piped(ctx, spec, timeout_s)
         _progress(f"shm_piped (the same copies, a pipe for the dispatcher): {figures['shm_piped_gbps']:.2f} GB/s")
         figures.update(measure_rtt_floor(ctx, tmp, num_rtt_cycles, timeout_s))
-        _progress(f"rtt_floor (the same two requests against a bare echo): p50 {figures['rtt_floor_p50_ms']:.3f} ms, "
+        _progress(f"rtt_floor (the same request against a bare echo): p50 {figures['rtt_floor_p50_ms']:.3f} ms, "
                   f"p99 {figures['rtt_floor_p99_ms']:.3f} ms")
         figures.update(_measure_alternatives(ctx, spec, tmp, timeout_s=timeout_s))
     finally:

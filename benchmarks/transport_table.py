@@ -53,15 +53,15 @@ def format_table(figures: dict[str, Any]) -> str:
         f"{verdict('shm_vs_torch_mp_queue')}  (vs its best case: {f['shm_vs_torch_mp_queue_shared']:.2f})",
         f"shm drafter             {f['shm_control_ms']:.2f} ms per item in get_hs/consumed/commit_step; "
         f"the dispatcher's CPU {f['shm_dispatcher_cpu_ms']:.2f} ms per item",
-        f"get_hs + consumed       p50 {f['rtt_p50_ms']:.3f} ms  p99 {f['rtt_p99_ms']:.3f} ms  "
+        f"get_hs with consumed    p50 {f['rtt_p50_ms']:.3f} ms  p99 {f['rtt_p99_ms']:.3f} ms  "
         f"target p99 <= {RTT_P99_TARGET_MS:g} ms: {verdict('rtt_p99_ms')}",
         f"  against a bare echo   p50 {f['rtt_floor_p50_ms']:.3f} ms  p99 {f['rtt_floor_p99_ms']:.3f} ms  "
-        f"(two round trips between two processes on this host, no dispatcher)",
+        f"(one round trip between two processes on this host, no dispatcher)",
         f"commit_step (fsync)     p50 {f['commit_rtt_p50_ms']:.3f} ms  p99 {f['commit_rtt_p99_ms']:.3f} ms  "
         f"({f['rtt_commits']} commits, one every {f['rtt_accum_steps']} cycles; {f['rtt_cycles']} cycles timed, "
         f"{f['rtt_waited']} left out: no slot was ready)",
-        f"  the dispatcher's CPU  {f['rtt_dispatcher_cpu_us']:.0f} us per cycle (its get_hs and consumed, the "
-        f"target's job_ready and get_job, a share of a commit)",
+        f"  the dispatcher's CPU  {f['rtt_dispatcher_cpu_us']:.0f} us per cycle (its get_hs, the target's "
+        f"job_ready and get_job, a share of a commit)",
         f"host                    other processes used {f['other_cpu_pct']:.1f}% of the CPUs, "
         f"steal {f['steal_pct']:.1f}%",
     ]

@@ -361,10 +361,10 @@ def zmq_echo(endpoint: str, reply: bytes, stop: Any, results: Any) -> None:
                 sock.send_multipart([identity, reply])
 
 
-def zmq_echo_client(endpoint: str, requests: tuple[bytes, bytes], num_cycles: int, stop: Any, results: Any) -> None:
-    """Time cycles of the two ``requests`` (get_hs and consumed, as the wire encodes them), each sent
-    on a DEALER and its answer waited for on the caller's thread: what two round trips between two
-    Python processes cost on this host, the floor under the dispatcher's get_hs + consumed."""
+def zmq_echo_client(endpoint: str, requests: tuple[bytes, ...], num_cycles: int, stop: Any, results: Any) -> None:
+    """Time cycles of the ``requests`` (a drafter's get_hs carrying consumed, as the wire encodes it),
+    each sent on a DEALER and its answer waited for on the caller's thread: what a round trip between
+    two Python processes costs on this host, the floor under the dispatcher's cycle."""
     _init_process()
     with _errors_to(results):
         cycle_ms: list[float] = []
