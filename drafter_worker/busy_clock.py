@@ -27,16 +27,18 @@ class BusyClock:
         self._open_s = 0.0  # CPU: seconds of the step in progress
         self._open_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # GPU: its event pairs
         self._closed: deque[tuple[int, float | list]] = deque()  # (step, seconds or event pairs), oldest first
+        self.last_host_s = 0.0  # the host's time in the last micro-batch (on a GPU: in queueing it)
 
     @contextmanager
     def measure(self) -> Iterator[None]:
         """Around one micro-batch's compute."""
+        started = time.perf_counter()
         if not self.cuda:
-            started = time.perf_counter()
             try:
                 yield
             finally:
-                self._open_s += time.perf_counter() - started
+                self.last_host_s = time.perf_counter() - started
+                self._open_s += self.last_host_s
             return
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -45,6 +47,7 @@ class BusyClock:
         finally:
             end.record()
             self._open_events.append((start, end))
+            self.last_host_s = time.perf_counter() - started
 
     def close_step(self, step: int) -> None:
         """The micro-batches measured since the last close belong to ``step`` (the caller's count)."""

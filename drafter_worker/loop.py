@@ -94,7 +94,6 @@ class DrafterLoop(StepCommits, Checkpoints, WorkerLoop):
         self.commit: StepInFlight | None = None  # the step whose outcome is not yet applied
         # the consumed reports the poll in flight carries (a lone drafter's): asked again, it carries them again
         self.poll_consumed: list[int] = []
-        self.compute_s = 0.0  # the host's time in the last micro-batch (on a GPU: in queueing it)
         # a commit whose dispatcher died before it answered: its gradients are kept, and the next
         # register asks whether it committed (then it is applied, else dropped)
         self.pending: messages.PendingCommit | None = None
@@ -187,7 +186,7 @@ class DrafterLoop(StepCommits, Checkpoints, WorkerLoop):
 
     def _poll_request(self) -> messages.GetHS:
         return messages.GetHS(wait_ms=self.poll_ms, membership=self.group.poll_membership(),
-                              consumed=list(self.poll_consumed))
+                              consumed=self.poll_consumed)  # replaced, never changed in place
 
     # -- the loop -----------------------------------------------------------------------------
     def _work(self, registration: messages.RegisterReply, transport: DrafterTransport) -> None:
@@ -222,7 +221,7 @@ class DrafterLoop(StepCommits, Checkpoints, WorkerLoop):
                 # one is copied out, the poll carrying its consumed report: one message a slot. A
                 # rank's consumed goes on its own, acknowledged before its rank 0 commits.
                 carry = (self.group.lone and job is not None and not done
-                         and (self.clock.cuda or self.compute_s >= CARRY_MIN_COMPUTE_S))
+                         and (self.clock.cuda or self.clock.last_host_s >= CARRY_MIN_COMPUTE_S))
                 if not done and not carry:  # told step_full too: the dispatcher holds this poll until the step commits
                     poll = self._poll()  # prefetch: the next job is asked for before this one computes
                 self._report_durable()  # rank 0's checkpoint, once its writer has it on disk
@@ -273,10 +272,8 @@ class DrafterLoop(StepCommits, Checkpoints, WorkerLoop):
         self._settle_commit()  # a lone drafter's previous commit was in flight during the copy
         # The compute alone: on a GPU the clock's first event is queued once the copy is waited for,
         # so a stream idle while the host waited for the copy (or the commit) is not counted.
-        started = time.perf_counter()
         with self.clock.measure():
             self.backend.micro_batch(job, batch)
-        self.compute_s = time.perf_counter() - started
         self.window.append(job.job_id)
         return poll
 
