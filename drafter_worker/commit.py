@@ -114,6 +114,10 @@ class StepCommits:
                 return REFUSED, version
             if self.group.lone:
                 if isinstance(exc, NoReply):
+                    if self.stopping:  # sent once (:meth:`_commit_until_answered`): the stop goes on without it
+                        log.warning("%s: commit of step %d unanswered and asked to stop: dropped (a dispatcher "
+                                    "that did commit it rolls the model back to its checkpoint)", self.name, request.step)
+                        return REFUSED, version
                     raise DispatcherGone(f"commit of step {request.step} unanswered for {RECONNECT_S:.0f}s") from None
                 raise
             if isinstance(exc, (NoReply, ProtocolError)):  # no dispatcher; internal past RECONNECT_S, or another error
@@ -128,6 +132,11 @@ class StepCommits:
         dispatcher could not make it durable (``internal``: its journal failed and it stops; the same
         commit goes to the next one, which answers unknown_worker, and the step is dropped then).
 
+        A lone drafter asked to stop sends it once: if that goes unanswered it drops the step and
+        stops, saving what it applied (a dispatcher that did commit the step rolls the model back to
+        that checkpoint), not RECONNECT_S later, when the other workers may have given up on a
+        dispatcher that comes back only once this one has gone.
+
         One classification for a lone drafter and a group's rank 0; what the errors left mean is
         :meth:`_commit_outcome`'s (NoReply once RECONNECT_S passed, ProtocolError: ``bad_state`` is
         a refusal, WorkerLost)."""
@@ -135,6 +144,8 @@ class StepCommits:
 
         def again(exc: Exception) -> float | None:
             if isinstance(exc, NoReply):
+                if self.stopping and self.group.lone:
+                    return None  # a stop is prompt: unanswered once it is asked, the step is dropped
                 log.warning("%s: commit of step %d got no reply; sending it again", self.name, step)
                 return 0.0
             if isinstance(exc, ProtocolError) and exc.code == ErrorCode.INTERNAL:

@@ -150,6 +150,26 @@ def test_unanswered_commit_is_sent_again_unchanged(tmp_path, fake, monkeypatch):
     assert loop.backend.step == 1 and list(loop.backend.trained) == [1]
 
 
+def test_a_lone_drafter_asked_to_stop_does_not_wait_for_an_unanswered_commit(tmp_path, fake, monkeypatch):
+    """Asked to stop with its commit unanswered, a lone drafter does not keep sending it for
+    RECONNECT_S (the other workers may give up on a dispatcher that comes back only once this one
+    has gone): the step is dropped after one more try at most, and the stop saves the step applied."""
+    monkeypatch.setattr(drafter_commit, "CALL_TIMEOUT_S", 0.3)
+    fake.add_ready_job(1, slot=0)
+    loop = drafter(tmp_path, fake)
+    with running(loop):  # its exit must come within the 10 s it joins in
+        fake.wait_for(lambda f: f.ops("commit_step") and f.holding_after(f.ops("commit_step")[-1].at) == [],
+                      what="step 1 committed")
+        fake.commit_faults.extend(["silent"] * 1000)
+        fake.add_ready_job(2, slot=1)
+        fake.wait_for(lambda f: len(f.ops("commit_step")) == 2, what="the commit of step 2")
+        loop.request_stop()
+        sent_before_stop = len(fake.ops("commit_step"))
+    assert 2 <= len(fake.ops("commit_step")) <= sent_before_stop + 1
+    assert loop.backend.step == 1 and list(loop.backend.trained) == [1]
+    assert latest_checkpoint(tmp_path / "run", loop.backend.model_id).step == 1
+
+
 class SimDrafterWithFigures(SimDrafter):
     """The sim drafter with a trainer's step figures: loss = the step applied, an lr that is not finite."""
 
