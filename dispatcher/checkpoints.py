@@ -33,6 +33,11 @@ class KnownCheckpoints(dict):
         if step < self.get(model, 0):
             self[model] = step
 
+    def holds_model(self, model: str) -> bool:
+        """This run directory holds the model's checkpoints (a group spread over nodes without
+        shared storage keeps them where its rank 0 runs)."""
+        return model_dir(self.run_dir, model).exists()
+
     def on_disk(self, model: str) -> int | None:
         """The step of the model's latest checkpoint in this run directory (None: none here)."""
         try:

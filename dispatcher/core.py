@@ -73,7 +73,7 @@ class DispatcherCore:
         self.jobs = JobOps(options, lengths=self.lengths, ledger=self.ledger, pool=pool, store=self.store,
                            registry=self.registry, journal=journal, counters=self.counters, shared_slots=shared_slots)
         self.models = ModelOps(ledger=self.ledger, checkpoints=self.checkpoints, store=self.store, jobs=self.jobs,
-                               registry=self.registry, journal=journal, counters=self.counters)
+                               registry=self.registry, journal=journal, counters=self.counters, started_at=now)
         self.group_ops = GroupOps(groups=self.groups, ledger=self.ledger, checkpoints=self.checkpoints,
                                   registry=self.registry, jobs=self.jobs, models=self.models, journal=journal,
                                   is_done=lambda: self.done)
@@ -224,7 +224,7 @@ class DispatcherCore:
         for worker_id in dead:
             self.deregister(worker_id, now, reason="dead")
         self.jobs.expire_leases(now)
-        self.models.find_unreported_checkpoints()
+        self.models.find_unreported_checkpoints(now)
         return dead
 
     def end_wait(self, worker_id: str, now: float) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+from common.wire.client import RECONNECT_S
 from dispatcher.checkpoints import KnownCheckpoints
 from dispatcher.core_types import Counters, Worker
 from dispatcher.epochs import EpochStore
@@ -24,9 +25,17 @@ from dispatcher.registry import WorkerRegistry
 log = logging.getLogger("hsd.dispatcher")
 
 
+# How long a model no drafter trains may lag its checkpoint once every job is committed before it
+# goes back to it: a drafter whose dispatcher restarted registers again within the time it keeps
+# looking for one (RECONNECT_S), or has given up.
+ABANDONED_AFTER_S = RECONNECT_S
+
+
 class ModelOps:
     def __init__(self, *, ledger: JobLedger, checkpoints: KnownCheckpoints, store: EpochStore, jobs: JobOps,
-                 registry: WorkerRegistry, journal: Journal, counters: Counters):
+                 registry: WorkerRegistry, journal: Journal, counters: Counters, started_at: float):
+        self.started_at = started_at
+        self.last_live: dict[str, float] = {}  # model -> when a live drafter last trained it (sweep time)
         self.ledger = ledger
         self.counters = counters
         self.checkpoints = checkpoints
@@ -41,9 +50,10 @@ class ModelOps:
             raise LedgerError(f"model {model} holds step {step}, ahead of the ledger's {held}: its last "
                               f"commit never became durable; reload its latest checkpoint and register again")
 
-    def rollback(self, model: str, step: int) -> None:
+    def rollback(self, model: str, step: int, *, cause: str = "restart") -> None:
         """The model restarts from ``step``: its later commits go back to pending, and what another
-        session of it consumed and did not commit is void."""
+        session of it consumed and did not commit is void. ``cause``: "restart" (a drafter registered
+        from that checkpoint) or "abandoned" (:meth:`find_unreported_checkpoints`)."""
         for worker in self.registry.workers.values():
             if worker.model == model:
                 for job in self.ledger.held_by(worker.id):
@@ -53,12 +63,13 @@ class ModelOps:
             return
         reverted = self.ledger.rollback(model, step)
         self.checkpoints.lower_to(model, step)
-        # Every rollback is a restart from a checkpoint: a lone drafter's, or a group's none of whose
-        # live ranks held the committed step (a membership change itself never rolls back).
-        self.journal.record(ModelRolledBack(model=model, step=step, jobs=len(reverted), cause="restart"), durable=True)
+        # Every rollback is a restart from a checkpoint: a lone drafter's, a group's none of whose
+        # live ranks held the committed step (a membership change itself never rolls back), or an
+        # abandoned model's, whose steps past its checkpoint no drafter will ever bring back.
+        self.journal.record(ModelRolledBack(model=model, step=step, jobs=len(reverted), cause=cause), durable=True)
         if reverted:
-            log.info("model %s registered at step %d: %d job(s) committed after it go back to pending",
-                     model, step, len(reverted))
+            log.info("model %s %s at step %d: %d job(s) committed after it go back to pending", model,
+                     "registered" if cause == "restart" else "goes back to its checkpoint", step, len(reverted))
 
     def commit_step(self, worker: Worker, group: DrafterGroup | None, job_ids: list[int], busy_s: float, *,
                     model: str | None, step: int | None, verified: int, metrics: dict[str, float] | None,
@@ -125,18 +136,33 @@ class ModelOps:
         self.journal.record(Checkpointed(model=model, step=step, w=worker.id,
                                          metrics={**metrics, "step": step} if metrics else None), durable=True)
 
-    def find_unreported_checkpoints(self) -> None:
+    def find_unreported_checkpoints(self, now: float) -> None:
         """Once every job is committed, a model whose known checkpoint lags its step and that no live
         drafter trains may still have its last checkpoint on disk: written by a drafter whose report
-        found no dispatcher, and which is not coming back to say so when it registers."""
+        found no dispatcher, and which is not coming back to say so when it registers.
+
+        A model whose checkpoint in this run directory still lags its step once no drafter has
+        trained it for :data:`ABANDONED_AFTER_S` is abandoned: the steps past that checkpoint live
+        in no state that will come back (its drafter stopped without knowing whether its last commit
+        held, or died), so the run would wait for it forever. It goes back to that checkpoint and the
+        jobs of the later steps to pending, for the live drafters to train; a drafter of it that
+        does come back later registers from its checkpoint as after any restart."""
+        live = {w.model for w in self.registry.workers.values() if w.model is not None}
+        for model in live:
+            self.last_live[model] = now
         if not self.store.all_committed:
             return
-        live = {w.model for w in self.registry.workers.values() if w.model is not None}
-        for model, step in self.ledger.model_step.items():
+        for model, step in list(self.ledger.model_step.items()):
             if self.checkpoints.get(model, 0) < step and model not in live:
                 on_disk = self.checkpoints.on_disk(model)
                 if on_disk:
                     self.checkpoints.adopt(model, on_disk, ledger_step=step, worker_id=None, via="disk")
+                checkpoint = self.checkpoints.get(model, 0)
+                if (checkpoint < step and self.checkpoints.holds_model(model)
+                        and now - self.last_live.get(model, self.started_at) >= ABANDONED_AFTER_S):
+                    log.warning("model %s: no drafter has trained it for %.0fs and its checkpoint in the run "
+                                "directory is at step %d, behind its step %d", model, ABANDONED_AFTER_S, checkpoint, step)
+                    self.rollback(model, checkpoint, cause="abandoned")
 
     def all_checkpointed(self) -> bool:
         """Every model's last commit is covered by a checkpoint of it."""

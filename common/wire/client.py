@@ -19,6 +19,11 @@ from common.wire import messages
 from common.wire.curve import CurveClient
 
 
+# How long a worker keeps trying to reach a dispatcher that went away; the dispatcher counts on a
+# worker of a run it restarted registering again within it, or having given up.
+RECONNECT_S = 60.0
+
+
 class DispatcherUnavailable(TimeoutError):
     """No reply within the timeout: the dispatcher is down, restarting or unreachable."""
 

@@ -20,7 +20,7 @@ from typing import Any, Callable, TypeVar
 import msgspec
 
 from common.wire import messages
-from common.wire.client import DispatcherUnavailable
+from common.wire.client import RECONNECT_S, DispatcherUnavailable
 from common.run.config import Config, CurveSection
 from common.wire.control_channel import ControlChannel
 from common.wire.curve import client_from_config
@@ -29,7 +29,6 @@ from common.wire.messages import ErrorCode, ProtocolError
 
 log = logging.getLogger("hsd.worker")
 
-RECONNECT_S = 60.0  # how long a worker keeps trying to reach a dispatcher that went away
 CALL_TIMEOUT_S = 10.0
 # Requests whose reply (any reply) settles a held job: a target's report, a drafter's read failure.
 _RELEASES = (messages.JobReady, messages.JobFailed, messages.ReadFailed)

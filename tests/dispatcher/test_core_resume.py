@@ -18,7 +18,9 @@ from core_harness import (Model, ModelSim, all_job_ids, make_core, register, reg
 from dispatcher.core_types import DONE, UnknownWorker
 from dispatcher.journal import read_journal
 from dispatcher.journal_events import Checkpointed, ModelRolledBack, StepCommitted
+from common.run.witness import model_dir
 from dispatcher.ledger import JobState, LedgerError, make_job_id
+from dispatcher.model_ops import ABANDONED_AFTER_S
 
 
 def restart(core, tmp_path, **kwargs):
@@ -194,6 +196,40 @@ def test_replay_lowers_the_known_checkpoint_on_a_rollback_as_the_live_path_does(
     assert core.checkpoints["m0"] == 0 < known
     resumed = restart(core, tmp_path, lengths=lengths)
     assert resumed.checkpoints["m0"] == core.checkpoints["m0"] == 0
+
+
+def test_a_model_no_drafter_comes_back_for_goes_back_to_its_checkpoint_and_the_run_ends(tmp_path):
+    """A drafter stopped with steps past its last checkpoint and never came back (it stopped while no
+    dispatcher answered its last commit, say): once every job is committed and no drafter has trained
+    its model for ABANDONED_AFTER_S, the model goes back to its checkpoint in the run directory, the
+    live drafters train the jobs of its later steps, and the run ends with every job in one model."""
+    lengths = small_lengths(scale=2)
+    m0, m1 = models = [Model("m0"), Model("m1")]
+    core = make_core(tmp_path, lengths=lengths, epochs=1)
+    drafters = register_models(core, models)
+    d1 = next(d for d, m in drafters.items() if m is m1)
+    sim = ModelSim(core, register(core, "target", 2), drafters, every=2)
+    sim.run(until=lambda s: m1.step > m1.ckpt_step >= 2)
+    left_at = sim.now
+    core.sweep(left_at, lambda w: True)              # the last sweep that sees it live
+    core.deregister(d1, left_at)                     # it stops; its last step is in no checkpoint
+    sim.drafters.remove(d1)
+    del sim.models[d1], sim.window[d1]
+    model_dir(tmp_path, "m1").mkdir(parents=True)    # this run directory holds m1's checkpoints
+    sim.run(until=lambda s: s.core.all_committed)
+    assert core.all_committed and not core.done
+
+    core.sweep(left_at + ABANDONED_AFTER_S - 1, lambda w: True)
+    assert not core.done and core.ledger.model_step["m1"] == m1.step   # it may still come back
+    core.sweep(left_at + ABANDONED_AFTER_S, lambda w: True)
+    (rolled,) = [e for e in read_journal(tmp_path, only=(ModelRolledBack,)) if e.cause == "abandoned"]
+    lost = m1.trained[len(m1.ckpt_trained):]
+    assert (rolled.model, rolled.step, rolled.jobs) == ("m1", m1.ckpt_step, len(lost))
+    assert core.ledger.model_step["m1"] == m1.ckpt_step and not core.all_committed
+    assert all(core.ledger.state_of(job_id) is JobState.PENDING for job_id in lost)
+    m1.crash()                                       # what it holds, should it ever come back
+    sim.run()
+    assert_exactly_once(core, models)
 
 
 def test_a_run_that_is_not_done_says_what_it_waits_for(tmp_path):
