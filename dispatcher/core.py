@@ -73,7 +73,8 @@ class DispatcherCore:
         self.jobs = JobOps(options, lengths=self.lengths, ledger=self.ledger, pool=pool, store=self.store,
                            registry=self.registry, journal=journal, counters=self.counters, shared_slots=shared_slots)
         self.models = ModelOps(ledger=self.ledger, checkpoints=self.checkpoints, store=self.store, jobs=self.jobs,
-                               registry=self.registry, journal=journal, counters=self.counters, started_at=now)
+                               registry=self.registry, journal=journal, counters=self.counters, started_at=now,
+                               abandoned_after_s=options.abandoned_model_s)
         self.group_ops = GroupOps(groups=self.groups, ledger=self.ledger, checkpoints=self.checkpoints,
                                   registry=self.registry, jobs=self.jobs, models=self.models, journal=journal,
                                   is_done=lambda: self.done)

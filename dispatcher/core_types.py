@@ -10,6 +10,7 @@ from typing import Any
 
 from common.run.config import Config, Objective, TargetSection
 from common.wire import messages
+from common.wire.client import RECONNECT_S
 from dispatcher.groups import Membership
 from dispatcher.ledger import Job
 
@@ -95,6 +96,7 @@ class CoreOptions:
     allow_changed_data: bool = False
     contract: dict[str, Any] | None = None  # the run's capture contract, when the config fixes it
     num_target_queues: int = 0  # > 0: per-target queues (job i to queue i mod this), the naive assignment
+    abandoned_model_s: float = RECONNECT_S  # see the dispatcher section's key of that name
 
     @classmethod
     def from_config(cls, config: Config) -> "CoreOptions":
@@ -104,7 +106,8 @@ class CoreOptions:
                    batching=config.schedule.batching, heartbeat_s=config.dispatcher.heartbeat_s, build_ahead=True,
                    allow_changed_data=config.data.allow_changed,
                    contract=run_contract(config.target, config.drafter.objective),
-                   num_target_queues=config.target.count if config.schedule.assignment == "per_target" else 0)
+                   num_target_queues=config.target.count if config.schedule.assignment == "per_target" else 0,
+                   abandoned_model_s=config.dispatcher.abandoned_model_s)
 
 
 def run_contract(target: TargetSection, objective: Objective) -> dict[str, Any] | None:

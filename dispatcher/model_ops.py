@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 
-from common.wire.client import RECONNECT_S
 from dispatcher.checkpoints import KnownCheckpoints
 from dispatcher.core_types import Counters, Worker
 from dispatcher.epochs import EpochStore
@@ -25,16 +24,12 @@ from dispatcher.registry import WorkerRegistry
 log = logging.getLogger("hsd.dispatcher")
 
 
-# How long a model no drafter trains may lag its checkpoint once every job is committed before it
-# goes back to it: a drafter whose dispatcher restarted registers again within the time it keeps
-# looking for one (RECONNECT_S), or has given up.
-ABANDONED_AFTER_S = RECONNECT_S
-
-
 class ModelOps:
     def __init__(self, *, ledger: JobLedger, checkpoints: KnownCheckpoints, store: EpochStore, jobs: JobOps,
-                 registry: WorkerRegistry, journal: Journal, counters: Counters, started_at: float):
+                 registry: WorkerRegistry, journal: Journal, counters: Counters, started_at: float,
+                 abandoned_after_s: float):
         self.started_at = started_at
+        self.abandoned_after_s = abandoned_after_s  # dispatcher.abandoned_model_s
         self.last_live: dict[str, float] = {}  # model -> when a live drafter last trained it (sweep time)
         self.ledger = ledger
         self.counters = counters
@@ -142,7 +137,7 @@ class ModelOps:
         found no dispatcher, and which is not coming back to say so when it registers.
 
         A model whose checkpoint in this run directory still lags its step once no drafter has
-        trained it for :data:`ABANDONED_AFTER_S` is abandoned: the steps past that checkpoint live
+        trained it for ``abandoned_after_s`` (``dispatcher.abandoned_model_s``) is abandoned: the steps past that checkpoint live
         in no state that will come back (its drafter stopped without knowing whether its last commit
         held, or died), so the run would wait for it forever. It goes back to that checkpoint and the
         jobs of the later steps to pending, for the live drafters to train; a drafter of it that
@@ -159,9 +154,9 @@ class ModelOps:
                     self.checkpoints.adopt(model, on_disk, ledger_step=step, worker_id=None, via="disk")
                 checkpoint = self.checkpoints.get(model, 0)
                 if (checkpoint < step and self.checkpoints.holds_model(model)
-                        and now - self.last_live.get(model, self.started_at) >= ABANDONED_AFTER_S):
+                        and now - self.last_live.get(model, self.started_at) >= self.abandoned_after_s):
                     log.warning("model %s: no drafter has trained it for %.0fs and its checkpoint in the run "
-                                "directory is at step %d, behind its step %d", model, ABANDONED_AFTER_S, checkpoint, step)
+                                "directory is at step %d, behind its step %d", model, self.abandoned_after_s, checkpoint, step)
                     self.rollback(model, checkpoint, cause="abandoned")
 
     def all_checkpointed(self) -> bool:

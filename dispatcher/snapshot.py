@@ -13,7 +13,6 @@ from common.wire.stats_snapshot import (CoreSnapshot, EpochView, GroupView, Mode
 from dispatcher.core import DispatcherCore
 from dispatcher.core_types import Worker
 from dispatcher.ledger import JobState
-from dispatcher.model_ops import ABANDONED_AFTER_S
 from dispatcher.stats_figures import format_q_hsb
 from dispatcher.step_balance import FEATURES
 
@@ -91,7 +90,7 @@ def waiting_for(core: DispatcherCore) -> WaitingFor:
         reasons.append(f"model {model} at step {step}, its known checkpoint at step {checkpoint}: "
                        + (f"waiting for {', '.join(live)} to checkpoint it" if live
                           else "no live drafter trains it (one must register, or its checkpoint be found on disk; "
-                               f"with none for {ABANDONED_AFTER_S:.0f} s it goes back to its checkpoint in the run directory)"))
+                               f"with none for {core.options.abandoned_model_s:g} s it goes back to its checkpoint in the run directory)"))
         holders.update(live)
     return WaitingFor(epochs=epochs, models=models, workers=sorted(holders), reasons=reasons)
 

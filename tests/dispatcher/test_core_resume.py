@@ -20,7 +20,6 @@ from dispatcher.journal import read_journal
 from dispatcher.journal_events import Checkpointed, ModelRolledBack, StepCommitted
 from common.run.witness import model_dir
 from dispatcher.ledger import JobState, LedgerError, make_job_id
-from dispatcher.model_ops import ABANDONED_AFTER_S
 
 
 def restart(core, tmp_path, **kwargs):
@@ -201,7 +200,7 @@ def test_replay_lowers_the_known_checkpoint_on_a_rollback_as_the_live_path_does(
 def test_a_model_no_drafter_comes_back_for_goes_back_to_its_checkpoint_and_the_run_ends(tmp_path):
     """A drafter stopped with steps past its last checkpoint and never came back (it stopped while no
     dispatcher answered its last commit, say): once every job is committed and no drafter has trained
-    its model for ABANDONED_AFTER_S, the model goes back to its checkpoint in the run directory, the
+    its model for dispatcher.abandoned_model_s, the model goes back to its checkpoint in the run directory, the
     live drafters train the jobs of its later steps, and the run ends with every job in one model."""
     lengths = small_lengths(scale=2)
     m0, m1 = models = [Model("m0"), Model("m1")]
@@ -219,9 +218,9 @@ def test_a_model_no_drafter_comes_back_for_goes_back_to_its_checkpoint_and_the_r
     sim.run(until=lambda s: s.core.all_committed)
     assert core.all_committed and not core.done
 
-    core.sweep(left_at + ABANDONED_AFTER_S - 1, lambda w: True)
+    core.sweep(left_at + core.options.abandoned_model_s - 1, lambda w: True)
     assert not core.done and core.ledger.model_step["m1"] == m1.step   # it may still come back
-    core.sweep(left_at + ABANDONED_AFTER_S, lambda w: True)
+    core.sweep(left_at + core.options.abandoned_model_s, lambda w: True)
     (rolled,) = [e for e in read_journal(tmp_path, only=(ModelRolledBack,)) if e.cause == "abandoned"]
     lost = m1.trained[len(m1.ckpt_trained):]
     assert (rolled.model, rolled.step, rolled.jobs) == ("m1", m1.ckpt_step, len(lost))

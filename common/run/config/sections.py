@@ -97,12 +97,13 @@ class DispatcherSection(Section):
     metrics_port: int = opt(0, "Port of the Prometheus /metrics endpoint; 0 = off.")
     metrics_host: str = opt("127.0.0.1", "Address the /metrics endpoint binds.")
     exit_when_done: bool = opt(True, "Exit after the last epoch is committed and the workers have left.")
+    abandoned_model_s: float = opt(60.0, "Once every job is committed: how long a model that no drafter trains may lag its checkpoint in the run directory before it goes back to it, and the live drafters train the jobs of its later steps (a drafter whose dispatcher restarted registers again within 60 s, or has given up).")
 
     def check(self) -> None:
         self.require_positive("max_message_bytes")
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"dispatcher.metrics_port: {self.metrics_port} is not a port number")
-        self.require_positive("heartbeat_s", "worker_timeout_s", "lease_s")
+        self.require_positive("heartbeat_s", "worker_timeout_s", "lease_s", "abandoned_model_s")
         if self.worker_timeout_s <= self.heartbeat_s:
             raise ConfigError("dispatcher.worker_timeout_s must exceed dispatcher.heartbeat_s")
 
