@@ -137,11 +137,12 @@ class ModelOps:
         found no dispatcher, and which is not coming back to say so when it registers.
 
         A model whose checkpoint in this run directory still lags its step once no drafter has
-        trained it for ``abandoned_after_s`` (``dispatcher.abandoned_model_s``) is abandoned: the steps past that checkpoint live
-        in no state that will come back (its drafter stopped without knowing whether its last commit
-        held, or died), so the run would wait for it forever. It goes back to that checkpoint and the
-        jobs of the later steps to pending, for the live drafters to train; a drafter of it that
-        does come back later registers from its checkpoint as after any restart."""
+        trained it for ``abandoned_after_s`` (``dispatcher.abandoned_model_s``) is abandoned: the
+        steps past that checkpoint live in no state that will come back (its drafter stopped without
+        knowing whether its last commit held, or died), so the run would wait for it forever. It
+        goes back to that checkpoint and the jobs of the later steps to pending, for the live
+        drafters to train; a drafter of it that does come back later registers from its checkpoint
+        as after any restart."""
         live = {w.model for w in self.registry.workers.values() if w.model is not None}
         for model in live:
             self.last_live[model] = now
@@ -156,7 +157,8 @@ class ModelOps:
                 if (checkpoint < step and self.checkpoints.holds_model(model)
                         and now - self.last_live.get(model, self.started_at) >= self.abandoned_after_s):
                     log.warning("model %s: no drafter has trained it for %.0fs and its checkpoint in the run "
-                                "directory is at step %d, behind its step %d", model, self.abandoned_after_s, checkpoint, step)
+                                "directory is at step %d, behind its step %d", model, self.abandoned_after_s,
+                                checkpoint, step)
                     self.rollback(model, checkpoint, cause="abandoned")
 
     def all_checkpointed(self) -> bool:

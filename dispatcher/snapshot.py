@@ -90,7 +90,8 @@ def waiting_for(core: DispatcherCore) -> WaitingFor:
         reasons.append(f"model {model} at step {step}, its known checkpoint at step {checkpoint}: "
                        + (f"waiting for {', '.join(live)} to checkpoint it" if live
                           else "no live drafter trains it (one must register, or its checkpoint be found on disk; "
-                               f"with none for {core.options.abandoned_model_s:g} s it goes back to its checkpoint in the run directory)"))
+                               f"with none for {core.options.abandoned_model_s:g} s it goes back to its checkpoint "
+                               "in the run directory)"))
         holders.update(live)
     return WaitingFor(epochs=epochs, models=models, workers=sorted(holders), reasons=reasons)
 

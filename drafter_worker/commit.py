@@ -116,7 +116,8 @@ class StepCommits:
                 if isinstance(exc, NoReply):
                     if self.stopping:  # sent once (:meth:`_commit_until_answered`): the stop goes on without it
                         log.warning("%s: commit of step %d unanswered and asked to stop: dropped (a dispatcher "
-                                    "that did commit it rolls the model back to its checkpoint)", self.name, request.step)
+                                    "that did commit it rolls the model back to its checkpoint)", self.name,
+                                    request.step)
                         return REFUSED, version
                     raise DispatcherGone(f"commit of step {request.step} unanswered for {RECONNECT_S:.0f}s") from None
                 raise

@@ -12,13 +12,13 @@ from collections import Counter
 
 import pytest
 
+from common.run.witness import model_dir
 from common.wire.messages import ModelClaim, PendingCommit
 from core_harness import (Model, ModelSim, all_job_ids, make_core, register, register_models, small_lengths,
                           witness_counts)
 from dispatcher.core_types import DONE, UnknownWorker
 from dispatcher.journal import read_journal
 from dispatcher.journal_events import Checkpointed, ModelRolledBack, StepCommitted
-from common.run.witness import model_dir
 from dispatcher.ledger import JobState, LedgerError, make_job_id
 
 
@@ -200,8 +200,9 @@ def test_replay_lowers_the_known_checkpoint_on_a_rollback_as_the_live_path_does(
 def test_a_model_no_drafter_comes_back_for_goes_back_to_its_checkpoint_and_the_run_ends(tmp_path):
     """A drafter stopped with steps past its last checkpoint and never came back (it stopped while no
     dispatcher answered its last commit, say): once every job is committed and no drafter has trained
-    its model for dispatcher.abandoned_model_s, the model goes back to its checkpoint in the run directory, the
-    live drafters train the jobs of its later steps, and the run ends with every job in one model."""
+    its model for dispatcher.abandoned_model_s, the model goes back to its checkpoint in the run
+    directory, the live drafters train the jobs of its later steps, and the run ends with every job
+    in one model."""
     lengths = small_lengths(scale=2)
     m0, m1 = models = [Model("m0"), Model("m1")]
     core = make_core(tmp_path, lengths=lengths, epochs=1)
