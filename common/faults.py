@@ -18,6 +18,7 @@ dispatcher's exit) fires once per run directory: a marker file there says it fir
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -84,6 +85,16 @@ def _kill_at(text: str) -> KillAt:
     return KillAt(worker, point, _step(step))
 
 
+DISK_FULL_PLACES = ("journal", "snapshot")
+
+
+def _disk_full_at(text: str) -> tuple[str, int]:
+    place, colon, count = text.partition(":")
+    if place not in DISK_FULL_PLACES or not colon:
+        raise ValueError(f"the form is <place>:<count>, the place one of {', '.join(DISK_FULL_PLACES)}")
+    return place, _count(count)
+
+
 @dataclass(frozen=True)
 class Fault:
     name: str
@@ -113,6 +124,9 @@ FAULTS = {fault.name: fault for fault in (
           "{name, pid, job_id} to this path and stops itself (SIGSTOP) before extracting it; once per path"),
     Fault("journal_fsync_fails_after", _count, "dispatcher.journal: every fsync of the journal after this many "
           "fails with EIO"),
+    Fault("disk_full_at", _disk_full_at, "dispatcher.journal / dispatcher.recovery: <place>:<n>: after n writes "
+          "at that place (journal: each write of queued lines; snapshot: each snapshot) every later one fails with "
+          "ENOSPC, a journal write having written half its bytes (a disk that fills mid-write)", repeated=True),
     Fault("witness_duplicate", _count, "drafter_worker.sim: the sim drafter records this job id twice in its witness"),
     Fault("witness_drop", _count, "drafter_worker.sim: the sim drafter never records this job id in its witness"),
 )}
@@ -214,6 +228,27 @@ def kill_at(worker: str, point: str, *, step: int, run_dir: str | os.PathLike) -
                 and fires_once(run_dir, f"kill-{worker}-{point}-{kill.step}")):
             log.error("%s: SIGKILL at %s of step %s (%s kill_at)", worker, point, kill.step, ENV)
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def disk_full_after(place: str) -> int | None:
+    """``disk_full_at``: how many writes at ``place`` succeed before the disk is full; None: no fault."""
+    counts = [count for at, count in active().get("disk_full_at", ()) if at == place]
+    return min(counts) if counts else None
+
+
+_disk_writes: dict[str, int] = {}
+
+
+def fill_disk_at(place: str, path: Path) -> None:
+    """``disk_full_at`` for a place written whole (a snapshot): raises ENOSPC naming ``path`` once
+    this process has made that many writes there."""
+    allowed = disk_full_after(place)
+    if allowed is None:
+        return
+    done = _disk_writes.get(place, 0)
+    _disk_writes[place] = done + 1
+    if done >= allowed:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + f" (injected by {ENV})", str(path))
 
 
 def log_weight_checksums() -> bool:

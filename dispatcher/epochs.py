@@ -21,11 +21,11 @@ from pathlib import Path
 
 import numpy as np
 
-from common.run.durable import atomic_write
+from common.run.durable import StorageFailed, atomic_write
 from dispatcher.journal import Journal, last_segment_number
 from dispatcher.journal_events import EpochStarted
 from dispatcher.ledger import JobLedger
-from dispatcher.recovery import ModelRecord, Recovered, Snapshot, SnapshotWriter, map_arrays
+from dispatcher.recovery import ModelRecord, Recovered, Snapshot, SnapshotWriter, map_arrays, snapshot_root
 from dispatcher.schedule import EpochSchedule, load_schedule
 from dispatcher.schedule_builder import LENGTHS_FILE, ScheduleBuilder, ScheduleSpec
 
@@ -87,7 +87,8 @@ class EpochStore:
         for epoch in sorted(recovered.epochs_started):
             schedule = load_schedule(self.run_dir, epoch)
             if schedule is None:
-                raise RuntimeError(f"journal names epoch {epoch} but its schedule is missing in {self.run_dir}")
+                raise ValueError(f"the journal names epoch {epoch} but its schedule is missing in {self.run_dir} "
+                                 "(restore it from a copy, or start the run again in a new run.dir)")
             self._add(schedule)
             if snapshot is not None and epoch in snapshot.commit_step:
                 self.ledger.restore_arrays(epoch, snapshot.commit_step[epoch], snapshot.commit_model[epoch])
@@ -172,8 +173,14 @@ class EpochStore:
         sealed epochs are hard-linked from the previous snapshot. When a write is done, the finished
         epochs it holds are sealed.
         """
-        if self.snapshots.error is not None:
-            raise RuntimeError(f"writing a ledger snapshot failed: {self.snapshots.error}")
+        error = self.snapshots.error
+        if error is not None:
+            if isinstance(error, StorageFailed):
+                raise error
+            if isinstance(error, OSError):  # the disk refused it: the same fail-closed stop as the journal's
+                raise StorageFailed(error.filename or snapshot_root(self.run_dir), error,
+                                    action="writing the ledger snapshot") from error
+            raise RuntimeError(f"writing a ledger snapshot failed: {error!r}") from error
         if self.snapshots.busy:
             return False
         self._seal_written()

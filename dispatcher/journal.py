@@ -6,10 +6,15 @@ acknowledges it. Progress events (a job ready, a worker joined) are buffered and
 a second without fsync: the report reads them, a restart does not need them.
 
 Each event is a struct of ``dispatcher/journal_events.py``, and each line ``<crc32 of the JSON, 8 hex
-digits> <JSON>``, the JSON msgspec's encoding of the struct. On open, a torn or corrupt tail (a power
-cut mid-write) is truncated back to the last whole record, so the next record never glues onto a
-broken line. An fsync that fails stops the dispatcher (fail closed): what was not durable was
-never acknowledged.
+digits> <JSON>``, the JSON msgspec's encoding of the struct. What is damaged is told apart by
+one rule (docs/corruption.md): the *torn tail*, bytes after the live segment's last newline (a power
+cut or a full disk mid-write: never acknowledged, since a record is acknowledged only once its
+newline is on disk), is cut on open, so the next record never glues onto it. Any other damaged line
+is never cut and never skipped silently: a reader skips it, naming its file and line, only when
+its kind can still be read and is one that no restart needs (a progress event); otherwise it
+raises :class:`JournalDamaged`, naming the file and line. A write or fsync that fails stops the
+dispatcher (fail closed): what was not durable was never acknowledged, and nothing more is written
+after the failure.
 
 The journal is a sequence of segments: ``journal.jsonl`` is the one being written; a snapshot of
 the ledger (``dispatcher/recovery.py``) closes it as ``journal-NNNNNN.jsonl``, so a restart
@@ -32,8 +37,8 @@ from typing import Iterator
 import msgspec
 
 from common import faults
-from common.run.durable import fsync_dir
-from dispatcher.journal_events import KINDS, AnyEvent, Event, kind_of
+from common.run.durable import StorageFailed, fsync_dir
+from dispatcher.journal_events import KINDS, KINDS_A_RESTART_NEEDS, AnyEvent, Event, kind_of
 
 log = logging.getLogger("hsd.journal")
 
@@ -44,12 +49,24 @@ _SEGMENT = re.compile(r"^journal-(\d{6})\.jsonl$")
 QUEUE_WAKE_LINES = 1024
 
 
-class JournalFailed(RuntimeError):
+class JournalFailed(StorageFailed):
     """The journal could not be made durable: the dispatcher must stop."""
 
 
 class JournalCorrupt(ValueError):
     """An intact line (its checksum holds) whose event does not decode: a dispatcher's bug, never skipped."""
+
+
+class JournalDamaged(ValueError):
+    """A damaged line (its checksum fails) that is not the torn tail and may hold a record a reader needs."""
+
+    def __init__(self, path: Path, line: int, kind: str | None):
+        self.path, self.line, self.kind = path, line, kind
+        held = f"a {kind!r} record" if kind else "a record whose kind cannot be read"
+        super().__init__(
+            f"journal {path}, line {line}: damaged ({held}; its checksum does not match). It may be an acknowledged "
+            "commit, so it is neither cut nor skipped. Restore this file from a copy, or start the run again in a "
+            "new run.dir (docs/corruption.md)")
 
 
 class UnknownKind(ValueError):
@@ -112,23 +129,45 @@ def decode_event(body: bytes) -> AnyEvent:
 
 
 def repair_tail(path: Path) -> int:
-    """Truncate ``path`` after its last intact record; returns the number of bytes cut."""
+    """Cut the torn tail of ``path``, the bytes after its last newline; returns the number cut.
+
+    Only that is ever cut: a record is acknowledged once its newline is on disk, so an unterminated
+    one never was. A damaged line before the last newline stays for the readers' policy."""
     if not path.exists():
         return 0
-    good = 0
     with open(path, "rb") as f:
-        for line in f:
-            if intact_body(line) is None:
-                break
-            good += len(line)
         size = f.seek(0, os.SEEK_END)
-    if good < size:
+        end = size
+        while end > 0:  # back from the end, a block at a time, to the last newline
+            start = max(0, end - 65536)
+            f.seek(start)
+            block = f.read(end - start)
+            newline = block.rfind(b"\n")
+            if newline >= 0:
+                end = start + newline + 1
+                break
+            end = start
+    if end < size:
         with open(path, "r+b") as f:
-            f.truncate(good)
+            f.truncate(end)
             f.flush()
             os.fsync(f.fileno())
-        log.warning("journal %s: cut a torn or corrupt tail of %d bytes after the last whole record", path, size - good)
-    return size - good
+        log.warning("journal %s: cut a torn tail of %d bytes after the last newline (a record cut short by a "
+                    "crash or a full disk; never acknowledged)", path, size - end)
+    return size - end
+
+
+_KIND_AT_START = re.compile(rb'^[0-9a-f]{8} \{"ev":"([a-z_]+)"')
+
+
+def kind_of_damaged(line: bytes) -> str | None:
+    """The kind a damaged line still shows, or None when it cannot be told: its kind field must be
+    whole, name a known kind, and be the line's only one (a lost newline glues two records)."""
+    match = _KIND_AT_START.match(line)
+    if match is None or line.count(b'"ev":') != 1:
+        return None
+    kind = match.group(1).decode()
+    return kind if kind in KINDS else None
 
 
 class Journal:
@@ -137,16 +176,21 @@ class Journal:
     tens of milliseconds on a shared filesystem, and while it runs even a plain append to the file
     blocks (the tail page is under writeback). The loop only queues encoded lines in memory; it
     holds back each reply that needs durability until ``synced_seq`` reaches it, and ``notify_fd``
-    becomes readable whenever a sync completes or fails."""
+    becomes readable whenever a sync completes or fails.
+
+    Lines are queued in memory and written with one unbuffered write each time (inline mode: with a
+    durable record, a flush, a rotation or a close), so a write the disk refuses leaves no bytes
+    in a buffer to be written later behind a partial line: after a failure nothing more is written,
+    and the partial line is the torn tail the next open cuts."""
 
     def __init__(self, run_dir: str | os.PathLike, *, sync_in_background: bool = False):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / JOURNAL_NAME
         repair_tail(self.path)
-        self._file = open(self.path, "ab")
+        self._file = open(self.path, "ab", buffering=0)
         self._io = threading.Lock()    # the file object: the sync thread, rotate() and close()
         self._lock = threading.Lock()  # the queue of lines and the counters, between the loop and the thread
-        self._queue: list[bytes] = []  # lines recorded, not yet written (background mode)
+        self._queue: list[bytes] = []  # lines recorded, not yet written
         # background mode: segments closed by rotate(), not yet written, fsynced and renamed by the thread
         self._closing: list[tuple[int, list[bytes], int]] = []  # (segment, its last lines, durable seq)
         self._rotated = threading.Condition()
@@ -156,6 +200,7 @@ class Journal:
         self.failed: BaseException | None = None
         self.num_lines = 0    # lines in the current segment (recorded by this process)
         self._fsyncs_left = faults.journal_fsyncs_allowed()  # a test fault: None in a real run
+        self._writes_left = faults.disk_full_after("journal")  # a test fault: None in a real run
         self._syncer: threading.Thread | None = None
         if sync_in_background:
             self.notify_fd, self._notify_w = os.pipe()
@@ -172,37 +217,52 @@ class Journal:
             self._fsyncs_left -= 1
         os.fsync(self._file.fileno())
 
+    def _write(self, data: bytes) -> None:
+        """All of ``data`` to the file (an unbuffered write may take part of it), or OSError."""
+        if self._writes_left is not None:
+            if self._writes_left <= 0:
+                half = data[:len(data) // 2]  # what a disk that fills mid-write keeps: a partial line
+                self._file.write(half)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + f" (injected by {faults.ENV})")
+            self._writes_left -= 1
+        view = memoryview(data)
+        while view:
+            view = view[self._file.write(view):]
+
+    def _failure(self, exc: OSError) -> JournalFailed:
+        self.failed = exc
+        return JournalFailed(self.path, exc, action="writing the journal")
+
     def record(self, event: Event, *, durable: bool = False) -> None:
         """Append one event, stamped with the time (unless it has one). A ``durable`` one is on disk
         when this returns, or (background sync) once ``synced_seq`` reaches the ``written_seq`` it
         got; the others by the next :meth:`flush` (the dispatcher flushes a few times a second)."""
         if self.failed is not None:
-            raise JournalFailed(f"the journal failed earlier: {self.failed}")
+            raise JournalFailed(self.path, self.failed, action="writing the journal (failed earlier)")
         if not event.t:
             event.t = time.time_ns() // 1000 / 1e6  # to the microsecond (round(t, 6) costs a microsecond)
         line = encode_event(event)
+        with self._lock:
+            self._queue.append(line)
+            self.num_lines += 1
+            if durable:
+                self.written_seq += 1
+            write_now = durable or len(self._queue) >= QUEUE_WAKE_LINES
+        if not write_now:
+            return
         if self._syncer is not None:
-            with self._lock:
-                self._queue.append(line)
-                self.num_lines += 1
-                if durable:
-                    self.written_seq += 1
-                wake = durable or len(self._queue) >= QUEUE_WAKE_LINES
-            if wake and not self._wake.is_set():
+            if not self._wake.is_set():
                 self._wake.set()
             return
         with self._io:
-            self._file.write(line)
-            self.num_lines += 1
-            if durable:
-                self._file.flush()
-                self.written_seq += 1
-                try:
+            try:
+                target = self._write_queued()
+                if durable:
                     self._fsync()
-                except OSError as exc:
-                    self.failed = exc
-                    raise JournalFailed(f"fsync of {self.path} failed: {exc}") from exc
-                self.synced_seq = self.written_seq
+            except OSError as exc:
+                raise self._failure(exc) from exc
+            if durable:
+                self.synced_seq = target
 
     @property
     def unsynced(self) -> bool:
@@ -214,8 +274,7 @@ class Journal:
             lines, self._queue = self._queue, []
             target = self.written_seq
         if lines:
-            self._file.write(b"".join(lines))
-            self._file.flush()
+            self._write(b"".join(lines))
         return target
 
     def _sync_loop(self) -> None:
@@ -234,8 +293,7 @@ class Journal:
                         self._close_segment(segment, segment_lines, segment_target)
                         synced = True
                     if lines:
-                        self._file.write(b"".join(lines))
-                        self._file.flush()
+                        self._write(b"".join(lines))
                     if target > self.synced_seq:
                         self._fsync()
                         self.synced_seq = target
@@ -263,8 +321,13 @@ class Journal:
         if self._syncer is not None:
             self._wake.set()
             return
+        if self.failed is not None:
+            return
         with self._io:
-            self._file.flush()
+            try:
+                self._write_queued()
+            except OSError as exc:
+                raise self._failure(exc) from exc
 
     def rotate(self, segment: int) -> None:
         """Close the current segment as ``journal-<segment>.jsonl`` (durably) and start a new one.
@@ -280,22 +343,22 @@ class Journal:
             self._wake.set()
             return
         with self._io:
+            with self._lock:
+                lines, self._queue = self._queue, []
             try:
-                self._close_segment(segment, [], self.written_seq)
+                self._close_segment(segment, lines, self.written_seq)
             except OSError as exc:
-                self.failed = exc
-                raise JournalFailed(f"fsync of {self.path} failed: {exc}") from exc
+                raise self._failure(exc) from exc
             self.num_lines = 0
 
     def _close_segment(self, segment: int, lines: list[bytes], target: int) -> None:
         """Write ``lines``, fsync, archive the file as segment ``segment`` and open the next (caller holds ``_io``)."""
         if lines:
-            self._file.write(b"".join(lines))
-        self._file.flush()
+            self._write(b"".join(lines))
         self._fsync()
         self._file.close()
         os.replace(self.path, self.run_dir / f"journal-{segment:06d}.jsonl")
-        self._file = open(self.path, "ab")
+        self._file = open(self.path, "ab", buffering=0)
         fsync_dir(self.run_dir)
         self.synced_seq = max(self.synced_seq, target)
         with self._rotated:
@@ -308,10 +371,13 @@ class Journal:
         with self._rotated:
             while self.rotated_segment < segment:
                 if self.failed is not None:
-                    raise JournalFailed(f"the journal failed before segment {segment} was closed: {self.failed}")
+                    raise JournalFailed(self.path, self.failed,
+                                        action=f"closing segment {segment} of the journal")
                 self._rotated.wait(timeout=1.0)
 
     def close(self) -> None:
+        """Write and fsync what is queued, and close; never raises. After a failure (now or before)
+        nothing more is written: ``failed`` says so, and what was queued was never acknowledged."""
         if self._syncer is not None:
             self._stopping = True
             self._wake.set()
@@ -320,15 +386,19 @@ class Journal:
             os.close(self.notify_fd)
             os.close(self._notify_w)
         with self._io:
-            if not self._file.closed:
-                target = self._write_queued()
-                if self.failed is None:
-                    try:
-                        self._fsync()
-                        self.synced_seq = target
-                    except OSError as exc:
-                        self.failed = exc
+            if self._file.closed:
+                return
+            if self.failed is None:
+                try:
+                    target = self._write_queued()
+                    self._fsync()
+                    self.synced_seq = target
+                except OSError as exc:
+                    self.failed = exc
+            try:
                 self._file.close()
+            except OSError as exc:
+                self.failed = self.failed or exc
 
 
 def segment_paths(run_dir: str | os.PathLike, *, after: int = -1) -> list[Path]:
@@ -347,27 +417,41 @@ def segment_paths(run_dir: str | os.PathLike, *, after: int = -1) -> list[Path]:
     return paths
 
 
+def archived_segment_numbers(run_dir: str | os.PathLike) -> list[int]:
+    if not Path(run_dir).is_dir():
+        return []
+    return sorted(int(m.group(1)) for m in map(_SEGMENT.match, os.listdir(run_dir)) if m)
+
+
 def last_segment_number(run_dir: str | os.PathLike) -> int:
-    numbers = [int(m.group(1)) for m in map(_SEGMENT.match, os.listdir(run_dir)) if m] if Path(run_dir).is_dir() else []
-    return max(numbers, default=-1)
+    return max(archived_segment_numbers(run_dir), default=-1)
 
 
-def read_journal(run_dir: str | os.PathLike, *, after: int = -1, only: tuple[type[Event], ...] | None = None
-                 ) -> Iterator[AnyEvent]:
+def read_journal(run_dir: str | os.PathLike, *, after: int = -1, only: tuple[type[Event], ...] | None = None,
+                 damaged: list[tuple[Path, int, str]] | None = None) -> Iterator[AnyEvent]:
     """Every intact event of the journal's segments after ``after``, in order, streamed.
 
     ``only``: the event types wanted; the others are skipped before their JSON is decoded (a restart
     needs a few kinds of millions). A record of a kind this dispatcher does not know is skipped, and
-    logged once per kind and read; one of a known kind that does not decode raises JournalCorrupt."""
-    needles = tuple(b'"ev":"%s"' % kind_of(cls).encode() for cls in only) if only else None
+    logged once per kind and read; one of a known kind that does not decode raises JournalCorrupt.
+    A damaged line follows the module's rule: skipped, logged and added to ``damaged`` as (file,
+    line, kind) when its kind can be read and is not one a restart needs (or not one asked for);
+    else JournalDamaged. The live segment's unterminated last line (torn, or being written) is not
+    a record yet: passed over."""
+    wanted = frozenset(kind_of(cls) for cls in only) if only else None
+    needles = tuple(b'"ev":"%s"' % kind.encode() for kind in wanted) if wanted else None
     unknown: set[str] = set()
     for path in segment_paths(run_dir, after=after):
         with open(path, "rb") as f:
             for number, line in enumerate(f, 1):
                 if needles is not None and not any(n in line[9:40] for n in needles):
+                    if intact_body(line) is None and line.endswith(b"\n"):  # damaged: is it one we need?
+                        _pass_damaged(path, number, line, wanted, damaged)
                     continue
                 body = intact_body(line)
                 if body is None:
+                    if line.endswith(b"\n"):
+                        _pass_damaged(path, number, line, wanted, damaged)
                     continue
                 try:
                     event = decode_event(body)
@@ -382,3 +466,15 @@ def read_journal(run_dir: str | os.PathLike, *, after: int = -1, only: tuple[typ
                     raise JournalCorrupt(f"journal {path}:{number}: {exc}") from None
                 if only is None or isinstance(event, only):
                     yield event
+
+
+def _pass_damaged(path: Path, number: int, line: bytes, wanted: frozenset[str] | None,
+                  damaged: list[tuple[Path, int, str]] | None) -> None:
+    """A damaged line a reader may pass over (logged, and listed in ``damaged``), or JournalDamaged."""
+    kind = kind_of_damaged(line)
+    if kind is None or (kind in KINDS_A_RESTART_NEEDS and (wanted is None or kind in wanted)):
+        raise JournalDamaged(path, number, kind)
+    log.warning("journal %s:%d: skipped a damaged %r record (its checksum does not match; %s)", path, number, kind,
+                "a progress event no restart needs" if kind not in KINDS_A_RESTART_NEEDS else "not one this reader reads")
+    if damaged is not None:
+        damaged.append((path, number, kind))

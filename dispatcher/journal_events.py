@@ -141,3 +141,9 @@ KINDS: dict[str, type[Event]] = {cls.__struct_config__.tag: cls for cls in EVENT
 def kind_of(cls: type[Event]) -> str:
     """The ``ev`` of a struct's lines."""
     return cls.__struct_config__.tag
+
+
+# The kinds the dispatcher records durably (an acknowledgement waits on them) and a restart or the
+# report's exactly-once count reads back: a damaged one is never skipped (dispatcher/journal.py).
+KINDS_A_RESTART_NEEDS: frozenset[str] = frozenset(kind_of(cls) for cls in (
+    DispatcherStarted, EpochStarted, EpochCommitted, StepCommitted, ModelRolledBack, Checkpointed))

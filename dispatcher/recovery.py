@@ -9,29 +9,54 @@ The snapshot is written to a temporary directory and renamed, so a crash mid-wri
 previous one in force. An epoch unchanged since the previous snapshot (a finished, sealed one) is not
 written again: its files are hard-linked from that snapshot, so a snapshot costs what the open
 epochs cost, and each snapshot directory still holds everything a restart needs.
+
+Each snapshot's ``state.json`` is written last and carries a manifest: the size and crc32 of every
+array file, and a crc32 of its own content. A restart checks the latest snapshot against it; a
+damaged one (a file missing, cut short, or with a byte changed) is never used: the restart falls
+back to the snapshot before it (the two latest are kept) and replays the journal's segments after
+that one, saying so in one line naming the damaged file, and with no snapshot left it replays the
+journal from its first segment. Where no fallback holds every segment it needs, it refuses,
+naming the file (:class:`SnapshotDamaged`). A snapshot written before manifests existed is read
+unchecked.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
 import threading
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
+from common import faults
 from common.run.durable import atomic_write
-from dispatcher.journal import read_journal
+from dispatcher.journal import JOURNAL_NAME, archived_segment_numbers, read_journal
 from dispatcher.journal_events import Checkpointed, DispatcherStarted, EpochStarted, ModelRolledBack, StepCommitted
 
+log = logging.getLogger("hsd.recovery")
+
 SNAPSHOT_DIR = "snapshots"
+STATE_NAME = "state.json"
+SNAPSHOT_FORMAT = 2  # state.json: {"format", "state", "files": {name: [size, crc32]}, "crc32"}
+KEEP_SNAPSHOTS = 2   # the latest, and the one a restart falls back to when the latest is damaged
 _SNAP = re.compile(r"^snap-(\d{6})$")
 RECOVERY_EVENTS = (DispatcherStarted, EpochStarted, StepCommitted, ModelRolledBack, Checkpointed)
 Replayed = StepCommitted | ModelRolledBack | Checkpointed
+
+
+class SnapshotDamaged(ValueError):
+    """A snapshot file that does not match the manifest written with it (or no manifest that parses)."""
+
+    def __init__(self, path: Path, what: str):
+        self.path = path
+        super().__init__(f"{path}: {what}")
 
 
 @dataclass
@@ -77,12 +102,39 @@ def snapshot_root(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / SNAPSHOT_DIR
 
 
-def latest_snapshot_dir(run_dir: str | os.PathLike) -> Path | None:
+def snapshot_dirs(run_dir: str | os.PathLike) -> list[Path]:
+    """The published snapshots, newest first."""
     root = snapshot_root(run_dir)
     if not root.is_dir():
-        return None
+        return []
     found = sorted((int(m.group(1)), root / m.group(0)) for m in map(_SNAP.match, os.listdir(root)) if m)
-    return found[-1][1] if found else None
+    return [path for _, path in reversed(found)]
+
+
+def latest_snapshot_dir(run_dir: str | os.PathLike) -> Path | None:
+    found = snapshot_dirs(run_dir)
+    return found[0] if found else None
+
+
+def file_crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def _state_crc(state: dict[str, Any], files: dict[str, list[int]]) -> int:
+    return zlib.crc32(json.dumps({"state": state, "files": files}, sort_keys=True).encode())
+
+
+def _linked_manifest(source: Path) -> dict[str, list[int]]:
+    """The manifest of an earlier snapshot whose files a new one links ({} when it has none)."""
+    try:
+        doc = json.loads((source / STATE_NAME).read_text())
+        return dict(doc.get("files") or {})
+    except (OSError, ValueError):
+        return {}
 
 
 def write_snapshot(run_dir: str | os.PathLike, snapshot: Snapshot,
@@ -98,19 +150,28 @@ def write_snapshot(run_dir: str | os.PathLike, snapshot: Snapshot,
         for epoch in snapshot.commit_step:
             np.save(tmp / array_file("commit_step", epoch), snapshot.commit_step[epoch])
             np.save(tmp / array_file("commit_model", epoch), snapshot.commit_model[epoch])
-        for epoch, source in snapshot.linked.items():
+        files: dict[str, list[int]] = {}
+        for epoch in snapshot.commit_step:
             for name in ("commit_step", "commit_model"):
-                os.link(source / array_file(name, epoch), tmp / array_file(name, epoch))
-        (tmp / "state.json").write_text(json.dumps({
-            "segment": snapshot.segment, "num_starts": snapshot.num_starts, "epochs_started": snapshot.epochs_started,
-            "models": {model: record.to_json() for model, record in snapshot.models.items()}}))
+                path = tmp / array_file(name, epoch)
+                files[path.name] = [path.stat().st_size, file_crc32(path)]
+        for epoch, source in snapshot.linked.items():
+            known = _linked_manifest(source)
+            for name in ("commit_step", "commit_model"):
+                path = tmp / array_file(name, epoch)
+                os.link(source / path.name, path)
+                files[path.name] = known.get(path.name) or [path.stat().st_size, file_crc32(path)]
+        state = {"segment": snapshot.segment, "num_starts": snapshot.num_starts,
+                 "epochs_started": snapshot.epochs_started,
+                 "models": {model: record.to_json() for model, record in snapshot.models.items()}}
+        (tmp / STATE_NAME).write_text(json.dumps({"format": SNAPSHOT_FORMAT, "state": state, "files": files,
+                                                  "crc32": _state_crc(state, files)}))
+        faults.fill_disk_at("snapshot", tmp / STATE_NAME)
     # durable: every file fsynced (linked ones included), then the directory's entries
     atomic_write(final, write_files, durable=True, tmp_name=f".tmp-{final.name}",
                  before_publish=(lambda _tmp: before_publish()) if before_publish is not None else None)
-    for old in root.iterdir():
-        match = _SNAP.match(old.name)
-        if match and int(match.group(1)) < snapshot.segment:
-            shutil.rmtree(old, ignore_errors=True)
+    for old in snapshot_dirs(run_dir)[KEEP_SNAPSHOTS:]:
+        shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -125,13 +186,37 @@ def map_arrays(path: Path, epoch: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def read_snapshot(path: Path) -> Snapshot:
-    state = json.loads((path / "state.json").read_text())
-    epochs = state["epochs_started"]
-    arrays = {e: map_arrays(path, e) for e in epochs}
-    return Snapshot(segment=state["segment"], num_starts=state["num_starts"], epochs_started=list(epochs),
-                    models={m: ModelRecord.from_json(r) for m, r in state["models"].items()},
-                    commit_step={e: a[0] for e, a in arrays.items()},
-                    commit_model={e: a[1] for e, a in arrays.items()})
+    """Snapshot ``path``, checked against its manifest first; SnapshotDamaged names what does not match."""
+    state_path = path / STATE_NAME
+    try:
+        doc = json.loads(state_path.read_text())
+    except FileNotFoundError:
+        raise SnapshotDamaged(state_path, "missing") from None
+    except (OSError, ValueError) as exc:
+        raise SnapshotDamaged(state_path, f"does not parse ({exc})") from None
+    if isinstance(doc, dict) and "format" in doc:
+        state, files = doc.get("state"), doc.get("files")
+        if not isinstance(state, dict) or not isinstance(files, dict) or doc.get("crc32") != _state_crc(state, files):
+            raise SnapshotDamaged(state_path, "its checksum does not match its content")
+        for name, (size, crc) in sorted(files.items()):
+            file = path / name
+            if not file.is_file():
+                raise SnapshotDamaged(file, "missing")
+            if file.stat().st_size != size:
+                raise SnapshotDamaged(file, f"{file.stat().st_size} bytes, the manifest says {size}")
+            if file_crc32(file) != crc:
+                raise SnapshotDamaged(file, "its checksum does not match the manifest")
+    else:  # written before manifests: read unchecked
+        state = doc
+    try:
+        epochs = state["epochs_started"]
+        arrays = {e: map_arrays(path, e) for e in epochs}
+        return Snapshot(segment=state["segment"], num_starts=state["num_starts"], epochs_started=list(epochs),
+                        models={m: ModelRecord.from_json(r) for m, r in state["models"].items()},
+                        commit_step={e: a[0] for e, a in arrays.items()},
+                        commit_model={e: a[1] for e, a in arrays.items()})
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SnapshotDamaged(path, f"does not read ({type(exc).__name__}: {exc})") from None
 
 
 class SnapshotWriter:
@@ -171,12 +256,55 @@ class SnapshotWriter:
         return written
 
 
+def _missing_segment(run_dir: Path, after: int, through: int) -> str | None:
+    """The first archived journal segment numbered ``after`` + 1 to ``through`` that is not on disk."""
+    present = set(archived_segment_numbers(run_dir))
+    for number in range(after + 1, through + 1):
+        if number not in present:
+            return f"journal-{number:06d}.jsonl"
+    return None
+
+
+def _snapshot_number(path: Path) -> int:
+    return int(_SNAP.match(path.name).group(1))
+
+
+def _usable_snapshot(run_dir: Path) -> tuple[Snapshot | None, Path | None]:
+    """The latest snapshot that reads whole; past a damaged one, an older one (then none: the journal
+    from its first segment) whose replay has every segment up to the damaged one's, each fallback
+    said in one line; SnapshotDamaged when no fallback has the segments it needs."""
+    found = snapshot_dirs(run_dir)
+    damaged: SnapshotDamaged | None = None
+    for path in found:
+        try:
+            snapshot = read_snapshot(path)
+        except SnapshotDamaged as exc:
+            log.warning("ledger snapshot %s is damaged (%s): falling back to an older state", path, exc)
+            damaged = damaged or exc
+            continue
+        if damaged is None:
+            return snapshot, path
+        if _missing_segment(run_dir, snapshot.segment, _snapshot_number(found[0])) is None:
+            log.warning("resuming from ledger snapshot %s and the journal after it, not from the damaged %s",
+                        path, damaged.path)
+            return snapshot, path
+    if damaged is None:
+        return None, None
+    missing = _missing_segment(run_dir, -1, _snapshot_number(found[0]))
+    if missing is not None:
+        raise SnapshotDamaged(damaged.path, f"{str(damaged).split(': ', 1)[-1]}, and no older state to fall back "
+                              f"to has every journal segment after it ({missing} is gone). Restore the file from a "
+                              "copy, or start the run again in a new run.dir (docs/corruption.md)")
+    log.warning("no whole ledger snapshot: replaying the journal from its first segment, not from the damaged %s",
+                damaged.path)
+    return None, None
+
+
 def recover(run_dir: str | os.PathLike) -> Recovered:
     out = Recovered()
-    path = latest_snapshot_dir(run_dir)
+    out.snapshot, out.snapshot_path = _usable_snapshot(Path(run_dir))
     after = -1
-    if path is not None:
-        out.snapshot, out.snapshot_path = read_snapshot(path), path
+    if out.snapshot is not None:
         after = out.snapshot.segment
         out.num_starts = out.snapshot.num_starts
         out.epochs_started = list(out.snapshot.epochs_started)

@@ -23,7 +23,8 @@ import zmq
 
 from common.wire import messages
 from common.wire.client import run_id_for
-from common.run.config import Config, write_resolved
+from common.run.config import Config, ConfigError, write_resolved
+from common.run.durable import STORAGE_FAILED_EXIT_CODE, StorageFailed
 from common.wire.messages import ErrorCode, ProtocolError
 from common.wire.stats_snapshot import Snapshot, serving_snapshot
 from dispatcher.core import DispatcherCore
@@ -37,7 +38,7 @@ from dispatcher.ledger import LedgerError
 from dispatcher.long_polls import LongPolls, counted_error, model_step
 from dispatcher.metrics import MetricsServer
 from dispatcher.pool import HSPool
-from dispatcher.rundir import STATE_FILE, check_endpoint, lock_run_dir, warn_about_changed_settings, write_state_file
+from dispatcher.rundir import STATE_FILE, check_endpoint, check_free_space, lock_run_dir, warn_about_changed_settings, write_state_file
 from dispatcher.snapshot import build_snapshot, progress_line
 from dispatcher.nodes import node_summary
 from dispatcher.transport_setup import DataPlane
@@ -47,7 +48,7 @@ log = logging.getLogger("hsd.dispatcher")
 SWEEP_INTERVAL_S = 0.25
 PROGRESS_INTERVAL_S = 5.0
 METRICS_INTERVAL_S = 1.0
-FAIL_CLOSED_EXIT_CODE = 3  # the journal failed: stopped, having acknowledged nothing that was not durable
+FAIL_CLOSED_EXIT_CODE = STORAGE_FAILED_EXIT_CODE  # the journal or a snapshot failed: stopped, having acknowledged nothing that was not durable
 HARD_MESSAGE_LIMIT = 64 << 20  # beyond this ZeroMQ drops the peer instead of buffering the message
 _NOBLOCK, _SNDMORE_NOBLOCK = int(zmq.NOBLOCK), int(zmq.SNDMORE | zmq.NOBLOCK)
 
@@ -65,6 +66,11 @@ class DispatcherServer:
                            multi_node=config.pool.transport == "nixl")
         self.curve = server_from_config(config.curve)
         self._lock = lock_run_dir(self.run_dir)
+        try:
+            check_free_space(self.run_dir, config.run.min_free_mb)
+        except ConfigError:
+            self._lock.close()
+            raise
         warn_about_changed_settings(self.run_dir, config)
         write_resolved(config)
         self.run_id = run_id_for(self.run_dir)
@@ -161,7 +167,7 @@ class DispatcherServer:
                 if self.journal.notify_fd in events:
                     self.journal.drain_notifications()
                     if self.journal.failed is not None:
-                        raise JournalFailed(f"fsync of {self.journal.path} failed: {self.journal.failed}")
+                        raise JournalFailed(self.journal.path, self.journal.failed, action="writing the journal")
                     self._release_durable_replies()
                 now = time.monotonic()
                 if now >= next_sweep:
@@ -180,7 +186,7 @@ class DispatcherServer:
                 if changed:
                     self.polls.serve(now)
                 self.polls.expire(now)
-        except JournalFailed as exc:
+        except StorageFailed as exc:
             log.critical("%s. Stopping (fail closed): nothing that was not durable was acknowledged; workers keep "
                          "their state and register with the next dispatcher on this run directory.", exc)
             self.exit_code = FAIL_CLOSED_EXIT_CODE
@@ -262,7 +268,7 @@ class DispatcherServer:
             return self._error(request_id, ErrorCode.INCOMPATIBLE, str(exc)), False
         except GroupChanged as exc:
             return self._error(request_id, ErrorCode.GROUP_CHANGED, str(exc)), False
-        except JournalFailed:
+        except StorageFailed:
             raise  # fail closed: the loop stops the dispatcher
         except LedgerError as exc:
             return self._error(request_id, ErrorCode.BAD_STATE, str(exc)), False

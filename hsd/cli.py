@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import get_args
 
 from common.run.config import ConfigError, Objective, describe
+from common.run.durable import STORAGE_FAILED_EXIT_CODE, StorageFailed, describe_storage_failure, is_storage_error
 from common.worker.runtime import EXIT_UNUSABLE, WorkerUnusable
 from hsd.bench import add_bench_parser
 from hsd.shared import add_config_args, config_of, require_model, setup_logging
@@ -365,6 +366,16 @@ def main(argv: list[str] | None = None) -> int:
     except WorkerUnusable as exc:
         print(f"hsd {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_UNUSABLE
+    except StorageFailed as exc:
+        print(f"hsd {args.command}: error: {exc}. Stopped (fail closed); free space, then run the same command "
+              "again", file=sys.stderr)
+        return STORAGE_FAILED_EXIT_CODE
+    except OSError as exc:
+        if not is_storage_error(exc):
+            raise
+        print(f"hsd {args.command}: error: {describe_storage_failure(exc.filename or '?', exc)}. Stopped (fail "
+              "closed); free space, then run the same command again", file=sys.stderr)
+        return STORAGE_FAILED_EXIT_CODE
     except KeyboardInterrupt:
         return 130
 

@@ -23,20 +23,26 @@ from pathlib import Path
 
 from common.child_process import die_with_parent
 from common.run.config import Config, write_resolved
-from common.worker.runtime import EXIT_UNUSABLE
-from dispatcher.journal import read_journal
+from common.run.durable import STORAGE_FAILED_EXIT_CODE
+from common.worker.runtime import CALL_TIMEOUT_S, EXIT_UNUSABLE
+from dispatcher.journal import JournalCorrupt, JournalDamaged, read_journal
 from dispatcher.journal_events import DispatcherStopped
-from dispatcher.rundir import STATE_FILE
+from dispatcher.rundir import STATE_FILE, check_free_space
 from ops.report import build_report, format_report
 
 log = logging.getLogger("hsd.launch")
 
 READY_TIMEOUT_S = 120.0
-STOP_GRACE_S = 10.0
+# A worker asked to stop may be waiting on a call to a dispatcher that no longer answers (CALL_TIMEOUT_S)
+# before it saves its state: its grace is longer than that, with room for the save.
+STOP_GRACE_S = CALL_TIMEOUT_S + 20.0
 
 def _run_completed(run_dir: Path) -> bool:
     """Whether the dispatcher's last stop, as journaled, came after every epoch was committed."""
-    stops = list(read_journal(run_dir, only=(DispatcherStopped,)))
+    try:
+        stops = list(read_journal(run_dir, only=(DispatcherStopped,)))
+    except (JournalDamaged, JournalCorrupt):  # the dispatcher's own start says what is wrong with it
+        return False
     return bool(stops) and stops[-1].done
 
 
@@ -143,6 +149,7 @@ class Launcher:
     # -- run ------------------------------------------------------------------------------------
     def run(self) -> int:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        check_free_space(self.run_dir, self.config.run.min_free_mb)
         self.log_dir.mkdir(exist_ok=True)
         config_path = write_resolved(self.config)
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -156,7 +163,9 @@ class Launcher:
             if not self._wait_ready(dispatcher):
                 code = dispatcher.process.poll()
                 log.error("the dispatcher did not come up (exit code %s); see %s", code, self.log_dir / "dispatcher.log")
-                return 130 if self._stop.is_set() else 1
+                if self._stop.is_set():
+                    return 130
+                return code if code in (2, STORAGE_FAILED_EXIT_CODE) else 1  # a refusal or a full disk, as it said
             self.children += self._plan(config_path)
             for child in self.children[1:]:
                 self._start(child)

@@ -49,6 +49,7 @@ class _ReportPass:
     def __init__(self) -> None:
         self.first_t: float | None = None
         self.last_t = 0.0
+        self.damaged: list[tuple[Path, int, str]] = []  # damaged progress records passed over (file, line, kind)
         self.epoch_jobs: dict[int, int] = {}
         self.epochs_committed: set[int] = set()
         self.commits: dict[str, list[StepCommitted]] = defaultdict(list)  # model -> its live commits, in order
@@ -119,7 +120,7 @@ def read_run(run_dir: str | os.PathLike) -> _ReportPass:
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory {run_dir} does not exist")
     run = _ReportPass()
-    for event in read_journal(run_dir):
+    for event in read_journal(run_dir, damaged=run.damaged):
         run.add(event)
     if run.first_t is None:
         raise FileNotFoundError(f"{run_dir} holds no journal: is it a run directory?")
@@ -191,6 +192,7 @@ def build_report(run_dir: str | os.PathLike) -> dict[str, Any]:
         "lost": jobs_total - len(distinct) if finished else 0,
         "uncommitted": jobs_total - len(distinct),
         "slots_verified": sum(c.verified for c in commits),
+        "damaged_records": [f"{path.name}:{line} ({kind})" for path, line, kind in run.damaged],
         "given_back": dict(run.given_back),
         "steps": len(commits),
         "step_mix": round(mixed / len(commits), 4) if commits else 0.0,
@@ -254,6 +256,10 @@ def format_report(report: dict[str, Any]) -> str:
              f"fairness  prefix deviation schedule {report['prefix_deviation']['schedule']:.2f} / consumed "
              f"{report['prefix_deviation']['consumed']:.2f} batches; tail skew schedule "
              f"{report['tail_skew']['schedule']:.3f} / consumed {report['tail_skew']['consumed']:.3f}"]
+    if report.get("damaged_records"):
+        damaged = report["damaged_records"]
+        lines.append(f"damaged   {len(damaged)} progress record(s) passed over, none a commit: {', '.join(damaged[:5])}"
+                     + (" ..." if len(damaged) > 5 else "") + " (the figures of utilization may read low)")
     for stage, s in report["stages"].items():
         lines.append(f"{stage:<9} utilization {s['utilization']:.1%}  {s['tokens_per_s']:,.0f} tok/s "
                      f"(capacity {s['capacity_tokens_per_s']:,.0f} tok/s)")

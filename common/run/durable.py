@@ -10,11 +10,16 @@ directory itself must be fsynced too, or a crash can keep the data and lose the 
 must survive a power cut (``durable=True``) fsyncs the new content before the rename and the
 directory after it; the others (a config copy, a cache, an export that is made again when lost)
 only rename.
+
+A write the storage refuses (disk full, quota, an I/O error, a read-only filesystem) raises
+:class:`StorageFailed`, whose message names the path and the free space left: every process turns it
+into the same fail-closed stop (exit :data:`STORAGE_FAILED_EXIT_CODE`), never a traceback.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 from pathlib import Path
@@ -23,6 +28,48 @@ from typing import Callable, Union
 # A file's whole content, or a callable that writes the file (or builds the directory) at the
 # temporary path it is given: for writers that take a name (safetensors, numpy, tarfile, copytree).
 Content = Union[str, bytes, Callable[[Path], None]]
+
+STORAGE_FAILED_EXIT_CODE = 3  # a write the storage refused: stopped, having acknowledged nothing that was not durable
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG})
+
+
+class StorageFailed(RuntimeError):
+    """A write to disk failed for want of space or by an I/O error: the process must stop (fail closed)."""
+
+    def __init__(self, path: str | os.PathLike, cause: BaseException, *, action: str = "writing"):
+        self.path = Path(path)
+        self.cause = cause
+        super().__init__(describe_storage_failure(self.path, cause, action=action))
+
+
+def is_storage_error(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS
+
+
+def free_bytes(path: str | os.PathLike) -> int | None:
+    """Free bytes on the filesystem of ``path`` (or of its nearest existing parent); None if unknown."""
+    path = Path(path).absolute()
+    for candidate in (path, *path.parents):
+        try:
+            return shutil.disk_usage(candidate).free
+        except OSError:
+            continue
+    return None
+
+
+def format_bytes(count: int | None) -> str:
+    if count is None:
+        return "unknown"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count} B"
+
+
+def describe_storage_failure(path: str | os.PathLike, cause: BaseException, *, action: str = "writing") -> str:
+    """One line: what failed on which path, why, and the free space left there."""
+    reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause)
+    return f"{action} {path} failed: {reason} ({format_bytes(free_bytes(path))} free on its filesystem)"
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -84,17 +131,21 @@ def publish(tmp: str | os.PathLike, path: str | os.PathLike, *, durable: bool = 
     is there.
     """
     tmp, path = Path(tmp), Path(path)
-    if mode is not None:
-        os.chmod(tmp, mode)
     is_dir = tmp.is_dir()
-    if durable:
-        if is_dir:
-            fsync_tree(tmp)
-        else:
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-    if before_publish is not None:
-        before_publish(tmp)
+    try:
+        if mode is not None:
+            os.chmod(tmp, mode)
+        if durable:
+            if is_dir:
+                fsync_tree(tmp)
+            else:
+                with open(tmp, "rb") as f:
+                    os.fsync(f.fileno())
+        if before_publish is not None:
+            before_publish(tmp)
+    except BaseException:  # nothing half-written is left beside the last good one
+        _remove(tmp)
+        raise
     if is_dir and path.is_dir():
         shutil.rmtree(path)
     os.replace(tmp, path)

@@ -157,7 +157,7 @@ def test_a_failed_fsync_while_closing_a_segment_fails_the_waiting_snapshot(tmp_p
     journal = Journal(tmp_path, sync_in_background=True)
     journal.record(EpochStarted(epoch=0, jobs=1), durable=True)
     journal.rotate(0)
-    with pytest.raises(JournalFailed, match="before segment 0 was closed"):
+    with pytest.raises(JournalFailed, match="closing segment 0 of the journal .* failed: fsync failed"):
         journal.wait_rotated(0)
     assert journal.failed is not None and not (tmp_path / "journal-000000.jsonl").exists()
     journal.close()

@@ -24,9 +24,13 @@ class RunSection(Section):
     dir: str = opt("runs/demo", "Run directory: resolved config, schedules, journal, sockets, logs.")
     epochs: int = opt(1, "Number of epochs to train.")
     seed: int = opt(0, "Run seed; the seed of epoch e is derived from it and e.")
+    min_free_mb: int = opt(0, "Free space run.dir must have for a run to start, in MiB; 0: the largest checkpoint "
+                              "already there plus 64 MiB of journal headroom.")
 
     def check(self) -> None:
         self.require_positive("epochs")
+        if self.min_free_mb < 0:
+            raise ConfigError("run.min_free_mb must be >= 0")
 
 
 @dataclass
