@@ -64,7 +64,8 @@ def write_launch_inputs(root: Path, *, num_samples: int, hidden: int) -> tuple[P
             writer.add(rng.integers(len(SPECIAL_TOKENS), vocab, size=length).tolist(), [0] * 4 + [1] * (length - 4))
         writer.finish()
         manifest = {"format": FORMAT, "num_samples": num_samples, "num_tokens": int(sum(lengths)),
-                    "tokenizer": {"fingerprint": tokenizer_fingerprint(load_tokenizer(target_dir))}}
+                    "tokenizer": {"fingerprint": tokenizer_fingerprint(load_tokenizer(target_dir))},
+                    "checksums": writer.checksums_section()}
         (data_dir / MANIFEST_FILE).write_text(json.dumps(manifest))
     return target_dir, data_dir
 

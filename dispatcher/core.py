@@ -28,6 +28,7 @@ from common.run.capture_contract import adopt_contract
 from common.wire.messages import ModelClaim
 from dispatcher.checkpoints import KnownCheckpoints
 from dispatcher.core_types import DONE, STEP_FULL, CoreOptions, Counters, Incompatible, JobGrant, Worker
+from dispatcher.dataset import too_long_line, too_long_samples
 from dispatcher.epochs import EpochStore, check_data
 from dispatcher.group_ops import GroupOps
 from dispatcher.groups import DrafterGroups, Membership
@@ -53,6 +54,9 @@ class DispatcherCore:
         self.options = options
         self.run_dir = Path(run_dir)
         self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.too_long = too_long_samples(self.lengths, options.buckets)  # no schedule places them
+        if len(self.too_long):
+            log.warning("%s", too_long_line(self.too_long, self.lengths, options.buckets[-1]))
         self.journal = journal
         self.pool = pool
         self.ledger = JobLedger(num_queues=max(1, options.num_target_queues))

@@ -60,6 +60,8 @@ class DispatcherServer:
     def __init__(self, config: Config):
         self.config = config
         self.run_dir = config.run_dir
+        # The data is checked whole before anything is created: a bad dataset is refused naming its file.
+        lengths = load_lengths(config.data, config.schedule, config.run)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for endpoint in (config.control_endpoint, config.stats_endpoint):
             check_endpoint(endpoint, config.dispatcher.secret, curve=config.curve.enabled,
@@ -83,7 +85,7 @@ class DispatcherServer:
         now = time.monotonic()
         try:
             self.core = DispatcherCore(CoreOptions.from_config(config), run_dir=self.run_dir,
-                                       lengths=load_lengths(config.data, config.schedule, config.run),
+                                       lengths=lengths,
                                        journal=self.journal, pool=pool, shared_slots=self.data_plane.shared_slots,
                                        now=now)
         except Exception:

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import time
 
-from common.wire.stats_snapshot import (CoreSnapshot, EpochView, GroupView, ModelView, StepCost, WaitingFor,
-                                          WaitingModel, WorkerView)
+from common.wire.stats_snapshot import (CoreSnapshot, DroppedSamples, EpochView, GroupView, ModelView, StepCost,
+                                          WaitingFor, WaitingModel, WorkerView)
 from dispatcher.core import DispatcherCore
 from dispatcher.core_types import Worker
+from dispatcher.dataset import NAMED_TOO_LONG
 from dispatcher.ledger import JobState
 from dispatcher.stats_figures import format_q_hsb
 from dispatcher.step_balance import FEATURES
@@ -60,7 +61,15 @@ def build_snapshot(core: DispatcherCore, now: float) -> CoreSnapshot:
         membership_version=max(core.groups.versions().values()) if core.groups.groups else None,
         given_back=dict(core.counters.given_back), requests=dict(core.counters.requests),
         errors=dict(core.counters.errors), waiting_for=None if core.done else waiting_for(core),
-        step_mix=round(c.mixed_steps / c.steps, 4) if (c := core.counters).steps else None)
+        step_mix=round(c.mixed_steps / c.steps, 4) if (c := core.counters).steps else None,
+        dropped_samples=dropped_samples(core))
+
+
+def dropped_samples(core: DispatcherCore) -> DroppedSamples | None:
+    if not len(core.too_long):
+        return None
+    return DroppedSamples(count=len(core.too_long), first=core.too_long[:NAMED_TOO_LONG].tolist(),
+                          longer_than=core.options.buckets[-1])
 
 
 def waiting_for(core: DispatcherCore) -> WaitingFor:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import get_args
 
-from common.run.config import ConfigError, Objective, describe
+from common.run.config import ConfigError, Objective, ScheduleSection, describe
 from common.run.durable import STORAGE_FAILED_EXIT_CODE, StorageFailed, describe_storage_failure, is_storage_error
 from common.worker.runtime import EXIT_UNUSABLE, WorkerUnusable
 from hsd.bench import add_bench_parser
@@ -40,8 +40,17 @@ def cmd_dispatcher(args) -> int:
 
 
 def cmd_worker(args) -> int:
-    """``hsd target`` / ``hsd drafter``: one worker process."""
+    """``hsd target`` / ``hsd drafter``: one worker process. A data error (a prepared dataset that
+    cannot be read as it is) makes it unusable: ``hsd launch`` does not restart it for that."""
+    from common.run.prepared import DataError
     setup_logging()
+    try:
+        return _run_worker(args)
+    except DataError as exc:
+        raise WorkerUnusable(str(exc)) from exc
+
+
+def _run_worker(args) -> int:
     config = config_of(args)
     if args.node:
         config.nodes.name = args.node
@@ -333,7 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, help="JSONL or Parquet file, or a folder of shards")
     p.add_argument("--tokenizer", required=True, help="local tokenizer directory (the target's)")
     p.add_argument("--out", required=True, help="dataset directory to write")
-    p.add_argument("--max-length", type=int, default=4096, help="longer samples are skipped (default 4096)")
+    last_bucket = ScheduleSection().buckets[-1]  # a longer sample fits no bucket of the default schedule
+    p.add_argument("--max-length", type=int, default=last_bucket,
+                   help=f"longer samples are skipped (default {last_bucket}, the default schedule's last bucket)")
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("make-tiny", help="build a tiny trained Qwen3 target, its tokenizer and a synthetic dataset")

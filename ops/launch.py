@@ -5,7 +5,8 @@ stops workers before the dispatcher) and die with the launcher (PR_SET_PDEATHSIG
 prefixed by role and also kept in ``<run.dir>/logs/<name>.log``. A crashed worker is restarted up
 to ``max_restarts`` times, but not one that exits with ``EXIT_UNUSABLE`` (it cannot work in this
 run as configured and would fail the same way again); the run ends when the dispatcher exits, which it does once the last
-epoch is committed.
+epoch is committed. The data is validated whole before anything starts: a bad dataset is refused
+(exit 2, naming the file and the first bad sample) with no process started.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from common.child_process import die_with_parent
 from common.run.config import Config, write_resolved
 from common.run.durable import STORAGE_FAILED_EXIT_CODE
 from common.worker.runtime import CALL_TIMEOUT_S, EXIT_UNUSABLE
+from dispatcher.dataset import load_lengths
 from dispatcher.journal import JournalCorrupt, JournalDamaged, read_journal
 from dispatcher.journal_events import DispatcherStopped
 from dispatcher.rundir import STATE_FILE, check_free_space
@@ -148,6 +150,8 @@ class Launcher:
 
     # -- run ------------------------------------------------------------------------------------
     def run(self) -> int:
+        config = self.config
+        load_lengths(config.data, config.schedule, config.run)  # raises DataError, naming the file: exit 2
         self.run_dir.mkdir(parents=True, exist_ok=True)
         check_free_space(self.run_dir, self.config.run.min_free_mb)
         self.log_dir.mkdir(exist_ok=True)

@@ -1,7 +1,8 @@
 """``hsd report``: what a run did, read back from its journal and persisted schedules.
 
 Exactly-once (every scheduled job in exactly one committed step), fairness of the schedule and of
-the consumed stream, step mix, per-stage utilization and throughput.
+the consumed stream, step mix, per-stage utilization and throughput, and the samples no epoch
+trained (longer than the last bucket).
 """
 
 from __future__ import annotations
@@ -14,13 +15,15 @@ from typing import Any
 import numpy as np
 
 from common.run.witness import latest_checkpoint, list_models
+from dispatcher.dataset import NAMED_TOO_LONG, too_long_samples
 from dispatcher.fairness import prefix_deviation_array, tail_skew
 from dispatcher.journal import read_journal
 from dispatcher.journal_events import (DispatcherStarted, DispatcherStopped, EpochCommitted, EpochStarted, Event,
                                        JobConsumed, JobGivenBack, JobReady, ModelRolledBack, StepCommitted,
                                        WorkerJoined, WorkerLeft)
 from dispatcher.ledger import split_job_id
-from dispatcher.schedule import load_schedule
+from dispatcher.schedule import EpochSchedule, load_schedule
+from dispatcher.schedule_builder import LENGTHS_FILE
 
 STAGES = ("target", "drafter")
 
@@ -128,6 +131,24 @@ def read_run(run_dir: str | os.PathLike) -> _ReportPass:
     return run
 
 
+def dropped_samples(run_dir: Path, schedules: dict[int, EpochSchedule | None]) -> dict[str, Any]:
+    """The samples longer than the schedules' last bucket, from the lengths the run's schedules were built from."""
+    schedule = next((s for s in schedules.values() if s is not None), None)
+    lengths_path = run_dir / LENGTHS_FILE
+    if schedule is None or not lengths_path.is_file():
+        return {"count": 0, "first": [], "longer_than": 0}
+    longer_than = schedule.buckets[-1].max_len
+    too_long = too_long_samples(np.load(lengths_path, mmap_mode="r"), [longer_than])
+    return {"count": len(too_long), "first": too_long[:NAMED_TOO_LONG].tolist(), "longer_than": longer_than}
+
+
+def dropped_line(count: int, first: list[int], longer_than: int) -> str:
+    """Samples no epoch trains (longer than the last bucket): ``hsd stats`` and ``hsd report`` alike."""
+    more = ", ..." if count > len(first) else ""
+    return (f"dropped   {count} sample(s) longer than the last bucket ({longer_than}), in no epoch: sample "
+            f"{', '.join(map(str, first))}{more}")
+
+
 def build_report(run_dir: str | os.PathLike) -> dict[str, Any]:
     run_dir = Path(run_dir)
     run = read_run(run_dir)
@@ -208,6 +229,7 @@ def build_report(run_dir: str | os.PathLike) -> dict[str, Any]:
         "pipeline_efficiency": round(stages["drafter"]["tokens_per_s"] / slower, 4) if slower else 0.0,
         "restarts": run.num_starts - 1,
         "reads": {"local": run.reads["local"], "remote": run.reads["remote"]},
+        "dropped_samples": dropped_samples(run_dir, schedules),
         **_group_figures(commits),
     }
 
@@ -267,6 +289,9 @@ def format_report(report: dict[str, Any]) -> str:
     if idle_pipeline(report):
         lines.append(f"          neither stage was busy {IDLE_BELOW:.0%} of its time: what set the pace was not their "
                      f"compute (the host's CPUs, the pool's slots, the control plane, or a run too short for its start)")
+    dropped = report.get("dropped_samples") or {}
+    if dropped.get("count"):
+        lines.append(dropped_line(dropped["count"], dropped["first"], dropped["longer_than"]))
     reads = report.get("reads") or {}
     if reads.get("remote"):
         total = reads["local"] + reads["remote"]

@@ -19,6 +19,7 @@ from common.run.config import ConfigError, load_config, load_run_config
 from common.wire.curve import CurveClient, client_from_config, client_from_keys, handshake_refused
 from dispatcher.nodes import format_nodes
 from dispatcher.stats_figures import format_q_hsb, pool_usage
+from ops.report import dropped_line
 
 DEFAULT_RUN_DIR = "runs/demo"
 
@@ -216,6 +217,8 @@ def format_stats(s: Snapshot, *, previous: Snapshot | None = None, rate: float |
                      f"consumed {e.consumed_prefix_deviation:.2f}")
     lines.append(eta_line(s, rate if rate is not None else CommitRate().rate(s)))
     lines.append("jobs      " + "  ".join(f"{k} {v}" for k, v in s.jobs_by_state.items()))
+    if s.dropped_samples is not None:
+        lines.append(dropped_line(s.dropped_samples.count, s.dropped_samples.first, s.dropped_samples.longer_than))
     lines.append("q_hsb     " + format_q_hsb(s.q_hsb))
     lines.append(f"pool      {t['kind']}, {t['num_slots']} slots{' per target' if t['per_target'] else ''} x "
                  f"{_mib(t['slot_bytes'])} = {_mib(t['pool_bytes'])}; "

@@ -25,6 +25,7 @@ import torch
 
 from common.run.capture_contract import CaptureContract, check_same_contract, contract_of
 from common.run.config import Objective, ScheduleSection, TargetSection
+from common.run.prepared import DataError
 from common.dataplane.slots import DTYPES, SlotHeader, SlotView
 from common.wire import messages
 from target_worker.capture import LayerCapture, contract_shape_of, drop_unused_modules, load_target_model
@@ -67,10 +68,13 @@ def pad_job(job: messages.Job, dataset: SampleSource, *, tokens_per_batch: int) 
     attention_mask = torch.zeros(len(samples), seq_len, dtype=torch.int64)
     loss_mask = torch.zeros(len(samples), seq_len, dtype=torch.uint8)
     for row, (index, length) in enumerate(zip(samples, lengths)):
-        ids, mask = dataset.sample(int(index))
+        try:
+            ids, mask = dataset.sample(int(index))
+        except IndexError as exc:
+            raise DataError(f"job {job.job_id}: {exc}: the dataset is not the one scheduled") from None
         if len(ids) != length or len(mask) != length:
-            raise ValueError(f"job {job.job_id}: sample {index} has {len(ids)} tokens and a loss mask of "
-                             f"{len(mask)} but the schedule says {length}: the dataset is not the one scheduled")
+            raise DataError(f"job {job.job_id}: sample {index} has {len(ids)} tokens and a loss mask of "
+                            f"{len(mask)} but the schedule says {length}: the dataset is not the one scheduled")
         if not 0 < length <= seq_len:
             raise ValueError(f"job {job.job_id}: sample {index} of {length} tokens does not fit seq_len {seq_len}")
         input_ids[row, :length] = torch.from_numpy(np.asarray(ids, dtype=np.int64))

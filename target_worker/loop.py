@@ -2,6 +2,9 @@
 
 With ``pool.target_credits`` of 2 (the default) the dispatcher grants the prefetched request while
 the current job computes, so the next job (and its slot) is waiting when this one is reported.
+A data error (the dataset does not hold a sample as scheduled) ends the worker at once, after the
+job is reported failed: every later job would read the same data (``hsd target`` then exits with
+the unusable code, which ``hsd launch`` does not restart).
 
 A backend may hand back its slot still being written (:class:`common.worker.backends.PendingSlotWrite`,
 a GPU target's copy on a side stream): the loop then starts the next job's forward first and
@@ -17,6 +20,7 @@ from typing import Any
 
 from common import faults
 from common.run.config import Config
+from common.run.prepared import DataError
 from common.wire import messages
 from common.dataplane.transport import TargetTransport, open_target_transport
 from common.worker.backends import PendingSlotWrite, TargetBackend
@@ -108,10 +112,13 @@ class TargetLoop(WorkerLoop):
     def _failed(self, job: messages.Job, exc: Exception) -> None:
         self._failures_in_a_row += 1
         self.num_failed += 1
-        log.exception("%s: job %d failed", self.name, job.job_id, exc_info=exc)
+        if isinstance(exc, DataError):  # the message names the sample and the file: no traceback to read
+            log.error("%s: job %d failed: %s", self.name, job.job_id, exc)
+        else:
+            log.exception("%s: job %d failed", self.name, job.job_id, exc_info=exc)
         self._reports.append(self.session.submit(messages.JobFailed(job_id=job.job_id,
                                                                     reason=f"{type(exc).__name__}: {exc}"[:500])))
-        if self._failures_in_a_row >= MAX_CONSECUTIVE_FAILURES:
+        if isinstance(exc, DataError) or self._failures_in_a_row >= MAX_CONSECUTIVE_FAILURES:
             self._collect(self._reports, wait=True)
             raise exc
 

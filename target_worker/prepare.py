@@ -17,9 +17,11 @@ from typing import Iterator
 
 import numpy as np
 
+from common.run.config import ScheduleSection
 from common.run.durable import atomic_write, publish
 from common.run.prepared import (FORMAT, LENGTHS_FILE, LOSS_MASK_FILE, MANIFEST_FILE, OFFSET_DTYPE, OFFSETS_FILE,
-                             TOKEN_DTYPE, TOKENS_FILE, load_tokenizer, tokenizer_fingerprint)
+                             TOKEN_DTYPE, TOKENS_FILE, BlockChecksums, checksums_section, load_tokenizer,
+                             tokenizer_fingerprint)
 from target_worker.chat_rows import TOO_LONG, RowError, parse_json_line, row_format, row_messages
 from target_worker.loss_mask import tokenize_conversations, turn_end_marker
 
@@ -31,6 +33,8 @@ CHUNK_ROWS = 256  # rows per batched tokenizer call: large enough to amortize, s
 MAX_LOGGED_BAD_ROWS = 1000  # past this, bad rows are only counted (a broken file must not flood the log)
 MAX_BAD_ROW_EXAMPLES = 100  # bad rows listed in the manifest with their line and reason
 HISTOGRAM_EDGES = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+# The default schedule's last bucket: a sample longer than it has no bucket and no epoch trains it.
+DEFAULT_MAX_LENGTH = ScheduleSection().buckets[-1]
 
 
 def input_files(path: str | os.PathLike) -> list[Path]:
@@ -90,21 +94,30 @@ class DatasetWriter:
         self.out_dir = out_dir
         self.names = (TOKENS_FILE, LOSS_MASK_FILE, OFFSETS_FILE, LENGTHS_FILE)
         self.files = {name: open(out_dir / f"{name}.partial", "wb") for name in self.names}
+        self.checksums = {name: BlockChecksums() for name in self.names}  # of what was written, as it is
         self.num_tokens = 0
         self.num_loss_tokens = 0
         self.num_samples = 0
         self.lengths: Counter = Counter()  # length -> count: bounded by the longest length, not the rows
-        self.files[OFFSETS_FILE].write(np.asarray([0], dtype=OFFSET_DTYPE).tobytes())
+        self._write(OFFSETS_FILE, np.asarray([0], dtype=OFFSET_DTYPE).tobytes())
+
+    def _write(self, name: str, data: bytes) -> None:
+        self.files[name].write(data)
+        self.checksums[name].update(data)
 
     def add(self, ids: list[int], mask: list[int]) -> None:
-        self.files[TOKENS_FILE].write(np.asarray(ids, dtype=TOKEN_DTYPE).tobytes())
-        self.files[LOSS_MASK_FILE].write(bytes(mask))
+        self._write(TOKENS_FILE, np.asarray(ids, dtype=TOKEN_DTYPE).tobytes())
+        self._write(LOSS_MASK_FILE, bytes(mask))
         self.num_tokens += len(ids)
         self.num_loss_tokens += sum(mask)
         self.num_samples += 1
         self.lengths[len(ids)] += 1
-        self.files[OFFSETS_FILE].write(np.asarray([self.num_tokens], dtype=OFFSET_DTYPE).tobytes())
-        self.files[LENGTHS_FILE].write(f"{len(ids)}\n".encode())
+        self._write(OFFSETS_FILE, np.asarray([self.num_tokens], dtype=OFFSET_DTYPE).tobytes())
+        self._write(LENGTHS_FILE, f"{len(ids)}\n".encode())
+
+    def checksums_section(self) -> dict:
+        """The manifest's ``checksums``: each file's size and block checksums, for :func:`validate_prepared`."""
+        return checksums_section({name: self.checksums[name].record() for name in self.names})
 
     def close(self) -> None:
         for handle in self.files.values():
@@ -125,7 +138,7 @@ class DatasetWriter:
 
 
 def prepare_dataset(input_path: str | os.PathLike, tokenizer_dir: str | os.PathLike, out_dir: str | os.PathLike,
-                    *, max_length: int = 4096, progress: bool = True) -> dict:
+                    *, max_length: int = DEFAULT_MAX_LENGTH, progress: bool = True) -> dict:
     """Tokenize ``input_path`` into ``out_dir``; returns the manifest. Raises ValueError when no row
     is usable (after logging why each row was skipped)."""
     from tqdm import tqdm
@@ -206,6 +219,7 @@ def prepare_dataset(input_path: str | os.PathLike, tokenizer_dir: str | os.PathL
                    "files": [{"name": p.name, "bytes": p.stat().st_size} for p in files]},
         "files": {"tokens": TOKENS_FILE, "loss_mask": LOSS_MASK_FILE, "offsets": OFFSETS_FILE,
                   "lengths": LENGTHS_FILE},
+        "checksums": writer.checksums_section(),
     }
     atomic_write(out_dir / MANIFEST_FILE, json.dumps(manifest, indent=2) + "\n", tmp_name=f"{MANIFEST_FILE}.partial")
     log.info("prepared %d samples (%d tokens, %d in the loss) from %d rows into %s; skipped %d",

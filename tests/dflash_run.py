@@ -29,7 +29,7 @@ def write_dataset(out_dir: Path, lengths: list[int], *, seed: int = 0, prompt_le
         writer.add(ids, [0] * prompt_len + [1] * (length - prompt_len))
     writer.finish()
     manifest = {"format": FORMAT, "num_samples": len(lengths), "num_tokens": int(sum(lengths)),
-                "tokenizer": {"fingerprint": _fingerprint(tokenizer_dir)}}
+                "tokenizer": {"fingerprint": _fingerprint(tokenizer_dir)}, "checksums": writer.checksums_section()}
     (out_dir / MANIFEST_FILE).write_text(json.dumps(manifest))
     return out_dir
 

@@ -107,6 +107,13 @@ class NodeView(Part, kw_only=True, omit_defaults=True):
     reads_remote: int  # ... and from another node's
 
 
+class DroppedSamples(Part, kw_only=True, omit_defaults=True):
+    """Samples longer than the schedule's last bucket: no epoch trains them."""
+    count: int
+    first: list[int]  # the first few of their sample indices
+    longer_than: int  # the last bucket's max length
+
+
 class CoreSnapshot(Part, kw_only=True, omit_defaults=True):
     """What the core knows: built by dispatcher/snapshot.py's build_snapshot."""
     time: float  # wall clock (time.time()) when it was taken
@@ -131,6 +138,7 @@ class CoreSnapshot(Part, kw_only=True, omit_defaults=True):
     # share of the steps committed since this dispatcher started that took a new bucket at every pull
     # where an eligible new one was ready (None before the first)
     step_mix: float | None = None
+    dropped_samples: DroppedSamples | None = None  # when the data holds samples too long for the schedule
 
 
 class Snapshot(CoreSnapshot, kw_only=True, omit_defaults=True):

@@ -7,7 +7,9 @@ import json
 import pytest
 from tiny_tokenizers import save_tiny_tokenizer
 
-from common.run.prepared import MANIFEST_FILE, TOKENS_FILE, PreparedDataset, check_tokenizer, tokenizer_fingerprint
+from common.run.config import ScheduleSection
+from common.run.prepared import (MANIFEST_FILE, TOKENS_FILE, PreparedDataset, check_tokenizer, tokenizer_fingerprint,
+                                 validate_prepared)
 from target_worker.prepare import prepare_dataset
 
 ROWS = [{"prompt": "Spell the word cat.", "response": "The word cat is spelled c - a - t. It has 3 letters."},
@@ -44,6 +46,14 @@ def test_reader_views_and_fingerprint(dataset_dir, tokenizers):
     tokenizer(["a", "bb"], padding=True)  # runtime padding settings do not change the fingerprint
     assert dataset.fingerprint == tokenizer_fingerprint(tokenizer)
     check_tokenizer(dataset, tokenizers[0])  # the same tokenizer: accepted
+
+
+def test_prepare_writes_checksums_and_keeps_what_the_default_schedule_places(dataset_dir):
+    summary = validate_prepared(dataset_dir)
+    assert summary.checksummed and summary.lengths.tolist() == PreparedDataset(dataset_dir).lengths.tolist()
+    manifest = json.loads((dataset_dir / MANIFEST_FILE).read_text())
+    assert set(manifest["checksums"]["files"]) == {"tokens.u32", "loss_mask.u8", "offsets.u64", "lengths.txt"}
+    assert manifest["max_length"] == ScheduleSection().buckets[-1]  # the default path drops nothing
 
 
 def test_refuses_a_dataset_prepared_with_another_tokenizer(dataset_dir, tokenizers):

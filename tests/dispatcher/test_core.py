@@ -395,3 +395,26 @@ def test_the_jobs_of_an_epoch_a_drafter_is_told_are_every_epochs_schedule(tmp_pa
     if batching == "fixed":  # per bucket, its samples over the batch size of its longest: 8, 4, 2
         sizes = [sum(1 for n in lengths if lo < n <= hi) for lo, hi in zip([0, *BUCKETS], BUCKETS)]
         assert jobs == sum(-(-n // (TOKENS // hi)) for n, hi in zip(sizes, BUCKETS))
+
+
+def test_samples_too_long_for_the_schedule_are_counted_in_the_log_stats_and_report(tmp_path, caplog):
+    from common.wire.stats_snapshot import DroppedSamples
+    from ops.report import build_report, format_report
+    lengths = small_lengths() + [300, 3519, 257]  # the last bucket is 256: samples 50, 51 and 52 fit none
+    with caplog.at_level("WARNING", logger="hsd.dispatcher"):
+        core = make_core(tmp_path, lengths=lengths, epochs=1)
+    assert any("3 of 53 samples are longer than the last bucket (256) and no epoch trains them: sample 50 "
+               "(300 tokens), 51 (3519 tokens), 52 (257 tokens)" in r.getMessage() for r in caplog.records)
+    assert build_snapshot(core, 0.0).dropped_samples == DroppedSamples(count=3, first=[50, 51, 52], longer_than=256)
+    sim = Sim(core, register(core, "target", 1), register(core, "drafter", 1))
+    sim.run()
+    assert core.done and not set(load_schedule(tmp_path, 0).job_samples.tolist()) & {50, 51, 52}
+    core.close()
+    report = build_report(tmp_path)
+    assert report["dropped_samples"] == {"count": 3, "first": [50, 51, 52], "longer_than": 256}
+    assert ("dropped   3 sample(s) longer than the last bucket (256), in no epoch: sample 50, 51, 52"
+            in format_report(report).splitlines())
+    (tmp_path / "fits").mkdir()
+    fits = make_core(tmp_path / "fits", epochs=1)
+    assert fits.too_long.tolist() == [] and build_snapshot(fits, 0.0).dropped_samples is None
+    fits.close()

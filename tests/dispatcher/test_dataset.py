@@ -1,12 +1,15 @@
-"""dispatcher/dataset.py: lengths files and the synthetic length mix."""
+"""dispatcher/dataset.py: lengths files, prepared datasets checked whole, the synthetic length mix,
+and the samples too long for the schedule."""
 
 from collections import Counter
 
 import pytest
+from prepared_data import write_prepared
 
 from common.run.config import load_config
+from common.run.prepared import DataError
 from dispatcher.dataset import (SYNTHETIC_SHARES, DatasetError, load_lengths, read_lengths_file,
-                                synthetic_lengths)
+                                synthetic_lengths, too_long_line, too_long_samples)
 from dispatcher.schedule import assign_buckets
 
 
@@ -84,9 +87,23 @@ def test_load_lengths_from_config(tmp_path, monkeypatch):
     (tmp_path / "l.txt").write_text("5\n6\n")
     assert _lengths_of(["data.lengths=l.txt"]) == [5, 6]
     (tmp_path / "ds").mkdir()
-    with pytest.raises(DatasetError, match="lengths.txt"):
+    with pytest.raises(DataError, match="no manifest.json"):
         _lengths_of(["data.path=ds"])
-    (tmp_path / "ds" / "lengths.txt").write_text("9\n")
-    assert _lengths_of(["data.path=ds"]) == [9]
+    write_prepared(tmp_path / "ds", [9, 4])
+    assert _lengths_of(["data.path=ds"]) == [9, 4]
+    (tmp_path / "ds" / "lengths.txt").write_text("9\n")  # a dataset's lengths are checked whole
+    with pytest.raises(DataError, match="sample 1 \\(line 2\\)"):
+        _lengths_of(["data.path=ds"])
     synthetic = _lengths_of(["data.synthetic_samples=300"])
     assert len(synthetic) == pytest.approx(300, abs=6)
+
+
+def test_samples_too_long_for_the_last_bucket_are_named():
+    lengths = [10, 3519, 256, 257, 5] + [300] * 6
+    too_long = too_long_samples(lengths, [128, 256])
+    assert too_long.tolist() == [1, 3, 5, 6, 7, 8, 9, 10]
+    assert too_long_line(too_long, lengths, 256) == (
+        "8 of 11 samples are longer than the last bucket (256) and no epoch trains them: sample 1 (3519 tokens), "
+        "3 (257 tokens), 5 (300 tokens), 6 (300 tokens), 7 (300 tokens) and 3 more; raise schedule.buckets' last, "
+        "or prepare with --max-length 256 to leave them out")
+    assert too_long_samples([1, 256], [128, 256]).tolist() == []

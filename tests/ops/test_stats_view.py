@@ -135,3 +135,14 @@ def test_q_hsb_lists_every_bucket_empty_ones_as_zero(tmp_path):
     s.q_hsb = q_hsb
     assert "q_hsb     " + format_q_hsb(q_hsb) in format_stats(s).splitlines()
     assert format_q_hsb(core.pool.ready_per_bucket()) == format_q_hsb(q_hsb)  # the progress line's figures
+
+
+def test_samples_too_long_for_the_schedule_are_shown_and_survive_the_wire():
+    import msgspec
+    from common.wire.stats_snapshot import DroppedSamples
+    s = snapshot()
+    assert "dropped" not in format_stats(s) and "dropped_samples" not in msgspec.json.encode(s).decode()
+    s.dropped_samples = DroppedSamples(count=7, first=[3, 9, 11, 12, 40], longer_than=256)
+    assert ("dropped   7 sample(s) longer than the last bucket (256), in no epoch: sample 3, 9, 11, 12, 40, ..."
+            in format_stats(s).splitlines())
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(s), type=Snapshot).dropped_samples == s.dropped_samples
