@@ -64,14 +64,14 @@ def _with_sentinels(messages: list[dict]) -> list[dict]:
             for m in messages]
 
 
-def _header_end(fragment: str, header: str) -> int:
-    """Where the last assistant header in ``fragment`` ends, or -1. A generation prompt that also
+def _last_header(fragment: str, header: str) -> tuple[int, int] | None:
+    """Where the last assistant header in ``fragment`` starts and ends. A generation prompt that also
     opens the reasoning (``<｜Assistant｜><think>\\n``) is looked for by its longest prefix found."""
     for size in range(len(header), 0, -1):
         at = fragment.rfind(header[:size])
         if at >= 0:
-            return at + size
-    return -1
+            return at, at + size
+    return None
 
 
 def assistant_spans(text: str, sentinel_text: str, num_turns: int, header: str,
@@ -90,16 +90,16 @@ def assistant_spans(text: str, sentinel_text: str, num_turns: int, header: str,
         if at < 0:
             raise unlocated("its content is not rendered")
         before = sentinel_text[sentinel_cursor:at]  # the turns since the previous one, then this turn's header
-        opened = _header_end(before, header)
-        opening = before[:opened] if opened >= 0 else before
+        opened = _last_header(before, header)
+        opening = before[:opened[1]] if opened else before
         if not text.startswith(opening, cursor):
             raise unlocated("the text before it differs")
         start = cursor + len(opening)
         sentinel_cursor = at + len(_sentinel(k))
         if k + 1 < num_turns:
             after = sentinel_text[sentinel_cursor:sentinel_text.find(_sentinel(k + 1), sentinel_cursor)]
-            next_header = _header_end(after, header)
-            closing = after[:next_header - len(header)] if next_header >= len(header) else after
+            next_header = _last_header(after, header)
+            closing = after[:next_header[0]] if next_header else after
             end = text.find(closing, start)
         else:
             after = sentinel_text[sentinel_cursor:]

@@ -156,7 +156,8 @@ def test_reasoning_target_multi_turn_regenerated_then_prepared_skips_nothing(tmp
     # The target's whole output is the turn's content; the old reasoning and tool calls are gone.
     assert [m for m in row_messages(rows[1]) if m["role"] == "assistant"] == \
         [{"role": "assistant", "content": "<think>7</think>9"}] * 3
-    assert rows[0]["system"] == "Think before answering." and rows[1]["messages"][2] == {"role": "tool", "content": "24"}
+    assert rows[0]["system"] == "Think before answering."
+    assert rows[1]["messages"][2] == {"role": "tool", "content": "24"}
 
     prepare_dataset(out, reasoning_model_dir, tmp_path / "data", progress=False)
     dataset = PreparedDataset(tmp_path / "data")
