@@ -47,6 +47,14 @@ def cmd_bench_chaos(args) -> int:
                            work_dir=args.dir, inputs_dir=args.inputs, keep=args.keep)
 
 
+def cmd_bench_corruption(args) -> int:
+    if args.trials < 1:
+        raise ConfigError("--trials must be positive")
+    from benchmarks.corruption import run_corruption_bench
+    return run_corruption_bench(trials=args.trials, seed=args.seed, work_dir=args.dir, as_json=args.json,
+                                keep=args.keep)
+
+
 def cmd_bench_balance(args) -> int:
     from benchmarks.step_balance import SETUPS, run_balance_bench
     return run_balance_bench(setups=tuple(args.setup or SETUPS), ranks=args.ranks, epochs=args.epochs, accum_steps=args.accum_steps, seed=args.seed,
@@ -162,6 +170,14 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--keep", action="store_true", help="keep the temporary work directory")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_chaos)
+    b = bench.add_parser("corruption", help="one flipped byte in a run's journal, snapshot or checkpoint, then a "
+                                            "relaunch: exactly once, or refused naming the file")
+    b.add_argument("--trials", type=int, default=20, help="trials, each a copy of the stopped base run")
+    b.add_argument("--seed", type=int, default=0, help="seed of the files and offsets damaged")
+    b.add_argument("--dir", help="work directory; default a temporary one, removed unless a trial failed")
+    b.add_argument("--keep", action="store_true", help="keep every trial's run directory")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_corruption)
     b = bench.add_parser("balance", help="all-reduce wait of a DFlash group, count- vs cost-balanced steps")
     b.add_argument("--setup", action="append", choices=("modeled", "dflash"),
                    help="modeled (sim targets, linear ranks with a modeled DFlash cost) or dflash (the demo's "

@@ -191,12 +191,11 @@ def cmd_export(args) -> int:
 
 def cmd_prepare(args) -> int:
     setup_logging()
-    from target_worker.prepare import prepare_dataset
-    manifest = prepare_dataset(args.input, args.tokenizer, args.out, max_length=args.max_length)
-    rows = manifest["rows"]
+    from target_worker.prepare import prepare_dataset, rows_summary
+    manifest = prepare_dataset(args.input, args.tokenizer, args.out, max_length=args.max_length,
+                               per_turn=args.per_turn)
     print(f"{args.out}: {manifest['num_samples']} samples, {manifest['num_tokens']} tokens "
-          f"({manifest['num_loss_tokens']} in the loss); {rows['skipped']} of {rows['read']} rows skipped"
-          + (f" ({', '.join(f'{k} {v}' for k, v in rows['skipped_by_reason'].items())})" if rows["skipped"] else ""))
+          f"({manifest['num_loss_tokens']} in the loss); {rows_summary(manifest['rows'])}")
     return 0
 
 
@@ -345,6 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
     last_bucket = ScheduleSection().buckets[-1]  # a longer sample fits no bucket of the default schedule
     p.add_argument("--max-length", type=int, default=last_bucket,
                    help=f"longer samples are skipped (default {last_bucket}, the default schedule's last bucket)")
+    p.add_argument("--per-turn", action="store_true",
+                   help="one sample per assistant turn, as the target saw it then (every turn's reasoning in the "
+                        "loss), instead of one per conversation")
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("make-tiny", help="build a tiny trained Qwen3 target, its tokenizer and a synthetic dataset")

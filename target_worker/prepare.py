@@ -22,8 +22,8 @@ from common.run.durable import atomic_write, publish
 from common.run.prepared import (FORMAT, LENGTHS_FILE, LOSS_MASK_FILE, MANIFEST_FILE, OFFSET_DTYPE, OFFSETS_FILE,
                              TOKEN_DTYPE, TOKENS_FILE, BlockChecksums, checksums_section, load_tokenizer,
                              tokenizer_fingerprint)
-from target_worker.chat_rows import TOO_LONG, RowError, parse_json_line, row_format, row_messages
-from target_worker.loss_mask import tokenize_conversations, turn_end_marker
+from target_worker.chat_rows import NO_ASSISTANT_TURN, TOO_LONG, RowError, parse_json_line, row_format, row_messages
+from target_worker.loss_mask import tokenize_samples, turn_end_marker
 
 log = logging.getLogger("hsd.prepare")
 
@@ -138,9 +138,10 @@ class DatasetWriter:
 
 
 def prepare_dataset(input_path: str | os.PathLike, tokenizer_dir: str | os.PathLike, out_dir: str | os.PathLike,
-                    *, max_length: int = DEFAULT_MAX_LENGTH, progress: bool = True) -> dict:
+                    *, max_length: int = DEFAULT_MAX_LENGTH, per_turn: bool = False, progress: bool = True) -> dict:
     """Tokenize ``input_path`` into ``out_dir``; returns the manifest. Raises ValueError when no row
-    is usable (after logging why each row was skipped)."""
+    is usable (after logging why each row was skipped). ``per_turn``: one sample per assistant turn
+    instead of one per conversation (see :mod:`target_worker.loss_mask`)."""
     from tqdm import tqdm
 
     if max_length <= 0:
@@ -155,7 +156,7 @@ def prepare_dataset(input_path: str | os.PathLike, tokenizer_dir: str | os.PathL
     bad: Counter = Counter()
     examples: list[dict] = []
     formats: Counter = Counter()
-    num_rows = 0
+    num_rows = num_used = 0
 
     def skip(where: str, error: RowError) -> None:
         bad[error.reason] += 1
@@ -168,14 +169,21 @@ def prepare_dataset(input_path: str | os.PathLike, tokenizer_dir: str | os.PathL
                 log.warning("further skipped rows are counted in the manifest but not logged")
 
     def flush(chunk: list[tuple[str, list[dict]]]) -> None:
-        results = tokenize_conversations(tokenizer, [messages for _, messages in chunk], turn_end)
+        nonlocal num_used
+        results = tokenize_samples(tokenizer, [messages for _, messages in chunk], turn_end, per_turn=per_turn)
         for (where, _), result in zip(chunk, results):
             if isinstance(result, RowError):
                 skip(where, result)
-            elif len(result[0]) > max_length:
-                skip(where, RowError(TOO_LONG, f"{len(result[0])} tokens, longer than --max-length {max_length}"))
+                continue
+            longest = max((len(ids) for ids, _ in result), default=0)
+            if not result:
+                skip(where, RowError(NO_ASSISTANT_TURN, "every assistant turn renders as whitespace"))
+            elif longest > max_length:  # a row is used whole or not at all, in either way of sampling
+                skip(where, RowError(TOO_LONG, f"{longest} tokens, longer than --max-length {max_length}"))
             else:
-                writer.add(*result)
+                num_used += 1
+                for sample in result:
+                    writer.add(*sample)
         chunk.clear()
 
     chunk: list[tuple[str, list[dict]]] = []
@@ -206,13 +214,14 @@ def prepare_dataset(input_path: str | os.PathLike, tokenizer_dir: str | os.PathL
         "num_samples": writer.num_samples,
         "num_tokens": writer.num_tokens,
         "num_loss_tokens": writer.num_loss_tokens,
+        "samples": "per_turn" if per_turn else "conversation",
         "max_length": max_length,
         "tokenizer": {"path": str(Path(tokenizer_dir).resolve()), "fingerprint": tokenizer_fingerprint(tokenizer),
                       "vocab_size": len(tokenizer), "turn_end": turn_end},
         "lengths": {"min": min(writer.lengths), "max": max(writer.lengths),
                     "mean": round(writer.num_tokens / writer.num_samples, 2),
                     "histogram": length_histogram(writer.lengths)},
-        "rows": {"read": num_rows, "used": writer.num_samples, "skipped": sum(bad.values()),
+        "rows": {"read": num_rows, "used": num_used, "skipped": sum(bad.values()),
                  "skipped_by_reason": dict(sorted(bad.items())), "formats": dict(sorted(formats.items()))},
         "skipped_examples": examples,
         "source": {"input": str(Path(input_path).resolve()),
@@ -222,6 +231,14 @@ def prepare_dataset(input_path: str | os.PathLike, tokenizer_dir: str | os.PathL
         "checksums": writer.checksums_section(),
     }
     atomic_write(out_dir / MANIFEST_FILE, json.dumps(manifest, indent=2) + "\n", tmp_name=f"{MANIFEST_FILE}.partial")
-    log.info("prepared %d samples (%d tokens, %d in the loss) from %d rows into %s; skipped %d",
-             writer.num_samples, writer.num_tokens, writer.num_loss_tokens, num_rows, out_dir, sum(bad.values()))
+    log.info("prepared %d samples (%d tokens, %d in the loss) into %s; %s", writer.num_samples, writer.num_tokens,
+             writer.num_loss_tokens, out_dir, rows_summary(manifest["rows"]))
     return manifest
+
+
+def rows_summary(rows: dict) -> str:
+    """The rows of a manifest in a few words: read, by format, and skipped by reason."""
+    formats = ", ".join(f"{name} {n}" for name, n in rows["formats"].items())
+    reasons = ", ".join(f"{reason} {n}" for reason, n in rows["skipped_by_reason"].items())
+    return (f"{rows['read']} rows read" + (f" ({formats})" if formats else "")
+            + f", {rows['used']} used, {rows['skipped']} skipped" + (f" ({reasons})" if reasons else ""))

@@ -5,6 +5,14 @@ assistant turn is replaced by the target's greedy (or sampled) answer to the con
 where the earlier assistant turns are already the regenerated ones. Rows are processed in groups of
 ``batch_size``; within a group, turn k of every row is generated in one left-padded batch. The
 output keeps each row's format and other fields; unusable rows are logged and left out.
+
+Each turn's prompt is the conversation so far as the target's chat template renders it (system
+and tool turns included, the target's own earlier answers as the template shows them: a Qwen3-style
+template drops their reasoning). The target's whole output becomes the turn's ``content``, its
+reasoning included (``<think>…</think>`` then the answer, as Qwen3 writes it; when the generation
+prompt itself opens the reasoning, as DeepSeek-R1's does, that opening is written at the start of the
+content), and the turn's old ``reasoning_content`` and ``tool_calls`` are dropped: that is where
+``hsd prepare`` reads reasoning back, and the template decides what of it each sample shows.
 """
 
 from __future__ import annotations
@@ -17,6 +25,9 @@ from pathlib import Path
 from common.run.config import Config, ConfigError
 from common.run.durable import publish
 from target_worker.chat_rows import RowError, parse_json_line, row_messages, with_assistant_texts
+from target_worker.loss_mask import assistant_header
+
+THINK_OPEN = "<think>"
 
 log = logging.getLogger("hsd.regenerate")
 
@@ -37,9 +48,18 @@ def load_target(model_dir: str):
     return model, tokenizer, device
 
 
+def reasoning_opening(tokenizer) -> str:
+    """The opening of the reasoning block that the template's generation prompt writes itself (e.g.
+    ``<think>\n``), which the target's output then lacks; empty for most templates."""
+    header = assistant_header(tokenizer)
+    at = header.rfind(THINK_OPEN)
+    return header[at:] if at >= 0 and not header[at + len(THINK_OPEN):].strip() else ""
+
+
 def generate_answers(model, tokenizer, prompts: list[list[dict]], *, device: str, max_new_tokens: int,
                      sample: bool, temperature: float) -> list[str]:
-    """The target's answer to each conversation prefix (ending with a user turn), as text."""
+    """The target's output for each conversation prefix (ending with a user or tool turn), as text,
+    with the reasoning it holds."""
     import torch
 
     texts = [tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -58,10 +78,12 @@ def generate_answers(model, tokenizer, prompts: list[list[dict]], *, device: str
                              max_new_tokens=max_new_tokens, pad_token_id=pad_id, **options)
     eos = model.generation_config.eos_token_id
     stops = set(eos if isinstance(eos, list) else [eos]) | {pad_id}
+    opening = reasoning_opening(tokenizer)
     answers = []
     for generated in out[:, width:].tolist():
         end = next((i for i, token in enumerate(generated) if token in stops), len(generated))
-        answers.append(tokenizer.decode(generated[:end], skip_special_tokens=True))
+        # Reasoning tags are plain tokens in Qwen3's and DeepSeek-R1's vocabularies: decoding keeps them.
+        answers.append(opening + tokenizer.decode(generated[:end], skip_special_tokens=True))
     return answers
 
 
