@@ -439,33 +439,50 @@ def read_journal(run_dir: str | os.PathLike, *, after: int = -1, only: tuple[typ
     else JournalDamaged. The live segment's unterminated last line (torn, or being written) is not
     a record yet: passed over."""
     wanted = frozenset(kind_of(cls) for cls in only) if only else None
-    needles = tuple(b'"ev":"%s"' % kind.encode() for kind in wanted) if wanted else None
     unknown: set[str] = set()
     for path in segment_paths(run_dir, after=after):
-        with open(path, "rb") as f:
-            for number, line in enumerate(f, 1):
-                if needles is not None and not any(n in line[9:40] for n in needles):
-                    if intact_body(line) is None and line.endswith(b"\n"):  # damaged: is it one we need?
-                        _pass_damaged(path, number, line, wanted, damaged)
-                    continue
-                body = intact_body(line)
-                if body is None:
-                    if line.endswith(b"\n"):
-                        _pass_damaged(path, number, line, wanted, damaged)
-                    continue
-                try:
-                    event = decode_event(body)
-                except UnknownKind as exc:
-                    if exc.kind not in unknown:
-                        unknown.add(exc.kind)
-                        log.warning("journal %s:%d: skipped a record of unknown kind %r (an older or newer "
-                                    "dispatcher wrote it); the later ones of that kind are skipped too",
-                                    path, number, exc.kind)
-                    continue
-                except JournalCorrupt as exc:
-                    raise JournalCorrupt(f"journal {path}:{number}: {exc}") from None
-                if only is None or isinstance(event, only):
-                    yield event
+        yield from read_segment(path, wanted=wanted, only=only, damaged=damaged, unknown=unknown)
+
+
+def read_segment(path: Path, *, wanted: frozenset[str] | None, only: tuple[type[Event], ...] | None,
+                 damaged: list[tuple[Path, int, str]] | None, unknown: set[str]) -> Iterator[AnyEvent]:
+    """One segment's events, by :func:`read_journal`'s rules (``wanted``: the kinds of ``only``)."""
+    needles = tuple(b'"ev":"%s"' % kind.encode() for kind in wanted) if wanted else None
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if needles is not None and not any(n in line[9:40] for n in needles):
+                if intact_body(line) is None and line.endswith(b"\n"):  # damaged: is it one we need?
+                    _pass_damaged(path, number, line, wanted, damaged)
+                continue
+            body = intact_body(line)
+            if body is None:
+                if line.endswith(b"\n"):
+                    _pass_damaged(path, number, line, wanted, damaged)
+                continue
+            try:
+                event = decode_event(body)
+            except UnknownKind as exc:
+                if exc.kind not in unknown:
+                    unknown.add(exc.kind)
+                    log.warning("journal %s:%d: skipped a record of unknown kind %r (an older or newer "
+                                "dispatcher wrote it); the later ones of that kind are skipped too",
+                                path, number, exc.kind)
+                continue
+            except JournalCorrupt as exc:
+                raise JournalCorrupt(f"journal {path}:{number}: {exc}") from None
+            if only is None or isinstance(event, only):
+                yield event
+
+
+def last_event(run_dir: str | os.PathLike, kind: type[Event]) -> AnyEvent | None:
+    """The journal's last event of ``kind``, read from the newest segment back, so a damaged line in
+    an older segment than the one that holds it is never read."""
+    wanted = frozenset({kind_of(kind)})
+    for path in reversed(segment_paths(run_dir)):
+        found = list(read_segment(path, wanted=wanted, only=(kind,), damaged=None, unknown=set()))
+        if found:
+            return found[-1]
+    return None
 
 
 def _pass_damaged(path: Path, number: int, line: bytes, wanted: frozenset[str] | None,

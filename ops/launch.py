@@ -27,7 +27,7 @@ from common.run.config import Config, write_resolved
 from common.run.durable import STORAGE_FAILED_EXIT_CODE
 from common.worker.runtime import CALL_TIMEOUT_S, EXIT_UNUSABLE
 from dispatcher.dataset import load_lengths
-from dispatcher.journal import JournalCorrupt, JournalDamaged, read_journal
+from dispatcher.journal import JournalCorrupt, JournalDamaged, last_event
 from dispatcher.journal_events import DispatcherStopped
 from dispatcher.rundir import STATE_FILE, check_free_space
 from ops.report import build_report, format_report
@@ -42,10 +42,10 @@ STOP_GRACE_S = CALL_TIMEOUT_S + 20.0
 def _run_completed(run_dir: Path) -> bool:
     """Whether the dispatcher's last stop, as journaled, came after every epoch was committed."""
     try:
-        stops = list(read_journal(run_dir, only=(DispatcherStopped,)))
+        stop = last_event(run_dir, DispatcherStopped)
     except (JournalDamaged, JournalCorrupt):  # the dispatcher's own start says what is wrong with it
         return False
-    return bool(stops) and stops[-1].done
+    return stop is not None and stop.done
 
 
 @dataclass
