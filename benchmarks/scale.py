@@ -29,6 +29,10 @@ After every worker registered and ``--warmup`` seconds, a window of ``--seconds`
   exceeds 90 %: then the workers, not the dispatcher, may set the pace. ``steal_pct`` and
   ``other_cpu_pct`` (the rest of the host's use, of all its cores) say how busy the host was.
 
+The workers register as if from other nodes (``scale-node-K``), as a thousand GPUs' workers are:
+the dispatcher tells their liveness by heartbeats alone. With ``--same-host`` they name this host,
+and the dispatcher's sweep checks each one's process every 0.25 s, as for workers on its own node.
+
 Exactly once: every job id the drafters committed is committed once (``duplicates``).
 """
 
@@ -40,6 +44,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -76,6 +81,10 @@ class ScaleOptions:
     heartbeat_s: float | None = None  # None: dispatcher.heartbeat_s's default
     work_dir: str | None = None
     seed: int = 0
+    # The workers register from this host's name: the dispatcher's sweep (every 0.25 s) then checks
+    # each one's process, as it does for workers on its own node. By default they name hosts of their
+    # own, as the workers of a thousand GPUs on other nodes do, whose liveness only heartbeats tell.
+    same_host: bool = False
 
 
 def _progress(message: str) -> None:
@@ -168,7 +177,8 @@ class Clients:
             plan = ClientPlan(endpoint=config.control_endpoint, secret=config.dispatcher.secret,
                               targets=[f"t{i}" for i in range(k, targets, n)],
                               drafters=[f"d{i}" for i in range(k, drafters, n)], model=options.model,
-                              target_credits=config.pool.target_credits, seed=options.seed * 1000 + k)
+                              target_credits=config.pool.target_credits, seed=options.seed * 1000 + k,
+                              host=socket.gethostname() if options.same_host else f"scale-node-{k}")
             parent_end, child_end = ctx.Pipe()
             proc = ctx.Process(target=run_clients, args=(plan, child_end), name=f"hsd-bench-scale-client-{k}")
             proc.start()
@@ -306,7 +316,7 @@ def run_scale_bench(options: ScaleOptions, *, as_json: bool) -> int:
         print(json.dumps(json_safe({"model": {**asdict(options.model), "job_s": options.model.job_s,
                                     "target_jobs_per_s": options.model.target_jobs_per_s},
                           "seconds": options.seconds, "warmup_s": options.warmup_s, "clients": options.clients,
-                          "cpu_count": os.cpu_count(), "cpu_by_op": None, "cpu_by_op_note": CPU_BY_OP_NOTE,
+                          "cpu_count": os.cpu_count(), "same_host": options.same_host, "cpu_by_op": None, "cpu_by_op_note": CPU_BY_OP_NOTE,
                           "steps": steps}), indent=2))
     else:
         print(f"CPU by op: {CPU_BY_OP_NOTE}.")

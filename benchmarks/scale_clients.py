@@ -23,7 +23,6 @@ import itertools
 import os
 import random
 import selectors
-import socket as socket_module
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +47,7 @@ class ClientPlan:
     model: GpuModel
     target_credits: int
     seed: int
+    host: str  # the host the workers register from (see benchmarks.scale.ScaleOptions.same_host)
 
 
 class Clock:
@@ -155,7 +155,7 @@ class SimWorker:
     def register(self, now: float) -> None:
         model = messages.ModelClaim(id=self.name, step=0) if self.role == "drafter" else None
         self.send(messages.Register(role=self.role, name=self.name, pid=os.getpid(),
-                                    host=socket_module.gethostname(), model=model), now)
+                                    host=self.plan.host, model=model), now)
 
     def on_registered(self, reply: messages.RegisterReply, now: float) -> None:
         """Heartbeats and work begin at a random moment within one period of each: workers that

@@ -44,7 +44,8 @@ def cmd_bench_scale(args) -> int:
     if args.heartbeat_s is not None and not args.heartbeat_s > 0:
         raise ConfigError("--heartbeat-s must be positive")
     options = ScaleOptions(workers=tuple(workers), seconds=args.seconds, warmup_s=args.warmup, clients=args.clients,
-                           model=model, heartbeat_s=args.heartbeat_s, work_dir=args.dir, seed=args.seed)
+                           model=model, heartbeat_s=args.heartbeat_s, work_dir=args.dir, seed=args.seed,
+                           same_host=args.same_host)
     return run_scale_bench(options, as_json=args.json)
 
 
@@ -179,6 +180,8 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--job-tokens", type=int, default=16_384, help="tokens of a job (schedule.tokens_per_batch)")
     b.add_argument("--drafter-rate", type=float, default=5.0, help="micro-batches (jobs) a drafter GPU trains a second")
     b.add_argument("--heartbeat-s", type=float, help="dispatcher.heartbeat_s (default: the config's, 0.5)")
+    b.add_argument("--same-host", action="store_true", help="workers register from this host (the dispatcher then "
+                   "checks each one's process every sweep) rather than from hosts of their own")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--dir", default="", help="where to create the temporary run directories")
     b.add_argument("--json", action="store_true")
