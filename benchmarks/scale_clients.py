@@ -34,7 +34,7 @@ from common.wire import messages
 from common.wire.errors import ProtocolError
 
 POLL_MS = 1000  # the long-poll a worker's get_job / get_hs waits (common.worker.loop's)
-SWEEP_S = 0.1
+SWEEP_S = 1.0
 JITTER = 0.1  # each job's GPU time is the model's x U(1 - JITTER, 1 + JITTER): GPUs drift apart, as real ones do
 
 
@@ -121,16 +121,18 @@ class SimWorker:
         self.clock.sent.add(self)  # a send may consume the fd's signal of a reply already queued: drained next
 
     def drain(self, now: float) -> int:
+        """Every reply queued on the socket, until its fd is clear: reading ZMQ_EVENTS clears the fd,
+        and a reply that arrived since the last recv shows there (its signal is gone with it)."""
         received = 0
         while True:
             try:
                 frame = self.sock.recv(zmq.NOBLOCK)
             except zmq.Again:
-                break
+                if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    return received
+                continue
             received += 1
             self.on_frame(frame, time.monotonic())
-        self.sock.getsockopt(zmq.EVENTS)  # clears the fd's readiness for the next edge
-        return received
 
     def on_frame(self, frame: bytes, now: float) -> None:
         entry = self.pending.pop(messages.reply_id(frame), None)
