@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+DRAFTER_HEADROOM = 1.25  # drafters train this much more than the targets produce
 CLIENT_SATURATED_PCT = 90.0  # a client process busier than this (of one core) may be the bottleneck
 
 
@@ -38,11 +39,14 @@ class GpuModel:
         return self.tokens_per_s / self.job_tokens
 
     def split(self, workers: int) -> tuple[int, int]:
-        """``workers`` as (targets, drafters): as few drafters as consume what the targets produce
-        (rounded up), at least one of each."""
+        """``workers`` as (targets, drafters): as few drafters as consume what the targets produce with
+        ``DRAFTER_HEADROOM`` to spare (rounded up), at least one of each. Drafters with exactly the
+        targets' rate would be a queue at full load: ready slots would pile up until the pool is full
+        and every get_job waited for a slot, whatever the dispatcher's own speed."""
         if workers < 2:
             raise ValueError(f"a sweep step needs at least 2 workers (a target and a drafter), got {workers}")
-        share = self.target_jobs_per_s / (self.target_jobs_per_s + self.drafter_batches_per_s)
+        produced = self.target_jobs_per_s * DRAFTER_HEADROOM
+        share = produced / (produced + self.drafter_batches_per_s)
         drafters = min(workers - 1, max(1, math.ceil(workers * share)))
         return workers - drafters, drafters
 

@@ -38,13 +38,14 @@ def test_a_tiny_sweep_runs_every_step_exactly_once_and_leaves_nothing(tmp_path):
         for key in STEP_KEYS:
             assert s[key] is not None, (s["workers"], key)
         assert s["registered"] == s["workers"] and s["lost_workers"] == 0
-        assert s["items"] > 0 and s["committed"] > 0
+        assert s["items"] > 0
         assert s["duplicates"] == 0, "a job was committed twice"
         assert s["errors"] == {} and s["given_back"] == {}, (s["errors"], s.get("error_examples"))
         assert s["messages_per_item"]["job_ready"] == 1.0 and s["messages_per_item"]["get_hs"] > 0
         assert s["requests_timed"] > 0 and s["request_p50_ms"] <= s["request_p99_ms"] <= s["request_max_ms"]
         assert len(s["client_cpu_pct"]) == 2 and s["journal_bytes_per_s"] > 0
         assert s["dispatcher_exit_code"] == 0 and s["shm_left"] == 0
+    assert sum(s["committed"] for s in steps) > 0  # a drafter commits every 4 micro-batches
     assert_session_ended(run.sid, grace_s=10)
     segments = [seg.name for seg in list_segments() if seg.pid in run.seen]
     assert not segments, f"shared-memory segments left: {segments}"
@@ -63,10 +64,10 @@ def test_the_gpu_model_splits_workers_into_as_few_drafters_as_keep_up():
     for workers in (2, 4, 16, 64, 256, 1024, 3000):
         targets, drafters = model.split(workers)
         assert targets + drafters == workers and targets >= 1 and drafters >= 1
-        if workers >= 16:  # a drafter fewer would not keep up with the targets
-            assert drafters * model.drafter_batches_per_s >= targets * model.target_jobs_per_s
-            assert (drafters - 1) * model.drafter_batches_per_s < (targets + 1) * model.target_jobs_per_s
-    assert model.split(1024) == (770, 254)
+        if workers >= 16:  # with a quarter to spare, and a drafter fewer would not have it
+            assert drafters * model.drafter_batches_per_s >= 1.25 * targets * model.target_jobs_per_s
+            assert (drafters - 1) * model.drafter_batches_per_s < 1.25 * (targets + 1) * model.target_jobs_per_s
+    assert model.split(1024) == (725, 299)
     with pytest.raises(ValueError, match="job_tokens"):
         GpuModel(job_tokens=0)
 
