@@ -7,7 +7,8 @@ the step's workers between them, each with a socket of its own (:mod:`benchmarks
 The workers follow a GPU model (:class:`benchmarks.scale_model.GpuModel`): a target GPU captures
 ``--tokens-per-s`` tokens a second in jobs of ``--job-tokens``, a drafter GPU trains
 ``--drafter-rate`` micro-batches a second; a step's workers are split into as few drafters as
-consume what its targets produce. Heartbeats every ``dispatcher.heartbeat_s`` (``--heartbeat-s``).
+consume what its targets produce with a quarter to spare. Jobs' times vary ±10 % and every worker
+starts at a random moment of its period, so workers do not move in step. Heartbeats every ``dispatcher.heartbeat_s`` (``--heartbeat-s``).
 
 After every worker registered and ``--warmup`` seconds, a window of ``--seconds`` is measured:
 
