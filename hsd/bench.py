@@ -30,6 +30,25 @@ def cmd_bench_dispatcher(args) -> int:
     return run_dispatcher_load(options, as_json=args.json)
 
 
+def cmd_bench_scale(args) -> int:
+    from benchmarks.scale import ScaleOptions, run_scale_bench
+    from benchmarks.scale_model import GpuModel, parse_workers
+    try:
+        model = GpuModel(tokens_per_s=args.tokens_per_s, job_tokens=args.job_tokens,
+                         drafter_batches_per_s=args.drafter_rate)
+        workers = parse_workers(args.workers)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if not (args.seconds > 0 and args.warmup >= 0 and args.clients >= 1):
+        raise ConfigError("--seconds must be positive, --warmup not negative and --clients at least 1")
+    if args.heartbeat_s is not None and not args.heartbeat_s > 0:
+        raise ConfigError("--heartbeat-s must be positive")
+    options = ScaleOptions(workers=tuple(workers), seconds=args.seconds, warmup_s=args.warmup, clients=args.clients,
+                           model=model, heartbeat_s=args.heartbeat_s, work_dir=args.dir, seed=args.seed,
+                           same_host=args.same_host)
+    return run_scale_bench(options, as_json=args.json)
+
+
 def cmd_bench_pipeline(args) -> int:
     from benchmarks.pipeline import run_pipeline_bench
     try:
@@ -151,6 +170,22 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--dir", default="", help="where to create the temporary run directory")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_dispatcher)
+    b = bench.add_parser("scale", help="one real dispatcher process against up to 1,000+ simulated workers over "
+                                       "ZeroMQ: CPU per item, request latency, GPUs one core serves")
+    b.add_argument("--workers", default="16,64,256,1024", help="the sweep: workers (targets + drafters) per step")
+    b.add_argument("--seconds", type=float, default=5.0, help="measured window of each step")
+    b.add_argument("--warmup", type=float, default=2.0, help="seconds after every worker registered, unmeasured")
+    b.add_argument("--clients", type=int, default=2, help="client processes the workers are spread over")
+    b.add_argument("--tokens-per-s", type=float, default=27_000.0, help="prefill tokens/s of one target GPU")
+    b.add_argument("--job-tokens", type=int, default=16_384, help="tokens of a job (schedule.tokens_per_batch)")
+    b.add_argument("--drafter-rate", type=float, default=5.0, help="micro-batches (jobs) a drafter GPU trains a second")
+    b.add_argument("--heartbeat-s", type=float, help="dispatcher.heartbeat_s (default: the config's, 0.5)")
+    b.add_argument("--same-host", action="store_true", help="workers register from this host (the dispatcher then "
+                   "checks each one's process every sweep) rather than from hosts of their own")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--dir", default="", help="where to create the temporary run directories")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_scale)
     b = bench.add_parser("pipeline", help="fair dispatcher vs per-target queues vs random pool, on sim workers")
     b.add_argument("--topology", default="5x3", help="TARGETSxDRAFTERS")
     b.add_argument("--epochs", type=int, default=1)

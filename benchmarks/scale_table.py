@@ -1,0 +1,50 @@
+"""The table ``hsd bench scale`` prints, one row per sweep step (:mod:`benchmarks.scale`)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from benchmarks.scale_model import GpuModel
+
+COLUMNS = (("workers", 12), ("items/s", 14), ("disp CPU", 9), ("us/item", 13), ("request ms", 20),
+           ("hb lag", 8), ("journal", 9), ("GPUs/core", 10), ("client CPU", 12), ("host", 13))
+
+
+def table_header(model: GpuModel) -> str:
+    head = "".join(name.rjust(width) for name, width in COLUMNS)
+    return (f"GPU model: a target GPU {model.tokens_per_s:,.0f} tokens/s in jobs of {model.job_tokens:,} tokens "
+            f"({model.target_jobs_per_s:.2f} items/s), a drafter {model.drafter_batches_per_s:g} micro-batches/s\n"
+            f"columns: workers T+D; items/s done (offered); the dispatcher's CPU (% of a core); its CPU per item, "
+            f"all threads (loop thread); request p50/p99/max; heartbeat lag p99 ms; journal KB/s; target GPUs "
+            f"one dispatcher core serves; each client process's CPU %; other use / steal % of the host\n{head}")
+
+
+def _num(value: Any, spec: str) -> str:
+    return "-" if value is None or (isinstance(value, float) and not math.isfinite(value)) else format(value, spec)
+
+
+def format_step(s: dict[str, Any]) -> str:
+    cells = (
+        f"{s['targets']}+{s['drafters']}",
+        f"{_num(s['items_per_s'], '.0f')} ({_num(s['offered_items_per_s'], '.0f')})",
+        f"{_num(s['dispatcher_cpu_pct'], '.0f')}%",
+        f"{_num(s['dispatcher_cpu_us_per_item'], '.0f')} ({_num(s['loop_thread_cpu_us_per_item'], '.0f')})",
+        f"{_num(s['request_p50_ms'], '.1f')}/{_num(s['request_p99_ms'], '.1f')}/{_num(s['request_max_ms'], '.0f')}",
+        _num(s["heartbeat_lag_p99_ms"], ".1f"),
+        _num(s["journal_bytes_per_s"] / 1e3, ".0f"),
+        _num(s["projected_gpus_per_core"], ".0f"),
+        "/".join(_num(p, ".0f") for p in s["client_cpu_pct"]) + ("!" if s["client_saturated"] else ""),
+        f"{_num(s['other_cpu_pct'], '.0f')}/{_num(s['steal_pct'], '.1f')}",
+    )
+    row = "".join(cell.rjust(width) for cell, (_, width) in zip(cells, COLUMNS))
+    notes = []
+    if s["duplicates"]:
+        notes.append(f"EXACTLY-ONCE VIOLATED: {s['duplicates']} job(s) committed twice")
+    if s["errors"]:
+        notes.append(f"error replies {s['errors']}")
+    if s["given_back"]:
+        notes.append(f"given back {s['given_back']}")
+    if s["client_saturated"]:
+        notes.append("a client process is saturated (!): the workers may set the pace, not the dispatcher")
+    return row + "".join(f"\n    {note}" for note in notes)

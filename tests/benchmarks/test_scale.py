@@ -1,0 +1,113 @@
+"""`hsd bench scale`: a tiny sweep end to end (a real dispatcher process, client processes of many
+simulated workers), and the arithmetic of its figures. The figures themselves live in the bench's
+output: a shared test box says nothing reliable about CPU per item."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from benchmarks.scale import json_safe
+from benchmarks.scale_model import GpuModel, parse_workers, step_figures
+from benchmarks.scale_table import format_step, table_header
+from common.dataplane.shm_segment import list_segments
+from hsd_testing import assert_session_ended, hsd, run_hsd_in_session
+
+def _refuse(constant: str):
+    raise ValueError(f"{constant} in the JSON output")
+
+
+STEP_KEYS = ("items_per_s", "offered_items_per_s", "dispatcher_cpu_us_per_item", "loop_thread_cpu_us_per_item",
+             "projected_gpus_per_core", "request_p50_ms", "request_p99_ms", "request_max_ms", "heartbeat_lag_p99_ms",
+             "journal_bytes_per_s", "client_cpu_pct", "messages_per_item", "steal_pct", "other_cpu_pct")
+
+
+def test_a_tiny_sweep_runs_every_step_exactly_once_and_leaves_nothing(tmp_path):
+    run = run_hsd_in_session("bench", "scale", "--workers", "4,16", "--seconds", "2", "--warmup", "0.5", "--json",
+                             "--dir", str(tmp_path), timeout=120)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "warning" not in run.stderr, run.stderr[-4000:]
+    result = json.loads(run.stdout, parse_constant=_refuse)  # one JSON object on stdout, strict (no NaN)
+    assert result["model"]["tokens_per_s"] == 27_000 and result["model"]["job_tokens"] == 16_384
+    assert result["cpu_by_op"] is None and "not" in result["cpu_by_op_note"]
+    steps = result["steps"]
+    assert [(s["workers"], s["targets"] + s["drafters"]) for s in steps] == [(4, 4), (16, 16)]
+    for s in steps:
+        for key in STEP_KEYS:
+            assert s[key] is not None, (s["workers"], key)
+        assert s["registered"] == s["workers"] and s["lost_workers"] == 0
+        assert s["items"] > 0
+        assert s["duplicates"] == 0, "a job was committed twice"
+        assert s["errors"] == {} and s["given_back"] == {}, (s["errors"], s.get("error_examples"))
+        assert s["messages_per_item"]["job_ready"] == 1.0 and s["messages_per_item"]["get_hs"] > 0
+        assert s["requests_timed"] > 0 and s["request_p50_ms"] <= s["request_p99_ms"] <= s["request_max_ms"]
+        assert len(s["client_cpu_pct"]) == 2 and s["journal_bytes_per_s"] > 0
+        assert s["dispatcher_exit_code"] == 0 and s["shm_left"] == 0
+    assert sum(s["committed"] for s in steps) > 0  # a drafter commits every 4 micro-batches
+    assert_session_ended(run.sid, grace_s=10)
+    segments = [seg.name for seg in list_segments() if seg.pid in run.seen]
+    assert not segments, f"shared-memory segments left: {segments}"
+    assert not any(tmp_path.iterdir()), "the run directories were not removed"
+
+
+def test_bad_sweep_is_refused_with_exit_2():
+    proc = hsd("bench", "scale", "--workers", "16,1", check=False, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--workers" in proc.stderr
+
+
+def test_the_gpu_model_splits_workers_into_as_few_drafters_as_keep_up():
+    model = GpuModel()
+    assert model.target_jobs_per_s == pytest.approx(27_000 / 16_384)
+    for workers in (2, 4, 16, 64, 256, 1024, 3000):
+        targets, drafters = model.split(workers)
+        assert targets + drafters == workers and targets >= 1 and drafters >= 1
+        if workers >= 16:  # with a quarter to spare, and a drafter fewer would not have it
+            assert drafters * model.drafter_batches_per_s >= 1.25 * targets * model.target_jobs_per_s
+            assert (drafters - 1) * model.drafter_batches_per_s < 1.25 * (targets + 1) * model.target_jobs_per_s
+    assert model.split(1024) == (725, 299)
+    with pytest.raises(ValueError, match="job_tokens"):
+        GpuModel(job_tokens=0)
+
+
+def test_one_core_projects_to_gpus_at_the_stated_model():
+    model = GpuModel()
+    assert model.gpus_per_core(1.55e-3) == pytest.approx(391, abs=1)  # today's transport-bench figure
+    assert model.gpus_per_core(150e-6) >= 3000  # the CPU per item that serves 3,000 GPUs from one core
+    assert GpuModel(job_tokens=4096).gpus_per_core(1.55e-3) == pytest.approx(98, abs=1)
+
+
+def test_parse_workers():
+    assert parse_workers("16,64, 256") == [16, 64, 256]
+    for bad in ("", "a,b", "1,16"):
+        with pytest.raises(ValueError, match="--workers"):
+            parse_workers(bad)
+
+
+def test_step_figures_and_the_table_row():
+    figures = step_figures(
+        model=GpuModel(), targets=3, drafters=1, window_s=2.0, dispatcher_cpu_s=0.02, loop_thread_cpu_s=0.015,
+        requests={"job_ready": 10, "get_job": 10, "get_hs": 11, "heartbeat": 16, "commit_step": 2},
+        given_back={}, journal_bytes=4000, latencies_ms={"get_job": [1.0, 2.0], "heartbeat": [0.5], "get_hs": [90.0]},
+        heartbeat_lag_ms=[3.0, 1.0], heartbeat_age_max_s=0.4, client_cpu_s=[0.1, 1.9],
+        host={"steal_pct": 0.0, "other_cpu_pct": 5.0}, committed=8, duplicates=0, errors={}, late_wakeups=0)
+    assert figures["items_per_s"] == 5.0 and figures["dispatcher_cpu_us_per_item"] == pytest.approx(2000)
+    assert figures["loop_thread_cpu_us_per_item"] == pytest.approx(1500)
+    assert figures["projected_gpus_per_core"] == pytest.approx(1 / 2e-3 / (27_000 / 16_384))
+    assert figures["messages_per_item"]["heartbeat"] == 1.6
+    # get_hs waits for a ready slot by design: it is not among the requests timed
+    assert (figures["request_p50_ms"], figures["request_max_ms"], figures["requests_timed"]) == (1.0, 2.0, 3)
+    assert figures["client_cpu_pct"] == [5.0, 95.0] and figures["client_saturated"]
+    assert figures["journal_bytes_per_item"] == 400
+    row = format_step(figures)
+    assert "3+1" in row and "saturated" in row
+    assert "27,000 tokens/s" in table_header(GpuModel())
+    empty = step_figures(
+        model=GpuModel(), targets=1, drafters=1, window_s=1.0, dispatcher_cpu_s=0.01, loop_thread_cpu_s=0.01,
+        requests={}, given_back={}, journal_bytes=0, latencies_ms={}, heartbeat_lag_ms=[], heartbeat_age_max_s=0.0,
+        client_cpu_s=[0.0], host={"steal_pct": 0.0, "other_cpu_pct": 0.0}, committed=0, duplicates=0, errors={},
+        late_wakeups=0)
+    assert math.isnan(empty["dispatcher_cpu_us_per_item"]) and json_safe(empty)["projected_gpus_per_core"] is None
+    assert "nan" not in format_step(empty)
