@@ -121,7 +121,8 @@ class StepCommits:
                         return REFUSED, version
                     raise self.session.gone(f"commit of step {request.step} unanswered") from None
                 raise
-            if isinstance(exc, (NoReply, ProtocolError)):  # no dispatcher; internal past dispatcher.reconnect_s, or another error
+            # no dispatcher; internal past dispatcher.reconnect_s, or another error
+            if isinstance(exc, (NoReply, ProtocolError)):
                 return ABORTED, version
             return PENDING, version  # the dispatcher forgot us: every rank registers again, asking
         return COMMITTED, version if reply.membership is None else reply.membership

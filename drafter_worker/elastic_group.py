@@ -37,7 +37,8 @@ A step, in the order every rank keeps:
 Failure: a dead rank makes the others' collectives fail (gloo sees the closed socket); one that
 is only stopped closes nothing, so every rank also leaves a collective as soon as the dispatcher
 declared a peer dead (its heartbeat's answer names no version any more: about a heartbeat after
-``dispatcher.worker_timeout_s``), and ``drafter.collective_timeout_s`` bounds the rest. The step commits nothing; every survivor drops it and
+``dispatcher.worker_timeout_s``), and ``drafter.collective_timeout_s`` bounds the rest. The step
+commits nothing; every survivor drops it and
 asks for the next version saying its version failed, which ends it at once; the dispatcher opens
 the next one with the ranks still alive, and they carry on from their own weights. When rank 0 dies
 with its outcome unsent, the others ask the dispatcher (``step_outcome``) whether the step

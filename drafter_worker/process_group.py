@@ -28,6 +28,13 @@ is SIGABRT. So:
   peer to destroy too, which a dead peer never does. Should abort itself not return (some NCCL
   versions hang in it), the rank exits after ``ABORT_BOUND_S`` (code ``ABORT_HUNG_EXIT``) and
   restarts as a joiner: a lost process, never a hung group.
+
+**A peer that is only stopped** (SIGSTOP, a host asleep) fails nothing: its sockets stay open and
+gloo waits out the whole bound. So each collective's wait also runs a check the rank's step group
+gives it (``watch``), which raises once the dispatcher said the version ended (it declared the
+peer dead); the rank leaves the collective then. A gloo group whose collective is still in flight
+cannot be destroyed (its destructor joins the thread blocked in it): it is kept aside, unused, until
+that collective ends, and leaked if the process exits first.
 """
 
 from __future__ import annotations

@@ -146,7 +146,8 @@ class WorkerLoop:
                                          request_id=request_id,
                                          again=on_no_reply(log, "%s: %s got no reply; asking again", self.name, op,
                                                            unless=lambda: self.stopping),
-                                         deadline_s=self.session.reconnect_s, wait_s=self.poll_ms / 1000 + CALL_TIMEOUT_S)
+                                         deadline_s=self.session.reconnect_s,
+                                         wait_s=self.poll_ms / 1000 + CALL_TIMEOUT_S)
         except NoReply:
             if self.stopping:
                 return msgspec.structs.replace(EMPTY_POLL)
