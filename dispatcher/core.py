@@ -201,17 +201,18 @@ class DispatcherCore:
         self.jobs.register_slots(self.worker(worker_id, now), ipc_block, num_slots)
 
     def heartbeat(self, worker_id: str, now: float, holding: list[int] | None = None,
-                  seen_grant: int | None = None) -> None:
-        """Keeps the worker alive (leases are not renewed: a lease bounds one job's time).
+                  seen_grant: int | None = None) -> Worker:
+        """Keeps the worker alive (leases are not renewed: a lease bounds one job's time); returns it.
 
         ``holding`` lists the jobs the worker holds and ``seen_grant`` the number of the latest grant
         it received. A job the ledger says it holds, granted no later than that, but not listed, was
         dropped or never reached it (a reply lost on a reset socket, which a later grant reveals): it
         is given back at once. Judging by grant numbers, not by time, a slow reply is never mistaken
         for a lost one."""
-        self.worker(worker_id, now)
+        worker = self.worker(worker_id, now)
         if holding is not None and seen_grant is not None:
             self.jobs.give_back_unlisted(worker_id, holding, seen_grant)
+        return worker
 
     def deregister(self, worker_id: str, now: float, reason: str = "left") -> None:
         worker = self.worker(worker_id, now)

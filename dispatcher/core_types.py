@@ -96,7 +96,7 @@ class CoreOptions:
     allow_changed_data: bool = False
     contract: dict[str, Any] | None = None  # the run's capture contract, when the config fixes it
     num_target_queues: int = 0  # > 0: per-target queues (job i to queue i mod this), the naive assignment
-    abandoned_model_s: float = RECONNECT_S  # see the dispatcher section's key of that name
+    abandoned_model_s: float = RECONNECT_S  # the dispatcher section's abandoned_after_s
 
     @classmethod
     def from_config(cls, config: Config) -> "CoreOptions":
@@ -107,7 +107,7 @@ class CoreOptions:
                    allow_changed_data=config.data.allow_changed,
                    contract=run_contract(config.target, config.drafter.objective),
                    num_target_queues=config.target.count if config.schedule.assignment == "per_target" else 0,
-                   abandoned_model_s=config.dispatcher.abandoned_model_s)
+                   abandoned_model_s=config.dispatcher.abandoned_after_s)
 
 
 def run_contract(target: TargetSection, objective: Objective) -> dict[str, Any] | None:

@@ -19,6 +19,7 @@ from typing import Callable, Protocol
 
 POLL_FIRST_S = 20e-6  # the first pause between two looks at the work
 POLL_MAX_S = 1e-3  # the longest: what a completed collective may wait before the host sees it
+WATCH_S = 0.05  # how often a wait looks at what the dispatcher said of its peers (a lock and a read)
 
 
 class Work(Protocol):
@@ -30,19 +31,29 @@ class Work(Protocol):
 
 
 def wait_bounded(work: Work, *, timeout_s: float, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> bool:
+                 sleep: Callable[[float], None] = time.sleep, watch: Callable[[], None] | None = None,
+                 watch_s: float = WATCH_S) -> bool:
     """True once ``work`` completed, False when ``timeout_s`` passed first (the work may still be
     running: the caller aborts the communicator; it must not call ``work.wait()`` then, which on a
     GPU would make the compute stream wait for a kernel that never ends).
 
+    ``watch()`` is called every ``watch_s`` while the work is not complete: it raises when waiting
+    on is pointless (the dispatcher says a peer is gone, and one that is only stopped never closes
+    its sockets: gloo would wait out the whole bound). What it raises ends the wait, the work
+    still running, as a timeout does.
+
     A completed work is then waited on: that raises the collective's error if it failed (gloo's
     closed peer, NCCL's async error) and, on a GPU, orders the caller's stream after it."""
     deadline = clock() + timeout_s
+    next_watch = clock() + watch_s
     pause = POLL_FIRST_S
     while not work.is_completed():
         now = clock()
         if now >= deadline:
             return False
+        if watch is not None and now >= next_watch:
+            watch()
+            next_watch = now + watch_s
         sleep(min(pause, deadline - now))
         pause = min(2 * pause, POLL_MAX_S)
     work.wait()

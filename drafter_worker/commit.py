@@ -8,7 +8,7 @@ they are known only once a step is applied). The outcome — committed, refused,
 step group: a broadcast in a group, the identity alone), and every rank then applies the step or
 drops it.
 
-A commit that gets no reply is sent again while RECONNECT_S allows (it is idempotent). What a
+A commit that gets no reply is sent again while dispatcher.reconnect_s allows (it is idempotent). What a
 commit that the dispatcher could not answer becomes is the one difference between the two:
 
 - a lone drafter's session ends with it (DispatcherGone, or WorkerLost when the dispatcher forgot
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from common.wire import messages
 from common.wire.messages import ErrorCode, ProtocolError
-from common.worker.runtime import CALL_TIMEOUT_S, RECONNECT_S, DispatcherGone, NoReply, WorkerLost, resend_until_answered
+from common.worker.runtime import CALL_TIMEOUT_S, NoReply, WorkerLost, resend_until_answered
 from drafter_worker.step_group import (ABORTED, COMMITTED, PENDING, REFUSED, CollectiveFailed, RankRound)
 
 log = logging.getLogger("hsd.drafter")
@@ -119,9 +119,10 @@ class StepCommits:
                                     "that did commit it rolls the model back to its checkpoint)", self.name,
                                     request.step)
                         return REFUSED, version
-                    raise DispatcherGone(f"commit of step {request.step} unanswered for {RECONNECT_S:.0f}s") from None
+                    raise self.session.gone(f"commit of step {request.step} unanswered") from None
                 raise
-            if isinstance(exc, (NoReply, ProtocolError)):  # no dispatcher; internal past RECONNECT_S, or another error
+            # no dispatcher; internal past dispatcher.reconnect_s, or another error
+            if isinstance(exc, (NoReply, ProtocolError)):
                 return ABORTED, version
             return PENDING, version  # the dispatcher forgot us: every rank registers again, asking
         return COMMITTED, version if reply.membership is None else reply.membership
@@ -129,17 +130,17 @@ class StepCommits:
     def _commit_until_answered(self, request: messages.CommitStep,
                                request_id: int | None = None) -> messages.CommitReply:
         """The reply to ``request`` (``request_id``: the one in flight), sent again while
-        RECONNECT_S allows: at once when unanswered (a commit is idempotent), a second later when that
+        dispatcher.reconnect_s allows: at once when unanswered (a commit is idempotent), a second later when that
         dispatcher could not make it durable (``internal``: its journal failed and it stops; the same
         commit goes to the next one, which answers unknown_worker, and the step is dropped then).
 
         A lone drafter asked to stop sends it once: if that goes unanswered it drops the step and
         stops, saving what it applied (a dispatcher that did commit the step rolls the model back to
-        that checkpoint), not RECONNECT_S later, when the other workers may have given up on a
+        that checkpoint), not dispatcher.reconnect_s later, when the other workers may have given up on a
         dispatcher that comes back only once this one has gone.
 
         One classification for a lone drafter and a group's rank 0; what the errors left mean is
-        :meth:`_commit_outcome`'s (NoReply once RECONNECT_S passed, ProtocolError: ``bad_state`` is
+        :meth:`_commit_outcome`'s (NoReply once dispatcher.reconnect_s passed, ProtocolError: ``bad_state`` is
         a refusal, WorkerLost)."""
         step = request.step
 
@@ -155,7 +156,7 @@ class StepCommits:
             return None
         return resend_until_answered(lambda: self.session.submit(request),
                                      lambda request_id: self.session.result(request_id, timeout_s=CALL_TIMEOUT_S),
-                                     again=again, request_id=request_id)
+                                     again=again, request_id=request_id, deadline_s=self.session.reconnect_s)
 
     def _apply(self, step: StepInFlight) -> None:
         job_ids = step.request.job_ids

@@ -34,8 +34,11 @@ A step, in the order every rank keeps:
 4. a new version, or a rank that said it is leaving, ends this version after the step: every rank
    closes the group and asks for the next version. A rank asked to stop (SIGTERM) leaves then.
 
-Failure: a dead rank makes the others' collectives fail (gloo sees the closed socket, or
-``drafter.collective_timeout_s`` expires). The step commits nothing; every survivor drops it and
+Failure: a dead rank makes the others' collectives fail (gloo sees the closed socket); one that
+is only stopped closes nothing, so every rank also leaves a collective as soon as the dispatcher
+declared a peer dead (its heartbeat's answer names no version any more: about a heartbeat after
+``dispatcher.worker_timeout_s``), and ``drafter.collective_timeout_s`` bounds the rest. The step
+commits nothing; every survivor drops it and
 asks for the next version saying its version failed, which ends it at once; the dispatcher opens
 the next one with the ranks still alive, and they carry on from their own weights. When rank 0 dies
 with its outcome unsent, the others ask the dispatcher (``step_outcome``) whether the step
@@ -62,7 +65,7 @@ from common.wire import messages
 from common.wire.messages import ErrorCode, ProtocolError
 from common.worker.runtime import CALL_TIMEOUT_S, DispatcherGone, NoReply, WorkerLost
 from drafter_worker.busy_clock import BusyClock
-from drafter_worker.process_group import CollectiveFailed, RendezvousIncomplete, StepGroup
+from drafter_worker.process_group import CollectiveFailed, RendezvousIncomplete, StepGroup, VersionEnded
 from drafter_worker.rendezvous import RendezvousServer
 from drafter_worker.state_transfer import StateTransferFailed, receive_state, send_state
 from drafter_worker.step_group import ABORTED, COMMITTED, NEXT_VERSION, GroupNeverFormed, RankRound
@@ -196,6 +199,26 @@ class ElasticGroup:
             return True  # the dispatcher is restarting: the rendezvous' own bound still holds
         return reply.group is None and reply.membership == version
 
+    def _collective_watch(self, version: int) -> Callable[[], None]:
+        """The check a collective of ``version`` makes while it waits: the dispatcher answers every
+        heartbeat with the version naming this rank, and once one answered after the wait began
+        names none, a peer was lost (it died, or stopped and was declared dead) and the version has
+        ended: the wait ends (VersionEnded) rather than at ``drafter.collective_timeout_s``. A
+        refused heartbeat (this rank was declared dead while it was paused, or the dispatcher
+        restarted) ends it too: the rank registers again (WorkerLost)."""
+        channel = self.loop.session.channel
+        answered_before, _ = channel.beat_answer()
+        rank = self.rank
+
+        def check() -> None:
+            if channel.heartbeat_refused.is_set():
+                raise WorkerLost("the dispatcher refused our heartbeat while we waited in a collective")
+            answered, membership = channel.beat_answer()
+            if answered > answered_before and membership == 0:
+                raise VersionEnded(f"the dispatcher ended membership {version} (a peer was lost) while rank "
+                                   f"{rank} waited")
+        return check
+
     def _open_group(self, waiting_since: float) -> StepGroup:
         m, loop = self.membership, self.loop
         left_s = self.group_wait_s - (time.monotonic() - waiting_since)
@@ -205,7 +228,8 @@ class ElasticGroup:
                              max_jobs=loop.config.drafter.exchange_width(m.world_size),
                              device=getattr(loop.backend, "device", "cpu"),
                              rendezvous_timeout_s=min(self.timeout_s, max(left_s, 1.0)),
-                             still_current=lambda: self._still_current(m.membership))
+                             still_current=lambda: self._still_current(m.membership),
+                             watch=lambda: self._collective_watch(m.membership))
         except RendezvousIncomplete as exc:
             if left_s > 0:
                 raise

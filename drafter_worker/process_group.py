@@ -28,10 +28,19 @@ is SIGABRT. So:
   peer to destroy too, which a dead peer never does. Should abort itself not return (some NCCL
   versions hang in it), the rank exits after ``ABORT_BOUND_S`` (code ``ABORT_HUNG_EXIT``) and
   restarts as a joiner: a lost process, never a hung group.
+
+**A peer that is only stopped** (SIGSTOP, a host asleep) fails nothing: its sockets stay open and
+gloo waits out the whole bound. So each collective's wait also runs a check the rank's step group
+gives it (``watch``), which raises once the dispatcher said the version ended (it declared the
+peer dead); the rank leaves the collective then. A gloo group whose collective is still in flight
+cannot be destroyed (its destructor joins the thread blocked in it): it is kept aside, unused, until
+that collective ends, and leaked if the process exits first.
 """
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import datetime
 import logging
 import os
@@ -63,6 +72,11 @@ NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT"
             "TORCH_NCCL_ENABLE_MONITORING": "0"}
 ABORT_BOUND_S = 60.0  # an abort that has not returned by then never will
 ABORT_HUNG_EXIT = 5  # exit code of a rank whose communicator abort hung
+
+# Groups let go of with a collective still in flight, each with that work. A gloo group's destructor
+# joins its worker threads, and one blocked in a collective on a peer that is stopped (not dead: its
+# sockets stay open) returns only at the collective's timeout: freed here instead, once it has.
+_abandoned: list[tuple[object, object]] = []
 
 
 AllReduce = Callable[[torch.Tensor], None]  # sums a tensor in place across the ranks of a group
@@ -128,14 +142,20 @@ def prepare_nccl_env(environ=os.environ) -> None:
 class StepGroup:
     def __init__(self, *, store: str, rank: int, world_size: int, version: int, timeout_s: float,
                  max_jobs: int, device: torch.device | str = "cpu", rendezvous_timeout_s: float | None = None,
-                 still_current: Callable[[], bool] | None = None, server: RendezvousServer | None = None):
+                 still_current: Callable[[], bool] | None = None, server: RendezvousServer | None = None,
+                 watch: Callable[[], Callable[[], None]] | None = None):
         """Join membership ``version`` on its ``store`` (a FileStore path, or ``tcp://HOST:PORT/PREFIX``:
         ``server`` when it is this rank's own). Every rank first marks its arrival in the store and
         waits up to ``rendezvous_timeout_s`` (default ``timeout_s``) for all of them, so a rendezvous
         that fails says how many came; only then is the process group opened, its collectives
         bounded by ``timeout_s``. While it waits it asks ``still_current`` every ``WATCH_S``: a
-        version the dispatcher ended raises VersionEnded at once."""
+        version the dispatcher ended raises VersionEnded at once. ``watch()``, called as each
+        collective's wait begins, gives the check that wait makes as it goes: it raises (VersionEnded,
+        or the session's WorkerLost) once the dispatcher says the version ended, and the collective
+        is left at once rather than at its timeout."""
         self._still_current = still_current
+        self._watch_collective = watch
+        _free_abandoned()
         self.rank, self.world_size, self.version = rank, world_size, version
         self.max_jobs = max_jobs  # job ids one rank contributes to a step, at most
         self.timeout_s = timeout_s  # every collective's bound
@@ -224,15 +244,24 @@ class StepGroup:
             raise VersionEnded(f"membership {self.version} ended while rank {self.rank} waited at its rendezvous")
 
     def _run(self, what: str, collective, *args) -> None:
-        """``collective(*args)``, its host wait bounded by the timeout; a failure aborts the group."""
+        """``collective(*args)``, its host wait bounded by the timeout and ended early when the
+        dispatcher says the version ended; a failure aborts the group."""
+        work = None
         try:
             work = collective(*args, async_op=True)
-            completed = wait_bounded(work, timeout_s=self.timeout_s)
+            completed = wait_bounded(work, timeout_s=self.timeout_s,
+                                     watch=self._watch_collective() if self._watch_collective is not None else None)
+        except VersionEnded as exc:
+            self._abort(work)
+            raise VersionEnded(f"{what} of membership {self.version} left: {exc}") from None
         except (RuntimeError, ValueError) as exc:  # gloo raises RuntimeError for timeouts and closed peers
-            self._abort()
+            self._abort(work)
             raise CollectiveFailed(f"{what} of membership {self.version} failed: {exc}") from None
+        except BaseException:  # the dispatcher forgot this rank (WorkerLost): it registers again
+            self._abort(work)
+            raise
         if not completed:  # NCCL: the kernel still spins for a peer that is gone
-            self._abort()
+            self._abort(work)
             raise CollectiveFailed(f"{what} of membership {self.version} did not complete within "
                                    f"{self.timeout_s:g}s: a peer is gone (the communicator was aborted)")
 
@@ -287,12 +316,16 @@ class StepGroup:
         except (RuntimeError, ValueError) as exc:  # a broken group may not tear down cleanly
             log.warning("closing the process group of membership %d: %s", self.version, exc)
 
-    def _abort(self) -> None:
+    def _abort(self, pending: object = None) -> None:
         """Abort every communicator of the group (a spinning NCCL kernel returns) and forget the group,
-        on a thread of its own: an abort that does not return within ``ABORT_BOUND_S`` ends the process."""
+        on a thread of its own: an abort that does not return within ``ABORT_BOUND_S`` ends the process.
+        ``pending``: the collective left in flight, if any; the group is kept, unused, until it ends."""
         self.broken = True
         if not dist.is_initialized():
             return
+        _free_abandoned()
+        if pending is not None and not pending.is_completed():
+            _abandoned.append((dist.group.WORLD, pending))
         done = threading.Event()
 
         def abort() -> None:
@@ -309,3 +342,17 @@ class StepGroup:
                       "(the launcher restarts this rank, which joins again)", self.rank, self.version, ABORT_BOUND_S)
             logging.shutdown()
             os._exit(ABORT_HUNG_EXIT)
+
+
+@atexit.register
+def _leak_abandoned_at_exit() -> None:
+    """The groups still abandoned when the process exits are leaked, not destroyed: each destructor
+    would hold the exit until its collective's timeout."""
+    for entry in _abandoned:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(entry))
+
+
+def _free_abandoned() -> None:
+    """Let go of the abandoned groups whose collective has ended (it failed at its timeout, or the
+    peer came back and completed it): their destructors no longer wait."""
+    _abandoned[:] = [(group, work) for group, work in _abandoned if not work.is_completed()]

@@ -19,8 +19,9 @@ from common.wire import messages
 from common.wire.curve import CurveClient
 
 
-# How long a worker keeps trying to reach a dispatcher that went away; the dispatcher counts on a
-# worker of a run it restarted registering again within it, or having given up.
+# How long a worker keeps trying to reach a dispatcher that went away (the default of
+# dispatcher.reconnect_s); the dispatcher counts on a worker of a run it restarted registering again
+# within it, or having given up.
 RECONNECT_S = 60.0
 
 

@@ -59,6 +59,11 @@ class ControlChannel:
         self._dropped: set[int] = set()  # ids given up by reset(): their waiters get no reply
         self._heartbeat: tuple[float, HeartbeatFields] | None = None
         self.heartbeat_refused = threading.Event()  # the dispatcher no longer knows the heartbeat's worker
+        # The latest answered beat of the current setting: (its number, the reply's membership). A rank
+        # in a collective compares beats answered since the collective began with its version.
+        self._beat_answer: tuple[int, int | None] = (0, None)
+        self._waits_end_by: float | None = None  # limit_waits(): no wait for a reply lasts past this
+        self._wait_limit_s = 0.0
         # Bumped by every set_heartbeat(): a refusal counts only for the beats of the current setting,
         # so a late refusal of the previous session's beat cannot fail the next registration.
         self._beat_generation = 0
@@ -115,7 +120,7 @@ class ControlChannel:
         """The reply to a submitted request, as its op's reply struct: ProtocolError for an error reply
         (or one that breaks the protocol); DispatcherUnavailable when none came within ``timeout_s``
         (the socket is then reset: late replies are dropped)."""
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
         timed_out = False
         with self._cond:
             while request_id not in self._replies:
@@ -124,6 +129,9 @@ class ControlChannel:
                 if self.heartbeat_refused.is_set():
                     self._pending.pop(request_id, None)
                     raise ProtocolError(ErrorCode.UNKNOWN_WORKER, "the dispatcher refused our heartbeat")
+                deadline = started + timeout_s
+                if self._waits_end_by is not None:
+                    deadline = min(deadline, max(self._waits_end_by, started + self._wait_limit_s))
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     timed_out = True
@@ -139,6 +147,16 @@ class ControlChannel:
         if isinstance(reply, messages.ErrorReply):
             raise ProtocolError(reply.error.code, reply.error.message, request_id)
         return reply
+
+    def limit_waits(self, seconds: float) -> None:
+        """From now on no wait for a reply lasts more than ``seconds``, and the waits under way end
+        ``seconds`` from now at the latest (a worker asked to stop: a dispatcher that answers still
+        does so in time, and one that does not keeps the worker no longer than that). Safe to call
+        from a signal handler: the condition's lock is reentrant."""
+        with self._cond:
+            self._waits_end_by = time.monotonic() + seconds
+            self._wait_limit_s = seconds
+            self._cond.notify_all()
 
     def done(self, request_id: int) -> bool:
         """Whether the reply to ``request_id`` is in (or will never come), without waiting."""
@@ -166,6 +184,12 @@ class ControlChannel:
             self._outbox.append(("heartbeat", (self._beat_generation,
                                                None if interval_s is None else (interval_s, fields))))
         self._wake()
+
+    def beat_answer(self) -> tuple[int, int | None]:
+        """(how many beats of the current heartbeat setting were answered, the membership the latest
+        answer named: the version naming this worker then, 0 for none)."""
+        with self._cond:
+            return self._beat_answer
 
     def close(self) -> None:
         with self._sock_lock, self._cond:
@@ -286,7 +310,10 @@ class ControlChannel:
         if request_id in heartbeat_ids:
             heartbeat_ids.discard(request_id)
             try:
-                messages.decode_reply(frame, "heartbeat")
+                reply = messages.decode_reply(frame, "heartbeat")
+                with self._cond:
+                    if beat_generation == self._beat_generation:
+                        self._beat_answer = (self._beat_answer[0] + 1, reply.membership)
             except ProtocolError as exc:
                 if exc.code != ErrorCode.UNKNOWN_WORKER:
                     return

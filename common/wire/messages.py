@@ -127,7 +127,7 @@ class RegisterSlots(WorkerRequest, tag="register_slots", kw_only=True):
 
 
 class Heartbeat(WorkerRequest, tag="heartbeat", kw_only=True):
-    """-> Done; keeps the worker alive (a silent one is declared dead, its jobs given back).
+    """-> Done (with ``membership``); keeps the worker alive (a silent one is declared dead, its jobs given back).
     ``holding``: every job the worker holds (extracting, reading, consumed but not committed);
     ``seen_grant``: the ``grant`` number of the latest job it received. A job the dispatcher thinks
     it holds, granted no later than seen_grant and not listed, is given back at once."""
@@ -292,6 +292,9 @@ class Ack(Reply, kw_only=True):
 
 class Done(Reply, kw_only=True):
     done: bool  # every epoch committed
+    # (heartbeat) the membership version naming a rank of a data-parallel group now, 0 while it names
+    # none: a version the rank is in a collective of has ended (a peer died), so it leaves that collective
+    membership: int | None = None
 
 
 class RegisterReply(Reply, kw_only=True):

@@ -27,12 +27,17 @@ import msgspec
 from common.run.config import Config
 from common.wire import messages
 from common.wire.messages import ErrorCode, ProtocolError
-from common.worker.runtime import (CALL_TIMEOUT_S, RECONNECT_S, DispatcherAddress, DispatcherGone, NoReply, WorkerLost,
+from common.worker.runtime import (CALL_TIMEOUT_S, DispatcherAddress, DispatcherGone, NoReply, WorkerLost,
                                    WorkerSession, on_no_reply, resend_until_answered)
 
 log = logging.getLogger("hsd.worker")
 
 POLL_MS = 1000  # long-poll of get_job/get_hs; also bounds how long a stop request waits
+# Asked to stop, a worker waits this long at most for any one reply, the one in flight included: a
+# dispatcher that answers does so well within it, and one that does not keeps the worker no longer
+# than a few such waits (its poll, its last commit, its checkpoint's report, its deregister), well
+# within the launcher's stop grace.
+STOP_WAIT_S = 2.0
 EMPTY_POLL = messages.GrantReply(job=None, done=False)  # what a poll given up on (asked to stop) amounts to
 
 
@@ -60,7 +65,10 @@ class WorkerLoop:
         return self.session.stop_requested.is_set() or bool(self._external_stop and self._external_stop.is_set())
 
     def request_stop(self) -> None:
+        """Stop after the current job; the wait for a reply under way ends within STOP_WAIT_S (also
+        called from the SIGTERM handler, on the thread that may be in that wait)."""
         self.session.stop_requested.set()
+        self.session.channel.limit_waits(STOP_WAIT_S)
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -137,11 +145,13 @@ class WorkerLoop:
                                              request_id, timeout_s=self.poll_ms / 1000 + CALL_TIMEOUT_S),
                                          request_id=request_id,
                                          again=on_no_reply(log, "%s: %s got no reply; asking again", self.name, op,
-                                                           unless=lambda: self.stopping))
+                                                           unless=lambda: self.stopping),
+                                         deadline_s=self.session.reconnect_s,
+                                         wait_s=self.poll_ms / 1000 + CALL_TIMEOUT_S)
         except NoReply:
             if self.stopping:
                 return msgspec.structs.replace(EMPTY_POLL)
-            raise DispatcherGone(f"no dispatcher at {self.session.endpoint} for {RECONNECT_S:.0f}s") from None
+            raise self.session.gone() from None
 
     def _collect(self, request_ids: list[int], *, wait: bool = False) -> list[int]:
         """Settle pipelined reports whose replies are in (all of them with ``wait``); return the rest.

@@ -30,6 +30,9 @@ from common.wire.messages import ErrorCode, ProtocolError
 log = logging.getLogger("hsd.worker")
 
 CALL_TIMEOUT_S = 10.0
+# A wait for a reply that overruns its bound by more than this was not spent waiting: the process was
+# paused (SIGSTOP, a suspended laptop or VM). Scheduling on a loaded host overruns by far less.
+PAUSE_SLACK_S = 5.0
 # Requests whose reply (any reply) settles a held job: a target's report, a drafter's read failure.
 _RELEASES = (messages.JobReady, messages.JobFailed, messages.ReadFailed)
 
@@ -46,7 +49,7 @@ class NoReply(WorkerLost):
 
 
 class DispatcherGone(Exception):
-    """The dispatcher stayed unreachable for RECONNECT_S."""
+    """The dispatcher stayed unreachable for ``dispatcher.reconnect_s`` (RECONNECT_S by default)."""
 
 
 # sysexits' EX_CONFIG: the exit code of a worker that cannot work in this run as it is configured.
@@ -63,23 +66,36 @@ T = TypeVar("T")
 
 def resend_until_answered(send: Callable[[], int], wait: Callable[[int], T], *,
                           again: Callable[[Exception], float | None], request_id: int | None = None,
-                          deadline_s: float = RECONNECT_S) -> T:
+                          deadline_s: float = RECONNECT_S, wait_s: float = CALL_TIMEOUT_S) -> T:
     """The reply to a request the dispatcher may never answer (it is down, restarting, or lost it):
     ``wait(request_id)`` for the one in flight (``send()`` first when there is none), and while that
-    fails, ``send()`` it again, until ``deadline_s`` from now has passed.
+    fails, ``send()`` it again, until ``deadline_s`` of this process's waking time has passed.
 
     ``again(error)`` classifies each error before it is sent again: the seconds to pause first (0: at
     once; it logs why, as each caller words it), or None when the error is final. A final error, and
     any error once the deadline has passed, is raised: the caller says what it means.
+
+    The deadline counts only time the process was running. A wait that lasted far longer than its
+    bound (``wait_s``) was not a wait on the dispatcher: the process was stopped (SIGSTOP) or its
+    host slept or migrated, and the monotonic clock ran on meanwhile. Such a try proves nothing —
+    the reply may have come and been dropped, the dispatcher may have declared this worker dead —
+    so its time does not count, and the request is sent again before the dispatcher can be called
+    gone.
     """
     deadline = time.monotonic() + deadline_s
     if request_id is None:
         request_id = send()
     while True:
+        started = time.monotonic()
         try:
             return wait(request_id)
         except Exception as exc:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now - started > wait_s + PAUSE_SLACK_S:
+                log.warning("a wait for the dispatcher's reply lasted %.0fs, its bound %.0fs: this process was "
+                            "paused (stopped, or its host asleep); asking again", now - started, wait_s)
+                deadline += now - started
+            if now > deadline:
                 raise
             pause_s = again(exc)
             if pause_s is None:
@@ -104,18 +120,20 @@ def on_no_reply(logger: logging.Logger, message: str, *args: Any,
 @dataclass(frozen=True)
 class DispatcherAddress:
     """What a worker's session needs to reach its dispatcher: the control endpoint, the shared
-    secret, the connecting side's CURVE keys (the ``curve`` section) and the node it names when it
-    registers (:meth:`from_config`: a run config's)."""
+    secret, the connecting side's CURVE keys (the ``curve`` section), the node it names when it
+    registers and how long it keeps asking one that does not answer (:meth:`from_config`: a run
+    config's)."""
 
     endpoint: str
     secret: str = ""
     curve: CurveSection = field(default_factory=CurveSection)
     node: str = ""  # empty = this host's name
+    reconnect_s: float = RECONNECT_S  # dispatcher.reconnect_s
 
     @classmethod
     def from_config(cls, config: Config) -> DispatcherAddress:
         return cls(endpoint=config.control_endpoint, secret=config.dispatcher.secret, curve=config.curve,
-                   node=config.nodes.name)
+                   node=config.nodes.name, reconnect_s=config.dispatcher.reconnect_s)
 
 
 class WorkerSession:
@@ -125,6 +143,7 @@ class WorkerSession:
         self.gpu = gpu
         self.node = address.node or socket.gethostname()
         self.endpoint = address.endpoint
+        self.reconnect_s = address.reconnect_s  # how long an unanswered request is sent again
         self.held = HeldJobs()
         self.seen_grant = 0  # the grant number of the latest job received in this session
         self.channel = ControlChannel(self.endpoint, secret=address.secret,
@@ -174,12 +193,13 @@ class WorkerSession:
                     gpu=self.gpu, contract=contract, model=model)),
                 lambda request_id: self.channel.result(request_id, timeout_s=CALL_TIMEOUT_S),
                 again=lambda exc: 0.2 if isinstance(exc, DispatcherUnavailable) and not self.stop_requested.is_set()
-                else None)
+                else None, deadline_s=self.reconnect_s)
         except DispatcherUnavailable:
             hint = ("; with CURVE on, check that curve.server_public_key is the dispatcher's and that the "
                     "public half of curve.client_secret_key is in its curve.allowed_client_keys (a refused "
                     "key gets no answer at all)") if self.channel.curve is not None else ""
-            raise DispatcherGone(f"no dispatcher at {self.endpoint} for {RECONNECT_S:.0f}s{hint}") from None
+            raise DispatcherGone(f"no dispatcher at {self.endpoint} for {self.reconnect_s:g}s "
+                                 f"(dispatcher.reconnect_s){hint}") from None
         self.worker_id = reply.worker_id
         self.token = reply.token
         self.registration = reply
@@ -217,14 +237,20 @@ class WorkerSession:
 
     def call_until_answered(self, request: messages.WorkerRequest, *,
                             timeout_s: float = CALL_TIMEOUT_S) -> messages.Reply:
-        """An idempotent request, sent again while it gets no reply (up to RECONNECT_S)."""
+        """An idempotent request, sent again while it gets no reply (up to ``dispatcher.reconnect_s``)."""
         try:
             return resend_until_answered(lambda: self.submit(request),
                                          lambda request_id: self.result(request_id, timeout_s=timeout_s),
                                          again=on_no_reply(log, "%s: %s got no reply; sending it again", self.name,
-                                                           messages.op_of(request)))
+                                                           messages.op_of(request)),
+                                         deadline_s=self.reconnect_s, wait_s=timeout_s)
         except NoReply:
-            raise DispatcherGone(f"no dispatcher at {self.endpoint} for {RECONNECT_S:.0f}s") from None
+            raise self.gone() from None
+
+    def gone(self, what: str = "") -> DispatcherGone:
+        """The error of a worker that asked for ``dispatcher.reconnect_s`` and got no answer."""
+        return DispatcherGone(f"{what or 'no dispatcher at ' + self.endpoint} for {self.reconnect_s:g}s "
+                              f"(dispatcher.reconnect_s)")
 
     def close_registration(self) -> None:
         """Leave (best effort): the dispatcher gives back at once whatever this registration held."""

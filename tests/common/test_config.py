@@ -136,6 +136,8 @@ def test_parse_override_rejects(text):
     (["drafter.group_wait_s=0"], "drafter.group_wait_s"),
     (["drafter.group_wait_s=-5"], "drafter.group_wait_s"),
     (["dispatcher.heartbeat_s=0"], "dispatcher.heartbeat_s"),
+    (["dispatcher.reconnect_s=0"], "dispatcher.reconnect_s"),
+    (["dispatcher.abandoned_model_s=-1"], "dispatcher.abandoned_model_s"),
     (["dispatcher.worker_timeout_s=0.1", "dispatcher.heartbeat_s=0.5"], "dispatcher.worker_timeout_s"),
     (["target.count=2", "target.gpus=[0]"], "target.gpus"),
     (["data.lengths=missing.txt"], "data.lengths"),
@@ -153,6 +155,14 @@ def test_bad_values_raise_config_error_naming_the_key(overrides, key):
     with pytest.raises(ConfigError) as info:
         load_config(None, overrides)
     assert key in str(info.value)
+
+
+def test_the_abandoned_model_grace_follows_the_reconnect_window_unless_set():
+    """A drafter cut off from its dispatcher is given up on once it would have given up itself."""
+    assert load_config(None, []).dispatcher.abandoned_after_s == 60.0
+    assert load_config(None, ["dispatcher.reconnect_s=300"]).dispatcher.abandoned_after_s == 300.0
+    assert load_config(None, ["dispatcher.reconnect_s=300", "dispatcher.abandoned_model_s=20"]
+                       ).dispatcher.abandoned_after_s == 20.0
 
 
 def test_lengths_and_path_are_exclusive(tmp_path):

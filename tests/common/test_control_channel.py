@@ -3,10 +3,13 @@ replies are seen by the I/O thread; a reset drops what was queued."""
 
 import contextlib
 import threading
+import time
 
+import pytest
 import zmq
 
 from common.wire import messages
+from common.wire.client import DispatcherUnavailable
 from common.wire.control_channel import ControlChannel
 
 
@@ -89,3 +92,23 @@ def _result_or_error(channel: ControlChannel, request_id: int):
         return channel.result(request_id, timeout_s=10)
     except Exception as exc:  # what the caller would see instead of the reply
         return exc
+
+
+def test_a_stop_ends_the_wait_in_flight_when_no_dispatcher_answers(tmp_path):
+    """Asked to stop (limit_waits), a worker waiting for a reply that will not come is woken within
+    the limit, not at its own 30 s timeout, and a later wait lasts no longer either."""
+    channel = ControlChannel(f"ipc://{tmp_path / 'nobody.sock'}")
+    try:
+        request_id = channel.submit(messages.Heartbeat(holding=[]))
+        timer = threading.Timer(0.2, channel.limit_waits, args=(0.3,))
+        started = time.monotonic()
+        timer.start()
+        with pytest.raises(DispatcherUnavailable):
+            channel.result(request_id, timeout_s=30)
+        assert time.monotonic() - started < 5
+        started = time.monotonic()
+        with pytest.raises(DispatcherUnavailable):
+            channel.call(messages.Heartbeat(holding=[]), timeout_s=30)
+        assert time.monotonic() - started < 5
+    finally:
+        channel.close()

@@ -61,3 +61,37 @@ def test_unless_makes_no_reply_final():
     d = Dispatcher(NoReply("lost"), messages.Ack(id=1))
     with pytest.raises(NoReply):
         resend_until_answered(d.send, d.wait, again=on_no_reply(worker_runtime.log, "again", unless=lambda: True))
+
+
+def test_a_wait_the_process_slept_through_is_sent_again_past_the_deadline(monkeypatch, caplog):
+    """Stopped (SIGSTOP) or suspended inside its wait for 75 s, the worker wakes past the 60 s
+    deadline with the reply lost: that try proves nothing, so the request goes again and its answer
+    is taken, rather than the dispatcher being declared gone."""
+    now = [0.0]
+    monkeypatch.setattr(worker_runtime.time, "monotonic", lambda: now[0])
+
+    class PausedInItsFirstWait(Dispatcher):
+        def wait(self, request_id: int):
+            now[0] += 75.0 if request_id == 0 else 0.01
+            return super().wait(request_id)
+    d = PausedInItsFirstWait(NoReply("lost"), messages.Ack(id=1))
+    again = on_no_reply(worker_runtime.log, "again")
+    assert resend_until_answered(d.send, d.wait, again=again, deadline_s=60.0, wait_s=10.0) == messages.Ack(id=1)
+    assert d.sent == 2
+    assert any("this process was paused" in r.getMessage() for r in caplog.records)
+
+
+def test_a_dispatcher_silent_for_the_whole_waking_deadline_is_gone(monkeypatch):
+    """Waits that last their bound are waking time: past the deadline the last NoReply is raised."""
+    now = [0.0]
+    monkeypatch.setattr(worker_runtime.time, "monotonic", lambda: now[0])
+
+    class Silent(Dispatcher):
+        def wait(self, request_id: int):
+            now[0] += 10.0
+            return super().wait(request_id)
+    d = Silent(*[NoReply("lost")] * 10)
+    with pytest.raises(NoReply):
+        resend_until_answered(d.send, d.wait, again=on_no_reply(worker_runtime.log, "again"), deadline_s=25.0,
+                              wait_s=10.0)
+    assert d.sent == 3

@@ -101,13 +101,21 @@ class DispatcherSection(Section):
     metrics_port: int = opt(0, "Port of the Prometheus /metrics endpoint; 0 = off.")
     metrics_host: str = opt("127.0.0.1", "Address the /metrics endpoint binds.")
     exit_when_done: bool = opt(True, "Exit after the last epoch is committed and the workers have left.")
-    abandoned_model_s: float = opt(60.0, "Once every job is committed: how long a model that no drafter trains may lag its checkpoint in the run directory before it goes back to it, and the live drafters train the jobs of its later steps (a drafter whose dispatcher restarted registers again within 60 s, or has given up).")
+    reconnect_s: float = opt(60.0, "How long a worker keeps asking a dispatcher that does not answer (restarting, or its pod rescheduled) before it gives up; time the worker itself was paused (SIGSTOP, a suspended host) does not count. Raise it where a dispatcher takes longer to come back.")
+    abandoned_model_s: float = opt(0.0, "Once every job is committed: how long a model that no drafter trains may lag its checkpoint in the run directory before it goes back to it, and the live drafters train the jobs of its later steps (a drafter whose dispatcher restarted registers again within dispatcher.reconnect_s, or has given up); 0 = dispatcher.reconnect_s.")
+
+    @property
+    def abandoned_after_s(self) -> float:
+        """``abandoned_model_s``, or the reconnect window when it is 0: a drafter cut off from its
+        dispatcher is given up on once it would have given up itself."""
+        return self.abandoned_model_s or self.reconnect_s
 
     def check(self) -> None:
         self.require_positive("max_message_bytes")
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"dispatcher.metrics_port: {self.metrics_port} is not a port number")
-        self.require_positive("heartbeat_s", "worker_timeout_s", "lease_s", "abandoned_model_s")
+        self.require_positive("heartbeat_s", "worker_timeout_s", "lease_s", "reconnect_s")
+        self.require_not_negative("abandoned_model_s")
         if self.worker_timeout_s <= self.heartbeat_s:
             raise ConfigError("dispatcher.worker_timeout_s must exceed dispatcher.heartbeat_s")
 
