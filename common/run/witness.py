@@ -232,8 +232,18 @@ def latest_checkpoint(run_dir: str | os.PathLike, model_id: str) -> Checkpoint |
     except FileNotFoundError:
         return None
     path = root / name
-    meta = json.loads((path / STEP_FILE).read_text())
-    return Checkpoint(model_id, int(meta["step"]), path)
+    with reading(path / STEP_FILE):
+        meta = json.loads((path / STEP_FILE).read_text())
+        return Checkpoint(model_id, int(meta["step"]), path)
+
+
+def verified_latest(run_dir: str | os.PathLike, model_id: str) -> Checkpoint | None:
+    """The checkpoint ``latest`` names once its files agree with its manifest (one written before
+    manifests: as it is); raises :class:`DamagedCheckpoint` naming the file that does not."""
+    checkpoint = latest_checkpoint(run_dir, model_id)
+    if checkpoint is not None:
+        _checked(checkpoint.path, model_id, None)
+    return checkpoint
 
 
 def list_models(run_dir: str | os.PathLike) -> list[str]:

@@ -175,3 +175,14 @@ def test_the_next_checkpoint_after_a_fallback_replaces_the_damaged_history(tmp_p
     assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == \
         ["step-00000004", "step-00000008", "step-00000010"]
     assert linear().load_latest(tmp_path) == 10
+
+
+def test_the_report_refuses_to_judge_a_damaged_final_witness_and_names_the_file(tmp_path):
+    from ops.report import witness
+    save_checkpoint(tmp_path, "m", 2, TrainedJobs([0, 1]))
+    assert witness(tmp_path, {0: 2})["witness_missing"] == 0
+    witness_file = latest_checkpoint(tmp_path, "m").path / "trained_jobs.bin"
+    flip_byte(witness_file, offset=8)                # job 1 would read as another job: never counted
+    with pytest.raises(DamagedCheckpoint, match="cannot be judged") as refused:
+        witness(tmp_path, {0: 2})
+    assert refused.value.path == witness_file
