@@ -101,7 +101,8 @@ def waiting_for(core: DispatcherCore) -> WaitingFor:
                           else "no live drafter trains it (one must register, or a newer checkpoint be found on "
                                f"disk; once every job is committed and none has for {core.options.abandoned_model_s:g} "
                                "s, it goes back to "
-                               + (f"its checkpoint at step {checkpoint}" if checkpoint else "step 0: it has no checkpoint")
+                               + (f"its checkpoint at step {checkpoint}" if checkpoint
+                                  else "step 0: it has no checkpoint")
                                + ", the jobs after it to pending)"))
         holders.update(live)
     return WaitingFor(epochs=epochs, models=models, workers=sorted(holders), reasons=reasons)
