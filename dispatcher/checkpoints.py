@@ -16,7 +16,7 @@ import logging
 from pathlib import Path
 
 from common.run.checkpoint_manifest import DamagedCheckpoint
-from common.run.witness import NoUsableCheckpoint, model_dir, newest_usable
+from common.run.witness import NoUsableCheckpoint, list_models, model_dir, newest_usable
 from dispatcher.journal import Journal
 from dispatcher.journal_events import Checkpointed
 
@@ -42,6 +42,15 @@ class KnownCheckpoints(dict):
         """This run directory holds the model's checkpoints (a group spread over nodes without
         shared storage keeps them where its rank 0 runs)."""
         return model_dir(self.run_dir, model).exists()
+
+    def refuse_unusable(self) -> None:
+        """Before the run starts: every model with checkpoints in this run directory has a whole one
+        (a damaged newest one is said, in one line naming the file, and passed over for the older
+        one its drafter will load). One with none whole is refused (:class:`NoUsableCheckpoint`,
+        naming each file and what to do): its drafter could not resume it, and the only copy of its
+        acknowledged commits is damaged."""
+        for model in list_models(self.run_dir):
+            newest_usable(self.run_dir, model, known_good=self._known_good, said=self._said)
 
     def on_disk(self, model: str) -> int | None:
         """The step of the model's newest whole checkpoint in this run directory, the one a drafter

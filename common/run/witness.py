@@ -336,16 +336,22 @@ def _candidates(root: Path) -> tuple[list[Path], list[DamagedCheckpoint]]:
 def _checked(step_dir: Path, model_id: str, known_good: dict[Path, tuple] | None) -> tuple[Checkpoint, bool]:
     """The checkpoint of ``step_dir`` once its files agree with its manifest, and whether it has one."""
     step_file = step_dir / STEP_FILE
-    with reading(step_file):
-        meta = json.loads(step_file.read_text())
-        step, has_manifest = int(meta["step"]), meta.get("manifest") == MANIFEST_FILE
-    if step != _step_of(step_dir) or meta.get("model", model_id) != model_id:
-        raise DamagedCheckpoint(step_file, f"says model {meta.get('model')!r} step {step}, not the directory's")
+    try:
+        meta, unreadable = json.loads(step_file.read_text()), None
+    except Exception as exc:  # the manifest says first what is wrong with it, if it lists it
+        meta, unreadable = None, exc
+    has_manifest = isinstance(meta, dict) and meta.get("manifest") == MANIFEST_FILE
     identity = _identity(step_dir / MANIFEST_FILE) if has_manifest and known_good is not None else None
     if identity is None or known_good.get(step_dir) != identity:
         has_manifest = check_manifest(step_dir, has_manifest=has_manifest)
         if identity is not None:
             known_good[step_dir] = identity
+    with reading(step_file):
+        if unreadable is not None:
+            raise unreadable
+        step = int(meta["step"])
+        if step != _step_of(step_dir) or meta.get("model", model_id) != model_id:
+            raise DamagedCheckpoint(step_file, f"says model {meta.get('model')!r} step {step}, not the directory's")
     return Checkpoint(model_id, step, step_dir), has_manifest
 
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
+import pytest
+
 from common.run.config import load_config
-from common.run.witness import TrainedJobs, model_dir, save_checkpoint
+from common.run.witness import NoUsableCheckpoint, TrainedJobs, model_dir, save_checkpoint
 from core_harness import Model, ModelSim, all_job_ids, make_core, register, register_models, small_lengths
 from dispatcher.journal import read_journal
 from dispatcher.journal_events import ModelRolledBack
@@ -134,3 +136,24 @@ def test_a_drafter_that_falls_back_past_a_damaged_checkpoint_rolls_its_model_bac
     sim2.extracting, sim2.window = sim.extracting, {**sim.window, d: []}
     sim2.run()
     assert_exactly_once(core, models)
+
+
+def test_a_dispatcher_refuses_to_start_a_run_whose_model_has_no_whole_checkpoint(tmp_path, caplog):
+    """The only copy of the model's acknowledged commits is damaged: refused, naming the file and what
+    to do, before any worker starts (hsd exits 2). A damaged newest one beside a whole older one is
+    said and passed over."""
+    save_checkpoint(tmp_path, "m0", 3, TrainedJobs([1, 2]))
+    save_checkpoint(tmp_path, "m1", 2, TrainedJobs([5]))
+    save_checkpoint(tmp_path, "m1", 4, TrainedJobs([5, 6]))
+    step_file = model_dir(tmp_path, "m1") / "step-00000004" / "step.json"
+    step_file.write_text(step_file.read_text().replace('"m1"', '"m2"'))
+    with caplog.at_level(logging.WARNING):
+        core = make_core(tmp_path, epochs=1)
+    core.journal.close()
+    core.close()
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert str(step_file) in line and "step 2" in line, line
+    witness = model_dir(tmp_path, "m0") / "step-00000003" / "trained_jobs.bin"
+    witness.write_bytes(witness.read_bytes()[:-1])
+    with pytest.raises(NoUsableCheckpoint, match=f"{witness}: 15 bytes, its manifest says 16.*move .*m0 aside"):
+        make_core(tmp_path, epochs=1)
