@@ -4,8 +4,10 @@ A run is done only once every model's last commit is covered by a checkpoint of 
 what a finished run waits for. A checkpoint becomes known three ways: the drafter's ``checkpoint``
 report once its files are on disk, the checkpoint a drafter says it holds when it registers (one
 written while no dispatcher listened), and — for a model no live drafter trains once every job is
-committed — the model's ``latest`` checkpoint found in the run directory. Each is journaled, and a
-rollback below a known checkpoint lowers it (live and on replay alike).
+committed — the model's newest whole checkpoint found in the run directory (its files checked
+against its manifest: a damaged one is passed over, in one line naming the file, for the older one a
+drafter resuming would load too). Each is journaled, and a rollback below a known checkpoint lowers
+it (live and on replay alike).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from common.run.witness import latest_checkpoint, model_dir
+from common.run.checkpoint_manifest import DamagedCheckpoint
+from common.run.witness import NoUsableCheckpoint, list_models, model_dir, newest_usable
 from dispatcher.journal import Journal
 from dispatcher.journal_events import Checkpointed
 
@@ -27,6 +30,8 @@ class KnownCheckpoints(dict):
         super().__init__()
         self.run_dir = Path(run_dir)
         self.journal = journal
+        self._known_good: dict[Path, tuple] = {}  # step directories found whole (newest_usable)
+        self._said: set[str] = set()  # the damage already logged
 
     def lower_to(self, model: str, step: int) -> None:
         """The model was rolled back to ``step``: a checkpoint past it is no longer its history."""
@@ -38,13 +43,28 @@ class KnownCheckpoints(dict):
         shared storage keeps them where its rank 0 runs)."""
         return model_dir(self.run_dir, model).exists()
 
+    def refuse_unusable(self) -> None:
+        """Before the run starts: every model with checkpoints in this run directory has a whole one
+        (a damaged newest one is said, in one line naming the file, and passed over for the older
+        one its drafter will load). One with none whole is refused (:class:`NoUsableCheckpoint`,
+        naming each file and what to do): its drafter could not resume it, and the only copy of its
+        acknowledged commits is damaged."""
+        for model in list_models(self.run_dir):
+            newest_usable(self.run_dir, model, known_good=self._known_good, said=self._said)
+
     def on_disk(self, model: str) -> int | None:
-        """The step of the model's latest checkpoint in this run directory (None: none here)."""
+        """The step of the model's newest whole checkpoint in this run directory, the one a drafter
+        resuming it would load (None: none here; 0: every one here is damaged)."""
         try:
-            found = latest_checkpoint(self.run_dir, model)
-        except (OSError, ValueError, KeyError):  # half-written or foreign: not a checkpoint to count on
+            found = newest_usable(self.run_dir, model, known_good=self._known_good, said=self._said)
+        except NoUsableCheckpoint as exc:
+            if str(exc) not in self._said:
+                self._said.add(str(exc))
+                log.error("%s", exc)
+            return 0
+        except (OSError, DamagedCheckpoint, ValueError):  # gone while read: not a checkpoint to count on
             return None
-        return found.step if found is not None else None
+        return found.checkpoint.step if found is not None else None
 
     def adopt(self, model: str, step: int, *, ledger_step: int, worker_id: str | None, via: str) -> None:
         """A durable checkpoint the dispatcher did not hear of when it was written: counted when it

@@ -65,6 +65,7 @@ class DispatcherCore:
         self.checkpoints = KnownCheckpoints(run_dir, journal)  # model -> step of its latest durable checkpoint
         self.contract = options.contract
         check_data(self.run_dir, self.lengths, allow_changed=options.allow_changed_data)
+        self.checkpoints.refuse_unusable()
         self.store = EpochStore(self.run_dir, ScheduleSpec(tuple(options.buckets), options.tokens_per_batch,
                                                            options.run_seed, options.order, options.batching),
                                 options.epochs, self.ledger, journal, build_ahead=options.build_ahead)

@@ -239,9 +239,11 @@ class GroupOps:
 
     def checkpoint_to_load(self, worker_id: str) -> int | None:
         """For a waiting rank's empty ``join_group`` reply: the checkpoint it must load first (see
-        :meth:`dispatcher.groups.DrafterGroups.checkpoint_to_load`)."""
+        :meth:`dispatcher.groups.DrafterGroups.checkpoint_to_load`): the newest whole one, which a
+        rank reloading would find (never a damaged newer one it could not load)."""
         group = self.groups.group_of_rank(worker_id)
         if group is None:
             return None
-        return self.groups.checkpoint_to_load(worker_id, self.ledger.model_step.get(group.model, 0),
-                                              self.checkpoints.get(group.model, 0))
+        ledger_step = self.ledger.model_step.get(group.model, 0)
+        return self.groups.checkpoint_to_load(worker_id, ledger_step,
+                                              self.models.restart_step(group.model, ledger_step))

@@ -136,13 +136,13 @@ class ModelOps:
         drafter trains may still have its last checkpoint on disk: written by a drafter whose report
         found no dispatcher, and which is not coming back to say so when it registers.
 
-        A model whose checkpoint in this run directory still lags its step once no drafter has
-        trained it for ``abandoned_after_s`` (``dispatcher.abandoned_model_s``) is abandoned: the
-        steps past that checkpoint live in no state that will come back (its drafter stopped without
-        knowing whether its last commit held, or died), so the run would wait for it forever. It
-        goes back to that checkpoint and the jobs of the later steps to pending, for the live
-        drafters to train; a drafter of it that does come back later registers from its checkpoint
-        as after any restart."""
+        A model whose checkpoint still lags its step once no drafter has trained it for
+        ``abandoned_after_s`` (``dispatcher.abandoned_model_s``) is abandoned: the steps past that
+        checkpoint live in no state that will come back (its drafter stopped without knowing whether
+        its last commit held, or died), so the run would wait for it forever. It goes back to
+        :meth:`restart_step` and the jobs of the later steps to pending, for the live drafters to
+        train; a drafter of it that does come back later registers from that checkpoint as after
+        any restart. A model lost before its first checkpoint goes back to step 0 the same way."""
         live = {w.model for w in self.registry.workers.values() if w.model is not None}
         for model in live:
             self.last_live[model] = now
@@ -150,16 +150,24 @@ class ModelOps:
             return
         for model, step in list(self.ledger.model_step.items()):
             if self.checkpoints.get(model, 0) < step and model not in live:
-                on_disk = self.checkpoints.on_disk(model)
-                if on_disk:
-                    self.checkpoints.adopt(model, on_disk, ledger_step=step, worker_id=None, via="disk")
-                checkpoint = self.checkpoints.get(model, 0)
-                if (checkpoint < step and self.checkpoints.holds_model(model)
-                        and now - self.last_live.get(model, self.started_at) >= self.abandoned_after_s):
-                    log.warning("model %s: no drafter has trained it for %.0fs and its checkpoint in the run "
-                                "directory is at step %d, behind its step %d", model, self.abandoned_after_s,
-                                checkpoint, step)
-                    self.rollback(model, checkpoint, cause="abandoned")
+                back_to = self.restart_step(model, step)
+                if back_to < step and now - self.last_live.get(model, self.started_at) >= self.abandoned_after_s:
+                    log.warning("model %s: no drafter has trained it for %.0fs and %s, behind its step %d: it goes "
+                                "back there", model, self.abandoned_after_s,
+                                f"its checkpoint is at step {back_to}" if back_to else "it has no checkpoint (step 0)",
+                                step)
+                    self.rollback(model, back_to, cause="abandoned")
+
+    def restart_step(self, model: str, step: int) -> int:
+        """The step a drafter resuming ``model`` (at ``step`` in the ledger) would start from: its
+        newest whole checkpoint in this run directory (one found there that the dispatcher was not
+        told of is adopted; 0 when every one there is damaged), else the newest it was told of (a
+        group whose rank 0 keeps them on another node), 0 when it has none."""
+        on_disk = self.checkpoints.on_disk(model) if self.checkpoints.holds_model(model) else None
+        if on_disk:
+            self.checkpoints.adopt(model, on_disk, ledger_step=step, worker_id=None, via="disk")
+        known = self.checkpoints.get(model, 0)
+        return known if on_disk is None else min(known, on_disk)
 
     def all_checkpointed(self) -> bool:
         """Every model's last commit is covered by a checkpoint of it."""

@@ -98,9 +98,12 @@ def waiting_for(core: DispatcherCore) -> WaitingFor:
         models[model] = WaitingModel(step=step, checkpoint=checkpoint, drafters=live)
         reasons.append(f"model {model} at step {step}, its known checkpoint at step {checkpoint}: "
                        + (f"waiting for {', '.join(live)} to checkpoint it" if live
-                          else "no live drafter trains it (one must register, or its checkpoint be found on disk; "
-                               f"with none for {core.options.abandoned_model_s:g} s it goes back to its checkpoint "
-                               "in the run directory)"))
+                          else "no live drafter trains it (one must register, or a newer checkpoint be found on "
+                               f"disk; once every job is committed and none has for {core.options.abandoned_model_s:g} "
+                               "s, it goes back to "
+                               + (f"its checkpoint at step {checkpoint}" if checkpoint
+                                  else "step 0: it has no checkpoint")
+                               + ", the jobs after it to pending)"))
         holders.update(live)
     return WaitingFor(epochs=epochs, models=models, workers=sorted(holders), reasons=reasons)
 

@@ -19,8 +19,8 @@ from typing import Any
 from common.run.checkpoint_writer import CheckpointWriteFailed
 from common.wire import messages
 from common.wire.messages import ProtocolError
-from common.run.witness import Checkpoint, latest_checkpoint
-from common.worker.runtime import DispatcherGone, WorkerLost
+from common.run.witness import Checkpoint, NoUsableCheckpoint, latest_checkpoint
+from common.worker.runtime import DispatcherGone, WorkerLost, WorkerUnusable
 
 log = logging.getLogger("hsd.drafter")
 
@@ -117,7 +117,16 @@ class Checkpoints:
         """Go back to the latest checkpoint, once the one being written (if any) is published."""
         self._wait_for_writer()
         self.pending = None  # the state it belonged to is gone
-        self.checkpointed_step = self.durable_step = self.backend.load_latest(self.run_dir)
+        self._load_latest()
+
+    def _load_latest(self) -> None:
+        """Load the model's newest whole checkpoint (an older one when the newest is damaged: the
+        dispatcher rolls the model back to its step when it registers). None whole: this drafter
+        cannot train the model, and a restart would not change that: it exits "unusable"."""
+        try:
+            self.checkpointed_step = self.durable_step = self.backend.load_latest(self.run_dir)
+        except NoUsableCheckpoint as exc:
+            raise WorkerUnusable(f"{self.name}: {exc}") from None
 
     def _finish_checkpoints(self) -> None:
         """On a stop: checkpoint what was applied, wait for it to be written, tell the dispatcher if it listens."""

@@ -36,7 +36,7 @@ from common.run.config import ConfigError, DataSection, DrafterSection, RunSecti
 from common.dataplane.host_staging import HostStaging
 from common.dataplane.slots import SlotBatch
 from common.wire import messages
-from common.run.witness import (CheckpointSnapshot, TrainedJobs, check_model_id, latest_checkpoint, servable_dir,
+from common.run.witness import (CheckpointSnapshot, TrainedJobs, check_model_id, newest_usable, servable_dir,
                             training_dir)
 from drafter_worker.step_metrics import StepClock, TensorBoardLog, format_metrics, step_metrics
 from drafter_worker.layers import CONFIG_NAME, write_drafter_files
@@ -170,17 +170,19 @@ class TrainerBackend:
 
     # -- checkpoints ------------------------------------------------------------------------
     def load_latest(self, run_dir: str | os.PathLike) -> int:
-        checkpoint = latest_checkpoint(run_dir, self.model_id)
-        if checkpoint is None:
+        # the newest whole checkpoint (an older one when it is damaged), read before anything changes
+        usable = newest_usable(run_dir, self.model_id,
+                               lambda checkpoint: (load_state(training_dir(checkpoint)), checkpoint.trained_jobs()))
+        if usable is None:
             if self.step or self.window:  # the model moved on from its initial state: start it afresh
                 self.trainer = self._new_trainer()
             self.step, self.trained = 0, TrainedJobs()
         else:
+            checkpoint, (state, trained) = usable.checkpoint, usable.read
             self._check_capture_point(checkpoint.path)
-            state = load_state(training_dir(checkpoint))
             self.trainer.load_state_dict(state["trainer"])
             self._restore_rngs(state)
-            self.step, self.trained = checkpoint.step, checkpoint.trained_jobs()
+            self.step, self.trained = checkpoint.step, trained
             if self.trainer.step != self.step:
                 raise ValueError(f"checkpoint {checkpoint.path}: training state at step {self.trainer.step}, "
                                  f"witness at step {self.step}")

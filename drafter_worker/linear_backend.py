@@ -23,7 +23,8 @@ from safetensors.torch import load_file, save_file
 from common.run.config import DrafterSection, TargetSection
 from common.dataplane.slots import SlotBatch
 from common.wire import messages
-from common.run.witness import CheckpointSnapshot, TrainedJobs, check_model_id, latest_checkpoint, training_dir
+from common.run.checkpoint_manifest import reading
+from common.run.witness import Checkpoint, CheckpointSnapshot, TrainedJobs, check_model_id, newest_usable, training_dir
 from drafter_worker.process_group import all_reduce_flat
 from drafter_worker.state_transfer import weights_checksum, witness_from_tensor, witness_tensor
 
@@ -138,12 +139,20 @@ class LinearDrafter:
         self.snapshot_checkpoint().write(run_dir)
 
     def load_latest(self, run_dir: str | os.PathLike) -> int:
-        checkpoint = latest_checkpoint(run_dir, self.model_id)
+        """Load the newest whole checkpoint (an older one when it is damaged); none: the initial weights."""
+        def read(checkpoint: Checkpoint) -> tuple[dict[str, torch.Tensor], TrainedJobs]:
+            path = training_dir(checkpoint) / WEIGHTS_FILE
+            with reading(path):
+                tensors = load_file(str(path))
+                tensors = {"weight": tensors["weight"], "bias": tensors["bias"]}
+            return tensors, checkpoint.trained_jobs()
+
+        usable = newest_usable(run_dir, self.model_id, read)
+        tensors, trained = usable.read if usable is not None else (self._initial, TrainedJobs())
         self._reset()
-        tensors = load_file(str(training_dir(checkpoint) / WEIGHTS_FILE)) if checkpoint else self._initial
         with torch.no_grad():
             self.weight.copy_(tensors["weight"])
             self.bias.copy_(tensors["bias"])
-        self.trained = checkpoint.trained_jobs() if checkpoint else TrainedJobs()
-        self.step = checkpoint.step if checkpoint else 0
+        self.trained = trained
+        self.step = usable.checkpoint.step if usable is not None else 0
         return self.step

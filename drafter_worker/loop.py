@@ -124,7 +124,7 @@ class DrafterLoop(StepCommits, Checkpoints, WorkerLoop):
 
     # -- registration: the model's step ---------------------------------------------------------
     def _start(self) -> None:
-        self.checkpointed_step = self.durable_step = self.backend.load_latest(self.run_dir)
+        self._load_latest()
         if self.checkpointed_step:
             log.info("%s: model %s resumes from its checkpoint at step %d", self.name, self.backend.model_id,
                      self.checkpointed_step)

@@ -16,7 +16,7 @@ from common.run.config import DrafterSection
 from common.dataplane.slot_pattern import verify_against_dataset, verify_pattern
 from common.dataplane.slots import SlotBatch
 from common.wire import messages
-from common.run.witness import CheckpointSnapshot, TrainedJobs, check_model_id, latest_checkpoint
+from common.run.witness import CheckpointSnapshot, TrainedJobs, check_model_id, newest_usable
 
 
 class SimDrafter:
@@ -45,9 +45,9 @@ class SimDrafter:
             self._dataset = PreparedDataset(dataset_path)
 
     def load_latest(self, run_dir: str | os.PathLike) -> int:
-        checkpoint = latest_checkpoint(run_dir, self.model_id)
-        self.trained = checkpoint.trained_jobs() if checkpoint else TrainedJobs()
-        self.step = checkpoint.step if checkpoint else 0
+        usable = newest_usable(run_dir, self.model_id, lambda checkpoint: checkpoint.trained_jobs())
+        self.trained = usable.read if usable is not None else TrainedJobs()
+        self.step = usable.checkpoint.step if usable is not None else 0
         self._window = []
         return self.step
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from common.run.checkpoint_manifest import reading
 from common.run.durable import atomic_write
 
 TENSORS_NAME = "state.safetensors"
@@ -72,8 +73,12 @@ def write_state(structure, tensors: dict[str, torch.Tensor], out_dir: str | os.P
 
 
 def load_state(state_dir: str | os.PathLike) -> dict:
+    """The state :func:`save_state` wrote; a file that is missing or does not parse raises
+    :class:`common.run.checkpoint_manifest.DamagedCheckpoint` naming it."""
     state_dir = Path(state_dir)
     if not (state_dir / STRUCTURE_NAME).is_file():
         raise FileNotFoundError(f"{state_dir} holds no training state ({STRUCTURE_NAME} missing)")
-    tensors = load_file(str(state_dir / TENSORS_NAME))
-    return unflatten_state(json.loads((state_dir / STRUCTURE_NAME).read_text()), tensors)
+    with reading(state_dir / TENSORS_NAME):
+        tensors = load_file(str(state_dir / TENSORS_NAME))
+    with reading(state_dir / STRUCTURE_NAME):
+        return unflatten_state(json.loads((state_dir / STRUCTURE_NAME).read_text()), tensors)

@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from common.run.witness import latest_checkpoint, list_models
+from common.run.checkpoint_manifest import DamagedCheckpoint
+from common.run.witness import list_models, verified_latest
 from dispatcher.dataset import NAMED_TOO_LONG, too_long_samples
 from dispatcher.fairness import prefix_deviation_array, tail_skew
 from dispatcher.journal import read_journal
@@ -31,7 +32,7 @@ STAGES = ("target", "drafter")
 def witness(run_dir: Path, epoch_jobs: dict[int, int]) -> dict[str, Any]:
     """Judge exactly-once by the models' own records, never by the ledger: every job of ``epoch_jobs``
     must appear exactly once over the latest checkpoints of every model."""
-    records = [latest_checkpoint(run_dir, model).trained_jobs() for model in list_models(run_dir)]
+    records = [_final_witness(run_dir, model) for model in list_models(run_dir)]
     ids = np.concatenate([np.frombuffer(r.to_bytes(), dtype="<u8") for r in records]) if records else np.zeros(0, "<u8")
     unique, counts = np.unique(ids, return_counts=True)
     duplicates = int((counts - 1).sum())
@@ -41,6 +42,14 @@ def witness(run_dir: Path, epoch_jobs: dict[int, int]) -> dict[str, Any]:
         missing += int(num_jobs - np.isin(expected, unique, assume_unique=True).sum())
     return {"witness_models": len(records), "witness_trained": int(len(ids)),
             "witness_duplicates": duplicates, "witness_missing": missing}
+
+
+def _final_witness(run_dir: Path, model: str):
+    try:
+        return verified_latest(run_dir, model).trained_jobs()
+    except DamagedCheckpoint as exc:
+        raise DamagedCheckpoint(exc.path, f"{exc.problem}: the latest checkpoint of model {model} is damaged, so "
+                                          f"what it trained cannot be judged; restore the file from a copy") from None
 
 
 class _ReportPass:

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from common.run.capture_contract import contract_from_config
+from common.run.checkpoint_manifest import write_manifest
 from common.dataplane.slots import SlotBatch, SlotHeader
 from common.run.servable import weights_files
 from common.run.witness import latest_checkpoint, servable_dir, training_dir
@@ -147,6 +148,7 @@ def test_a_checkpoint_trained_at_another_capture_point_is_refused(tiny_target, t
     doc = json.loads(config_path.read_text())
     del doc["hsd_training"]["capture_point"]
     config_path.write_text(json.dumps(doc))
+    write_manifest(latest_checkpoint(config.run_dir, "drafter-0").path)  # as written then: whole, not damaged
     with pytest.raises(ValueError, match=r"trained on target states taken at 'hidden_states', this run captures at "
                                          r"'layer_output'.*train it again in a new run directory"):
         trainer_backend(config, "drafter-0", backend_class=DFlashBackend, schedule_jobs=8).load_latest(config.run_dir)
