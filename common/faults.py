@@ -85,7 +85,7 @@ def _kill_at(text: str) -> KillAt:
     return KillAt(worker, point, _step(step))
 
 
-DISK_FULL_PLACES = ("journal", "snapshot")
+DISK_FULL_PLACES = ("journal", "snapshot", "checkpoint")
 
 
 def _disk_full_at(text: str) -> tuple[str, int]:
@@ -124,8 +124,9 @@ FAULTS = {fault.name: fault for fault in (
           "{name, pid, job_id} to this path and stops itself (SIGSTOP) before extracting it; once per path"),
     Fault("journal_fsync_fails_after", _count, "dispatcher.journal: every fsync of the journal after this many "
           "fails with EIO"),
-    Fault("disk_full_at", _disk_full_at, "dispatcher.journal / dispatcher.recovery: <place>:<n>: after n writes "
-          "at that place (journal: each write of queued lines; snapshot: each snapshot) every later one fails with "
+    Fault("disk_full_at", _disk_full_at, "dispatcher.journal / dispatcher.recovery / common.run.checkpoint_writer: "
+          "<place>:<n>: after n writes at that place (journal: each write of queued lines; snapshot, checkpoint: "
+          "each one) every later one fails with "
           "ENOSPC, a journal write having written half its bytes (a disk that fills mid-write)", repeated=True),
     Fault("witness_duplicate", _count, "drafter_worker.sim: the sim drafter records this job id twice in its witness"),
     Fault("witness_drop", _count, "drafter_worker.sim: the sim drafter never records this job id in its witness"),

@@ -211,7 +211,7 @@ class Launcher:
                                   child.max_restarts)
                     if all(c.finished and c.process.returncode != 0 for c in workers if c.role == child.role):
                         log.error("no %s is left: stopping the run", child.role)
-                        return 1
+                        return code if code == STORAGE_FAILED_EXIT_CODE else 1  # a full disk says so
                     continue
                 child.restarts += 1
                 log.warning("%s exited with code %d: restart %d/%d", child.name, code, child.restarts, child.max_restarts)

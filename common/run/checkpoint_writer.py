@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 from common import faults
+from common.run.durable import StorageFailed, is_storage_error
 from common.run.witness import Checkpoint, CheckpointSnapshot
 
 log = logging.getLogger("hsd.checkpoint")
@@ -94,6 +95,9 @@ class CheckpointWriter:
         self._thread, self._in_flight = None, None
         if self._error is not None:
             error, self._error = self._error, None
+            if is_storage_error(error):  # a full disk: the fail-closed stop, one line naming the path
+                raise StorageFailed(getattr(error, "filename", None) or self.run_dir, error,
+                                    action=f"{self.name}: writing the checkpoint of step {step} at") from error
             raise CheckpointWriteFailed(f"{self.name}: writing the checkpoint of step {step} failed: {error}") from error
         log.info("%s: checkpoint of step %d durable after %.2f s of writing beside training", self.name, step,
                  self._write_s)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Generic, Iterable, TypeVar
 
+from common import faults
 from common.run.checkpoint_manifest import MANIFEST_FILE, DamagedCheckpoint, check_manifest, reading, write_manifest
 from common.run.durable import atomic_write
 
@@ -161,6 +162,7 @@ def save_checkpoint(run_dir: str | os.PathLike, model_id: str, step: int, traine
             if write is not None:
                 part.mkdir()
                 write(part)
+        faults.fill_disk_at("checkpoint", tmp / MANIFEST_FILE)
         write_manifest(tmp)  # last: a step directory without a valid one is not a checkpoint
     # a checkpoint of this step written before a crash: the new one replaces it
     atomic_write(final, write_parts, durable=True, tmp_name=f".tmp-{final.name}-{os.getpid()}",

@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from common.run.checkpoint_writer import CheckpointWriteFailed, CheckpointWriter
+from common.run.durable import StorageFailed
 from common.run.witness import CheckpointSnapshot, TrainedJobs, latest_checkpoint
 
 
@@ -35,9 +36,19 @@ def test_a_failed_write_is_raised_by_wait_and_keeps_the_previous_latest(tmp_path
     writer.wait()
 
     def full_disk(directory):
-        raise OSError(28, "No space left on device")
+        raise OSError(28, "No space left on device", str(directory))
     writer.start(_snapshot(2, write_training=full_disk))
-    with pytest.raises(CheckpointWriteFailed, match="checkpoint of step 2 failed: .*No space left"):
+    # a full disk is the fail-closed stop (hsd exits 3), one line with the path and the free space
+    with pytest.raises(StorageFailed, match=r"d: writing the checkpoint of step 2 at .*tmp-step-00000002.* failed: "
+                                            r"No space left on device \(.* free on its filesystem\)"):
+        writer.wait()
+    assert latest_checkpoint(tmp_path, "m").step == 1
+    assert not [p for p in (tmp_path / "models" / "m").iterdir() if p.name.startswith(".tmp")]
+
+    def broken(directory):
+        raise ValueError("a bug")
+    writer.start(_snapshot(2, write_training=broken))
+    with pytest.raises(CheckpointWriteFailed, match="checkpoint of step 2 failed: a bug"):
         writer.wait()
     assert latest_checkpoint(tmp_path, "m").step == 1
     writer.start(_snapshot(2))  # the writer is usable again
