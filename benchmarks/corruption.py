@@ -33,7 +33,8 @@ from common import faults
 
 EPOCHS = 3
 RUN_OVERRIDES = ("target.sim=true", "drafter.sim=true", "data.synthetic_samples=400", "dispatcher.heartbeat_s=0.2",
-                 "dispatcher.worker_timeout_s=3", f"run.epochs={EPOCHS}", "target.count=2", "drafter.count=2")
+                 "dispatcher.worker_timeout_s=3", f"run.epochs={EPOCHS}", "target.count=2", "drafter.count=2",
+                 "drafter.checkpoint_every=8")  # several checkpoints per model: a damaged newest one has an older
 STOP_AT_STEP = 30          # the base run's dispatcher exits at the first commit of a model step >= this
 TRIAL_TIMEOUT_S = 300.0
 FALLBACK_WORDS = ("damaged", "falling back", "fell back")
@@ -103,7 +104,16 @@ def make_base(work_dir: Path) -> Path:
         raise RuntimeError("the base run finished before its dispatcher was stopped")
     for marker in base.glob("test-fault-*"):
         marker.unlink()
+    _sweep_shared_memory(base)
     return base
+
+
+def _sweep_shared_memory(run_dir: Path) -> None:
+    """The stopped base run's segments (its dispatcher exited without closing them); a trial's own are
+    swept by its launch, which runs under another run id."""
+    from common.dataplane.shm_segment import sweep_dead_segments
+    from common.wire.client import run_id_for
+    sweep_dead_segments(run_id_for(run_dir))
 
 
 def judge(trial: Trial, run_dir: Path, proc: subprocess.CompletedProcess) -> str:
@@ -152,12 +162,15 @@ def run_corruption_bench(*, trials: int, seed: int, work_dir: str | None, as_jso
         target.write_bytes(bytes(data))
         trial = Trial(index, str(target), offset)
         t0 = time.monotonic()
+        proc = None
         try:
             proc = _launch(run_dir)
             trial.outcome = judge(trial, run_dir, proc)
         except subprocess.TimeoutExpired:
             trial.outcome = f"FAILED: the launch ran past {TRIAL_TIMEOUT_S:.0f}s"
-            proc = None
+        except RuntimeError as exc:  # hsd report failed in another way than a refusal
+            trial.outcome = f"FAILED: {exc}"
+        _sweep_shared_memory(run_dir)
         trial.seconds = time.monotonic() - t0
         results.append(trial)
         if not as_json:

@@ -4,7 +4,9 @@ A step directory (:mod:`common.run.witness`) is written under a temporary name a
 place, so a crash never leaves half of one as a checkpoint; what the rename cannot rule out is damage
 found later (a disk that loses or flips bytes, a file cut short by hand or by a copy). The manifest,
 ``manifest.json``, is the last file written into the directory (atomically, before the directory is
-fsynced and renamed): it lists every other file with its size and ``zlib.crc32``. A step directory
+fsynced and renamed): it lists every other file with its size and ``zlib.crc32``, and carries a
+CRC-32 of its own listing, so a changed byte in the manifest is told as the manifest's damage,
+never read as a file of another name or size. A step directory
 whose manifest is missing, unparsable or disagrees with one of its files is not a checkpoint:
 :func:`check_manifest` says which file and what is wrong with it (:class:`DamagedCheckpoint`).
 
@@ -66,7 +68,12 @@ def write_manifest(step_dir: str | os.PathLike) -> Path:
     for name in _files(step_dir):
         size, crc = file_crc32(step_dir / name)
         files[name] = {"size": size, "crc32": crc}
-    return atomic_write(step_dir / MANIFEST_FILE, json.dumps({"format": MANIFEST_FORMAT, "files": files}, indent=1))
+    return atomic_write(step_dir / MANIFEST_FILE, json.dumps({"format": MANIFEST_FORMAT, "files": files,
+                                                              "crc32": _listing_crc(files)}, indent=1))
+
+
+def _listing_crc(files: dict) -> int:
+    return zlib.crc32(json.dumps(files, sort_keys=True).encode())
 
 
 def check_manifest(step_dir: str | os.PathLike, *, has_manifest: bool) -> bool:
@@ -86,9 +93,13 @@ def check_manifest(step_dir: str | os.PathLike, *, has_manifest: bool) -> bool:
         raise DamagedCheckpoint(path, f"unreadable ({exc})") from None
     try:
         doc = json.loads(text)
-        files = {str(name): (int(entry["size"]), int(entry["crc32"])) for name, entry in doc["files"].items()}
+        own_crc = doc.get("crc32")
+        listing = doc["files"]
+        files = {str(name): (int(entry["size"]), int(entry["crc32"])) for name, entry in listing.items()}
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise DamagedCheckpoint(path, f"not a manifest ({type(exc).__name__}: {exc})") from None
+    if own_crc != _listing_crc(listing):
+        raise DamagedCheckpoint(path, "its own checksum does not match its listing (the manifest is damaged)")
     for name, (size, crc) in sorted(files.items()):
         file = step_dir / name
         try:

@@ -154,6 +154,19 @@ def test_a_lost_manifest_is_damage_when_the_step_file_says_there_was_one(tmp_pat
         check_manifest(step_dir, has_manifest=True)
 
 
+@pytest.mark.parametrize("changed", ["trained_jobs.bin", '"size"'])
+def test_a_changed_byte_in_the_manifest_is_the_manifests_damage(tmp_path, changed):
+    """A file name or a key changed in the listing: the manifest is named, not a file it never listed
+    (hsd bench corruption found 'trainedWjobs.bin: missing')."""
+    checkpoints_at(tmp_path, [4])
+    step_dir = latest_checkpoint(tmp_path, "m").path
+    manifest = step_dir / MANIFEST_FILE
+    flip_byte(manifest, manifest.read_bytes().index(changed.encode()) + 3)
+    with pytest.raises(DamagedCheckpoint) as damaged:
+        check_manifest(step_dir, has_manifest=True)
+    assert damaged.value.path == manifest
+
+
 def test_a_damaged_latest_file_falls_back_to_the_step_directories(tmp_path, caplog):
     checkpoints_at(tmp_path, [4, 8])
     (model_dir(tmp_path, "m") / "latest").write_text("step-0000\x008\n")
