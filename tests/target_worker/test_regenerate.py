@@ -35,18 +35,25 @@ ROWS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """A tiny random Qwen3 model and the tiny tokenizer, saved like any Hugging Face model."""
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
-    out = save_tiny_tokenizer(tmp_path_factory.mktemp("model"))
-    tokenizer = AutoTokenizer.from_pretrained(str(out))
+def tiny_qwen3(tokenizer):
+    """A tiny random Qwen3 over ``tokenizer``'s vocabulary (seeded), ending its answers at its eos."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model = Qwen3ForCausalLM(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny random Qwen3 model and the tiny tokenizer, saved like any Hugging Face model."""
+    from transformers import AutoTokenizer
+    out = save_tiny_tokenizer(tmp_path_factory.mktemp("model"))
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    model = tiny_qwen3(tokenizer)
     model.save_pretrained(str(out))
     return out
 
@@ -122,18 +129,13 @@ def reasoning_model_dir(tmp_path_factory):
     block then an answer, ``<think>7</think>9``, by bigram biases in its generation config (each
     token of that output follows the one before it, the first follows the generation prompt's
     newline)."""
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoTokenizer
     out = save_templated_tokenizer(tmp_path_factory.mktemp("reasoning_model"), QWEN3_STYLE)
     tokenizer = AutoTokenizer.from_pretrained(str(out))
     chain = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in ("\n", "<think>", "7", "</think>", "9")]
     assert all(len(ids) == 1 for ids in chain)
     chain = [ids[0] for ids in chain] + [tokenizer.eos_token_id]
-    torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    model = Qwen3ForCausalLM(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model = tiny_qwen3(tokenizer)
     model.generation_config.sequence_bias = [[[a, b], 100.0] for a, b in zip(chain, chain[1:])]
     model.save_pretrained(str(out))
     return out
