@@ -129,8 +129,24 @@ class Checkpoints:
             raise WorkerUnusable(f"{self.name}: {exc}") from None
 
     def _finish_checkpoints(self) -> None:
-        """On a stop: checkpoint what was applied, wait for it to be written, tell the dispatcher if it listens."""
-        if self.backend.step > self.checkpointed_step:
+        """On a stop: checkpoint what was applied, wait for it to be written, tell the dispatcher if it
+        listens. Not when the dispatcher went unheard for as long as it takes to give up on a model
+        (``dispatcher.abandoned_model_s`` after ``worker_timeout_s``: a drafter paused or cut off that
+        long): it may have taken this model back to its checkpoint and
+        given the later steps' jobs to other drafters, and a save of those steps would train them
+        twice by the witness. A dispatcher that did not roll it back does so from the checkpoint on
+        disk: the steps are trained again, once."""
+        silent_s = self.session.channel.silent_for_s()
+        # the dispatcher gives a model up no sooner than worker_timeout_s (this drafter declared dead)
+        # plus the grace after the last heartbeat it answered; half the timeout is the margin
+        dispatcher = self.config.dispatcher
+        bound_s = dispatcher.abandoned_after_s + 0.5 * dispatcher.worker_timeout_s
+        if self.backend.step > self.checkpointed_step and silent_s >= bound_s:
+            log.warning("%s: step %d not saved: the dispatcher went unheard for %.0fs, long enough to have taken "
+                        "model %s back to its checkpoint at step %d (dispatcher.abandoned_model_s %.0fs after "
+                        "worker_timeout_s)", self.name, self.backend.step, silent_s, self.backend.model_id,
+                        self.checkpointed_step, dispatcher.abandoned_after_s)
+        elif self.backend.step > self.checkpointed_step:
             self._checkpoint(best_effort=True)
         self._wait_for_writer()
         self._report_durable(best_effort=True)

@@ -67,6 +67,10 @@ class ControlChannel:
         # Bumped by every set_heartbeat(): a refusal counts only for the beats of the current setting,
         # so a late refusal of the previous session's beat cannot fail the next registration.
         self._beat_generation = 0
+        # When the dispatcher last answered (anything but a refusal), and the longest it was silent
+        # since forget_silence(): a worker paused or cut off past a bound may have been given up on.
+        self._answered_at = time.monotonic()
+        self._longest_silence_s = 0.0
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._closed = False
@@ -302,6 +306,22 @@ class ControlChannel:
                     self._pending.clear()
                     self._cond.notify_all()
 
+    def silent_for_s(self) -> float:
+        """The longest the dispatcher went without answering since :meth:`forget_silence`, now included."""
+        with self._cond:
+            return max(self._longest_silence_s, time.monotonic() - self._answered_at)
+
+    def forget_silence(self) -> None:
+        """The dispatcher took this worker's state as it is (a registration): earlier silences are over."""
+        with self._cond:
+            self._answered_at, self._longest_silence_s = time.monotonic(), 0.0
+
+    def _answered(self) -> None:
+        """A reply that is not a refusal arrived (the caller holds ``_cond``)."""
+        now = time.monotonic()
+        self._longest_silence_s = max(self._longest_silence_s, now - self._answered_at)
+        self._answered_at = now
+
     def _receive(self, frame: bytes, heartbeat_ids: set[int], beat_generation: int) -> None:
         request_id = messages.reply_id(frame)
         if request_id is None:
@@ -312,6 +332,7 @@ class ControlChannel:
             try:
                 reply = messages.decode_reply(frame, "heartbeat")
                 with self._cond:
+                    self._answered()
                     if beat_generation == self._beat_generation:
                         self._beat_answer = (self._beat_answer[0] + 1, reply.membership)
             except ProtocolError as exc:
@@ -339,6 +360,8 @@ class ControlChannel:
                 reply = messages.decode_reply(frame, messages.op_of(request))
             except ProtocolError as exc:
                 reply = messages.error_reply(request_id, exc.code, exc.message)
+            if not (isinstance(reply, messages.ErrorReply) and reply.error.code == ErrorCode.UNKNOWN_WORKER):
+                self._answered()
             if self._on_reply is not None:
                 try:
                     self._on_reply(request, reply)

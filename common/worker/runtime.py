@@ -203,6 +203,7 @@ class WorkerSession:
         self.worker_id = reply.worker_id
         self.token = reply.token
         self.registration = reply
+        self.channel.forget_silence()
         self.channel.set_heartbeat(reply.heartbeat_s, self._heartbeat)
         wall_s, cpu_s = since_process_start()
         log.info("%s registered as %s with run %s, %.1fs after the process started (%.1fs of CPU)", self.name,

@@ -19,7 +19,8 @@ def _write_config(tmp_path):
     path.write_text("\n".join([
         "run: {epochs: 1}", "data: {synthetic_samples: 300}", "target: {sim: true, sim_cost_per_token: 2.0e-5}",
         "drafter: {sim: true, checkpoint_every: 1000}",  # no checkpoint before the stop
-        "dispatcher: {heartbeat_s: 0.2, worker_timeout_s: 3, abandoned_model_s: 2}"]) + "\n")
+        # a drafter unheard from for abandoned_model_s + worker_timeout_s / 2 saves nothing on its stop
+        "dispatcher: {heartbeat_s: 0.2, worker_timeout_s: 3, abandoned_model_s: 6}"]) + "\n")
     return ["--config", str(path)]
 
 
