@@ -310,7 +310,7 @@ class DispatcherServer:
 
     def _on_heartbeat(self, request: messages.Heartbeat, identity: bytes, now: float) -> messages.Done:
         given_back = self.core.counters.given_back["not_held"]
-        self.core.heartbeat(request.worker_id, now, request.holding, request.seen_grant)
+        self.core.heartbeat(request.worker_id, now, request.holding, request.seen_grant, gpu=request.gpu)
         self._state_changed = self.core.counters.given_back["not_held"] != given_back
         return messages.Done(id=request.id, done=self.core.done)
 
