@@ -53,7 +53,7 @@ import torch
 
 from benchmarks import gpu_checks, gpu_launch, gpu_sections
 from benchmarks.gpu_isolation import (Interrupted, become_subreaper, interrupt_on_signals, run_in_process, stand_in,
-                                      stop_descendants)
+                                      stop_descendants, sweep_shared_memory)
 from benchmarks.gpu_preflight import NO_CUDA, Needs, needs_of, unmet
 from benchmarks.gpu_sections import CheckContext, Skip
 from common import faults
@@ -225,6 +225,11 @@ def run_sections(sections: list[Section], ctx: CheckContext, output: Output | No
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         stopped = stop_descendants() if isolate else []
+        if isolate:
+            sweep_shared_memory()
+        if results:  # the last one to finish, in case the signal came while its file was written
+            last = next(reversed(results))
+            done(last, results[last])
         if running is not None:
             name, started = running
             done(name, {"interrupted": f"{exc} after {time.monotonic() - started:.1f}s: stopped, with the "

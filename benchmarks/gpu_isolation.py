@@ -117,6 +117,15 @@ def stop_descendants(root: int | None = None, *, timeout_s: float = 10.0) -> lis
             _reap()
 
 
+def sweep_shared_memory() -> list[str]:
+    """The shared-memory segments of processes just killed (their creators gone): removed, named."""
+    try:
+        from common.dataplane.shm_segment import sweep_dead_segments
+        return sweep_dead_segments()
+    except Exception:  # noqa: BLE001 - best effort after a kill; hsd cleanup --all-dead does the same later
+        return []
+
+
 def run_in_process(name: str, *, device: str, tmp: Path, deadline_s: float, tiny: bool,
                    progress: Callable[[str], None]) -> dict[str, Any]:
     """The section ``name`` in a child process, its figures; past ``deadline_s`` it and everything it
@@ -125,13 +134,17 @@ def run_in_process(name: str, *, device: str, tmp: Path, deadline_s: float, tiny
     result.unlink(missing_ok=True)
     command = [sys.executable, "-m", "benchmarks.gpu_isolation", name, device, str(tmp), f"{deadline_s:.3f}", str(result)]
     started = time.monotonic()
-    proc = subprocess.Popen(command + (["--tiny"] if tiny else []), start_new_session=True, stdin=subprocess.DEVNULL)
+    # Its stdout joins the check's log (stderr): the check's own stdout carries its result alone (--json).
+    proc = subprocess.Popen(command + (["--tiny"] if tiny else []), start_new_session=True, stdin=subprocess.DEVNULL,
+                            stdout=sys.stderr)
     try:
         returncode = proc.wait(timeout=deadline_s)
     except subprocess.TimeoutExpired:
         stopped = stop_descendants()
         proc.wait()
-        progress(f"{name}: stopped at its {deadline_s:.0f}s deadline ({len(stopped)} process(es) killed)")
+        swept = sweep_shared_memory()
+        progress(f"{name}: stopped at its {deadline_s:.0f}s deadline ({len(stopped)} process(es) killed, "
+                 f"{len(swept)} shared-memory segment(s) of theirs removed)")
         return {"error": f"timed out: not finished within its {deadline_s:.0f}s deadline; it and the "
                          f"{len(stopped)} process(es) it started were killed", "timed_out": True}
     # (Interrupted propagates: the caller stops everything and says which section it stopped.)

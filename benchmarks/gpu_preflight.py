@@ -193,9 +193,6 @@ def _warnings(facts: dict[str, Any]) -> list[str]:
         warnings.append(f"python3 on PATH is {python3}, not this interpreter ({sys.executable})")
     if facts["flash_attn"]:
         warnings.append("flash_attn is installed: target.attn_implementation=auto picks it (a path no test covers)")
-    names = [gpu["name"] for gpu in facts["cuda"].get("gpus", [])]
-    if any("PCIe" in name for name in names):
-        warnings.append("a PCIe part: dflash_step's MFU divides by the SXM peak, so it reads low")
     if facts["cuda"].get("gpus") and not facts["compiler"]["ok"]:
         warnings.append(f"sections that compile are skipped: {facts['compiler']['problem']}")
     return warnings

@@ -52,6 +52,12 @@ def test_a_section_whose_needs_are_missing_is_skipped_with_the_reason():
     assert unmet(Needs(modules=(), gpus=0), _facts(gpus=0)) is None
 
 
+def test_the_mfu_peak_of_a_pcie_part_is_its_own():
+    from benchmarks.gpu_sections import peak_bf16_tflops
+    assert peak_bf16_tflops("NVIDIA H100 PCIe") == 756.0 and peak_bf16_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert peak_bf16_tflops("NVIDIA H100 NVL") == 835.0 and peak_bf16_tflops("Tesla T4") is None
+
+
 def test_the_plan_fits_the_budget_whatever_each_section_takes():
     one_gpu = [s for s in SECTIONS if needs_of(s[0]).gpus < 2]
     p = plan(one_gpu, BUDGET_S - 30.0)  # the preflight's worst case first
