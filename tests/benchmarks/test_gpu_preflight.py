@@ -108,21 +108,40 @@ def _launched_pids(tmp_path, proc: subprocess.Popen, timeout_s: float = 60.0) ->
 
 
 def _gone(pids: list[int]) -> bool:
-    return not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return not alive
+
+
+def _stop(proc: subprocess.Popen, pids: list[int]) -> None:
+    """Whatever the check left running (only when the test already failed)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 @pytest.mark.timeout(120)
 def test_sigterm_keeps_what_finished_marks_the_running_section_and_stops_what_it_launched(tmp_path):
     proc, log = _start_check(tmp_path, 60.0, "--only", "nccl_init")
+    pids: list[int] = []
     try:
         pids = _launched_pids(tmp_path, proc)
         assert not _gone(pids) and os.getpgid(pids[0]) != os.getpgid(proc.pid)  # a session of its own
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+        gone = _gone(pids)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _stop(proc, pids)
         log.close()
     out = tmp_path / "out"
     assert json.loads((out / "00-preflight.json").read_text())["cuda"]["cuda"] is False
@@ -130,22 +149,22 @@ def test_sigterm_keeps_what_finished_marks_the_running_section_and_stops_what_it
     assert interrupted["interrupted"].startswith("SIGTERM after") and "stopped" in interrupted["interrupted"]
     assert json.loads((out / "04-nccl_init.json").read_text())["skipped"] == "the check was interrupted (SIGTERM) " \
                                                                             "before it"
-    assert _gone(pids), "a process the stand-in launched outlived the check"
+    assert gone, "a process the stand-in launched outlived the check"
 
 
 @pytest.mark.timeout(120)
 def test_a_section_past_its_deadline_is_killed_with_what_it_launched_and_the_next_ones_run(tmp_path):
     proc, log = _start_check(tmp_path, 10.0, "--only", "nccl_init", "--json")  # its process starts well within it
+    pids: list[int] = []
     try:
         pids = _launched_pids(tmp_path, proc)
         assert proc.wait(timeout=60) == 1  # the stand-in failed: it timed out
+        gone = _gone(pids)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _stop(proc, pids)
         log.close()
     out = tmp_path / "out"
     timed_out = json.loads((out / "stand_in.json").read_text())
     assert timed_out["timed_out"] is True and "its 10s deadline" in timed_out["error"] and timed_out["seconds"] < 30
     assert json.loads((out / "04-nccl_init.json").read_text())["skipped"] == NO_CUDA
-    assert _gone(pids)
+    assert gone
