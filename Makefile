@@ -43,16 +43,19 @@ bench: install
 wheel-smoke:
 	PYTHON=$(PYTHON) TORCH_SPEC="$(TORCH_SPEC)" .ci/wheel_smoke.sh
 
-# What a lent GPU machine lacks to run hsd bench gpu from this checkout (its image has torch, transformers and
-# the other dependencies; no registry is reachable there): wheels for its Python 3.12, carried as .whl/ (README,
-# GPU check).
-GPU_WHEELS ?= pyzmq==27.3.0
+# What a stock PyTorch image may lack to run hsd bench gpu from this checkout (it has torch and transformers, and
+# with transformers numpy, safetensors, tokenizers, tqdm; no registry is reachable there): every other runtime
+# dependency, as wheels for its Python (3.12) carried as .whl/ (README, docs/gpu-check.md). A test downloads the
+# same list for its own interpreter and proves it enough (tests/benchmarks/test_gpu_wheels.py).
+GPU_WHEELS ?= pyzmq==27.3.0 msgspec==0.23.0 msgpack==1.2.4 psutil==7.2.2 prometheus_client==0.26.0 PyYAML==6.0.4
+GPU_PYTHON_VERSION ?= 3.12
+GPU_WHEEL_DIR ?= .whl
 GPU_PLATFORMS := $(foreach p,manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64,--platform $(p))
 gpu-wheels:
-	rm -rf .whl && mkdir -p .whl
-	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-		$(GPU_PLATFORMS) -d .whl $(GPU_WHEELS)
-	@ls .whl
+	rm -rf $(GPU_WHEEL_DIR) && mkdir -p $(GPU_WHEEL_DIR)
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON_VERSION) --implementation cp \
+		$(GPU_PLATFORMS) -d $(GPU_WHEEL_DIR) $(GPU_WHEELS)
+	@ls $(GPU_WHEEL_DIR)
 
 clean:
 	rm -rf runs .pytest_cache .import_linter_cache

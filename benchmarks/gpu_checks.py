@@ -29,7 +29,6 @@ import torch
 
 from benchmarks.gpu_sections import CheckContext, Skip
 from common.run.config import Objective
-from common.wire import messages
 
 REPO = Path(__file__).resolve().parent.parent
 CUDA_TESTS = ("tests/common/test_cuda_ipc.py", "tests/common/test_cuda_ipc_cache.py", "tests/common/test_shm_pinning.py")
@@ -181,6 +180,7 @@ def _batches(ctx: CheckContext, config, count: int, *, batch: int = 4, seq_len: 
     """Random micro-batches of the backend's contract, on the device (as the transport hands them over)."""
     from common.run.capture_contract import contract_from_config
     from common.dataplane.slots import SlotBatch, SlotHeader
+    from common.wire import messages
     contract = contract_from_config(config)
     width, dtype = contract.row_width, getattr(torch, contract.dtype)
     g = torch.Generator().manual_seed(1)

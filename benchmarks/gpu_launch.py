@@ -22,13 +22,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from benchmarks.gpu_sections import CheckContext, Skip, save_random_qwen3
-from common.wire.stats_snapshot import WorkerView
-from ops.stats_view import run_stats_or_none
+
+if TYPE_CHECKING:
+    from common.wire.stats_snapshot import WorkerView
 
 RUN_OVERRIDES = ("run.epochs=1", "run.seed=0", "target.capture_layers=[1,2]", "target.count=1",
                  "drafter.accum_steps=2", "drafter.checkpoint_every=2", "schedule.buckets=[32,64]",
@@ -68,6 +69,13 @@ def write_launch_inputs(root: Path, *, num_samples: int, hidden: int) -> tuple[P
                     "checksums": writer.checksums_section()}
         (data_dir / MANIFEST_FILE).write_text(json.dumps(manifest))
     return target_dir, data_dir
+
+
+def run_stats_or_none(run_dir: Path):
+    """A launched run's stats, or None. Its messaging (pyzmq, msgspec) is imported here, not with the module:
+    ``hsd bench gpu`` imports every section before its preflight has said what the host lacks."""
+    from ops.stats_view import run_stats_or_none as read
+    return read(run_dir)
 
 
 def _hsd(*args: str) -> list[str]:

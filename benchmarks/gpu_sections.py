@@ -56,8 +56,14 @@ TINY = Shapes(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, voc
               dflash_draft_layers=1, dflash_seq_len=128, dflash_batch_tokens=256, dflash_anchors=8,
               dflash_accum=2, slot_mb=1.0, copy_reps=3, launch_samples=24, launch_hidden=64)
 
-# Dense bf16 peak of the GPUs the MFU estimate knows (TFLOP/s, SXM parts); others get no MFU.
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "B200": 2250.0, "A100": 312.0, "L40S": 362.0}
+# Dense bf16 peak of the GPUs the MFU estimate knows (TFLOP/s); the first name the device's contains
+# wins, so the PCIe and NVL parts come before the SXM figure of their family; others get no MFU.
+PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200": 989.0, "H100": 989.0, "B200": 2250.0,
+                    "A100": 312.0, "L40S": 362.0}
+
+
+def peak_bf16_tflops(device_name: str) -> float | None:
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in device_name), None)
 
 
 @dataclass
@@ -272,7 +278,7 @@ def dflash_step(ctx: CheckContext) -> dict[str, Any]:
         "tflops_per_step": round(flops / 1e12, 2)}
     if ctx.cuda:
         figures["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-        peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in torch.cuda.get_device_name(device)), None)
+        peak = peak_bf16_tflops(torch.cuda.get_device_name(device))
         if peak is not None:
             figures["mfu"] = round(flops / step_s / (peak * 1e12), 4)
     return figures

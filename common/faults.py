@@ -104,6 +104,8 @@ class Fault:
 
 
 FAULTS = {fault.name: fault for fault in (
+    Fault("bench_gpu_stand_in", _seconds, "benchmarks.gpu: hsd bench gpu runs a CPU stand-in section first, with "
+          "this deadline: it launches processes in a session of their own and waits (its deadline and SIGTERM, tested)"),
     Fault("checkpoint_delay_s", _seconds, "common.run.checkpoint_writer: every checkpoint write pauses this long with its "
           "files on disk, before it is published (a slow disk)"),
     Fault("checkpoint_exit_at_step", _step, "common.run.checkpoint_writer: the process exits (EXIT_MID_WRITE) with the "

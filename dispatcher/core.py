@@ -25,7 +25,7 @@ from typing import Any, Callable
 import numpy as np
 
 from common.run.capture_contract import adopt_contract
-from common.wire.messages import ModelClaim
+from common.wire.messages import GpuHealth, ModelClaim
 from dispatcher.checkpoints import KnownCheckpoints
 from dispatcher.core_types import DONE, STEP_FULL, CoreOptions, Counters, Incompatible, JobGrant, Worker
 from dispatcher.dataset import too_long_line, too_long_samples
@@ -202,7 +202,7 @@ class DispatcherCore:
         self.jobs.register_slots(self.worker(worker_id, now), ipc_block, num_slots)
 
     def heartbeat(self, worker_id: str, now: float, holding: list[int] | None = None,
-                  seen_grant: int | None = None) -> Worker:
+                  seen_grant: int | None = None, gpu: GpuHealth | None = None) -> Worker:
         """Keeps the worker alive (leases are not renewed: a lease bounds one job's time); returns it.
 
         ``holding`` lists the jobs the worker holds and ``seen_grant`` the number of the latest grant
@@ -211,6 +211,8 @@ class DispatcherCore:
         is given back at once. Judging by grant numbers, not by time, a slow reply is never mistaken
         for a lost one."""
         worker = self.worker(worker_id, now)
+        if gpu is not None:
+            worker.gpu_health = gpu
         if holding is not None and seen_grant is not None:
             self.jobs.give_back_unlisted(worker_id, holding, seen_grant)
         return worker

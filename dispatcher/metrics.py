@@ -114,6 +114,7 @@ def snapshot_families(s: Snapshot) -> Iterator[GaugeMetricFamily | CounterMetric
                  [((role, state), sum(1 for w in workers if w.role == role and w.state == state))
                   for role in ROLES for state in WORKER_STATES])
 
+    yield from gpu_health_families(workers)
     yield _counter("hsd_requests", "Requests by op.", ("op",), _labelled(s.requests))
     yield _counter("hsd_errors", "Error replies by code.", ("code",), _labelled(s.errors))
     yield _counter("hsd_given_back", "Jobs given back by reason.", ("reason",), _labelled(s.given_back))
@@ -129,6 +130,29 @@ def snapshot_families(s: Snapshot) -> Iterator[GaugeMetricFamily | CounterMetric
                                "Steps a drafter group committed since its membership last changed.")):
         if groups:
             yield _gauge(name, text, ("model",), [((m,), getattr(g, field)) for m, g in groups.items()])
+
+
+GPU_GAUGES = (("memory_allocated_bytes", "hsd_worker_gpu_memory_allocated_bytes",
+               "CUDA memory a GPU worker's tensors hold (torch's allocator)."),
+              ("memory_reserved_bytes", "hsd_worker_gpu_memory_reserved_bytes",
+               "CUDA memory a GPU worker's allocator reserved (growing job after job: a leak, e.g. IPC mappings)."),
+              ("memory_peak_bytes", "hsd_worker_gpu_memory_peak_bytes",
+               "The most CUDA memory a GPU worker's tensors held at once."),
+              ("compiled_graphs", "hsd_worker_compiled_graphs", "Graphs dynamo compiled in a GPU worker."))
+
+
+def gpu_health_families(workers) -> Iterator[GaugeMetricFamily]:
+    """The GPU workers' health (memory, slot copy ms p50/p99, compiled graphs); a CPU worker has no series."""
+    health = [((w.name, w.role), w.gpu_health) for w in workers if w.gpu_health is not None]
+    if not health:
+        return
+    for field, name, text in GPU_GAUGES:
+        yield _gauge(name, text, ("worker", "role"), [(key, getattr(h, field)) for key, h in health])
+    copies = [((*key, quantile), value) for key, h in health
+              for quantile, value in (("0.5", h.copy_ms_p50), ("0.99", h.copy_ms_p99)) if value is not None]
+    if copies:
+        yield _gauge("hsd_worker_slot_copy_ms", "A GPU worker's latest slot copies, ms each, by quantile (a target's "
+                     "copy into its slot, a drafter's out of one).", ("worker", "role", "quantile"), copies)
 
 
 class SnapshotCollector(Collector):

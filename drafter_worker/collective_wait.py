@@ -15,7 +15,10 @@ buckets are summed one after another, and a coarse poll would leave the link idl
 from __future__ import annotations
 
 import time
-from typing import Callable, Protocol
+import threading
+from typing import Callable, Protocol, TypeVar
+
+T = TypeVar("T")
 
 POLL_FIRST_S = 20e-6  # the first pause between two looks at the work
 POLL_MAX_S = 1e-3  # the longest: what a completed collective may wait before the host sees it
@@ -58,3 +61,21 @@ def wait_bounded(work: Work, *, timeout_s: float, clock: Callable[[], float] = t
         pause = min(2 * pause, POLL_MAX_S)
     work.wait()
     return True
+
+
+def call_bounded(fn: Callable[[], T], *, bound_s: float, on_overrun: Callable[[], None]) -> T:
+    """``fn()`` on this thread; should it not have returned within ``bound_s``, ``on_overrun()`` runs on
+    a watchdog thread (for a call that cannot be interrupted, such as NCCL's communicator init blocked
+    on a rank that died after it arrived: the caller's ``on_overrun`` ends the process, which its
+    launcher restarts). A call that returns or raises in time leaves no trace."""
+    finished = threading.Event()
+
+    def watch() -> None:
+        if not finished.wait(bound_s):
+            on_overrun()
+
+    threading.Thread(target=watch, name="hsd-bounded-call", daemon=True).start()
+    try:
+        return fn()
+    finally:
+        finished.set()

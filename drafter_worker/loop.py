@@ -302,6 +302,7 @@ class DrafterLoop(StepCommits, Checkpoints, WorkerLoop):
             raise WorkerUnusable(f"{self.name}: {exc}") from None
         finally:
             self.read_s += time.perf_counter() - started
+            self.copy_times.add(time.perf_counter() - started)
 
     # -- the round ------------------------------------------------------------------------------
     def _round(self, *, done: bool, flush: bool, leaving: bool, no_job: bool) -> str | None:

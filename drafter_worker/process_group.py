@@ -24,8 +24,10 @@ is SIGABRT. So:
 * the watchdog is told not to act (``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``, no dump on timeout, no
   heartbeat monitor: each of those ends in SIGABRT), since every wait is bounded on the host;
 * the NCCL communicator is built when the group opens (``device_id``), not lazily inside the first
-  step's all-reduce, and is released by abort, never ``ncclCommDestroy``: destroy waits for every
-  peer to destroy too, which a dead peer never does. Should abort itself not return (some NCCL
+  step's all-reduce, under a bound of ``drafter.collective_timeout_s``: ``ncclCommInitRank`` waits
+  for every rank and a rank that died after it arrived would hang the others there, so past the
+  bound the rank exits (``ABORT_HUNG_EXIT``) and restarts as a joiner; it is released by abort,
+  never ``ncclCommDestroy``: destroy waits for every peer to destroy too, which a dead peer never does. Should abort itself not return (some NCCL
   versions hang in it), the rank exits after ``ABORT_BOUND_S`` (code ``ABORT_HUNG_EXIT``) and
   restarts as a joiner: a lost process, never a hung group.
 
@@ -54,7 +56,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _abort_process_group
 
 from common.wire.store_names import parse_tcp_store, store_address
-from drafter_worker.collective_wait import wait_bounded
+from drafter_worker.collective_wait import call_bounded, wait_bounded
 from drafter_worker.rendezvous import RendezvousServer
 from drafter_worker.step_group import CollectiveFailed, RankRound
 
@@ -71,7 +73,7 @@ ARRIVED_KEY = "hsd/arrived"  # + "/<rank>": set in the store by each rank that c
 NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
             "TORCH_NCCL_ENABLE_MONITORING": "0"}
 ABORT_BOUND_S = 60.0  # an abort that has not returned by then never will
-ABORT_HUNG_EXIT = 5  # exit code of a rank whose communicator abort hung
+ABORT_HUNG_EXIT = 5  # exit code of a rank whose NCCL communicator init or abort never returned
 
 # Groups let go of with a collective still in flight, each with that work. A gloo group's destructor
 # joins its worker threads, and one blocked in a collective on a peer that is stopped (not dead: its
@@ -178,8 +180,14 @@ class StepGroup:
         try:
             self._store = self._open_store(store, server, timeout_s=timeout_s, deadline=deadline)
             self._await_ranks(self._store, deadline, wait_s)
-            dist.init_process_group(backend, store=self._store, rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=timeout_s), **options)
+            def init() -> None:
+                dist.init_process_group(backend, store=self._store, rank=rank, world_size=world_size,
+                                        timeout=datetime.timedelta(seconds=timeout_s), **options)
+            if self.device.type == "cuda":  # ncclCommInitRank waits for every rank, without a bound of its own
+                call_bounded(init, bound_s=timeout_s, on_overrun=lambda: self._exit_hung("building the NCCL "
+                             f"communicator did not return within {timeout_s:g}s (a rank died after it arrived?)"))
+            else:
+                init()  # gloo's connections are bounded by the store's timeout
         except (RendezvousIncomplete, VersionEnded):
             raise
         except (RuntimeError, ValueError) as exc:  # DistStoreError and friends: the others never came,
@@ -338,10 +346,15 @@ class StepGroup:
 
         threading.Thread(target=abort, name="hsd-abort-group", daemon=True).start()
         if not done.wait(ABORT_BOUND_S):
-            log.error("rank %d: aborting the communicator of membership %d did not return within %gs; exiting "
-                      "(the launcher restarts this rank, which joins again)", self.rank, self.version, ABORT_BOUND_S)
-            logging.shutdown()
-            os._exit(ABORT_HUNG_EXIT)
+            self._exit_hung(f"aborting the communicator did not return within {ABORT_BOUND_S:g}s")
+
+    def _exit_hung(self, what: str) -> None:
+        """A call into NCCL that never returns: exit (``ABORT_HUNG_EXIT``); the launcher restarts this rank,
+        which joins again: a lost process, never a hung group."""
+        log.error("rank %d of membership %d: %s; exiting (the launcher restarts this rank, which joins again)",
+                  self.rank, self.version, what)
+        logging.shutdown()
+        os._exit(ABORT_HUNG_EXIT)
 
 
 @atexit.register

@@ -97,9 +97,20 @@ def cmd_bench_gradsync(args) -> int:
 
 
 def cmd_bench_gpu(args) -> int:
-    from benchmarks.gpu import run_gpu_bench
+    """The preflight first, with the standard library alone: whatever the image lacks, it is written."""
+    from benchmarks.gpu_preflight import preflight, write_alone
+    facts = preflight()
+    try:
+        from benchmarks.gpu import run_gpu_bench
+    except ImportError as exc:
+        written = write_alone(facts, args.out, args.bundle)
+        print(f"hsd bench gpu: error: the check cannot be imported here ({type(exc).__name__}: {exc}); "
+              f"missing: {', '.join(facts['missing']) or 'nothing hsd lists'}; the preflight: "
+              f"{', '.join(map(str, written)) or 'give --out DIR to keep it'}", file=sys.stderr)
+        return 1
     only = [name for part in args.only for name in part.split(",") if name] if args.only else None
-    return run_gpu_bench(as_json=args.json, budget_s=args.budget_s, only=only, out=args.out, bundle=args.bundle)
+    return run_gpu_bench(as_json=args.json, budget_s=args.budget_s, only=only, out=args.out, bundle=args.bundle,
+                         facts=facts)
 
 
 def cmd_bench_dflash(args) -> int:

@@ -11,7 +11,6 @@ from typing import get_args
 
 from common.run.config import ConfigError, Objective, ScheduleSection, describe
 from common.run.durable import STORAGE_FAILED_EXIT_CODE, StorageFailed, describe_storage_failure, is_storage_error
-from common.worker.runtime import EXIT_UNUSABLE, WorkerUnusable
 from hsd.bench import add_bench_parser
 from hsd.shared import add_config_args, config_of, require_model, setup_logging
 
@@ -43,6 +42,7 @@ def cmd_worker(args) -> int:
     """``hsd target`` / ``hsd drafter``: one worker process. A data error (a prepared dataset that
     cannot be read as it is) makes it unusable: ``hsd launch`` does not restart it for that."""
     from common.run.prepared import DataError
+    from common.worker.runtime import WorkerUnusable
     setup_logging()
     try:
         return _run_worker(args)
@@ -376,9 +376,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"hsd {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except WorkerUnusable as exc:
-        print(f"hsd {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_UNUSABLE
     except StorageFailed as exc:
         print(f"hsd {args.command}: error: {exc}. Stopped (fail closed); free space, then run the same command "
               "again", file=sys.stderr)
@@ -391,6 +388,19 @@ def main(argv: list[str] | None = None) -> int:
         return STORAGE_FAILED_EXIT_CODE
     except KeyboardInterrupt:
         return 130
+    except RuntimeError as exc:
+        runtime = _worker_runtime()
+        if runtime is None or not isinstance(exc, runtime.WorkerUnusable):
+            raise
+        print(f"hsd {args.command}: error: {exc}", file=sys.stderr)
+        return runtime.EXIT_UNUSABLE
+
+
+def _worker_runtime():
+    """The worker shell's module once a worker loaded it (only a worker raises WorkerUnusable), else None:
+    the command line imports no messaging (pyzmq, msgspec) before a subcommand needs it, so that
+    ``hsd bench gpu`` reaches its preflight on an image that lacks them."""
+    return sys.modules.get("common.worker.runtime")
 
 
 if __name__ == "__main__":

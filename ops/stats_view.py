@@ -255,6 +255,7 @@ def format_stats(s: Snapshot, *, previous: Snapshot | None = None, rate: float |
     if not s.workers:
         lines.append("(no worker registered)")
     lines += step_metric_lines(s.workers)
+    lines += gpu_health_lines(s.workers)
     return "\n".join(lines)
 
 
@@ -275,6 +276,21 @@ def step_metric_lines(workers: list[WorkerView]) -> list[str]:
         if w.metrics:
             figures = "  ".join(f"{k} {v:.4g}" for k, v in w.metrics.items())
             lines.append(f"{w.name:<12} last step: {figures}")
+    return lines
+
+
+def gpu_health_lines(workers: list[WorkerView]) -> list[str]:
+    """Each GPU worker's memory, slot copy times and compiled graphs (a CPU worker has none)."""
+    lines = []
+    for w in sorted(workers, key=lambda w: w.name):
+        h = w.gpu_health
+        if h is None:
+            continue
+        copies = (f"copy p50 {h.copy_ms_p50:.2f} ms p99 {h.copy_ms_p99:.2f} ms ({h.copies} slots)"
+                  if h.copy_ms_p50 is not None else "no slot copied yet")
+        lines.append(f"{w.name:<12} gpu: allocated {h.memory_allocated_bytes / 2**30:.2f} GiB  reserved "
+                     f"{h.memory_reserved_bytes / 2**30:.2f} GiB  peak {h.memory_peak_bytes / 2**30:.2f} GiB  "
+                     f"{copies}  {h.compiled_graphs} compiled graphs")
     return lines
 
 

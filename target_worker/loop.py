@@ -104,6 +104,7 @@ class TargetLoop(WorkerLoop):
             self._failed(job, exc)
             return
         self._failures_in_a_row = 0
+        self.copy_times.add(time.perf_counter() - started)  # the wait for the slot's copy to land, and publishing it
         busy_s = pending.busy_s + time.perf_counter() - started
         self._reports.append(self.session.submit(messages.JobReady(job_id=job.job_id, generation=job.generation,
                                                                    busy_s=busy_s)))

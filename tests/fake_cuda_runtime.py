@@ -27,3 +27,24 @@ class FakeRuntime:
 
     def error_string(self, err):
         return f"invalid value (error {err})"
+
+
+class FakeCudaMemory:
+    """common.worker.gpu_health.CudaMemory's figures, set by the test (no CUDA needed); records the devices asked."""
+
+    def __init__(self, allocated: int, reserved: int, peak: int):
+        self.figures = {"allocated": allocated, "reserved": reserved, "peak": peak}
+        self.devices: list = []
+
+    def _read(self, what, device):
+        self.devices.append(device)
+        return self.figures[what]
+
+    def allocated(self, device):
+        return self._read("allocated", device)
+
+    def reserved(self, device):
+        return self._read("reserved", device)
+
+    def peak(self, device):
+        return self._read("peak", device)

@@ -30,8 +30,9 @@ trained on. Modelled (read in the engines' sources, never copied):
   ``t2d`` skipped, ``model.`` added when the bare name is no parameter, unknown names ignored) and
   ``set_eagle3_layers_to_capture`` (``eagle_config.eagle_aux_hidden_state_layer_ids`` + 1).
 
-Both engines collect a captured state at the top of decoder layer ``idx`` for ``idx < N``, so a
-capture id must lie in ``1..N-1``. An engine that ignores an unknown tensor (SGLang) would run with
+SGLang collects a captured state at the top of decoder layer ``idx`` for ``idx < N`` only, so its
+capture ids lie in ``1..N-1``; vLLM (0.33) also collects index ``N`` after the layer loop (the last
+layer's output), so its ids lie in ``1..N``. An engine that ignores an unknown tensor (SGLang) would run with
 a parameter never loaded: :func:`load_problems` reports a tensor no parameter takes and a parameter
 no tensor fills for every engine alike.
 """
@@ -162,7 +163,7 @@ def load_problems(engine: str, drafter_dir: Path, *, target_dir: Path, trained_l
     elif ids != trained:
         problems.append(f"{engine} captures at the top of layers {ids}, the drafter trained on the outputs of "
                         f"{trained_layer_ids} (top of {trained})")
-    elif not all(1 <= i <= num_layers - 1 for i in ids):
+    elif not all(1 <= i <= num_layers - (engine != "vLLM") for i in ids):
         problems.append(f"{engine} never collects the top of layer {max(ids)} of a {num_layers}-layer target")
     if not eagle3:
         problems += _dflash_config_problems(engine, doc, target, tokenizer)

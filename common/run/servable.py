@@ -10,6 +10,7 @@ weights: engines load every ``*.safetensors`` of a directory without an index.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -57,6 +58,27 @@ def weights_files(directory: Path) -> list[Path]:
     return sorted(directory.rglob(f"*{WEIGHTS_SUFFIX}"))
 
 
+def unnamed_mask_token(config_path: Path) -> str | None:
+    """Why a DFlash export would be served with another mask token than the one it trained with, or None.
+
+    SGLang finds the mask id by its text (``dflash_config.mask_token``, default ``<|MASK|>`` when it is
+    absent); a drafter whose mask id has no text in the target's tokenizer (an embedding row past the
+    tokenizer's tokens) exports no text, so SGLang would feed it another token than it trained on."""
+    try:
+        doc = json.loads(config_path.read_text())
+    except (OSError, ValueError):
+        return None
+    dflash = doc.get("dflash_config") if isinstance(doc, dict) else None
+    if not isinstance(dflash, dict) or "mask_token_id" not in dflash or dflash.get("mask_token"):
+        return None
+    mask_id = dflash["mask_token_id"]
+    return (f"{config_path}: the drafter trained with mask token id {mask_id}, which has no text in the target's "
+            f"tokenizer, so dflash_config.mask_token is missing and SGLang would look up its default '<|MASK|>' "
+            f"instead of id {mask_id}. Train with dflash.mask_token_id set to a token the tokenizer names (its mask "
+            f"token, or a special token added to it for this), or, if the tokenizer you serve with names id "
+            f"{mask_id}, add that text as dflash_config.mask_token to {config_path.name} and export again")
+
+
 def export_servable(checkpoint: Checkpoint, out: str | os.PathLike, *, force: bool = False) -> Path:
     """Copy ``checkpoint``'s servable model to ``out``; a non-empty ``out`` is replaced only with ``force``."""
     source = servable_dir(checkpoint)
@@ -67,6 +89,9 @@ def export_servable(checkpoint: Checkpoint, out: str | os.PathLike, *, force: bo
     if len(weights) != 1:
         raise ExportError(f"{source} holds {len(weights)} *{WEIGHTS_SUFFIX} files, not one: "
                           f"{', '.join(str(p.relative_to(source)) for p in weights)}")
+    unresolved = unnamed_mask_token(source / "config.json")
+    if unresolved is not None:
+        raise ExportError(unresolved)
     out = Path(out).resolve()
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} exists and is not a directory")

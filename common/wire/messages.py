@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal, Union
 import msgspec
 
 from common.wire.errors import ErrorCode, ProtocolError
-from common.wire.stats_snapshot import Snapshot
+from common.wire.stats_snapshot import GpuHealth, Snapshot
 
 PROTOCOL_VERSION = 3  # 3: get_hs carries the consumed reports of the slots copied out since the last poll
 
@@ -133,6 +133,7 @@ class Heartbeat(WorkerRequest, tag="heartbeat", kw_only=True):
     it holds, granted no later than seen_grant and not listed, is given back at once."""
     holding: list[int]
     seen_grant: int | None = None
+    gpu: GpuHealth | None = None  # a worker on a GPU: its memory, copy times and compiled graphs
 
 
 class GetJob(WorkerRequest, tag="get_job", kw_only=True):

@@ -33,6 +33,20 @@ class EpochView(Part, kw_only=True, omit_defaults=True):
     consumed_tail_skew: float | None = None
 
 
+class GpuHealth(Part, kw_only=True, omit_defaults=True):
+    """A GPU worker's health, with each heartbeat (a CPU worker sends none): its process's CUDA memory
+    (torch's allocator: allocated, reserved, the peak allocated), the wall time of its latest slot
+    copies (a target's device-to-host write, a drafter's read into the device, IPC included; ms per
+    slot, over the latest :data:`common.worker.gpu_health.COPY_WINDOW`) and the graphs dynamo compiled."""
+    memory_allocated_bytes: int
+    memory_reserved_bytes: int
+    memory_peak_bytes: int
+    compiled_graphs: int
+    copies: int  # slot copies timed so far (the percentiles are of the latest ones)
+    copy_ms_p50: float | None = None
+    copy_ms_p99: float | None = None
+
+
 class WorkerView(Part, kw_only=True, omit_defaults=True):
     """One registered worker."""
     id: str
@@ -53,6 +67,7 @@ class WorkerView(Part, kw_only=True, omit_defaults=True):
     metrics: dict[str, float] | None = None  # drafter: its latest step's figures (loss, lr, ...), when it sent any
     rank: int | None = None  # drafter of a data-parallel group: its rank
     membership: int | None = None  # ... and the group's membership version it registered in
+    gpu_health: GpuHealth | None = None  # a worker on a GPU: memory, slot copy ms, compiled graphs (none on a CPU)
 
 
 class ModelView(Part, kw_only=True, omit_defaults=True):

@@ -5,7 +5,8 @@ A worker is a :class:`TargetLoop` (:mod:`target_worker.loop`) or a :class:`Draft
 The loop here owns what they share:
 
 - registration, retried while the dispatcher starts; the session token; heartbeats that list the
-  jobs the worker holds (:mod:`common.worker.runtime`);
+  jobs the worker holds (:mod:`common.worker.runtime`) and, on a GPU, its health
+  (:mod:`common.worker.gpu_health`);
 - the transport: opened from the register reply, closed (and opened afresh) when the dispatcher
   restarts, since a new dispatcher means a new arena;
 - prefetch: the next ``get_job``/``get_hs`` is always in flight while the current job computes, so
@@ -27,8 +28,9 @@ import msgspec
 from common.run.config import Config
 from common.wire import messages
 from common.wire.messages import ErrorCode, ProtocolError
+from common.worker.gpu_health import CopyTimes, GpuHealthProbe, ReportingSession
 from common.worker.runtime import (CALL_TIMEOUT_S, DispatcherAddress, DispatcherGone, NoReply, WorkerLost,
-                                   WorkerSession, on_no_reply, resend_until_answered)
+                                   on_no_reply, resend_until_answered)
 
 log = logging.getLogger("hsd.worker")
 
@@ -55,7 +57,8 @@ class WorkerLoop:
         self.config = config
         self.name = name
         self.backend = backend
-        self.session = WorkerSession(DispatcherAddress.from_config(config), self.role, name, gpu=gpu)
+        self.session = ReportingSession(DispatcherAddress.from_config(config), self.role, name, gpu=gpu)
+        self.copy_times = CopyTimes()  # each slot's copy (target: into the slot; drafter: out of it), for stats
         self._external_stop = external_stop
         self.poll_ms = POLL_MS
 
@@ -95,6 +98,7 @@ class WorkerLoop:
                     raise
                 self._registered(registration)
                 transport = self._open_transport(registration.transport)
+                self.session.health = GpuHealthProbe(self._device(registration.transport), self.copy_times).read
                 try:
                     self._work(registration, transport)
                     return 0

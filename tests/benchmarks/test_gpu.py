@@ -34,11 +34,12 @@ def test_without_cuda_every_section_writes_skipped_and_it_exits_0(tmp_path):
     assert as_json["sections"] == {name: {"skipped": "no CUDA"} for name in SECTION_NAMES}
     assert format_check(as_json) == f"hsd bench gpu: {as_json['message']}" and "nothing measured" in as_json["message"]
     files = sorted(p.name for p in out.iterdir())
-    assert files == [f"{n:02d}-{name}.json" for n, name in enumerate(SECTION_NAMES, 1)]
+    assert files == ["00-preflight.json"] + [f"{n:02d}-{name}.json" for n, name in enumerate(SECTION_NAMES, 1)]
     for number, name in enumerate(SECTION_NAMES, 1):
         assert json.loads((out / f"{number:02d}-{name}.json").read_text()) == {"section": name, "skipped": "no CUDA"}
     assert sorted(p.name for p in bundle.iterdir()) == ["bench-gpu.json", "bench-gpu.tar.gz"]
     assert json.loads((bundle / "bench-gpu.json").read_text())["sections"] == as_json["sections"]
+    assert as_json["preflight"] == json.loads((out / "00-preflight.json").read_text())
     with tarfile.open(bundle / "bench-gpu.tar.gz") as tar:
         assert sorted(m.name for m in tar.getmembers() if m.isfile()) == [f"bench-gpu/{f}" for f in files]
     with pytest.raises(ValueError, match="warp_drive.*the sections are cuda_ipc_tests"):

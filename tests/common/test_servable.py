@@ -67,3 +67,19 @@ def test_export_refuses_a_servable_part_with_two_weight_files(tmp_path):
     save_file({"x": torch.zeros(1)}, str(servable_dir(checkpoint) / "extra.safetensors"))
     with pytest.raises(ExportError, match="2 \\*.safetensors files"):
         export_servable(checkpoint, tmp_path / "out")
+
+
+def test_a_dflash_mask_token_without_text_is_refused_at_export(tmp_path, capsys):
+    """SGLang finds the mask id by its text (default '<|MASK|>' when dflash_config.mask_token is absent):
+    an export whose trained id has no text would be served with another token, so it is refused."""
+    checkpoint = _checkpoint(tmp_path / "run", "m", 1)
+    config = servable_dir(checkpoint) / "config.json"
+    config.write_text(json.dumps({"architectures": ["DFlashDraftModel"], "dflash_config": {"mask_token_id": 151935}}))
+    with pytest.raises(ExportError, match=r"config.json: the drafter trained with mask token id 151935, which has no "
+                                          r"text in the target's tokenizer.*'<\|MASK\|>'.*dflash.mask_token_id"):
+        export_servable(checkpoint, tmp_path / "out")
+    assert cli_main(["export", "--run-dir", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 2
+    assert "no text in the target's tokenizer" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    config.write_text(json.dumps({"dflash_config": {"mask_token_id": 151935, "mask_token": "<|reserved_0|>"}}))
+    assert json.loads((export_servable(checkpoint, tmp_path / "out") / "config.json").read_text())[
+        "dflash_config"]["mask_token"] == "<|reserved_0|>"

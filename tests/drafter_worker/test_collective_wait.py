@@ -123,3 +123,23 @@ def test_a_group_that_fails_while_it_is_built_is_let_go_of(tmp_path, monkeypatch
     assert not dist.is_initialized()
     monkeypatch.setattr(dist, "init_process_group", init)
     _group(tmp_path, 2).close()
+
+
+def test_a_bounded_call_in_time_leaves_no_trace_and_one_past_its_bound_runs_the_overrun():
+    """NCCL's communicator init cannot be interrupted: past its bound the rank's overrun (an exit) runs
+    beside it. Here the call waits on an event the overrun sets."""
+    import threading
+
+    from drafter_worker.collective_wait import call_bounded
+    overran = threading.Event()
+    assert call_bounded(lambda: 7, bound_s=0.05, on_overrun=overran.set) == 7
+    with pytest.raises(ValueError, match="refused"):
+        call_bounded(lambda: (_ for _ in ()).throw(ValueError("refused")), bound_s=0.05, on_overrun=overran.set)
+    assert not overran.wait(0.2)  # neither call overran: no watchdog fired after it returned
+
+    released = threading.Event()
+
+    def hung_init() -> str:
+        assert released.wait(10), "the overrun never ran"
+        return "returned once the overrun let it"
+    assert call_bounded(hung_init, bound_s=0.05, on_overrun=released.set) == "returned once the overrun let it"

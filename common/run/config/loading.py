@@ -11,8 +11,6 @@ import typing
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from common.run.capture_contract import contract_from_config
 from common.run.config.fields import ConfigError, is_text, key_types, type_name
 from common.run.config.sections import Config
@@ -49,6 +47,8 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     section, key = dotted.split(".")
     if is_text(_key_type(section, key)):
         return section, key, raw
+    import yaml  # imported where it reads: hsd bench gpu's preflight runs without PyYAML
+
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
@@ -61,6 +61,8 @@ def _read_file(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
+    import yaml
+
     try:
         doc = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
@@ -143,6 +145,8 @@ def write_resolved(config: Config, run_dir: Path | None = None) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     target = run_dir / RESOLVED_CONFIG_NAME
     doc = config.to_dict()
+    import yaml
+
     doc["nodes"]["name"] = ""  # node-local: a worker started from this file on another node is not this one
     return atomic_write(target, RESOLVED_HEADER + yaml.safe_dump(doc, sort_keys=False),
                         tmp_name=target.with_suffix(".tmp").name)
