@@ -8,7 +8,9 @@ The workers follow a GPU model (:class:`benchmarks.scale_model.GpuModel`): a tar
 ``--tokens-per-s`` tokens a second in jobs of ``--job-tokens``, a drafter GPU trains
 ``--drafter-rate`` micro-batches a second; a step's workers are split into as few drafters as
 consume what its targets produce with a quarter to spare. Jobs' times vary ±10 % and every worker
-starts at a random moment of its period, so workers do not move in step. Heartbeats every ``dispatcher.heartbeat_s`` (``--heartbeat-s``).
+starts at a random moment of its period, so workers do not move in step. A heartbeat is due every
+``dispatcher.heartbeat_s`` (``--heartbeat-s``) and goes out when the worker sent no request within
+that interval, as a real worker's does (:mod:`common.wire.heartbeats`).
 
 After every worker registered and ``--warmup`` seconds, a window of ``--seconds`` is measured:
 

@@ -8,7 +8,9 @@ jobs, its next ``get_job`` in flight while its GPU works (``job_s`` a job, ±10 
 ``job_ready``; a drafter's ``get_hs`` carries the consumed report of the slot it got before (protocol
 v3), it trains one micro-batch at a time (``1 / drafter_batches_per_s``) with one more waiting, and
 commits every ``accum_steps`` micro-batches, one commit in flight. Every worker sends a heartbeat
-every ``heartbeat_s`` on the same socket, listing the jobs it holds.
+on the same socket, listing the jobs it holds, when one is due every ``heartbeat_s`` and the worker
+sent no request within the interval (as a real worker's control channel does:
+:mod:`common.wire.heartbeats`).
 
 ``zmq.Poller`` walks every socket on every call (about 1 µs a socket); epoll over the sockets'
 ``ZMQ_FD`` costs nothing per idle socket. That fd signals edge-like: a socket is drained until
@@ -32,6 +34,7 @@ import zmq
 from benchmarks.scale_model import GpuModel
 from common.wire import messages
 from common.wire.errors import ProtocolError
+from common.wire.heartbeats import BeatSchedule
 
 POLL_MS = 1000  # the long-poll a worker's get_job / get_hs waits (common.worker.loop's)
 SWEEP_S = 1.0
@@ -105,6 +108,8 @@ class SimWorker:
         self.worker_id = ""
         self.token: str | None = None
         self.heartbeat_s = 0.0
+        self.beats = BeatSchedule(0.0)
+        self.last_request_at = float("-inf")  # a heartbeat due within heartbeat_s of it is skipped
         self.held: set[int] = set()
         self.seen_grant = 0
         self.lost = False
@@ -117,6 +122,8 @@ class SimWorker:
         if isinstance(request, messages.WorkerRequest):
             request.worker_id, request.token = self.worker_id, self.token
         self.pending[request.id] = (request, now, due)
+        if not isinstance(request, messages.Heartbeat):
+            self.last_request_at = now
         self.sock.send(messages.encode(request), zmq.NOBLOCK)
         self.clock.sent.add(self)  # a send may consume the fd's signal of a reply already queued: drained next
 
@@ -163,6 +170,7 @@ class SimWorker:
         """Heartbeats and work begin at a random moment within one period of each: workers that
         registered together do not move in step (a burst of a thousand would be this bench's own)."""
         self.worker_id, self.token, self.heartbeat_s = reply.worker_id, reply.token, reply.heartbeat_s
+        self.beats = BeatSchedule(reply.heartbeat_s)
         self.setup(reply)
         self.clock.at(now + self.rng.uniform(0, self.heartbeat_s), self, "heartbeat")
         self.clock.at(now + self.rng.uniform(0, self.gpu_s()), self, "begin")
@@ -176,7 +184,8 @@ class SimWorker:
         if self.lost:
             return
         if what == "heartbeat":
-            self.send(messages.Heartbeat(holding=sorted(self.held), seen_grant=self.seen_grant), now, due)
+            if self.beats.goes_out(now, self.last_request_at):
+                self.send(messages.Heartbeat(holding=sorted(self.held), seen_grant=self.seen_grant), now, due)
             self.clock.at(due + self.heartbeat_s, self, "heartbeat")
         elif what == "begin":
             self.poll(now)

@@ -276,6 +276,19 @@ class DispatcherCore:
                 return STEP_FULL, False
         return self.jobs.take_ready(worker, group, now)
 
+    def is_lone_drafter(self, worker_id: str) -> bool:
+        """A registered worker that is no rank of a data-parallel group (its get_hs changes nothing it finds nothing for)."""
+        return worker_id in self.workers and self.groups.group_of_rank(worker_id) is None
+
+    def lone_drafters_starved(self) -> bool:
+        """Whether get_hs finds nothing now for every lone drafter: the run is not done and no ready
+        slot may be handed out (what get_hs would find for each of them, asked once)."""
+        return not self.done and not self.jobs.ready_servable()
+
+    def starved(self, worker_id: str, now: float) -> None:
+        """What a lone drafter's get_hs that found nothing since no slot may be handed out leaves."""
+        self.registry.wait(self.worker(worker_id, now), "starved", now)
+
     def consumed(self, worker_id: str, job_id: int, now: float) -> None:
         self.jobs.consumed(self.worker(worker_id, now), job_id)
 

@@ -190,6 +190,12 @@ class JobOps:
                 return None
         return None
 
+    def ready_servable(self) -> bool:
+        """Whether a drafter may be handed a ready slot now (the first test of :meth:`take_ready`,
+        the same for every drafter: the epoch served, the min-ready reservoir)."""
+        serving = self.serving_epoch()
+        return serving is not None and self.pool.may_serve(draining=serving[1])
+
     def nothing_left_to_hand_out(self) -> bool:
         epoch_jobs = self.store.epoch_jobs
         if max(epoch_jobs) + 1 < self.options.epochs:

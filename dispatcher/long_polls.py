@@ -118,10 +118,26 @@ class LongPolls:
         return messages.GrantReply(id=request.id, job=None, done=core.done, flush=flush)
 
     def serve(self, now: float) -> None:
-        """Try every parked poll again (after a state change)."""
+        """Try every parked poll again (after a state change), in the order they were parked.
+
+        While no ready slot may be handed out, every lone drafter's get_hs finds nothing, and finding
+        nothing changes nothing: that is asked once (``lone_drafters_starved``) for them all rather than
+        once each (hundreds of parked drafters, at every state change). It is asked again after a
+        poll was answered or one that may change the state was tried (a join, a group rank's get_hs)."""
         remaining = []
+        core = self.core
+        starved: bool | None = None  # None: not asked since the state last changed
         for waiter in self.waiters:
             request_id = waiter.request.id
+            if isinstance(waiter.request, messages.GetHS) and core.is_lone_drafter(waiter.worker_id):
+                if starved is None:
+                    starved = core.lone_drafters_starved()
+                if starved:
+                    core.starved(waiter.worker_id, now)
+                    remaining.append(waiter)
+                    continue
+            elif not isinstance(waiter.request, messages.GetJob):
+                starved = None
             try:
                 reply = self._try_serve(waiter.request, now)
             except UnknownWorker:
@@ -135,6 +151,7 @@ class LongPolls:
                 remaining.append(waiter)
             else:
                 self.send(waiter.identity, reply)
+                starved = None
         self.waiters = remaining
 
     def expire(self, now: float) -> None:

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import psutil
 import zmq
 
 from common.wire import messages
@@ -30,11 +29,12 @@ from common.wire.stats_snapshot import Snapshot, serving_snapshot
 from dispatcher.core import DispatcherCore
 from common import faults
 from common.wire.curve import HandshakeMonitor, ZapAuthorizer, auth_stats, server_from_config
-from dispatcher.core_types import CoreOptions, Incompatible, Unauthorized, UnknownWorker, Worker
+from dispatcher.core_types import CoreOptions, Incompatible, Unauthorized, UnknownWorker
 from dispatcher.groups import GroupChanged
 from dispatcher.dataset import load_lengths
 from dispatcher.journal import Journal, JournalFailed
 from dispatcher.ledger import LedgerError
+from dispatcher.liveness import ProcessWatch
 from dispatcher.long_polls import LongPolls, counted_error, model_step
 from dispatcher.metrics import MetricsServer
 from dispatcher.pool import HSPool
@@ -77,6 +77,7 @@ class DispatcherServer:
         write_resolved(config)
         self.run_id = run_id_for(self.run_dir)
         self.hostname = socket.gethostname()
+        self.liveness = ProcessWatch(self.hostname)  # whether this host's workers' processes still run
         self.data_plane = DataPlane.create(config, self.run_id)
         self.journal = Journal(self.run_dir, sync_in_background=True)
         pool = HSPool(min_ready=config.pool.min_ready, target_credits=config.pool.target_credits,
@@ -151,6 +152,9 @@ class DispatcherServer:
         poller.register(self.journal.notify_fd, zmq.POLLIN)
         for monitor in self.handshakes:
             poller.register(monitor.socket, zmq.POLLIN)
+        process_ended_fd = self.liveness.fileno()
+        if process_ended_fd is not None:
+            poller.register(process_ended_fd, zmq.POLLIN)
         next_sweep = time.monotonic() + SWEEP_INTERVAL_S
         self.exit_code = 0
         try:
@@ -172,8 +176,10 @@ class DispatcherServer:
                         raise JournalFailed(self.journal.path, self.journal.failed, action="writing the journal")
                     self._release_durable_replies()
                 now = time.monotonic()
+                if process_ended_fd in events and self.liveness.collect():
+                    next_sweep = now  # a worker's process ended: its jobs go back now
                 if now >= next_sweep:
-                    changed |= bool(self.core.sweep(now, self._is_alive))
+                    changed |= bool(self._sweep(now))
                     next_sweep = now + SWEEP_INTERVAL_S
                     self.journal.flush()
                     self.core.maybe_snapshot()
@@ -320,7 +326,7 @@ class DispatcherServer:
         self.core.worker(request.worker_id, now)
         joining = isinstance(request, messages.JoinGroup)
         if joining and request.failed:  # a peer's collective failed: a dead rank must not be in the next version
-            self.core.sweep(now, self._is_alive)
+            self._sweep(now)
         reply, served = self.polls.poll(identity, request, now)
         self._state_changed = served or (reply is None and joining)  # a parked join may open a version
         return reply
@@ -395,13 +401,12 @@ class DispatcherServer:
                 os._exit(9)
             self._send(self.control, identity, reply)
 
-    def _is_alive(self, worker: Worker) -> bool:
-        if worker.host != self.hostname:
-            return True  # only heartbeats can tell for a remote worker
-        try:  # a killed process its parent has not reaped yet is gone all the same
-            return psutil.Process(worker.pid).status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
+    def _sweep(self, now: float) -> list[str]:
+        """The core's sweep, a same-host worker whose process ended counted dead (dispatcher.liveness)."""
+        self.liveness.collect()
+        dead = self.core.sweep(now, self.liveness.is_alive)
+        self.liveness.forget_except(self.core.workers)
+        return dead
 
     # -- stats ----------------------------------------------------------------------------------
     def _handle_stats(self, identity: bytes, payload: list[bytes]) -> tuple[Reply | None, bool]:
@@ -456,4 +461,5 @@ class DispatcherServer:
         if self.metrics is not None:
             self.metrics.close()
         self.data_plane.close()
+        self.liveness.close()
         self._lock.close()

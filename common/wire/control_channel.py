@@ -4,7 +4,9 @@ The worker's main thread computes for seconds at a time while requests it sent a
 ``get_job``/``get_hs``) are answered. Replies must be seen when they arrive, not when the main
 thread next looks: a grant the worker has not read yet is already a job it holds, and the heartbeat
 has to say so. So an I/O thread receives every reply, runs ``on_reply`` on it at once (the
-held-jobs bookkeeping) and sends the heartbeats itself.
+held-jobs bookkeeping) and sends the heartbeats itself: only those due when the worker sent no
+request within the interval, the dispatcher counting any request as a sign of life
+(:mod:`common.wire.heartbeats`).
 
 The socket is used by one thread at a time, whichever holds its lock (ZeroMQ allows a socket to move
 between threads across a full memory barrier). A request goes out from ``submit`` on the caller's
@@ -32,6 +34,7 @@ import zmq
 from common.wire import messages
 from common.wire.client import DispatcherUnavailable
 from common.wire.curve import CurveClient
+from common.wire.heartbeats import BeatSchedule
 from common.wire.messages import ErrorCode, ProtocolError
 
 log = logging.getLogger("hsd.worker")
@@ -58,6 +61,8 @@ class ControlChannel:
         self._replies: dict[int, messages.Reply] = {}
         self._dropped: set[int] = set()  # ids given up by reset(): their waiters get no reply
         self._heartbeat: tuple[float, HeartbeatFields] | None = None
+        # When submit() last sent a request: a beat due within an interval of it is skipped (common.wire.heartbeats).
+        self._last_request_at = float("-inf")
         self.heartbeat_refused = threading.Event()  # the dispatcher no longer knows the heartbeat's worker
         # The latest answered beat of the current setting: (its number, the reply's membership). A rank
         # in a collective compares beats answered since the collective began with its version.
@@ -90,6 +95,7 @@ class ControlChannel:
             request.secret = self.secret
         frame = messages.encode(request)
         with self._sock_lock:
+            self._last_request_at = time.monotonic()
             with self._cond:
                 if self._closed or self._sock is None:
                     raise RuntimeError("the control channel is closed")
@@ -181,7 +187,8 @@ class ControlChannel:
         self._wake()
 
     def set_heartbeat(self, interval_s: float | None, fields: HeartbeatFields | None = None) -> None:
-        """Send ``fields()`` (a Heartbeat; None skips a beat) every ``interval_s``; None stops."""
+        """Send ``fields()`` (a Heartbeat; None skips a beat) every ``interval_s`` unless a request went
+        out within the interval (:class:`~common.wire.heartbeats.BeatSchedule`); None stops."""
         with self._sock_lock, self._cond:
             self._beat_generation += 1
             self.heartbeat_refused.clear()
@@ -226,6 +233,7 @@ class ControlChannel:
         heartbeat_ids: set[int] = set()
         beat_generation = 0  # the set_heartbeat() the beats in flight were sent under
         next_beat = float("inf")
+        beats: BeatSchedule | None = None
         look = True  # the socket may hold what its ZMQ_FD no longer signals: look before sleeping
         poller = zmq.Poller()
         with self._sock_lock:
@@ -271,6 +279,7 @@ class ControlChannel:
                             heartbeat_ids.clear()  # replies to a previous registration's beats mean nothing now
                             beat_generation, self._heartbeat = argument
                             next_beat = float("inf") if self._heartbeat is None else time.monotonic() + self._heartbeat[0]
+                            beats = None if self._heartbeat is None else BeatSchedule(self._heartbeat[0])
                         elif command == "stop":
                             return
                     while sock.getsockopt(zmq.EVENTS) & _POLLIN:
@@ -279,10 +288,11 @@ class ControlChannel:
                     self._receive(frame, heartbeat_ids, beat_generation)
                 if self._heartbeat is None:
                     next_beat = float("inf")
-                elif time.monotonic() >= next_beat:
+                elif (now := time.monotonic()) >= next_beat:
                     interval_s, fields = self._heartbeat
-                    next_beat = time.monotonic() + interval_s
-                    beat = fields() if fields is not None else None
+                    next_beat = now + interval_s
+                    goes_out = beats is None or beats.goes_out(now, self._last_request_at)  # else it was busy
+                    beat = fields() if fields is not None and goes_out else None
                     if beat is not None:
                         beat.id = next(self._ids)
                         heartbeat_ids.add(beat.id)

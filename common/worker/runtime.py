@@ -2,7 +2,8 @@
 
 Every request after ``register`` carries the worker id and the token registration returned. The
 session keeps the set of jobs the worker holds (:class:`HeldJobs`) and lists it in every heartbeat,
-which the control channel's I/O thread sends on the same socket as the worker's requests. When the
+which the control channel's I/O thread sends on the same socket as the worker's requests (when the
+worker sent none within the interval: :mod:`common.wire.heartbeats`). When the
 dispatcher restarts it no longer knows the worker: calls then raise :class:`WorkerLost`, and the
 worker registers again (:mod:`common.worker.loop`).
 """

@@ -11,6 +11,7 @@ import zmq
 from common.wire import messages
 from common.wire.client import DispatcherUnavailable
 from common.wire.control_channel import ControlChannel
+from common.wire.heartbeats import LIST_HELD_EVERY
 
 
 def _serve(router: zmq.Socket, stop: threading.Event, seen: list[int]) -> None:
@@ -112,3 +113,29 @@ def test_a_stop_ends_the_wait_in_flight_when_no_dispatcher_answers(tmp_path):
         assert time.monotonic() - started < 5
     finally:
         channel.close()
+
+
+def test_a_busy_worker_skips_its_heartbeats_and_a_silent_one_beats(tmp_path):
+    """A beat goes out only when no request went out within the interval (the dispatcher counts any
+    request as a sign of life); a busy worker still beats once in LIST_HELD_EVERY, listing its jobs."""
+    interval_s = 0.2
+    with _answering(f"ipc://{tmp_path / 'd.sock'}") as seen:
+        channel = ControlChannel(f"ipc://{tmp_path / 'd.sock'}")
+        try:
+            channel.set_heartbeat(interval_s, lambda: messages.Heartbeat(holding=[]))
+            requests: set[int] = set()
+            busy_until = time.monotonic() + LIST_HELD_EVERY * interval_s
+            while time.monotonic() < busy_until:  # a request every tenth of the interval
+                requests.add(channel.submit(messages.Heartbeat(holding=[])))
+                time.sleep(interval_s / 10)
+            for request_id in requests:
+                channel.result(request_id, timeout_s=10)
+            beats_while_busy = [i for i in list(seen) if i not in requests]
+            assert len(beats_while_busy) <= 3  # one expected (LIST_HELD_EVERY beats were due); all of them before
+            silent_since = len(seen)
+            deadline = time.monotonic() + 10
+            while len(seen) < silent_since + 2 and time.monotonic() < deadline:  # silent: it beats again
+                time.sleep(interval_s / 4)
+            assert len(seen) >= silent_since + 2
+        finally:
+            channel.close()
