@@ -58,6 +58,7 @@ class Worker:
     metrics: dict[str, float] = field(default_factory=dict)  # drafter: its latest step's figures (loss, lr, ...)
     node: str = ""  # the node it runs on (register's ``node``, default its host)
     pending_committed: bool = False  # drafter: the step it registered as pending had committed: it applies it
+    tp_ranks: list[tuple[int, int, int | None]] = field(default_factory=list)  # target group: (rank, pid, gpu)
 
 
 @dataclass

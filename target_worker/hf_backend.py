@@ -147,12 +147,12 @@ class HFTargetBackend:
                                     num_buffers=2 if on_gpu else 1, final_norm=declared.final_norm)
         self._copy_streams = [torch.cuda.Stream(device) for _ in range(2)] if on_gpu else []
         self._copied = [torch.cuda.Event() for _ in range(2)] if on_gpu else []
-        if not keep_full_model:
-            drop_unused_modules(self.model, last_layer=self.capture.last_layer)
         if group is not None and group.rank > 0 and faults.target_rank_fault_armed(group.rank):
             decoder, layers_name = find_decoder(self.model)
-            layers = decoder._modules[layers_name]
-            layers[min(1, len(layers) - 1)].register_forward_pre_hook(lambda *_: group.inside_forward())
+            layer = decoder._modules[layers_name][min(1, self.capture.last_layer)]
+            layer.register_forward_pre_hook(lambda *_: group.inside_forward())
+        if not keep_full_model:
+            drop_unused_modules(self.model, last_layer=self.capture.last_layer)
 
     def forward(self, batch: PaddedBatch | SharedBatch, *, job_id: int = -1) -> torch.Tensor:
         """``[num_seqs, seq_len, K × hidden]`` (a view of a capture buffer that a later call reuses).

@@ -47,6 +47,10 @@ class TargetLoop(WorkerLoop):
         self.num_jobs = 0
         self.num_failed = 0
 
+    def _register(self) -> messages.RegisterReply:
+        ranks = self.group.ranks() if self.group is not None else None
+        return self.session.register(contract=self.backend.contract, tp_ranks=ranks)
+
     def _open_transport(self, info: dict[str, Any]) -> TargetTransport:
         return open_target_transport(info, device=self._device(info))
 

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from common import faults
 from common.child_process import die_with_parent
+from common.wire import messages
 
 log = logging.getLogger("hsd.target")
 
@@ -183,6 +184,17 @@ class TargetGroup:
     def forwarded(self) -> None:
         """Rank 0, after a forward: every rank has read the batch (they ran its collectives): drop it."""
         self.store.delete_key(_job_key(self.sequence))
+
+    def ranks(self) -> list[messages.TargetRank]:
+        """Rank 0: every rank of the group, as the dispatcher shows them."""
+        pids = [os.getpid()] + [c.pid for c in self.children]
+        return [messages.TargetRank(rank=r, pid=pid, gpu=self._gpu_of(r)) for r, pid in enumerate(pids)]
+
+    def _gpu_of(self, rank: int) -> int | None:
+        if self.device.type != "cuda":
+            return None
+        visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        return int(visible[rank]) if rank < len(visible) and visible[rank].isdigit() else rank + (self.device.index or 0)
 
     def check_ranks(self) -> None:
         for rank, child in enumerate(self.children, start=1):
