@@ -171,6 +171,7 @@ def cmd_report(args) -> int:
 def cmd_plan(args) -> int:
     from ops.planner import run_plan
     return run_plan(config_path=args.config, overrides=args.overrides, num_gpus=args.gpus, from_run=args.from_run,
+                    target_params=args.target_params, gpu_memory_gb=args.gpu_memory_gb, reserve_gb=args.reserve_gb,
                     as_json=args.json)
 
 
@@ -328,6 +329,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="split N GPUs between targets and drafters from measured or modeled rates")
     add_config_args(p)
     p.add_argument("--gpus", type=int, required=True, help="GPUs to split (targets + drafters)")
+    p.add_argument("--target-params", type=float, metavar="N",
+                   help="the target's parameters (e.g. 70e9): its tensor-parallel size from its bf16 weights "
+                        "(default: target.tp_size)")
+    p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU (default 80)")
+    p.add_argument("--reserve-gb", type=float, default=16.0,
+                   help="per GPU, beside the weights: activations of a job, captured states, CUDA context (default 16)")
     p.add_argument("--from", dest="from_run", metavar="RUN_DIR",
                    help="measure each stage's rate in this run's journal instead of the config's sim cost model")
     p.add_argument("--json", action="store_true")

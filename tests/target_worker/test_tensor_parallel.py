@@ -4,6 +4,7 @@ target writes, and a target that cannot run as a group is refused before any pro
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -87,3 +88,19 @@ def test_gpus_not_a_multiple_of_tp_size_are_refused(tmp_path):
         load_config(None, [f"run.dir={tmp_path}", "target.tp_size=2", "target.gpus=[0, 1, 2]"])
     with pytest.raises(ConfigError, match=r"target.gpus lists 2 GPUs for target.count=2 groups of target.tp_size=2"):
         load_config(None, [f"run.dir={tmp_path}", "target.tp_size=2", "target.count=2", "target.gpus=[0, 1]"])
+
+
+def test_hsd_launch_refuses_a_target_without_a_plan_before_any_process_starts(tmp_path, capsys):
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from dflash_run import tiny_run_args
+    from hsd.cli import main
+    model_dir = tmp_path / "opt"
+    OPTForCausalLM(OPTConfig(vocab_size=97, hidden_size=32, ffn_dim=64, num_hidden_layers=4, num_attention_heads=4,
+                             word_embed_proj_dim=32, max_position_embeddings=128)).save_pretrained(model_dir)
+    run_dir = tmp_path / "run"
+    args = tiny_run_args(tmp_path, run_dir, num_samples=4, extra=(f"target.model={model_dir}", "target.tp_size=2"))
+    assert main(["launch", *args]) == 2
+    assert re.search(r"target.tp_size=2: OPTForCausalLM \(.*config.json\) has no tensor-parallel plan in the "
+                     r"installed transformers [\d.]+; set target.tp_size: 1", capsys.readouterr().err)
+    assert not (run_dir / "logs").exists()  # no dispatcher, no worker
