@@ -16,7 +16,9 @@ Sections, cheapest and most informative first (each returns a dict of figures;
 - ``launch``: 1 target + 1 DFlash drafter under ``hsd launch``, with each transport, exactly once;
 - ``target_restart``: a target SIGKILLed under ``cuda_ipc``, the GPU memory before and after;
 - ``dflash_step``, ``capture``: DFlash steps and target capture at 8B-like shapes;
-- ``nccl_group``: with two or more GPUs, a 2-rank NCCL group step and a rank killed inside it.
+- ``nccl_group``: with two or more GPUs, a 2-rank NCCL group step and a rank killed inside it;
+- ``tp_target``: with two or more GPUs, capture tok/s per GPU of one target at tp_size 1 and as a
+  tensor-parallel group of 2 (NCCL); skipped, saying why, on fewer.
 
 Each section runs under its own ``try``: one that fails reports its error and the others still
 run; one that cannot run here (two GPUs on a one-GPU host) is ``skipped``. With ``--out DIR``
@@ -68,6 +70,7 @@ SECTIONS: list[Section] = [
     ("dflash_step", gpu_sections.dflash_step, 60.0),
     ("capture", gpu_sections.capture, 40.0),
     ("nccl_group", gpu_launch.nccl_group, 90.0),
+    ("tp_target", gpu_sections.tp_target, 90.0),
 ]
 SECTION_NAMES = [name for name, _, _ in SECTIONS]
 
