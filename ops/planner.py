@@ -172,7 +172,7 @@ def _memory_lines(plan: dict[str, Any]) -> list[str]:
     m = plan.get("target_memory")
     if not m:
         return []
-    return [f"target of {m['params'] / 1e9:g}B parameters: {m['params']:.3g} x {BYTES_PER_PARAM} bytes (bf16) = "
+    return [f"target of {m['params'] / 1e9:g}B parameters: {m['params'] / 1e9:g}e9 x {BYTES_PER_PARAM} bytes (bf16) = "
             f"{m['weights_gb']:,.0f} GB of weights; tp_size {m['tp_size']}: {m['per_gpu_gb']:,.1f} GB per GPU "
             f"+ {m['reserve_gb']:g} GB for activations = {m['per_gpu_gb'] + m['reserve_gb']:,.1f} GB of "
             f"{m['gpu_memory_gb']:g} GB", ""]

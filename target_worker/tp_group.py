@@ -127,6 +127,11 @@ class TargetGroup:
               run_dir: str) -> TargetGroup:
         """Rank 0: host the store, start ranks 1..size-1 (``rank_command`` plus ``--tp-rank r
         --tp-store HOST:PORT``), and join the group with them."""
+        if device.type == "cpu" and torch.cuda.is_available():
+            from common.run.config import ConfigError
+            raise ConfigError("target.gpus is empty on a host with CUDA: Hugging Face's tensor-parallel loading "
+                              "shards over the host's accelerator, so a target group runs on GPUs here; list "
+                              "target.tp_size GPUs a group in target.gpus")
         store = dist.TCPStore("127.0.0.1", 0, world_size=size, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=LOAD_TIMEOUT_S))
         address = f"127.0.0.1:{store.port}"
@@ -158,6 +163,9 @@ class TargetGroup:
     def _join(self) -> None:
         _gloo_on_loopback()
         on_gpu = self.device.type == "cuda"
+        # Hugging Face's tensor-parallel loading binds each rank to the device LOCAL_RANK names.
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.size),
+                          LOCAL_RANK=str(self.device.index if on_gpu else self.rank))
         if on_gpu:
             for key, value in NCCL_ENV.items():
                 os.environ[key] = value
