@@ -170,7 +170,7 @@ class HFTargetBackend:
             hs = self.capture(ids, mask)
             if self.device.type == "cuda":  # the forward's collectives done, or failed, before it counts as run
                 torch.cuda.current_stream(self.device).synchronize()
-        except RuntimeError as exc:
+        except Exception as exc:  # whatever failed, the ranks' collectives no longer match: the group is over
             raise TargetGroupLost(f"rank {self.group.rank}: the forward of job {job_id} failed in the group: "
                                   f"{exc}") from exc
         finally:

@@ -104,3 +104,24 @@ def test_hsd_launch_refuses_a_target_without_a_plan_before_any_process_starts(tm
     assert re.search(r"target.tp_size=2: OPTForCausalLM \(.*config.json\) has no tensor-parallel plan in the "
                      r"installed transformers [\d.]+; set target.tp_size: 1", capsys.readouterr().err)
     assert not (run_dir / "logs").exists()  # no dispatcher, no worker
+
+
+def test_the_shared_batch_and_the_rank_fault_parse_back():
+    from common import faults
+    from target_worker.tp_group import decode_batch, encode_batch
+    ids = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0]])
+    shared = decode_batch(encode_batch(41, ids, (ids != 0).long()))
+    assert shared.job_id == 41 and torch.equal(shared.input_ids, ids)
+    assert torch.equal(shared.attention_mask, (ids != 0).long())
+    assert faults.parse("target_rank_fault=stop:1@2") == {"target_rank_fault": ("stop", 1, 2)}
+    with pytest.raises(faults.FaultSpecError, match="<kill|stop>:<rank>@<job>"):
+        faults.parse("target_rank_fault=term:1@2")
+
+
+def test_hsd_launch_gives_each_group_its_gpus(tmp_path):
+    from ops.launch import Launcher
+    config = load_config(None, [f"run.dir={tmp_path}", "target.count=2", "target.tp_size=2", "target.gpus=[0, 1, 2, 3]",
+                                "drafter.count=2", "drafter.gpus=[4, 5]"])
+    children = Launcher(config)._plan(tmp_path / "config.yaml")
+    assert [(c.name, c.env["CUDA_VISIBLE_DEVICES"]) for c in children] == [
+        ("target-0", "0,1"), ("target-1", "2,3"), ("drafter-0", "4"), ("drafter-1", "5")]
