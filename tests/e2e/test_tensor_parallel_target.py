@@ -14,7 +14,8 @@ from common.wire.client import run_id_for
 from dflash_run import tiny_run_args
 from hsd_testing import assert_exactly_once, kill_tree, report, start_hsd, wait_for, wait_for_stats
 
-GROUP = ("target.tp_size=2", "target.tp_timeout_s=4", "dispatcher.worker_timeout_s=20")
+GROUP = ("target.tp_size=2", "dispatcher.worker_timeout_s=20")
+STOPPED_PAST_S = 6  # target.tp_timeout_s of the SIGSTOP case: short, yet far above a loaded host's collective
 
 
 def _group_ranks(snapshot: dict) -> list[dict] | None:
@@ -29,7 +30,8 @@ def _launch(tmp_path, run_dir, *, fault: str | None, monkeypatch) -> tuple[list[
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     if fault:
         monkeypatch.setenv(faults.ENV, fault)
-    args = tiny_run_args(tmp_path, run_dir, num_samples=16, extra=GROUP)
+    timeout = (f"target.tp_timeout_s={STOPPED_PAST_S}",) if fault and "stop" in fault else ()
+    args = tiny_run_args(tmp_path, run_dir, num_samples=16, extra=(*GROUP, *timeout))
     proc = start_hsd("launch", *args, log_path=tmp_path / f"{run_dir.name}.log")
     pids: set[int] = set()
     try:
