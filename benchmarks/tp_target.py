@@ -96,7 +96,8 @@ def bench_tp_target(config: Config, tp_sizes: list[int], *, warmup: int, reps: i
                                 "median": median, "sigma": sigma})]
             done = subprocess.run(argv, capture_output=True, text=True)
             if done.returncode != 0:
-                raise RuntimeError(f"the tp_size={tp_size} group failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+                raise RuntimeError(f"the tp_size={tp_size} group failed (exit {done.returncode}):\n"
+                                   f"{done.stderr[-3000:]}")
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
     return {"model": config.target.model, "tokens_per_batch": config.schedule.tokens_per_batch,
             "lengths": {"median": median, "sigma": sigma, "samples": num_samples, "seed": seed}, "sizes": rows}

@@ -101,7 +101,8 @@ def evaluate_split(rates: StageRates, targets: int, drafters: int, tp_size: int 
                  drafter_capacity=drafter_capacity, tokens_per_s=expected, bottleneck=bottleneck,
                  target_utilization=target_use, drafter_utilization=drafter_use,
                  idle_share=1.0 - min(target_use, drafter_use),
-                 gpu_efficiency=(targets * tp_size * target_use + drafters * drafter_use) / (targets * tp_size + drafters),
+                 gpu_efficiency=((targets * tp_size * target_use + drafters * drafter_use)
+                                 / (targets * tp_size + drafters)),
                  tp_size=tp_size)
 
 

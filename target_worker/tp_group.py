@@ -85,7 +85,8 @@ def decode_batch(payload: bytes) -> SharedBatch:
     tokens = num_seqs * seq_len
     ids = np.frombuffer(payload, dtype=np.int64, count=tokens, offset=_HEAD.size).reshape(num_seqs, seq_len)
     mask = np.frombuffer(payload, dtype=np.uint8, count=tokens, offset=_HEAD.size + 8 * tokens)
-    return SharedBatch(job_id, torch.from_numpy(ids.copy()), torch.from_numpy(mask.astype(np.int64)).view(num_seqs, seq_len))
+    return SharedBatch(job_id, torch.from_numpy(ids.copy()),
+                       torch.from_numpy(mask.astype(np.int64)).view(num_seqs, seq_len))
 
 
 def rank_device(rank: int, gpus: list[int]) -> torch.device:
@@ -111,8 +112,9 @@ class TargetGroup:
     """This process's membership of its target group (rank 0 also owns the store and the other ranks)."""
 
     def __init__(self, *, rank: int, size: int, store: dist.TCPStore, device: torch.device, timeout_s: float,
-                 run_dir: str, children: list[subprocess.Popen] | None = None):
+                 run_dir: str, children: list[subprocess.Popen] | None = None, gpus: list[int] | None = None):
         self.rank, self.size, self.store, self.device = rank, size, store, device
+        self.gpus = list(gpus or [])  # target.gpus: each rank's, where CUDA_VISIBLE_DEVICES does not say
         self.timeout_s = timeout_s
         self.run_dir = run_dir
         self.children = children or []
@@ -124,7 +126,7 @@ class TargetGroup:
     # -- forming ------------------------------------------------------------------------------------
     @classmethod
     def start(cls, *, size: int, rank_command: list[str], device: torch.device, timeout_s: float,
-              run_dir: str) -> TargetGroup:
+              run_dir: str, gpus: list[int] | None = None) -> TargetGroup:
         """Rank 0: host the store, start ranks 1..size-1 (``rank_command`` plus ``--tp-rank r
         --tp-store HOST:PORT``), and join the group with them."""
         if device.type == "cpu" and torch.cuda.is_available():
@@ -141,7 +143,7 @@ class TargetGroup:
         log.info("target group of %d ranks: store %s, ranks 1..%d are pids %s", size, address, size - 1,
                  [c.pid for c in children])
         group = cls(rank=0, size=size, store=store, device=device, timeout_s=timeout_s, run_dir=run_dir,
-                    children=children)
+                    children=children, gpus=gpus)
         try:
             group._join()
         except BaseException:
@@ -199,10 +201,13 @@ class TargetGroup:
         return [messages.TargetRank(rank=r, pid=pid, gpu=self._gpu_of(r)) for r, pid in enumerate(pids)]
 
     def _gpu_of(self, rank: int) -> int | None:
+        """Rank ``rank``'s GPU as the host numbers it (the way :func:`rank_device` chose it)."""
         if self.device.type != "cuda":
             return None
         visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-        return int(visible[rank]) if rank < len(visible) and visible[rank].isdigit() else rank + (self.device.index or 0)
+        if visible:
+            return int(visible[rank]) if rank < len(visible) and visible[rank].isdigit() else None
+        return self.gpus[rank] if rank < len(self.gpus) else None
 
     def check_ranks(self) -> None:
         for rank, child in enumerate(self.children, start=1):

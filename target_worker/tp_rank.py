@@ -22,7 +22,7 @@ def start_group(config: Config, rank_command: list[str]) -> TargetGroup:
     """Rank 0: the group of ``target.tp_size`` ranks, joined (the other ranks run ``rank_command``)."""
     target = config.target
     return TargetGroup.start(size=target.tp_size, rank_command=rank_command, device=rank_device(0, target.gpus),
-                             timeout_s=target.tp_timeout_s, run_dir=str(config.run_dir))
+                             timeout_s=target.tp_timeout_s, run_dir=str(config.run_dir), gpus=target.gpus)
 
 
 def run_rank(config: Config, rank: int, store_address: str) -> int:
@@ -30,8 +30,8 @@ def run_rank(config: Config, rank: int, store_address: str) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # rank 0 stops it: nothing of its own to save
     target = config.target
     if not 0 < rank < target.tp_size:
-        raise ValueError(f"--tp-rank {rank}: a group of target.tp_size={target.tp_size} has ranks 1..{target.tp_size - 1}"
-                         " besides rank 0 (the hsd target that starts them)")
+        raise ValueError(f"--tp-rank {rank}: a group of target.tp_size={target.tp_size} has ranks "
+                         f"1..{target.tp_size - 1} besides rank 0 (the hsd target that starts them)")
     group = TargetGroup.join(rank=rank, size=target.tp_size, store_address=store_address,
                              device=rank_device(rank, target.gpus), timeout_s=target.tp_timeout_s,
                              run_dir=str(config.run_dir))

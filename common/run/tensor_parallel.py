@@ -23,7 +23,8 @@ from common.run.config import ConfigError
 REPLICATING_STYLES = frozenset({
     "colwise", "rowwise", "colwise_rep", "rowwise_rep", "colwise_gather_output", "rowwise_split_input",
     "unit_colwise", "unit_rowwise", "packed_colwise", "packed_rowwise", "replicated_with_grad_allreduce",
-    "replicate", "all_reduce", "embedding_rowwise", "embedding_colwise", "moe_tp_experts", "local_params", "mla_kv_a_proj",
+    "replicate", "all_reduce", "embedding_rowwise", "embedding_colwise", "moe_tp_experts", "local_params",
+    "mla_kv_a_proj",
 })
 # Styles that leave the residual stream (what is captured) sharded across the ranks.
 SHARDING_STYLES = {

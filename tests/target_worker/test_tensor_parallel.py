@@ -47,7 +47,8 @@ def test_tp2_group_writes_the_slots_of_a_single_process_target(kind, tmp_path):
     config = tiny_config(tmp_path, model_dir, "target.capture_layers=[0, 1, 2]", "target.tp_size=2")
     config_path = write_resolved(config)
     out = tmp_path / "tp2.pt"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ,
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, str(ROOT / "tests" / "tp_target_slots.py"), str(config_path), str(out),
                            str(SEED), ",".join(map(str, LENGTHS)), *JOBS], env=env, capture_output=True, text=True,
                           timeout=120)
@@ -70,7 +71,8 @@ def test_tp2_group_writes_the_slots_of_a_single_process_target(kind, tmp_path):
 def test_a_plan_that_cannot_capture_whole_states_is_refused_by_name(tmp_path):
     model_dir = save_tiny_model("qwen3", tmp_path / "qwen3", num_layers=2)
     assert "layers.*.mlp.down_proj" in check_tensor_parallel(model_dir, 2)
-    with pytest.raises(ConfigError, match=r"tp_size=4 does not divide Qwen3ForCausalLM's 2 num_key_value_heads.*\[1, 2\]"):
+    with pytest.raises(ConfigError,
+                       match=r"tp_size=4 does not divide Qwen3ForCausalLM's 2 num_key_value_heads.*\[1, 2\]"):
         check_tensor_parallel(model_dir, 4)  # 4 query heads, 2 KV heads
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(model_dir)
