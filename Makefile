@@ -47,7 +47,7 @@ wheel-smoke:
 # with transformers numpy, safetensors, tokenizers, tqdm; no registry is reachable there): every other runtime
 # dependency, as wheels for its Python (3.12) carried as .whl/ (README, docs/gpu-check.md). A test downloads the
 # same list for its own interpreter and proves it enough (tests/benchmarks/test_gpu_wheels.py).
-GPU_WHEELS ?= pyzmq==27.3.0 msgspec==0.23.0 msgpack==1.2.4 psutil==7.2.2 prometheus_client==0.26.0 PyYAML==6.0.4
+GPU_WHEELS ?= pyzmq==27.3.0 msgspec==0.23.0 msgpack==1.2.4 psutil==7.2.2 prometheus_client==0.26.0 PyYAML==6.0.4 accelerate==1.16.0
 GPU_PYTHON_VERSION ?= 3.12
 GPU_WHEEL_DIR ?= .whl
 GPU_PLATFORMS := $(foreach p,manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64,--platform $(p))

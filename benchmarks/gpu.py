@@ -19,7 +19,9 @@ sections, cheapest and most informative first (each returns a dict of figures;
 - ``launch``: 1 target + 1 DFlash drafter under ``hsd launch``, with each transport, exactly once;
 - ``target_restart``: a target SIGKILLed under ``cuda_ipc``, the GPU memory before and after;
 - ``dflash_step``, ``capture``: DFlash steps and target capture at 8B-like shapes;
-- ``nccl_group``: with two or more GPUs, a 2-rank NCCL group step and a rank killed inside it.
+- ``nccl_group``: with two or more GPUs, a 2-rank NCCL group step and a rank killed inside it;
+- ``tp_target``: with two or more GPUs, capture tok/s per GPU of one target at tp_size 1 and as a
+  tensor-parallel group of 2 (NCCL); skipped, saying why, on fewer.
 
 Each section runs in a process of its own under a hard deadline (:data:`SECTIONS`' seconds,
 :mod:`benchmarks.gpu_isolation`): one that fails reports its error, one past its deadline is
@@ -80,6 +82,7 @@ SECTIONS: list[Section] = [
     ("dflash_step", gpu_sections.dflash_step, 60.0),
     ("capture", gpu_sections.capture, 40.0),
     ("nccl_group", gpu_launch.nccl_group, 100.0),
+    ("tp_target", gpu_sections.tp_target, 90.0),
 ]
 SECTION_NAMES = [name for name, _, _ in SECTIONS]
 STAND_IN_NEEDS = Needs(modules=(), gpus=0)  # the CPU stand-in of a section that launches a run (tests)

@@ -84,6 +84,7 @@ SECTION_NEEDS: dict[str, Needs] = {
     "dflash_step": Needs(modules=RUNTIME_MODULES, compiler=True),
     "capture": Needs(modules=RUNTIME_MODULES),
     "nccl_group": Needs(gpus=2, compiler=True, shm_mib=64),
+    "tp_target": Needs(modules=(*RUNTIME_MODULES, "accelerate"), gpus=2),  # Transformers' TP loading needs it
 }
 
 

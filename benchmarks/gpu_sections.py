@@ -231,6 +231,30 @@ def capture(ctx: CheckContext) -> dict[str, Any]:
             "capture_not_slower": result["capture_not_slower"]}
 
 
+def tp_target(ctx: CheckContext) -> dict[str, Any]:
+    """``hsd bench target --tp-sizes 1 2`` on GPUs 0 and 1 (NCCL): capture tok/s per GPU of one random
+    Qwen3 with 8B-like layers, alone on one GPU and as a tensor-parallel group of two."""
+    from benchmarks.tp_target import bench_tp_target
+    from common.run.config import load_config
+    visible = torch.cuda.device_count() if ctx.cuda else 0
+    if visible < 2:
+        raise Skip(f"a tp_size 2 target group needs two GPUs, this host has {visible}")
+    s = ctx.shapes
+    model_dir = save_random_qwen3(ctx.tmp / "tp-target", hidden=s.hidden, heads=s.heads, kv_heads=s.kv_heads,
+                                  head_dim=s.head_dim, intermediate=s.intermediate, vocab=s.vocab,
+                                  num_layers=s.capture_layers, dtype=s.dtype, device=ctx.device)
+    layers = ",".join(str(i) for i in range(1, s.capture_layers))
+    config = load_config(None, [f"run.dir={ctx.tmp / 'tp-target-run'}", f"target.model={model_dir}",
+                                f"target.capture_layers=[{layers}]", "target.allow_unservable=true",
+                                f"target.dtype={s.dtype}", "target.gpus=[0, 1]", "target.tp_timeout_s=120",
+                                f"schedule.buckets=[{','.join(map(str, s.buckets))}]",
+                                f"schedule.tokens_per_batch={s.tokens_per_batch}"])
+    result = bench_tp_target(config, [1, 2], warmup=1, reps=3, seed=0, num_samples=2000, median=400.0, sigma=0.9)
+    one, two = result["sizes"]
+    return {"layers": s.capture_layers, "hidden": s.hidden, "dtype": s.dtype, "sizes": result["sizes"],
+            "per_gpu_tp2_over_tp1": round(two["tok_s_per_gpu"] / one["tok_s_per_gpu"], 3)}
+
+
 # -- DFlash step --------------------------------------------------------------------------------
 def dflash_step(ctx: CheckContext) -> dict[str, Any]:
     """Optimizer steps of a DFlash drafter at 8B-like shapes (flex attention, compiled, on a GPU):

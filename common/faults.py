@@ -85,6 +85,18 @@ def _kill_at(text: str) -> KillAt:
     return KillAt(worker, point, _step(step))
 
 
+RANK_SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+
+
+def _rank_fault(text: str) -> tuple[str, int, int]:
+    what, colon, rest = text.partition(":")
+    rank, at, job = rest.partition("@")
+    if what not in RANK_SIGNALS or not colon or not at:
+        raise ValueError(f"the form is <{'|'.join(RANK_SIGNALS)}>:<rank>@<job>")
+    rank_number = _step(rank)
+    return what, rank_number, _step(job)
+
+
 DISK_FULL_PLACES = ("journal", "snapshot", "checkpoint")
 
 
@@ -124,6 +136,9 @@ FAULTS = {fault.name: fault for fault in (
     Fault("log_weight_checksums", None, "drafter_worker.elastic_group: log the weights' CRC32 after every applied step"),
     Fault("target_stop_in_job", _path, "target_worker.loop: the first target of the run to take a job writes "
           "{name, pid, job_id} to this path and stops itself (SIGSTOP) before extracting it; once per path"),
+    Fault("target_rank_fault", _rank_fault, "target_worker.tp_group: <kill|stop>:<rank>@<n> SIGKILLs (or SIGSTOPs) "
+          "rank <rank> (>= 1) of a tensor-parallel target group inside the forward of the <n>-th job it runs, as it "
+          "enters its second decoder layer (rank 0 then waits in that forward's collectives); once per run directory"),
     Fault("journal_fsync_fails_after", _count, "dispatcher.journal: every fsync of the journal after this many "
           "fails with EIO"),
     Fault("disk_full_at", _disk_full_at, "dispatcher.journal / dispatcher.recovery / common.run.checkpoint_writer: "
@@ -288,3 +303,22 @@ def witness_faults() -> tuple[int | None, int | None]:
 
 
 active()  # a malformed HSD_TEST_FAULTS stops the process as it starts, not when its point is first reached
+
+
+def target_rank_fault_armed(rank: int) -> bool:
+    """Whether ``target_rank_fault`` names this rank (its backend hooks a decoder layer only then)."""
+    fault = active().get("target_rank_fault")
+    return fault is not None and fault[1] == rank
+
+
+def target_rank_fault(rank: int, job: int, *, run_dir: str | os.PathLike) -> None:
+    """Inside rank ``rank``'s forward of the ``job``-th job it runs: signal itself if the fault says so."""
+    fault = active().get("target_rank_fault")
+    if fault is None:
+        return
+    what, at_rank, at_job = fault
+    if (rank, job) == (at_rank, at_job) and fires_once(run_dir, f"target-rank-{what}-{rank}"):
+        log.error("target rank %d: SIG%s inside the forward of its job #%d (%s target_rank_fault)", rank,
+                  what.upper(), job, ENV)
+        logging.shutdown()
+        os.kill(os.getpid(), RANK_SIGNALS[what])

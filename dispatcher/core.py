@@ -151,7 +151,7 @@ class DispatcherCore:
     # -- sessions ---------------------------------------------------------------------------
     def register(self, *, role: str, name: str, pid: int, host: str, gpu: int | None, now: float,
                  contract: dict[str, Any] | None = None, model: ModelClaim | None = None,
-                 node: str | None = None) -> Worker:
+                 node: str | None = None, tp_ranks: list[tuple[int, int, int | None]] | None = None) -> Worker:
         """A new session. A drafter names its model and the step of the state it holds: the ledger
         rolls that model back to exactly that step (its later commits go back to pending)."""
         if contract is not None:
@@ -172,7 +172,8 @@ class DispatcherCore:
             self.deregister(other.id, now, reason="replaced")  # the same worker registering again
         worker = Worker(worker_id, role, name, pid, host, gpu, registered_at=now, last_seen=now,
                         token=self.registry.new_token(), model=model_id, node=node or host,
-                        pending_committed=bool(registered and registered.pending_committed))
+                        pending_committed=bool(registered and registered.pending_committed),
+                        tp_ranks=list(tp_ranks or []))
         if spec is not None:
             try:
                 self.groups.join(model_id, spec, worker_id, model_step, store_address=registered.store_address)

@@ -59,6 +59,7 @@ class Worker:
     node: str = ""  # the node it runs on (register's ``node``, default its host)
     pending_committed: bool = False  # drafter: the step it registered as pending had committed: it applies it
     gpu_health: messages.GpuHealth | None = None  # a GPU worker's latest heartbeat's figures (memory, copies, graphs)
+    tp_ranks: list[tuple[int, int, int | None]] = field(default_factory=list)  # target group: (rank, pid, gpu)
 
 
 @dataclass

@@ -301,7 +301,8 @@ class DispatcherServer:
         role, model, core = request.role, request.model, self.core
         self.data_plane.check_worker(request)
         worker = core.register(role=role, name=request.name, pid=request.pid, host=request.host, gpu=request.gpu,
-                               contract=request.contract, model=model, node=request.node, now=now)
+                               contract=request.contract, model=model, node=request.node, now=now,
+                               tp_ranks=[(r.rank, r.pid, r.gpu) for r in request.tp_ranks or []])
         log.info("%s %s registered (%s pid %d on %s%s)", role, worker.id, worker.name, worker.pid, worker.host,
                  f", model {worker.model} at step {model.step}" if model is not None else "")
         c = self.config

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from common.wire.stats_snapshot import (CoreSnapshot, DroppedSamples, EpochView, GroupView, ModelView, StepCost,
+from common.wire.stats_snapshot import (CoreSnapshot, DroppedSamples, EpochView, GroupView, ModelView, RankView, StepCost,
                                           WaitingFor, WaitingModel, WorkerView)
 from dispatcher.core import DispatcherCore
 from dispatcher.core_types import Worker
@@ -51,7 +51,8 @@ def build_snapshot(core: DispatcherCore, now: float) -> CoreSnapshot:
                                   metrics=dict(w.metrics) if w.metrics else None,
                                   gpu_health=w.gpu_health,
                                   rank=w.group.rank if w.group else None,
-                                  membership=w.group.version if w.group else None))
+                                  membership=w.group.version if w.group else None,
+                                  tp_ranks=[RankView(rank=r, pid=pid, gpu=gpu) for r, pid, gpu in w.tp_ranks] or None))
     return CoreSnapshot(
         time=time.time(), uptime_s=round(now - core.started_at, 3), done=core.done,
         epochs_total=core.options.epochs, epochs=epochs, jobs_by_state=core.ledger.counts_by_state(),

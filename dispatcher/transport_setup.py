@@ -38,7 +38,7 @@ class DataPlane:
         layout = SlotLayout.from_config(config)
         cuda = probe_cuda_host() if config.pool.transport in ("auto", "cuda_ipc") else None
         kind, reason = choose_transport(config.pool.transport, same_node=True, cuda=cuda,
-                                        target_gpus=config.target.gpus[:config.target.count],
+                                        target_gpus=config.target.gpus[:config.target.count * config.target.tp_size:config.target.tp_size],
                                         drafter_gpus=config.drafter.gpus[:config.drafter.count])
         if config.pool.transport == "auto":
             log.info("pool.transport=auto chose %s: %s", kind, reason)

@@ -84,6 +84,10 @@ def cmd_bench_balance(args) -> int:
 def cmd_bench_target(args) -> int:
     config = config_of(args)
     require_model(config, "bench target")
+    if args.tp_sizes:
+        from benchmarks.tp_target import run_tp_bench
+        return run_tp_bench(config, args.tp_sizes, as_json=args.json, warmup=args.warmup, reps=args.reps,
+                            num_samples=args.samples, median=args.median, sigma=args.sigma, seed=args.seed)
     from benchmarks.target_capture import run_target_bench
     return run_target_bench(config, as_json=args.json, warmup=args.warmup, reps=args.reps, num_samples=args.samples,
                             median=args.median, sigma=args.sigma, seed=args.seed)
@@ -144,6 +148,8 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--median", type=float, default=400.0, help="median sample length (lognormal)")
     b.add_argument("--sigma", type=float, default=0.9, help="sigma of the log length (the tail's weight)")
     b.add_argument("--seed", type=int, default=0, help="seed of the lengths, tokens and timed jobs")
+    b.add_argument("--tp-sizes", type=int, nargs="+", metavar="K",
+                   help="instead: capture tokens/s per GPU of the target at each tensor-parallel size (e.g. 1 2)")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_target)
     b = bench.add_parser("dflash", help="DFlash micro-batch cost by sequence length and anchor count")

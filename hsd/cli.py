@@ -59,6 +59,11 @@ def _run_worker(args) -> int:
     name = args.name or f"{role}-{os.getpid()}"
     if role == "target":
         from target_worker.loop import TargetLoop
+        if args.tp_rank is not None:
+            from target_worker.tp_rank import run_rank
+            return run_rank(config, args.tp_rank, args.tp_store)
+        if not sim and config.target.tp_size > 1:
+            return _run_target_group(config, name, args.argv)
         return TargetLoop(config, name, _sim_target(config) if sim else _hf_target(config)).run()
     from drafter_worker.factory import drafter_backend, sim_drafter
     from drafter_worker.loop import DrafterLoop
@@ -78,17 +83,48 @@ def _run_worker(args) -> int:
             backend.close()
 
 
+def _run_target_group(config, name: str, argv: list[str]) -> int:
+    """Rank 0 of a tensor-parallel target group: it starts the other ranks (this command with
+    ``--tp-rank r``), is the group's one worker to the dispatcher, and ends with the group."""
+    import logging
+
+    from common.run.tensor_parallel import check_tensor_parallel
+    from target_worker.loop import TargetLoop
+    from target_worker.tp_group import EXIT_GROUP_LOST, TargetGroupLost
+    from target_worker.tp_rank import start_group
+    _require_real_target(config)
+    check_tensor_parallel(config.target.model, config.target.tp_size)  # before any rank starts
+    group = start_group(config, [sys.executable, "-m", "hsd.cli", *argv])
+    clean = False
+    try:
+        loop = TargetLoop(config, name, _hf_target(config, group=group), group=group)
+        code = loop.run()
+        clean = True
+        return code
+    except TargetGroupLost as exc:
+        logging.getLogger("hsd.target").error("%s: %s; this incarnation of the group ends (exit %d)", name, exc,
+                                              EXIT_GROUP_LOST)
+        return EXIT_GROUP_LOST
+    finally:
+        group.close(clean=clean)
+
+
 def _sim_target(config):
     from target_worker.sim import SimTarget
     return SimTarget(config.target)
 
 
-def _hf_target(config):
-    """The Hugging Face capture backend on ``target.model``, reading samples from ``data.path``."""
+def _require_real_target(config) -> None:
     if not config.target.model:
         raise ConfigError("target.model: a real target needs the model directory (or use --sim)")
     if not config.data.path:
         raise ConfigError("data.path: a real target reads its samples from a prepared dataset (or use --sim)")
+
+
+def _hf_target(config, group=None):
+    """The Hugging Face capture backend on ``target.model``, reading samples from ``data.path``
+    (``group``: rank 0 of a tensor-parallel group, joined)."""
+    _require_real_target(config)
     import torch
 
     from common.run.prepared import check_tokenizer
@@ -101,7 +137,7 @@ def _hf_target(config):
     pinned = config.target.gpus and os.environ.get("CUDA_VISIBLE_DEVICES", "").strip().isdigit()
     device = torch.device("cuda", 0) if pinned else default_device(config.target)
     return HFTargetBackend(config.target, config.schedule, objective=config.drafter.objective,
-                           device=device, dataset=dataset)
+                           device=group.device if group is not None else device, dataset=dataset, group=group)
 
 
 def cmd_launch(args) -> int:
@@ -135,6 +171,7 @@ def cmd_report(args) -> int:
 def cmd_plan(args) -> int:
     from ops.planner import run_plan
     return run_plan(config_path=args.config, overrides=args.overrides, num_gpus=args.gpus, from_run=args.from_run,
+                    target_params=args.target_params, gpu_memory_gb=args.gpu_memory_gb, reserve_gb=args.reserve_gb,
                     as_json=args.json)
 
 
@@ -256,6 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--sim", action="store_true", help=f"simulated {role} (same as {role}.sim=true)")
         p.add_argument("--name", help="worker name shown in stats and logs")
         p.add_argument("--node", help="the node it runs on (same as nodes.name=...; default the hostname)")
+        if role == "target":
+            p.add_argument("--tp-rank", type=int, help=argparse.SUPPRESS)  # set by a group's rank 0 for the others
+            p.add_argument("--tp-store", help=argparse.SUPPRESS)
         p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("schedule", help="print the epoch schedule and its fairness figures")
@@ -289,6 +329,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="split N GPUs between targets and drafters from measured or modeled rates")
     add_config_args(p)
     p.add_argument("--gpus", type=int, required=True, help="GPUs to split (targets + drafters)")
+    p.add_argument("--target-params", type=float, metavar="N",
+                   help="the target's parameters (e.g. 70e9): its tensor-parallel size from its bf16 weights "
+                        "(default: target.tp_size)")
+    p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU (default 80)")
+    p.add_argument("--reserve-gb", type=float, default=16.0,
+                   help="per GPU, beside the weights: activations of a job, captured states, CUDA context (default 16)")
     p.add_argument("--from", dest="from_run", metavar="RUN_DIR",
                    help="measure each stage's rate in this run's journal instead of the config's sim cost model")
     p.add_argument("--json", action="store_true")
@@ -371,6 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(argv if argv is not None else sys.argv[1:])
     try:
         return args.func(args)
     except (ConfigError, ValueError, FileNotFoundError) as exc:

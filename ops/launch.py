@@ -2,7 +2,9 @@
 
 Children run in their own sessions (a terminal's Ctrl-C reaches the launcher alone, which then
 stops workers before the dispatcher) and die with the launcher (PR_SET_PDEATHSIG). Their output is
-prefixed by role and also kept in ``<run.dir>/logs/<name>.log``. A crashed worker is restarted up
+prefixed by role and also kept in ``<run.dir>/logs/<name>.log``. A target of ``target.tp_size`` k is
+one child, rank 0 of its group, given its k GPUs (``target.gpus`` k at a time); it starts its other
+ranks itself, so a lost rank restarts the whole group. A crashed worker is restarted up
 to ``max_restarts`` times, but not one that exits with ``EXIT_UNUSABLE`` (it cannot work in this
 run as configured and would fail the same way again); the run ends when the dispatcher exits, which it does once the last
 epoch is committed. The data is validated whole before anything starts: a bad dataset is refused
@@ -25,6 +27,7 @@ from pathlib import Path
 from common.child_process import die_with_parent
 from common.run.config import Config, write_resolved
 from common.run.durable import STORAGE_FAILED_EXIT_CODE
+from common.run.tensor_parallel import check_tensor_parallel
 from common.worker.runtime import CALL_TIMEOUT_S, EXIT_UNUSABLE
 from dispatcher.dataset import load_lengths
 from dispatcher.journal import JournalCorrupt, JournalDamaged, last_event
@@ -81,10 +84,11 @@ class Launcher:
         children = []
         for role in ("target", "drafter"):
             section = getattr(self.config, role)
+            per_worker = self.config.target.tp_size if role == "target" and not section.sim else 1
             for i in range(section.count):
                 env = dict(base_env)
-                if section.gpus:
-                    env["CUDA_VISIBLE_DEVICES"] = str(section.gpus[i])
+                if section.gpus:  # a target group's ranks: cuda:0..k-1 inside it
+                    env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, section.gpus[i * per_worker:(i + 1) * per_worker]))
                 name = f"{role}-{i}"
                 argv = self._command(role, "--config", str(config_path), "--name", name)
                 children.append(Child(name, role, argv, env, section.max_restarts))
@@ -152,6 +156,8 @@ class Launcher:
     def run(self) -> int:
         config = self.config
         load_lengths(config.data, config.schedule, config.run)  # raises DataError, naming the file: exit 2
+        if config.target.tp_size > 1 and not config.target.sim:  # a target that cannot run as a group: exit 2
+            check_tensor_parallel(config.target.model, config.target.tp_size)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         check_free_space(self.run_dir, self.config.run.min_free_mb)
         self.log_dir.mkdir(exist_ok=True)

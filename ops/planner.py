@@ -9,6 +9,11 @@ The rates come either from a finished (or running) run's journal — target ``re
 drafter ``commit`` events carry the busy seconds and tokens of what the worker did — or, for a
 sim run not made yet, from the configured cost model (one token costs ``sim_cost_per_token``
 seconds). The arithmetic is pure; :func:`run_plan` is the command around it.
+
+A target bigger than one GPU runs as a tensor-parallel group of ``target.tp_size`` GPUs; its rate
+is then the group's (a measured run's target is its group). ``--target-params`` picks the smallest
+``tp_size`` whose share of the bf16 weights, plus a reserve for activations, fits one GPU
+(:func:`tp_size_for`), and every split counts a target as that many GPUs.
 """
 
 from __future__ import annotations
@@ -40,9 +45,38 @@ class StageRates:
                 raise ValueError(f"the {stage} rate must be a positive number of tokens/s, got {rate!r}")
 
 
+TP_SIZES = (1, 2, 4, 8)  # a target group lives on one node: at most 8 GPUs, split evenly
+BYTES_PER_PARAM = 2  # bf16 weights
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class TargetMemory:
+    """Why a target of ``params`` parameters takes ``tp_size`` GPUs of ``gpu_memory_gb``."""
+    params: float
+    tp_size: int
+    weights_gb: float  # all of them, bf16
+    per_gpu_gb: float  # one rank's share
+    reserve_gb: float  # activations, KV of a job's length, captured states, CUDA context
+    gpu_memory_gb: float
+
+
+def tp_size_for(params: float, *, gpu_memory_gb: float, reserve_gb: float) -> TargetMemory:
+    """The smallest tensor-parallel size whose share of the weights plus ``reserve_gb`` fits one GPU."""
+    if not (math.isfinite(params) and params > 0):
+        raise ValueError(f"--target-params {params!r}: a positive number of parameters (e.g. 70e9)")
+    weights_gb = params * BYTES_PER_PARAM / GB
+    for tp_size in TP_SIZES:
+        if weights_gb / tp_size + reserve_gb <= gpu_memory_gb:
+            return TargetMemory(params=params, tp_size=tp_size, weights_gb=weights_gb,
+                                per_gpu_gb=weights_gb / tp_size, reserve_gb=reserve_gb, gpu_memory_gb=gpu_memory_gb)
+    raise ValueError(f"--target-params {params:g}: {weights_gb:,.0f} GB of bf16 weights do not fit {TP_SIZES[-1]} GPUs "
+                     f"of {gpu_memory_gb:g} GB with {reserve_gb:g} GB each for activations (one node's group at most)")
+
+
 @dataclass(frozen=True)
 class Split:
-    targets: int
+    targets: int  # target workers (tensor-parallel groups of tp_size GPUs each)
     drafters: int
     target_capacity: float  # tokens/s of all targets together
     drafter_capacity: float
@@ -52,9 +86,10 @@ class Split:
     drafter_utilization: float
     idle_share: float  # share of its time the faster stage waits (0 when balanced)
     gpu_efficiency: float  # share of all GPU time spent working
+    tp_size: int = 1  # GPUs per target
 
 
-def evaluate_split(rates: StageRates, targets: int, drafters: int) -> Split:
+def evaluate_split(rates: StageRates, targets: int, drafters: int, tp_size: int = 1) -> Split:
     target_capacity, drafter_capacity = targets * rates.target, drafters * rates.drafter
     expected = min(target_capacity, drafter_capacity)
     if math.isclose(target_capacity, drafter_capacity, rel_tol=1e-9):
@@ -66,14 +101,17 @@ def evaluate_split(rates: StageRates, targets: int, drafters: int) -> Split:
                  drafter_capacity=drafter_capacity, tokens_per_s=expected, bottleneck=bottleneck,
                  target_utilization=target_use, drafter_utilization=drafter_use,
                  idle_share=1.0 - min(target_use, drafter_use),
-                 gpu_efficiency=(targets * target_use + drafters * drafter_use) / (targets + drafters))
+                 gpu_efficiency=((targets * tp_size * target_use + drafters * drafter_use)
+                                 / (targets * tp_size + drafters)),
+                 tp_size=tp_size)
 
 
-def plan_splits(rates: StageRates, num_gpus: int) -> list[Split]:
-    """Every split t + d = num_gpus with at least one GPU per stage, fewest targets first."""
-    if num_gpus < 2:
-        raise ValueError(f"--gpus {num_gpus}: a run needs at least 2 GPUs (one target and one drafter)")
-    return [evaluate_split(rates, t, num_gpus - t) for t in range(1, num_gpus)]
+def plan_splits(rates: StageRates, num_gpus: int, tp_size: int = 1) -> list[Split]:
+    """Every split t × tp_size + d = num_gpus with at least one target and one drafter, fewest targets first."""
+    if num_gpus < tp_size + 1:
+        raise ValueError(f"--gpus {num_gpus}: a run needs at least {tp_size + 1} GPUs (one target of "
+                         f"{tp_size} and one drafter)")
+    return [evaluate_split(rates, t, num_gpus - t * tp_size, tp_size) for t in range(1, (num_gpus - 1) // tp_size + 1)]
 
 
 def recommend(rates: StageRates, splits: list[Split]) -> Split:
@@ -122,12 +160,23 @@ def rates_from_run(run_dir: str | os.PathLike) -> StageRates:
 
 # -- the command ---------------------------------------------------------------------------------
 def plan_dict(rates: StageRates, num_gpus: int, config_path: str | None = None,
-              from_run: str | None = None) -> dict[str, Any]:
-    splits = plan_splits(rates, num_gpus)
+              from_run: str | None = None, *, tp_size: int = 1, memory: TargetMemory | None = None) -> dict[str, Any]:
+    splits = plan_splits(rates, num_gpus, tp_size)
     best = recommend(rates, splits)
     return {"gpus": num_gpus, "source": rates.source, "config": config_path, "from_run": from_run,
+            "tp_size": tp_size, "target_memory": asdict(memory) if memory is not None else None,
             "rate_per_gpu": {"target": rates.target, "drafter": rates.drafter},
             "splits": [asdict(s) for s in splits], "recommended": asdict(best)}
+
+
+def _memory_lines(plan: dict[str, Any]) -> list[str]:
+    m = plan.get("target_memory")
+    if not m:
+        return []
+    return [f"target of {m['params'] / 1e9:g}B parameters: {m['params'] / 1e9:g}e9 x {BYTES_PER_PARAM} bytes (bf16) = "
+            f"{m['weights_gb']:,.0f} GB of weights; tp_size {m['tp_size']}: {m['per_gpu_gb']:,.1f} GB per GPU "
+            f"+ {m['reserve_gb']:g} GB for activations = {m['per_gpu_gb'] + m['reserve_gb']:,.1f} GB of "
+            f"{m['gpu_memory_gb']:g} GB", ""]
 
 
 def _idle_words(split: dict[str, Any]) -> str:
@@ -139,9 +188,11 @@ def _idle_words(split: dict[str, Any]) -> str:
 
 def format_plan(plan: dict[str, Any]) -> str:
     rate = plan["rate_per_gpu"]
-    lines = [f"plan for {plan['gpus']} GPUs; per-GPU capacity target {rate['target']:,.0f} tok/s, "
-             f"drafter {rate['drafter']:,.0f} tok/s ({plan['source']})",
-             "",
+    tp_size = plan.get("tp_size", 1)
+    per_target = f"per target ({tp_size} GPUs)" if tp_size > 1 else "per-GPU"
+    lines = [f"plan for {plan['gpus']} GPUs; {per_target} capacity target {rate['target']:,.0f} tok/s, "
+             f"drafter {rate['drafter']:,.0f} tok/s per GPU ({plan['source']})",
+             "", *_memory_lines(plan),
              f"{'targets':>7} {'drafters':>8} {'target cap':>12} {'drafter cap':>12} {'expected':>12}  "
              f"{'bottleneck':<10} {'idle':<22} {'GPU eff':>7}"]
     best = plan["recommended"]
@@ -156,19 +207,26 @@ def format_plan(plan: dict[str, Any]) -> str:
               f"GPU efficiency {best['gpu_efficiency']:.1%}",
               f"  hsd launch --config {plan.get('config') or 'C'}"
               + (" run.dir=NEW_RUN_DIR" if plan.get("from_run") else "")
-              + f" target.count={best['targets']} drafter.count={best['drafters']}"]
+              + f" target.count={best['targets']} drafter.count={best['drafters']}"
+              + (f" target.tp_size={tp_size}" if tp_size > 1 else "")]
     return "\n".join(lines)
 
 
 def run_plan(*, config_path: str | None, overrides: list[str], num_gpus: int, from_run: str | None,
-             as_json: bool) -> int:
+             as_json: bool, target_params: float | None = None, gpu_memory_gb: float = 80.0,
+             reserve_gb: float = 16.0) -> int:
+    """``target_params``: size the target's tensor-parallel group from its bf16 weights (else
+    ``target.tp_size`` of the config, or of the measured run)."""
     if from_run:
         rates = rates_from_run(from_run)
         config_path = config_path or str(Path(from_run) / "config.yaml")
+        config = load_config(config_path, overrides) if Path(config_path).is_file() else Config()
     else:
         config = load_config(config_path, overrides) if (config_path or overrides) else Config()
         rates = rates_from_config(config, f"the sim cost model of {config_path or 'the default config'}")
-    plan = plan_dict(rates, num_gpus, config_path, from_run)
+    memory = tp_size_for(target_params, gpu_memory_gb=gpu_memory_gb, reserve_gb=reserve_gb) if target_params else None
+    tp_size = memory.tp_size if memory is not None else config.target.tp_size
+    plan = plan_dict(rates, num_gpus, config_path, from_run, tp_size=tp_size, memory=memory)
     print(json.dumps(plan, indent=2) if as_json else format_plan(plan))
     return 0
 

@@ -252,6 +252,10 @@ def format_stats(s: Snapshot, *, previous: Snapshot | None = None, rate: float |
         lines.append(f"{w.name:<12} {w.id:<5} {w.role:<8} {w.state:<8} {w.jobs:>6} "
                      f"{w.tokens_per_s:>10,.0f} {w.idle_ratio:>6.1%} {w.heartbeat_age_s:>6.1f}s  "
                      f"{w.pid}@{w.host}")
+        if w.tp_ranks:
+            ranks = "  ".join(f"{r.rank}:pid {r.pid}" + (f" gpu {r.gpu}" if r.gpu is not None else "")
+                              for r in w.tp_ranks)
+            lines.append(f"{'':<12} {'':<5} tensor-parallel, {len(w.tp_ranks)} ranks: {ranks}")
     if not s.workers:
         lines.append("(no worker registered)")
     lines += step_metric_lines(s.workers)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from common.run.target_model import find_decoder, text_config
 
@@ -80,22 +81,29 @@ def resolve_attn_implementation(model_class: type, requested: str, device: torch
 
 
 def load_target_model(model_dir: str | Path, *, dtype: torch.dtype, attn_implementation: str,
-                      device: torch.device) -> nn.Module:
+                      device: torch.device, tp_size: int = 1) -> nn.Module:
     """A local causal LM, frozen and in eval mode, on ``device``; never downloads anything.
 
     ``attn_implementation`` is resolved by :func:`resolve_attn_implementation` (``auto`` allowed); the
-    kernel used is logged and left in ``model.config._attn_implementation``."""
+    kernel used is logged and left in ``model.config._attn_implementation``. With ``tp_size`` > 1 the
+    caller has joined a ``torch.distributed`` group of that many ranks: Hugging Face's tensor-parallel
+    loading shards the model by its architecture's plan, each rank reading only its shard."""
     from transformers import AutoModelForCausalLM
     model_class = causal_lm_class(model_dir)
     kernel = resolve_attn_implementation(model_class, attn_implementation, device)
     log.info("target %s: attention %s%s", model_class.__name__, kernel,
              f" (auto, of {', '.join(supported_attn_implementations(model_class))})"
              if attn_implementation == "auto" else "")
+    parallel: dict = {}
+    if tp_size > 1:
+        from transformers.distributed import DistributedConfig
+        parallel["distributed_config"] = DistributedConfig(tp_size=tp_size)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation=kernel,
-                                                 local_files_only=True, **{_from_pretrained_dtype_key(): dtype})
+                                                 local_files_only=True, **parallel,
+                                                 **{_from_pretrained_dtype_key(): dtype})
     model.requires_grad_(False)
     model.eval()
-    return model.to(device)
+    return model if tp_size > 1 else model.to(device)
 
 
 def contract_shape_of(model: nn.Module) -> tuple[str, int, int]:
@@ -165,7 +173,13 @@ class LayerCapture:
 
         def hook(_module: nn.Module, _args: tuple, output) -> None:
             if self._out is not None:
-                self._out[..., columns].copy_(output[0] if isinstance(output, tuple) else output)
+                state = output[0] if isinstance(output, tuple) else output
+                if state.shape[-1] != self.hidden_size or isinstance(state, DTensor):
+                    # a tensor-parallel plan that leaves the residual stream split across the ranks
+                    raise ValueError(f"decoder layer {self.layer_ids[k]} returned a {type(state).__name__} of width "
+                                     f"{state.shape[-1]}, not the whole hidden state ({self.hidden_size}): its "
+                                     f"tensor-parallel plan leaves the captured states sharded; use target.tp_size: 1")
+                self._out[..., columns].copy_(state)
         return hook
 
     @torch.inference_mode()

@@ -9,6 +9,10 @@ Slot content, as the sim target writes it and :func:`common.dataplane.slots.copy
 ``batch_size × seq_len``, hidden states zeroed at padding, ``input_ids`` 0 at padding,
 ``loss_mask``, ``seq_lens``; the header with the generation last.
 
+Under tensor parallelism (``target.tp_size`` > 1) the backend is one rank of a
+:class:`target_worker.tp_group.TargetGroup`: rank 0's :meth:`HFTargetBackend.extract` shares the
+job's tokens with the group before its forward; the other ranks run :meth:`HFTargetBackend.follow`.
+
 On a GPU the slot is written from a side stream while the next job's forward runs: the capture
 alternates between two output buffers, each with its copy stream, and :meth:`HFTargetBackend.extract`
 returns the write in flight (:class:`SideStreamWrite`); the worker loop waits for it, and so
@@ -23,12 +27,15 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from common import faults
 from common.run.capture_contract import CaptureContract, check_same_contract, contract_of
 from common.run.config import Objective, ScheduleSection, TargetSection
 from common.run.prepared import DataError
+from common.run.target_model import find_decoder
 from common.dataplane.slots import DTYPES, SlotHeader, SlotView
 from common.wire import messages
 from target_worker.capture import LayerCapture, contract_shape_of, drop_unused_modules, load_target_model
+from target_worker.tp_group import SharedBatch, TargetGroup, TargetGroupLost
 
 
 class SampleSource(Protocol):
@@ -108,11 +115,13 @@ class HFTargetBackend:
     """Loads ``target.model`` once; :meth:`extract` fills one slot per job."""
 
     def __init__(self, target: TargetSection, schedule: ScheduleSection, *, objective: Objective,
-                 device: str | torch.device, dataset: SampleSource, keep_full_model: bool = False):
+                 device: str | torch.device, dataset: SampleSource | None, keep_full_model: bool = False,
+                 group: TargetGroup | None = None):
         """``objective``: the run's ``drafter.objective`` (the capture contract's default layers and
         final-norm state follow it). ``keep_full_model`` keeps the layers past the last captured one
         and the LM head (the benchmark runs the plain forward too); a worker frees them (on an 8B
-        target, about 2 GB of GPU memory)."""
+        target, about 2 GB of GPU memory). ``group``: this process's tensor-parallel group, joined
+        (the model then loads sharded across it)."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -120,8 +129,12 @@ class HFTargetBackend:
         self.dataset = dataset
         self.tokens_per_batch = schedule.tokens_per_batch
         declared = contract_of(target, objective)
+        self.group = group
         self.model = load_target_model(target.model, dtype=DTYPES[declared.dtype],
-                                       attn_implementation=target.attn_implementation, device=device)
+                                       attn_implementation=target.attn_implementation, device=device,
+                                       tp_size=group.size if group is not None else 1)
+        if group is not None:
+            group.loaded()
         architecture, num_layers, hidden_size = contract_shape_of(self.model)
         loaded = CaptureContract(architecture=architecture, num_layers=num_layers, hidden_size=hidden_size,
                                  layer_ids=declared.layer_ids, dtype=str(self.model.dtype).removeprefix("torch."),
@@ -134,15 +147,40 @@ class HFTargetBackend:
                                     num_buffers=2 if on_gpu else 1, final_norm=declared.final_norm)
         self._copy_streams = [torch.cuda.Stream(device) for _ in range(2)] if on_gpu else []
         self._copied = [torch.cuda.Event() for _ in range(2)] if on_gpu else []
+        if group is not None and group.rank > 0 and faults.target_rank_fault_armed(group.rank):
+            decoder, layers_name = find_decoder(self.model)
+            layer = decoder._modules[layers_name][min(1, self.capture.last_layer)]
+            layer.register_forward_pre_hook(lambda *_: group.inside_forward())
         if not keep_full_model:
             drop_unused_modules(self.model, last_layer=self.capture.last_layer)
 
-    def forward(self, batch: PaddedBatch) -> torch.Tensor:
-        """``[num_seqs, seq_len, K × hidden]`` (a view of a capture buffer that a later call reuses)."""
+    def forward(self, batch: PaddedBatch | SharedBatch, *, job_id: int = -1) -> torch.Tensor:
+        """``[num_seqs, seq_len, K × hidden]`` (a view of a capture buffer that a later call reuses).
+
+        In a group every rank runs it on the same batch; a rank that died or hung makes it raise
+        :class:`TargetGroupLost`."""
         if self._copied:  # the buffer this call fills must have drained from its previous use
             torch.cuda.current_stream(self.device).wait_event(self._copied[self.capture.next_buffer])
-        return self.capture(batch.input_ids.to(self.device, non_blocking=True),
-                            batch.attention_mask.to(self.device, non_blocking=True))
+        ids = batch.input_ids.to(self.device, non_blocking=True)
+        mask = batch.attention_mask.to(self.device, non_blocking=True)
+        if self.group is None:
+            return self.capture(ids, mask)
+        self.group.arm(job_id)
+        try:
+            hs = self.capture(ids, mask)
+            if self.device.type == "cuda":  # the forward's collectives done, or failed, before it counts as run
+                torch.cuda.current_stream(self.device).synchronize()
+        except Exception as exc:  # whatever failed, the ranks' collectives no longer match: the group is over
+            raise TargetGroupLost(f"rank {self.group.rank}: the forward of job {job_id} failed in the group: "
+                                  f"{exc}") from exc
+        finally:
+            self.group.disarm()
+        return hs
+
+    @torch.inference_mode()
+    def follow(self, batch: SharedBatch) -> None:
+        """A rank other than 0 of a group: its share of the forward of the batch rank 0 shared."""
+        self.forward(batch, job_id=batch.job_id)
 
     @torch.inference_mode()
     def extract(self, job: messages.Job, slot: SlotView) -> SideStreamWrite | None:
@@ -161,7 +199,11 @@ class HFTargetBackend:
         header = SlotHeader(generation=job.generation, job_id=job.job_id, bucket=job.bucket,
                             batch_size=num_seqs, seq_len=seq_len, num_tokens=int(batch.seq_lens.sum()))
         buffer_index = self.capture.next_buffer
-        hs = self.forward(batch)
+        if self.group is not None:
+            self.group.share(job.job_id, batch.input_ids, batch.attention_mask)
+        hs = self.forward(batch, job_id=job.job_id)
+        if self.group is not None:
+            self.group.forwarded()
         # Padding positions hold whatever the model made of pad tokens: zero them, so a slot's content
         # depends only on its samples.
         padding = batch.attention_mask.to(self.device, non_blocking=True) == 0

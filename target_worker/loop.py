@@ -6,6 +6,10 @@ A data error (the dataset does not hold a sample as scheduled) ends the worker a
 job is reported failed: every later job would read the same data (``hsd target`` then exits with
 the unusable code, which ``hsd launch`` does not restart).
 
+A rank of a tensor-parallel target group that died or hung (:class:`TargetGroupLost`) fails the job
+in flight (given back once, its slot never published) and ends the worker, whose whole group
+``hsd launch`` restarts.
+
 A backend may hand back its slot still being written (:class:`common.worker.backends.PendingSlotWrite`,
 a GPU target's copy on a side stream): the loop then starts the next job's forward first and
 reports the previous job ready only once its copy has landed and its header is published.
@@ -25,6 +29,7 @@ from common.wire import messages
 from common.dataplane.transport import TargetTransport, open_target_transport
 from common.worker.backends import PendingSlotWrite, TargetBackend
 from common.worker.loop import WorkerLoop
+from target_worker.tp_group import TargetGroup, TargetGroupLost
 
 log = logging.getLogger("hsd.target")
 
@@ -34,10 +39,17 @@ MAX_CONSECUTIVE_FAILURES = 3  # a backend that fails this many jobs in a row is 
 class TargetLoop(WorkerLoop):
     role = "target"
 
-    def __init__(self, config: Config, name: str, backend: TargetBackend, **kwargs: Any):
+    def __init__(self, config: Config, name: str, backend: TargetBackend, *, group: TargetGroup | None = None,
+                 **kwargs: Any):
+        """``group``: the tensor-parallel group this worker is rank 0 of (its ranks show in stats)."""
         super().__init__(config, name, backend, **kwargs)
+        self.group = group
         self.num_jobs = 0
         self.num_failed = 0
+
+    def _register(self) -> messages.RegisterReply:
+        ranks = self.group.ranks() if self.group is not None else None
+        return self.session.register(contract=self.backend.contract, tp_ranks=ranks)
 
     def _open_transport(self, info: dict[str, Any]) -> TargetTransport:
         return open_target_transport(info, device=self._device(info))
@@ -113,13 +125,14 @@ class TargetLoop(WorkerLoop):
     def _failed(self, job: messages.Job, exc: Exception) -> None:
         self._failures_in_a_row += 1
         self.num_failed += 1
-        if isinstance(exc, DataError):  # the message names the sample and the file: no traceback to read
+        if isinstance(exc, (DataError, TargetGroupLost)):  # the message says what happened: no traceback to read
             log.error("%s: job %d failed: %s", self.name, job.job_id, exc)
         else:
             log.exception("%s: job %d failed", self.name, job.job_id, exc_info=exc)
         self._reports.append(self.session.submit(messages.JobFailed(job_id=job.job_id,
                                                                     reason=f"{type(exc).__name__}: {exc}"[:500])))
-        if isinstance(exc, DataError) or self._failures_in_a_row >= MAX_CONSECUTIVE_FAILURES:
+        # A data error recurs on every job; a lost group rank ends this incarnation of the group.
+        if isinstance(exc, (DataError, TargetGroupLost)) or self._failures_in_a_row >= MAX_CONSECUTIVE_FAILURES:
             self._collect(self._reports, wait=True)
             raise exc
 

@@ -79,7 +79,7 @@ def probe_cuda_host() -> CudaHost | None:
 def choose_transport(requested: str, same_node: bool, *, cuda: CudaHost | None, target_gpus: Sequence[int] = (),
                      drafter_gpus: Sequence[int] = ()) -> tuple[str, str]:
     """``pool.transport`` -> (the kind to use, why). ``target_gpus`` / ``drafter_gpus``: the GPU of each
-    worker of the node (``target.gpus[:count]``), empty for workers on the CPU.
+    worker of the node (a target group's rank 0), empty for workers on the CPU.
 
     ``auto`` picks cuda_ipc only when every target and every drafter is on a GPU and each drafter's
     GPU can map each target's (peer access, or the same GPU); shm otherwise (pinned where CUDA is).

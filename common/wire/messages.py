@@ -78,6 +78,13 @@ class ModelClaim(Struct, kw_only=True):
 
 # -- requests ------------------------------------------------------------------------------------
 
+class TargetRank(Struct, kw_only=True):
+    """One process of a tensor-parallel target group (rank 0 is the worker that registers)."""
+    rank: int
+    pid: int
+    gpu: int | None = None
+
+
 class Request(Struct, tag_field="op", kw_only=True):
     v: int = PROTOCOL_VERSION
     id: int = 0
@@ -106,6 +113,7 @@ class Register(Request, tag="register", kw_only=True):
     contract: dict[str, Any] | None = None
     model: ModelClaim | None = None  # drafters only
     layout: dict[str, Any] | None = None  # the slot layout it expects: one that is not the run's is incompatible
+    tp_ranks: list[TargetRank] | None = None  # a tensor-parallel target group: its ranks (none talks but rank 0)
 
 
 class JoinGroup(WorkerRequest, tag="join_group", kw_only=True):

@@ -19,6 +19,13 @@ class Part(msgspec.Struct, kw_only=True, omit_defaults=True):
     """A part of the snapshot."""
 
 
+class RankView(Part, kw_only=True, omit_defaults=True):
+    """One process of a tensor-parallel target group."""
+    rank: int
+    pid: int
+    gpu: int | None = None
+
+
 class EpochView(Part, kw_only=True, omit_defaults=True):
     """One started epoch's progress."""
     epoch: int  # 0-based
@@ -68,6 +75,7 @@ class WorkerView(Part, kw_only=True, omit_defaults=True):
     rank: int | None = None  # drafter of a data-parallel group: its rank
     membership: int | None = None  # ... and the group's membership version it registered in
     gpu_health: GpuHealth | None = None  # a worker on a GPU: memory, slot copy ms, compiled graphs (none on a CPU)
+    tp_ranks: list[RankView] | None = None  # target of tensor-parallel ranks: each of them (rank 0 is this worker)
 
 
 class ModelView(Part, kw_only=True, omit_defaults=True):

@@ -177,7 +177,8 @@ class WorkerSession:
 
     # -- registration -------------------------------------------------------------------------
     def register(self, *, contract: dict[str, Any] | None = None,
-                 model: messages.ModelClaim | None = None) -> messages.RegisterReply:
+                 model: messages.ModelClaim | None = None,
+                 tp_ranks: list[messages.TargetRank] | None = None) -> messages.RegisterReply:
         """Register (retrying while the dispatcher starts or restarts) and start heartbeats.
 
         ``contract``: the capture contract the worker produces or expects; ``model``: a drafter's. A
@@ -191,7 +192,7 @@ class WorkerSession:
             reply = resend_until_answered(
                 lambda: self.channel.submit(messages.Register(
                     role=self.role, name=self.name, pid=os.getpid(), host=socket.gethostname(), node=self.node,
-                    gpu=self.gpu, contract=contract, model=model)),
+                    gpu=self.gpu, contract=contract, model=model, tp_ranks=tp_ranks)),
                 lambda request_id: self.channel.result(request_id, timeout_s=CALL_TIMEOUT_S),
                 again=lambda exc: 0.2 if isinstance(exc, DispatcherUnavailable) and not self.stop_requested.is_set()
                 else None, deadline_s=self.reconnect_s)

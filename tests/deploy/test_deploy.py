@@ -214,6 +214,17 @@ def test_sbatch_script_passes_a_valid_split(tmp_path, split):
     assert resolved.pool.slots == 30 and resolved.run.dir == str(tmp_path / "run")
 
 
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+def test_sbatch_script_gives_a_tensor_parallel_target_its_gpus(tmp_path):
+    calls = _run_with_stub(tmp_path, DEPLOY / "slurm" / "hsd-node.sbatch",
+                           env_extra={"HSD_CONFIG": str(DEPLOY / "configs" / "8gpu-llama-70b-tp4.yaml"),
+                                      "HSD_RUN_DIR": str(tmp_path / "run"), "NUM_TARGETS": "1",
+                                      "TARGET_TP_SIZE": "4", "NUM_DRAFTERS": "4"})
+    resolved = _resolved(calls["launch"])
+    assert (resolved.target.count, resolved.target.tp_size, resolved.target.gpus) == (1, 4, [0, 1, 2, 3])
+    assert resolved.drafter.gpus == [4, 5, 6, 7]
+
+
 @pytest.mark.parametrize("recipe", K8S_RECIPES)
 def test_k8s_job_reads_the_config_its_configmap_mounts(recipe):
     objects = _k8s_objects(recipe)

@@ -103,3 +103,24 @@ def test_cli_plan(capsys, tmp_path):
     assert "<- recommended" in text and "recommended: 3 target(s) + 1 drafter(s)" in text
     assert main(["plan", "--gpus", "1"]) == 2
     assert main(["plan", "--gpus", "4", "--from", str(tmp_path / "nope")]) == 2
+
+
+def test_a_target_too_big_for_one_gpu_is_planned_as_a_tensor_parallel_group(capsys):
+    from ops.planner import tp_size_for
+    memory = tp_size_for(70e9, gpu_memory_gb=80, reserve_gb=16)
+    assert (memory.tp_size, memory.weights_gb, memory.per_gpu_gb) == (4, 140.0, 35.0)  # 70 + 16 > 80 at tp_size 2
+    assert tp_size_for(8e9, gpu_memory_gb=80, reserve_gb=16).tp_size == 1
+    assert tp_size_for(70e9, gpu_memory_gb=141, reserve_gb=16).tp_size == 2
+    with pytest.raises(ValueError, match="do not fit 8 GPUs"):
+        tp_size_for(700e9, gpu_memory_gb=80, reserve_gb=16)
+    rates = StageRates(target=2_500.0, drafter=5_000.0, source="test")  # a group's rate, a drafter GPU's
+    splits = plan_splits(rates, 12, tp_size=4)
+    assert [(s.targets, s.drafters) for s in splits] == [(1, 8), (2, 4)]
+    assert recommend(rates, splits).targets == 2
+    assert splits[1].gpu_efficiency == pytest.approx((8 * 1.0 + 4 * 0.25) / 12)
+    with pytest.raises(ValueError, match="at least 5 GPUs"):
+        plan_splits(rates, 4, tp_size=4)
+    assert main(["plan", "--gpus", "8", "--target-params", "70e9", "target.sim_cost_per_token=4e-4"]) == 0
+    out = capsys.readouterr().out
+    assert "70 x 2 bytes" not in out and "140 GB of weights; tp_size 4: 35.0 GB per GPU" in out
+    assert "target.count=1 drafter.count=4 target.tp_size=4" in out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 
-from common.wire.stats_snapshot import EpochView, Snapshot, WorkerView
+from common.wire.stats_snapshot import EpochView, RankView, Snapshot, WorkerView
 from core_harness import make_core, register
 from dispatcher.snapshot import build_snapshot
 from dispatcher.stats_figures import format_q_hsb, pool_usage
@@ -118,6 +118,16 @@ def test_pool_usage_and_the_printed_view():
     assert "steps     5   given back" in text  # no step mix before a step committed here
     s.step_mix = 0.875
     assert "steps     5 (mixed 88% since the dispatcher started)   given back" in format_stats(s)
+
+
+def test_a_tensor_parallel_target_is_one_row_with_its_ranks():
+    s = snapshot()
+    s.workers[0].tp_ranks = [RankView(rank=0, pid=4100, gpu=0), RankView(rank=1, pid=4123, gpu=1)]
+    lines = format_stats(s).splitlines()
+    row = next(i for i, line in enumerate(lines) if line.startswith("target-1 "))
+    assert lines[row + 1].split() == ["tensor-parallel,", "2", "ranks:", "0:pid", "4100", "gpu", "0", "1:pid", "4123",
+                                      "gpu", "1"]
+    assert sum(line.startswith("target-") for line in lines) == 2  # the two targets, the group one of them
 
 
 def test_q_hsb_lists_every_bucket_empty_ones_as_zero(tmp_path):

@@ -148,6 +148,15 @@ class NodesSection(Section):
 
 
 def _check_gpus(section: TargetSection | DrafterSection) -> None:
+    per_worker = getattr(section, "tp_size", 1)
+    if section.gpus and per_worker > 1:
+        if len(section.gpus) % per_worker:
+            raise ConfigError(f"{section.key('gpus')} lists {len(section.gpus)} GPUs, not a multiple of "
+                              f"{section.key('tp_size')}={per_worker}: each target group takes {per_worker} of them")
+        if len(section.gpus) < section.count * per_worker:
+            raise ConfigError(f"{section.key('gpus')} lists {len(section.gpus)} GPUs for {section.key('count')}="
+                              f"{section.count} groups of {section.key('tp_size')}={per_worker} "
+                              f"({section.count * per_worker} GPUs)")
     if section.gpus and len(section.gpus) < section.count:
         raise ConfigError(f"{section.key('gpus')} lists {len(section.gpus)} GPUs for "
                           f"{section.key('count')}={section.count}")
@@ -157,8 +166,10 @@ def _check_gpus(section: TargetSection | DrafterSection) -> None:
 class TargetSection(Section):
     section = "target"
     model: str = opt("", "Local Hugging Face model directory of the target.")
-    count: int = opt(1, "Target workers started by hsd launch.")
-    gpus: list[int] = opt([], "GPU ids for the targets (one per worker); empty = CPU.")
+    count: int = opt(1, "Target workers started by hsd launch (with tp_size > 1: target groups).")
+    gpus: list[int] = opt([], "GPU ids for the targets (one per worker; tp_size per group, a group's consecutive); empty = CPU.")
+    tp_size: int = opt(1, "Processes (GPUs) of one target under tensor parallelism: the model's weights split tp_size ways by the Hugging Face tensor-parallel plan of its architecture; the group is one target to the dispatcher.")
+    tp_timeout_s: float = opt(120.0, "Longest a rank of a target group waits in a collective of a forward (a rank that died or hangs) before the group's incarnation ends.")
     sim: bool = opt(False, "Start simulated targets (modeled cost, real protocol and data plane).")
     sim_cost_per_token: float = opt(2e-6, "Seconds a sim target spends per token.")
     sim_cost_attention: float = opt(0.0, "Seconds a sim target spends per sequence per squared bucket length (attention).")
@@ -171,7 +182,7 @@ class TargetSection(Section):
     max_restarts: int = opt(3, "Restarts hsd launch grants a crashed target.")
 
     def check(self) -> None:
-        self.require_positive("hidden_size", "num_capture_layers")
+        self.require_positive("hidden_size", "num_capture_layers", "tp_size", "tp_timeout_s")
         self.require_not_negative("count", "sim_cost_per_token", "sim_cost_attention")
         _check_gpus(self)
         layers = self.capture_layers
