@@ -302,13 +302,13 @@ def run_step(options: ScaleOptions, workers: int, step_dir: Path) -> dict[str, A
 
 def run_scale_bench(options: ScaleOptions, *, as_json: bool) -> int:
     """Every step of the sweep, one after another; the table (or one JSON object) on stdout."""
-    work_dir = Path(tempfile.mkdtemp(prefix="hsd-scale-", dir=options.work_dir or None))
+    work_dir = Path(tempfile.mkdtemp(prefix="scale-", dir=options.work_dir or None))  # short: ipc paths <= 100 bytes
     steps: list[dict[str, Any]] = []
     if not as_json:
         print(table_header(options.model), flush=True)
     try:
         for index, workers in enumerate(options.workers):
-            figures = run_step(options, workers, work_dir / f"step{index}-{workers}")
+            figures = run_step(options, workers, work_dir / f"s{index}")
             steps.append(figures)
             if not as_json:
                 print(format_step(figures), flush=True)

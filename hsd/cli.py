@@ -221,7 +221,7 @@ def cmd_eval(args) -> int:
 def cmd_export(args) -> int:
     from common.run.servable import export_servable, find_checkpoint
     checkpoint = find_checkpoint(args.run_dir, model=args.model, step=args.step)
-    out = export_servable(checkpoint, args.out, force=args.force)
+    out = export_servable(checkpoint, args.out, force=args.force, mask_token=args.mask_token)
     print(f"model {checkpoint.model_id} at step {checkpoint.step} exported to {out}")
     return 0
 
@@ -380,6 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, help="checkpoint step; default: the latest")
     p.add_argument("--out", required=True, help="directory to write (config.json + model.safetensors)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--mask-token", help="DFlash: the text the serving tokenizer has for the trained mask id, where "
+                                        "the target's tokenizer named none (written as dflash_config.mask_token)")
     p.set_defaults(func=cmd_export)
 
 

@@ -79,8 +79,11 @@ def unnamed_mask_token(config_path: Path) -> str | None:
             f"{mask_id}, add that text as dflash_config.mask_token to {config_path.name} and export again")
 
 
-def export_servable(checkpoint: Checkpoint, out: str | os.PathLike, *, force: bool = False) -> Path:
-    """Copy ``checkpoint``'s servable model to ``out``; a non-empty ``out`` is replaced only with ``force``."""
+def export_servable(checkpoint: Checkpoint, out: str | os.PathLike, *, force: bool = False,
+                    mask_token: str | None = None) -> Path:
+    """Copy ``checkpoint``'s servable model to ``out``; a non-empty ``out`` is replaced only with ``force``.
+    ``mask_token``: the text the serving tokenizer has for the trained mask id, written as
+    ``dflash_config.mask_token`` where the target's tokenizer named none (``hsd export --mask-token``)."""
     source = servable_dir(checkpoint)
     if not source.is_dir():
         raise ExportError(f"checkpoint {checkpoint.path} has no servable model ({source} is missing: "
@@ -90,8 +93,8 @@ def export_servable(checkpoint: Checkpoint, out: str | os.PathLike, *, force: bo
         raise ExportError(f"{source} holds {len(weights)} *{WEIGHTS_SUFFIX} files, not one: "
                           f"{', '.join(str(p.relative_to(source)) for p in weights)}")
     unresolved = unnamed_mask_token(source / "config.json")
-    if unresolved is not None:
-        raise ExportError(unresolved)
+    if unresolved is not None and not mask_token:
+        raise ExportError(unresolved + " (or give it as hsd export --mask-token TEXT)")
     out = Path(out).resolve()
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} exists and is not a directory")
@@ -101,6 +104,10 @@ def export_servable(checkpoint: Checkpoint, out: str | os.PathLike, *, force: bo
 
     def copy(tmp: Path) -> None:
         shutil.copytree(source, tmp)
+        if unresolved is not None:  # the user named the serving tokenizer's text for the trained id
+            doc = json.loads((tmp / "config.json").read_text())
+            doc["dflash_config"]["mask_token"] = mask_token
+            (tmp / "config.json").write_text(json.dumps(doc, indent=2) + "\n")
         for path in [tmp, *tmp.rglob("*")]:  # readable by an engine serving as another user, whatever the source mode
             path.chmod(path.stat().st_mode | (0o755 if path.is_dir() else 0o644))
     return atomic_write(out, copy, durable=True, tmp_name=f".{out.name}.tmp-{os.getpid()}")

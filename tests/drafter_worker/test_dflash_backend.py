@@ -110,13 +110,15 @@ def test_checkpoint_holds_a_servable_drafter_and_hsd_export_copies_it(tiny_targe
     assert sorted(p.name for p in servable.iterdir()) == ["config.json", "model.safetensors"]
     assert sorted(p.name for p in training_dir(checkpoint).iterdir()) == ["state.json", "state.safetensors"]
     out = tmp_path / "served"
-    assert cli_main(["export", "--run-dir", str(config.run_dir), "--out", str(out)]) == 0
+    assert cli_main(["export", "--run-dir", str(config.run_dir), "--out", str(out)]) == 2  # no text for the mask id
+    assert cli_main(["export", "--run-dir", str(config.run_dir), "--out", str(out), "--mask-token", "<|MASK|>"]) == 0
     assert weights_files(servable) == [servable / "model.safetensors"]
     assert weights_files(out) == [out / "model.safetensors"]
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     doc = json.loads((out / "config.json").read_text())
     assert doc["architectures"] == ["DFlashDraftModel"] and doc["block_size"] == 4
     assert doc["dflash_config"]["target_layer_ids"] == LAYER_IDS
+    assert doc["dflash_config"]["mask_token"] == "<|MASK|>"   # as --mask-token named it
     # RoPE at the top level (SGLang's DFlash model reads rope_theta there) and where transformers 5 keeps it.
     assert doc["rope_theta"] == 10000.0 and doc["rope_scaling"] is None
     assert doc["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}
