@@ -20,6 +20,20 @@ from tiny_target import random_samples
 from worker_jobs import held_job
 
 
+def extract_jobs(backend: HFTargetBackend, config, lengths: list[int], jobs) -> list[SlotView]:
+    """Each JOB (``indices/seq_len``) extracted by ``backend`` into a slot of its own, in order."""
+    layout = SlotLayout.from_contract(backend.contract, config.schedule)
+    slots = []
+    for job_id, text in enumerate(jobs):
+        samples, _, seq_len = text.partition("/")
+        indices = [int(i) for i in samples.split(",")]
+        slot = SlotView(torch.zeros(layout.slot_bytes, dtype=torch.uint8), layout)
+        backend.extract(held_job(job_id, samples=indices, lengths=[lengths[i] for i in indices],
+                                 seq_len=int(seq_len), generation=job_id + 1), slot)
+        slots.append(slot)
+    return slots
+
+
 def main(config_path: str, out: str, seed: str, lengths_text: str, *jobs: str) -> int:
     config = load_config(config_path, [])
     lengths = [int(n) for n in lengths_text.split(",")]
@@ -30,16 +44,7 @@ def main(config_path: str, out: str, seed: str, lengths_text: str, *jobs: str) -
                                   device="cpu", dataset=dataset, group=group)
         weight = backend.model.model.layers[0].self_attn.q_proj.weight
         assert type(weight).__name__ == "DTensor", f"the target did not load sharded: {type(weight)}"
-        layout = SlotLayout.from_contract(backend.contract, config.schedule)
-        slots = []
-        for job_id, text in enumerate(jobs):
-            samples, _, seq_len = text.partition("/")
-            indices = [int(i) for i in samples.split(",")]
-            slot = SlotView(torch.zeros(layout.slot_bytes, dtype=torch.uint8), layout)
-            backend.extract(held_job(job_id, samples=indices, lengths=[lengths[i] for i in indices],
-                                     seq_len=int(seq_len), generation=job_id + 1), slot)
-            slots.append(slot.buffer.clone())
-        torch.save(slots, out)
+        torch.save([slot.buffer.clone() for slot in extract_jobs(backend, config, lengths, jobs)], out)
         backend.close()
     finally:
         group.close()

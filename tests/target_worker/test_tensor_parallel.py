@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.dataplane.slots import SlotLayout, SlotView, copy_out
+from common.dataplane.slots import SlotView, copy_out
 from common.run.config import ConfigError, load_config, write_resolved
 from common.run.tensor_parallel import check_tensor_parallel
 from target_worker.hf_backend import HFTargetBackend
 from tiny_target import random_samples, save_tiny_model, tiny_config
-from worker_jobs import held_job
+from tp_target_slots import extract_jobs
 
 ROOT = Path(__file__).resolve().parents[2]
 LENGTHS = [33, 64, 40, 9, 50, 17]
@@ -28,15 +28,7 @@ SEED = 4
 def _slots_at_tp1(config, lengths) -> list[torch.Tensor]:
     backend = HFTargetBackend(config.target, config.schedule, objective=config.drafter.objective, device="cpu",
                               dataset=random_samples(lengths, seed=SEED))
-    layout = SlotLayout.from_contract(backend.contract, config.schedule)
-    slots = []
-    for job_id, text in enumerate(JOBS):
-        samples, _, seq_len = text.partition("/")
-        indices = [int(i) for i in samples.split(",")]
-        slot = SlotView(torch.zeros(layout.slot_bytes, dtype=torch.uint8), layout)
-        backend.extract(held_job(job_id, samples=indices, lengths=[lengths[i] for i in indices], seq_len=int(seq_len),
-                                 generation=job_id + 1), slot)
-        slots.append(slot)
+    slots = extract_jobs(backend, config, lengths, JOBS)
     backend.close()
     return slots
 
