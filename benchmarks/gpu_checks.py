@@ -23,12 +23,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 import torch
 
 from benchmarks.gpu_sections import CheckContext, Skip
-from common.run.config import Objective
+from common.run.drafter_family import families, family_of
 
 REPO = Path(__file__).resolve().parent.parent
 CUDA_TESTS = ("tests/common/test_cuda_ipc.py", "tests/common/test_cuda_ipc_cache.py", "tests/common/test_shm_pinning.py")
@@ -161,19 +161,12 @@ def _backend_config(ctx: CheckContext, objective: str, run_dir: Path):
                                                hidden=ctx.shapes.launch_hidden)
     common = [f"run.dir={run_dir}", f"target.model={target_dir}", f"data.path={data_dir}", "drafter.checkpoint_keep=2",
               *(["target.gpus=[0]", "drafter.gpus=[0]"] if ctx.cuda else [])]  # bf16 states on a GPU, as a run has
-    if objective == "eagle3":
-        return load_config(None, [*common, "drafter.objective=eagle3", "target.capture_layers=[0,1,2]",
-                                  "eagle3.ttt_steps=3", "eagle3.draft_vocab=256"])
-    return load_config(None, [*common, "target.capture_layers=[1,2]", "dflash.block_size=4", "dflash.gamma=2.0",
-                              "dflash.num_draft_layers=1", "dflash.num_anchors=8"])
+    return load_config(None, [*common, f"drafter.objective={objective}", *family_of(objective).check_overrides])
 
 
-def _backend(ctx: CheckContext, objective: str, config):
-    from drafter_worker.dflash_backend import DFlashBackend
-    from drafter_worker.eagle3_backend import Eagle3Backend
+def _backend(ctx: CheckContext, config):
     from drafter_worker.factory import trainer_backend
-    return trainer_backend(config, "drafter-0", backend_class=Eagle3Backend if objective == "eagle3" else DFlashBackend,
-                           device=ctx.device, schedule_jobs=64)
+    return trainer_backend(config, "drafter-0", device=ctx.device, schedule_jobs=64)
 
 
 def _batches(ctx: CheckContext, config, count: int, *, batch: int = 4, seq_len: int = 64) -> list:
@@ -212,7 +205,7 @@ def _train(backend, jobs, steps: range, accum: int = 2) -> list[float]:
 def eagle3_step(ctx: CheckContext) -> dict[str, Any]:
     """EAGLE-3 optimizer steps (2 micro-batches of 4 x 64 tokens, 3 TTT steps) through its backend."""
     config = _backend_config(ctx, "eagle3", ctx.tmp / "eagle3-step")
-    backend = _backend(ctx, "eagle3", config)
+    backend = _backend(ctx, config)
     jobs = _batches(ctx, config, 12)
     started = time.perf_counter()
     first = _train(backend, jobs, range(1))
@@ -238,8 +231,8 @@ def eagle3_step(ctx: CheckContext) -> dict[str, Any]:
 def _resume_one(ctx: CheckContext, objective: str) -> dict[str, Any]:
     config = _backend_config(ctx, objective, ctx.tmp / f"resume-{objective}")
     jobs = _batches(ctx, config, 8)
-    reference = _train(_backend(ctx, objective, config), jobs, range(4))
-    first = _backend(ctx, objective, config)
+    reference = _train(_backend(ctx, config), jobs, range(4))
+    first = _backend(ctx, config)
     _train(first, jobs, range(2))
     first.save_checkpoint(config.run_dir)
     cuda_rng = torch.cuda.get_rng_state(ctx.device) if ctx.cuda else None
@@ -247,7 +240,7 @@ def _resume_one(ctx: CheckContext, objective: str) -> dict[str, Any]:
     del first
     if ctx.cuda:
         torch.cuda.manual_seed(12345)  # a restarted process starts from another CUDA RNG state
-    resumed = _backend(ctx, objective, config)
+    resumed = _backend(ctx, config)
     step = resumed.load_latest(config.run_dir)
     figures: dict[str, Any] = {"resumed_step": step}
     if cuda_rng is not None:
@@ -264,7 +257,7 @@ def _resume_one(ctx: CheckContext, objective: str) -> dict[str, Any]:
 
 def resume(ctx: CheckContext) -> dict[str, Any]:
     """Both backends: two steps, a checkpoint, a fresh backend resumes it, two more steps vs straight through."""
-    figures = {objective: _resume_one(ctx, objective) for objective in get_args(Objective)}
+    figures = {family.objective: _resume_one(ctx, family.objective) for family in families() if family.check_overrides}
     figures["ok"] = all(f["resumed_step"] == 2 and f["loss_diff_vs_uninterrupted"] < 1e-2
                         for f in figures.values() if isinstance(f, dict))
     return figures
@@ -276,7 +269,7 @@ def flex_recompiles(ctx: CheckContext) -> dict[str, Any]:
         raise Skip("no CUDA (flex attention compiles on a GPU only)")
     from torch._dynamo.utils import counters
     config = _backend_config(ctx, "dflash", ctx.tmp / "flex-recompiles")
-    backend = _backend(ctx, "dflash", config)
+    backend = _backend(ctx, config)
     counters.clear()
     shapes = [(4, 64), (2, 128), (4, 96), (1, 256), (4, 64), (2, 128), (3, 80), (1, 256)]
     seconds, graphs = [], []

@@ -22,6 +22,7 @@ from common.run.target_config import TargetDims
 from drafter_worker.drafter_backend import TrainerBackend
 from drafter_worker.eagle3.config import Eagle3TrainConfig
 from drafter_worker.eagle3.export import export_config
+from drafter_worker.eagle3.family import OBJECTIVE
 from drafter_worker.eagle3.trainer import Eagle3Trainer
 from drafter_worker.eagle3.vocab import count_response_tokens, draft_vocab_from_counts
 
@@ -55,8 +56,8 @@ class Eagle3Backend(TrainerBackend):
     log = log
 
     def _resolve_section(self, section):
-        if self.drafter.objective != "eagle3":
-            raise ConfigError(f"drafter.objective is {self.drafter.objective!r}: an EAGLE-3 drafter needs eagle3 "
+        if self.drafter.objective != OBJECTIVE:
+            raise ConfigError(f"drafter.objective is {self.drafter.objective!r}: an EAGLE-3 drafter needs {OBJECTIVE} "
                               f"(the capture contract then carries the target's final-norm state)")
         vocab_size = TargetDims.read(self.target_dir).vocab_size  # multimodal: the language model's
         self.d2t, self.t2d = draft_vocab_of_dataset(self.data.path, vocab_size, section.draft_vocab)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from common.run.config import Config, ConfigError
+from common.run.drafter_family import family_of
 
 if TYPE_CHECKING:
     import torch
@@ -30,12 +31,10 @@ def linear_drafter(config: Config, model_id: str) -> Any:
 
 def trainer_backend(config: Config, model_id: str, *, backend_class: Any = None,
                     device: str | torch.device | None = None, schedule_jobs: int | None = None) -> Any:
-    """The drafter model of ``drafter.objective`` (or ``backend_class``: DFlashBackend, Eagle3Backend)."""
+    """The drafter model of ``drafter.objective``'s family (or ``backend_class``: DFlashBackend,
+    Eagle3Backend), given the family's config section."""
     if backend_class is None:
-        if config.drafter.objective == "eagle3":
-            from drafter_worker.eagle3_backend import Eagle3Backend as backend_class
-        else:
-            from drafter_worker.dflash_backend import DFlashBackend as backend_class
+        backend_class = family_of(config.drafter.objective).backend_class()
     return backend_class(model_id, training=getattr(config, backend_class.section), target=config.target,
                          drafter=config.drafter, run=config.run, data=config.data, device=device,
                          schedule_jobs=schedule_jobs)
@@ -45,6 +44,7 @@ def drafter_backend(config: Config, model_id: str) -> Any:
     """What a real (non-sim) drafter runs: drafter.backend's."""
     if config.drafter.backend == "linear":
         return linear_drafter(config, model_id)
-    if not config.target.model:  # said before torch loads: the drafter reads the target's config and head
+    if family_of(config.drafter.objective).needs_target_model and not config.target.model:
+        # said before torch loads: the drafter reads the target's config and head
         raise ConfigError("target.model: the drafter needs the target model directory (or use --sim)")
     return trainer_backend(config, model_id)

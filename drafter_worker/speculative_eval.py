@@ -9,9 +9,9 @@ vLLM and SGLang print them.
 
 The loop knows a drafter only through :class:`Proposer`: DFlash drafts one block at once
 (:class:`drafter_worker.dflash.eval.DFlashProposer`), EAGLE-3 chains its steps
-(:class:`drafter_worker.eagle3.eval.Eagle3Proposer`); a draft model turns itself into one
-(``model.proposer()``) and an exported drafter is loaded as the one its config names
-(:func:`load_proposer`).
+(:class:`drafter_worker.eagle3.eval.Eagle3Proposer`); its drafter family
+(:mod:`common.run.drafter_family`) makes one of a draft model, and of an exported drafter the family
+its config names (:func:`load_proposer`).
 
 Correctness is checked, not assumed: the speculative output must equal the target's plain greedy
 output token for token, else :class:`SpeculativeMismatch` is raised. Kept simple on purpose: the
@@ -27,6 +27,7 @@ from typing import Protocol
 
 import torch
 
+from common.run.drafter_family import export_family, family_of
 from common.run.target_model import find_decoder
 from drafter_worker.layers import find_drafter_dir, read_export_config
 
@@ -127,24 +128,21 @@ def _eos_ids(target) -> set[int]:
 
 def load_proposer(path: str | os.PathLike, target_dir, *, device="cpu") -> Proposer:
     """The exported drafter at ``path`` (or a checkpoint's step directory) as the proposer of the
-    drafter its ``config.json`` names; one that names no EAGLE-3 drafter is read as DFlash's, whose
-    loader says what it lacks."""
-    from drafter_worker.eagle3.export import ARCHITECTURE as EAGLE3
+    drafter family its ``config.json`` names; one that names none is read as the default family's,
+    whose loader says what it lacks."""
     drafter_dir = find_drafter_dir(path)
-    if EAGLE3 in read_export_config(drafter_dir).get("architectures", []):
-        from drafter_worker.eagle3.eval import load_proposer as load_eagle3
-        return load_eagle3(drafter_dir, target_dir, device=device)
-    from drafter_worker.dflash.eval import load_proposer as load_dflash
-    return load_dflash(drafter_dir, target_dir, device=device)
+    family = export_family(read_export_config(drafter_dir))
+    return family.load_proposer(drafter_dir, target_dir, device=device)
 
 
 def as_proposer(drafter, target_dir, *, device="cpu") -> Proposer:
-    """``drafter``: an exported drafter's directory, a draft model (``model.proposer()``), or a :class:`Proposer`."""
+    """``drafter``: an exported drafter's directory, a draft model (its family's proposer, by the
+    model's ``objective``), or a :class:`Proposer`."""
     if isinstance(drafter, (str, os.PathLike)):
         return load_proposer(drafter, target_dir, device=device)
     if hasattr(drafter, "propose"):
         return drafter
-    return drafter.proposer()
+    return family_of(drafter.objective).proposer(drafter)
 
 
 def evaluate(target_dir, drafter, prompts: list[list[int]], max_new_tokens: int, *, device="cpu",

@@ -7,9 +7,9 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import get_args
 
-from common.run.config import ConfigError, Objective, ScheduleSection, describe
+from common.run.config import ConfigError, ScheduleSection, describe
+from common.run.drafter_family import DEFAULT_OBJECTIVE, families
 from common.run.durable import STORAGE_FAILED_EXIT_CODE, StorageFailed, describe_storage_failure, is_storage_error
 from hsd.bench import add_bench_parser
 from hsd.shared import add_config_args, config_of, require_model, setup_logging
@@ -279,7 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-prompts", type=int, default=12, help="held-out prompts of the tau evaluation")
     p.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per evaluation prompt")
     p.add_argument("--tiny-steps", type=int, help="training steps of the tiny target (default: its full recipe)")
-    p.add_argument("--objective", choices=get_args(Objective), default="dflash",
+    p.add_argument("--objective", default=DEFAULT_OBJECTIVE,
+                   choices=[family.objective for family in families() if family.demo is not None],
                    help="drafter to train (default dflash; eagle3 runs deploy/configs/demo-eagle3.yaml)")
     p.set_defaults(func=cmd_demo)
 

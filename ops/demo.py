@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from common.run.config import ConfigError, load_config
+from common.run.drafter_family import DEFAULT_OBJECTIVE, families, family_of
 from dispatcher.journal import read_journal
 from dispatcher.journal_events import Checkpointed, StepCommitted
 from ops.configs import bundled_config
@@ -31,11 +32,12 @@ log = logging.getLogger("hsd.demo")
 
 # The package's own copies (deploy/configs in a checkout).
 DEFAULT_CONFIG = bundled_config("demo-real.yaml")
-# Per drafter: its config, its run directory under --out (the two demos share the target and data)
-# and its name in the summary.
-OBJECTIVES = {"dflash": (DEFAULT_CONFIG, "run", "DFlash"),
-              "eagle3": (bundled_config("demo-eagle3.yaml"), "run-eagle3", "EAGLE-3")}
 DRAFTER_NAME = "drafter-0"  # the name hsd launch gives its first drafter
+
+
+def demo_objectives() -> list[str]:
+    """The drafter families ``hsd demo --objective`` takes: those with demo defaults."""
+    return [family.objective for family in families() if family.demo is not None]
 
 
 def _stage(number: int, text: str) -> float:
@@ -107,13 +109,16 @@ def prepare_inputs(out: Path, *, config_path: str | os.PathLike | None, override
 
 
 def run_demo(*, out: str | os.PathLike, config_path: str | os.PathLike | None, overrides: list[str], samples: int,
-             eval_prompts: int, max_new_tokens: int, tiny_steps: int | None = None, objective: str = "dflash") -> int:
+             eval_prompts: int, max_new_tokens: int, tiny_steps: int | None = None, objective: str = DEFAULT_OBJECTIVE) -> int:
     if samples <= 0 or eval_prompts <= 0 or max_new_tokens <= 0:
         raise ConfigError("--samples, --eval-prompts and --max-new-tokens must be positive")
-    if objective not in OBJECTIVES:
-        raise ConfigError(f"--objective {objective!r} is not one of {', '.join(OBJECTIVES)}")
-    objective_config, run_name, drafter_kind = OBJECTIVES[objective]
-    config_path = config_path or objective_config
+    if objective not in demo_objectives():
+        raise ConfigError(f"--objective {objective!r} is not one of {', '.join(demo_objectives())}")
+    family = family_of(objective)
+    # Per drafter family: its config, its run directory under --out (the demos share the target and
+    # data) and its name in the summary.
+    run_name, drafter_kind = family.demo.run_name, family.title
+    config_path = config_path or bundled_config(family.demo.config_name)
     overrides = [f"drafter.objective={objective}", *overrides]
     import torch
 
@@ -141,17 +146,13 @@ def run_demo(*, out: str | os.PathLike, config_path: str | os.PathLike | None, o
     from common.run.witness import latest_checkpoint, servable_dir
     from drafter_worker.speculative_eval import evaluate
     from drafter_worker.eval_prompts import load_chat_prompts
-    from drafter_worker.dflash_backend import DFlashBackend
-    from drafter_worker.eagle3_backend import Eagle3Backend
     from drafter_worker.factory import trainer_backend
     from transformers import AutoModelForCausalLM, AutoTokenizer
     started = _stage(5, f"speculative decoding on {eval_prompts} held-out prompts, before and after training")
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     prompts = load_chat_prompts(target_dir / "heldout.jsonl", tokenizer, eval_prompts)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    backend_class = Eagle3Backend if objective == "eagle3" else DFlashBackend
-    untrained = trainer_backend(config, "untrained", backend_class=backend_class,
-                                schedule_jobs=1).trainer.model.eval()  # the run's initial weights
+    untrained = trainer_backend(config, "untrained", schedule_jobs=1).trainer.model.eval()  # the run's initial weights
     before = evaluate(target_dir, untrained, prompts, max_new_tokens, target=target)
     drafter_dir = servable_dir(latest_checkpoint(run_dir, DRAFTER_NAME))
     after = evaluate(target_dir, drafter_dir, prompts, max_new_tokens, target=target)
@@ -174,7 +175,7 @@ def run_demo(*, out: str | os.PathLike, config_path: str | os.PathLike | None, o
         "drafter": str(drafter_dir),
         "run_dir": str(run_dir),
     }
-    shape = (f"{after['block_size'] - 1} chained drafts" if objective == "eagle3" else f"block {after['block_size']}")
+    shape = family.demo.shape(after["block_size"])
     print(f"\n{drafter_kind} drafter ({shape}) trained online on {report['jobs_total']} jobs of the "
           f"target's hidden states in {len(steps)} steps: loss {summary['loss_first']} -> {summary['loss_last']}, "
           f"{summary['tokens_per_s']} tok/s per drafter step (median)")

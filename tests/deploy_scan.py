@@ -1,8 +1,8 @@
 """Read the deploy recipes the way a user's shell, systemd or kubectl would, and list what they use.
 
 Everything is checked against the real thing: subcommands and options against the parser that
-``hsd/cli.py`` builds, config keys against the dataclasses of ``common/run/config/sections.py``. A new
-subcommand or key needs no change here.
+``hsd/cli.py`` builds, config keys against the sections' dataclasses (``common/run/config/sections.py``
+and the drafter families'). A new subcommand or key needs no change here.
 
 Where a recipe runs ``hsd``:
 - shell scripts and sbatch files: code lines (continuations joined), with ``hsd`` or ``"$hsd_bin"``;
@@ -17,7 +17,6 @@ here-documents) an ``hsd WORD`` is checked only when options or overrides follow
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import re
 import shlex
@@ -25,13 +24,12 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.run.config import Config
+from common.run.config import section_types
 from hsd.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
-SECTIONS = {f.name: set(typing.get_type_hints(typing.get_type_hints(Config)[f.name]))
-            for f in dataclasses.fields(Config)}
+SECTIONS = {name: set(typing.get_type_hints(section_type)) for name, section_type in section_types().items()}
 SHELL_SUFFIXES = {".sh", ".sbatch", ".bash"}
 
 _HSD = re.compile(r"(?:(?<![\w.$-])hsd|\"?\$\{?hsd_bin\}?\"?)[ \t]+(?=[a-z])")

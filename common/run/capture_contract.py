@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from common.run.drafter_family import DEFAULT_OBJECTIVE, family_of
 from common.run.target_config import model_shape, read_model_config
 
 CaptureDtype = Literal["bfloat16", "float16", "float32"]  # target.dtype is one of these or auto
@@ -107,28 +108,16 @@ def default_layer_ids(num_layers: int, num_capture_layers: int = 5) -> list[int]
     return [round(first + k * span / (num_capture_layers - 1)) for k in range(num_capture_layers)]
 
 
-def eagle3_layer_ids(num_layers: int) -> list[int]:
-    """The EAGLE-3 choice: a low, a middle and a high layer, the outputs of layers 1, N/2 − 1 and N − 4
-    (Qwen3-8B, 36 layers: 1, 17, 32, i.e. ``hidden_states`` indices 2, 18, 33)."""
-    ids = [1, num_layers // 2 - 1, num_layers - 4]
-    if ids != sorted(set(ids)):
-        raise ValueError(f"the EAGLE-3 default layers 1, N/2-1, N-4 of a {num_layers}-layer target are {ids}, not "
-                         f"three distinct ascending layers; list three in target.capture_layers")
-    return ids
-
-
 def build_contract(doc: Mapping[str, Any], *, layer_ids: Sequence[int] = (), num_capture_layers: int = 5,
-                   dtype: str, objective: str = "dflash") -> CaptureContract:
-    """The contract for a parsed ``config.json``: ``layer_ids``, or the default of the drafter's
-    ``objective`` (DFlash: K evenly spaced layers; EAGLE-3: three layers plus the final-norm state)."""
+                   dtype: str, objective: str = DEFAULT_OBJECTIVE) -> CaptureContract:
+    """The contract for a parsed ``config.json``: ``layer_ids``, or the default of the drafter family of
+    ``objective`` (DFlash: K evenly spaced layers; EAGLE-3: three layers), and the final-norm state if
+    the family takes it (:mod:`common.run.drafter_family`)."""
     architecture, num_layers, hidden_size = model_shape(doc)
-    eagle3 = objective == "eagle3"
-    if layer_ids:
-        ids = list(layer_ids)
-    else:
-        ids = eagle3_layer_ids(num_layers) if eagle3 else default_layer_ids(num_layers, num_capture_layers)
+    family = family_of(objective)
+    ids = list(layer_ids) if layer_ids else family.default_layer_ids(num_layers, num_capture_layers)
     return CaptureContract(architecture=architecture, num_layers=num_layers, hidden_size=hidden_size,
-                           layer_ids=tuple(ids), dtype=dtype, final_norm=eagle3)
+                           layer_ids=tuple(ids), dtype=dtype, final_norm=family.final_norm)
 
 
 def contract_from_model_dir(model_dir: str | Path, *, layer_ids: Sequence[int] = (), num_capture_layers: int = 5,

@@ -15,8 +15,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.run.config import ConfigError, DFlashModelKeys, DFlashSection, opt
+from common.run.config import ConfigError, opt
 from common.run.target_config import TargetDims
+from drafter_worker.dflash.section import DFlashModelKeys, DFlashSection
 from drafter_worker.layers import check_rope_scaling
 from drafter_worker.train_section import TrainSection
 
@@ -34,7 +35,7 @@ def default_gamma(block_size: int) -> float:
 @dataclass
 class DFlashConfig(DFlashModelKeys):
     """The draft model: the ``dflash`` section's model keys (block_size, num_draft_layers, num_anchors,
-    gamma, mask_token_id: declared once, in :class:`common.run.config.DFlashModelKeys`) and what is read
+    gamma, mask_token_id: declared once, in :class:`drafter_worker.dflash.section.DFlashModelKeys`) and what is read
     from the target (:meth:`from_target`) or an export."""
     target_layer_ids: list[int] = opt([], "Target layers whose outputs are fused (layer i = the raw output of decoder layer i, before any final norm).")
     num_target_layers: int = opt(0, "Decoder layers of the target (exported for serving engines).")
@@ -113,7 +114,7 @@ class DFlashConfig(DFlashModelKeys):
 @dataclass
 class DFlashTrainConfig(TrainSection, DFlashSection):
     """The ``dflash`` config section as the trainer takes it. Its keys, defaults and help lines are
-    the section's own (declared once, in :class:`common.run.config.DFlashSection`); what this adds is what a
+    the section's own (declared once, in :class:`drafter_worker.dflash.section.DFlashSection`); what this adds is what a
     training run needs beyond a loadable config: ``total_steps`` resolved to a positive count (the
     section's 0 means "derive it from the run", which :mod:`drafter_worker.drafter_backend` does) and
     the optimizer values checked before a model is built."""

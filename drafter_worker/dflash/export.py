@@ -18,11 +18,10 @@ from safetensors import safe_open
 
 from common.run.target_config import rope_scaling_of, rope_theta_of
 from drafter_worker.dflash.config import DFlashConfig
+from drafter_worker.dflash.family import ARCHITECTURE
 from drafter_worker.dflash.model import DFlashDraftModel, build_drafter
 from drafter_worker.layers import (WEIGHTS_NAME, check_rope_scaling, decoder_export_fields, find_drafter_dir,
                                    read_export_config, write_drafter_files)
-
-ARCHITECTURE = "DFlashDraftModel"
 
 
 def export_config(config: DFlashConfig, dtype: str) -> dict:

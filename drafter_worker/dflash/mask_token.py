@@ -36,8 +36,9 @@ from typing import Callable
 
 import numpy as np
 
-from common.run.config import ConfigError, DataSection, DFlashSection, TargetSection
+from common.run.config import ConfigError, DataSection, TargetSection
 from common.run.durable import atomic_write
+from drafter_worker.dflash.section import DFlashSection
 
 log = logging.getLogger("hsd.dflash")
 

@@ -26,6 +26,7 @@ from torch import nn
 
 from drafter_worker.dflash.config import DFlashConfig
 from drafter_worker.dflash.attention import DraftAttention, attention_kind
+from drafter_worker.dflash.family import OBJECTIVE
 from drafter_worker.dflash.mask import block_positions
 from drafter_worker.draft_tensors import DraftTensors
 from drafter_worker.layers import RMSNorm, SwiGLUMLP, apply_rope, load_target_head, rope_cos_sin
@@ -76,6 +77,7 @@ class DFlashDecoderLayer(nn.Module):
 
 class DFlashDraftModel(DraftTensors):
     SHARED_PREFIXES = SHARED_PREFIXES
+    objective = OBJECTIVE  # its drafter family, which makes its proposer for hsd eval
 
     def __init__(self, config: DFlashConfig, *, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor):
         super().__init__()
@@ -129,10 +131,6 @@ class DFlashDraftModel(DraftTensors):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden.to(self.lm_head.weight.dtype))
 
-    def proposer(self):
-        """This model drafting for ``hsd eval`` (:class:`drafter_worker.dflash.eval.DFlashProposer`)."""
-        from drafter_worker.dflash.eval import DFlashProposer
-        return DFlashProposer(self)
 
 
 def build_drafter(config: DFlashConfig, target_dir, *, dtype: torch.dtype = torch.float32) -> DFlashDraftModel:

@@ -13,18 +13,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.run.config import ConfigError, Eagle3ModelKeys, Eagle3Section, opt
+from common.run.config import ConfigError, opt
 from common.run.target_config import TargetDims
+from drafter_worker.eagle3.family import NUM_FUSED_LAYERS
+from drafter_worker.eagle3.section import Eagle3ModelKeys, Eagle3Section
 from drafter_worker.layers import check_rope_scaling
 from drafter_worker.train_section import TrainSection
-
-NUM_FUSED_LAYERS = 3  # serving engines build fc as 3 x hidden -> hidden
 
 
 @dataclass
 class Eagle3Config(Eagle3ModelKeys):
     """The draft model: the ``eagle3`` section's model keys (ttt_steps, draft_vocab, loss_decay: declared
-    once, in :class:`common.run.config.Eagle3ModelKeys`) and the target's dimensions (:meth:`from_target`)."""
+    once, in :class:`drafter_worker.eagle3.section.Eagle3ModelKeys`) and the target's dimensions (:meth:`from_target`)."""
     target_layer_ids: list[int] = opt([], "Target layers whose outputs are fused (layer i = the raw output of decoder layer i, before any final norm).")
     num_target_layers: int = opt(0, "Decoder layers of the target.")
     hidden_size: int = opt(0, "Hidden size (the target's).")

@@ -18,11 +18,10 @@ from safetensors import safe_open
 
 from common.run.target_config import rope_scaling_of, rope_theta_of
 from drafter_worker.eagle3.config import Eagle3Config
+from drafter_worker.eagle3.family import ARCHITECTURE
 from drafter_worker.eagle3.model import Eagle3DraftModel, build_drafter
 from drafter_worker.layers import (WEIGHTS_NAME, check_rope_scaling, decoder_export_fields, read_export_config,
                                    write_drafter_files)
-
-ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 
 def export_config(config: Eagle3Config, dtype: str) -> dict:

@@ -20,6 +20,7 @@ from torch import nn
 
 from drafter_worker.draft_tensors import DraftTensors
 from drafter_worker.eagle3.config import NUM_FUSED_LAYERS, Eagle3Config
+from drafter_worker.eagle3.family import OBJECTIVE
 from drafter_worker.eagle3.ttt_attention import KVCache, ttt_attention
 from drafter_worker.eagle3.vocab import check_vocab
 from drafter_worker.layers import RMSNorm, SwiGLUMLP, apply_rope, load_target_head, rope_cos_sin
@@ -74,6 +75,7 @@ class Eagle3DecoderLayer(nn.Module):
 
 class Eagle3DraftModel(DraftTensors):
     SHARED_PREFIXES = SHARED_PREFIXES
+    objective = OBJECTIVE  # its drafter family, which makes its proposer for hsd eval
 
     def __init__(self, config: Eagle3Config, *, embed_weight: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor):
         super().__init__()
@@ -117,10 +119,6 @@ class Eagle3DraftModel(DraftTensors):
         """Draft-vocabulary logits (map an argmax to a target id with ``d2t``)."""
         return self.lm_head(normed)
 
-    def proposer(self):
-        """This model drafting for ``hsd eval`` (:class:`drafter_worker.eagle3.eval.Eagle3Proposer`)."""
-        from drafter_worker.eagle3.eval import Eagle3Proposer
-        return Eagle3Proposer(self)
 
 
 def build_drafter(config: Eagle3Config, target_dir, *, d2t: torch.Tensor, t2d: torch.Tensor,

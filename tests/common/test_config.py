@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from common.run.config import (RESOLVED_CONFIG_NAME, Config, ConfigError, DFlashSection, DispatcherSection, PoolSection,
-                           coerce, describe, load_config, load_run_config, parse_override, write_resolved)
+from common.run.config import (RESOLVED_CONFIG_NAME, Config, ConfigError, DispatcherSection, PoolSection, coerce,
+                               describe, load_config, load_run_config, parse_override, section_types, write_resolved)
 from common.run.config.fields import key_types
+from drafter_worker.dflash.section import DFlashSection
 
 
 @pytest.fixture(autouse=True)
@@ -332,13 +333,13 @@ def test_a_group_meets_over_tcp_by_default_only_across_nodes(overrides, meets):
 # -- sections check themselves --------------------------------------------------------------------
 
 def test_every_section_is_named_as_its_key_in_config():
-    for name, section_type in typing.get_type_hints(Config).items():
+    for name, section_type in section_types().items():
         assert section_type.section == name
 
 
 def test_a_choice_error_lists_the_literal_values():
     """Every choice key rejects a value outside its Literal and names the allowed values."""
-    for name, section_type in typing.get_type_hints(Config).items():
+    for name, section_type in section_types().items():
         for key, hint in key_types(section_type).items():
             if typing.get_origin(hint) is typing.Literal:
                 with pytest.raises(ConfigError) as info:

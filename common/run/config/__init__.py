@@ -13,16 +13,16 @@ values.
 from common.run.config.fields import ConfigError, Section, coerce, opt
 from common.run.config.loading import (RESOLVED_CONFIG_NAME, describe, load_config, load_run_config, parse_override,
                                    validate, write_resolved)
-from common.run.config.sections import (Batching, Config, CurveSection, DataSection, DFlashModelKeys, DFlashSection,
-                                    DispatcherSection, DrafterSection, Eagle3ModelKeys, Eagle3Section, ElasticBatch,
+from common.run.config.sections import (Batching, Config, CurveSection, DataSection, DispatcherSection,
+                                    DrafterSection, ElasticBatch,
                                     Locality, NodesSection, Objective, Order, PoolSection, Pull, RunSection,
                                     ScheduleSection, StepBalance, TargetSection, TrainingRecipe, Transport, model_keys,
-                                    step_jobs)
+                                    section_types, step_jobs)
 
 __all__ = [
-    "RESOLVED_CONFIG_NAME", "Batching", "Config", "ConfigError", "CurveSection", "DFlashModelKeys", "DFlashSection",
-    "DataSection", "DispatcherSection", "DrafterSection", "Eagle3ModelKeys", "Eagle3Section", "ElasticBatch",
+    "RESOLVED_CONFIG_NAME", "Batching", "Config", "ConfigError", "CurveSection", "DataSection", "DispatcherSection",
+    "DrafterSection", "ElasticBatch",
     "Locality", "NodesSection", "Objective", "Order", "PoolSection", "Pull", "RunSection", "ScheduleSection",
     "Section", "StepBalance", "TargetSection", "TrainingRecipe", "Transport", "coerce", "describe", "load_config",
-    "load_run_config", "model_keys", "opt", "parse_override", "step_jobs", "validate", "write_resolved",
+    "load_run_config", "model_keys", "opt", "parse_override", "section_types", "step_jobs", "validate", "write_resolved",
 ]

@@ -13,7 +13,8 @@ from typing import Any
 
 from common.run.capture_contract import contract_from_config
 from common.run.config.fields import ConfigError, is_text, key_types, type_name
-from common.run.config.sections import Config
+from common.run.config.sections import Config, section_types
+from common.run.drafter_family import family_of
 from common.run.durable import atomic_write
 from common.run.serving_layers import unservable_reason
 from common.run.target_config import read_model_config
@@ -23,10 +24,10 @@ _PATH_KEYS = (("run", "dir"), ("data", "lengths"), ("data", "path"), ("target", 
 
 
 def _section_type(section: str) -> type:
-    section_types = typing.get_type_hints(Config)
-    if section not in section_types:
-        raise ConfigError(f"unknown config section {section!r} (known: {', '.join(section_types)})")
-    return section_types[section]
+    types = section_types()
+    if section not in types:
+        raise ConfigError(f"unknown config section {section!r} (known: {', '.join(types)})")
+    return types[section]
 
 
 def _key_type(section: str, key: str) -> Any:
@@ -90,8 +91,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
         section, key, value = parse_override(text)
         values.setdefault(section, {})[key] = value
     # Each section coerces and checks its own values as it is built.
-    config = Config(**{name: section_type(**values.get(name, {}))
-                       for name, section_type in typing.get_type_hints(Config).items()})
+    sections = {name: section_type(**values.get(name, {})) for name, section_type in section_types().items()}
+    core = typing.get_type_hints(Config)
+    config = Config(**{name: sections.pop(name) for name in core}).with_family_sections(sections)
     for section, key in _PATH_KEYS:
         value = getattr(getattr(config, section), key)
         if value:
@@ -121,16 +123,16 @@ def _validate_capture(config: Config) -> None:
     except ValueError as exc:
         raise ConfigError(f"target.model: {exc}") from None
     layers = config.target.capture_layers
-    eagle3 = config.drafter.objective == "eagle3"
+    family = family_of(config.drafter.objective)
     try:
         contract = contract_from_config(config, model_config=doc)
     except ValueError as exc:
-        key = "capture_layers" if layers or eagle3 else "num_capture_layers"
+        key = "capture_layers" if layers or family.num_fused_layers else "num_capture_layers"
         raise ConfigError(f"target.{key}: {exc}") from None
-    if eagle3 and contract.num_capture_layers != 3:
-        # Serving engines build EAGLE-3's fc as 3 x hidden -> hidden: another count would not load.
-        raise ConfigError(f"target.capture_layers: an EAGLE-3 drafter fuses exactly 3 target layers, "
-                          f"got {list(contract.layer_ids)}")
+    if family.num_fused_layers and contract.num_capture_layers != family.num_fused_layers:
+        # A drafter whose serving engines build its fc for a fixed count (EAGLE-3: 3 x hidden -> hidden).
+        raise ConfigError(f"target.capture_layers: an {family.title} drafter fuses exactly {family.num_fused_layers} "
+                          f"target layers, got {list(contract.layer_ids)}")
     reason = unservable_reason(contract.layer_ids, num_layers=contract.num_layers, objective=config.drafter.objective)
     if reason and not config.target.allow_unservable:
         raise ConfigError(f"target.capture_layers {list(contract.layer_ids)}: {reason}")
@@ -163,7 +165,7 @@ def load_run_config(run_dir: str | os.PathLike, overrides: typing.Sequence[str] 
 def describe() -> str:
     """Every section and key with its type, default and help line."""
     lines = []
-    for name, section_type in typing.get_type_hints(Config).items():
+    for name, section_type in section_types().items():
         lines.append(f"{name}:")
         hints = key_types(section_type)
         for f in dataclasses.fields(section_type):

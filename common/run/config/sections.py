@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from common.run.capture_contract import CaptureDtype
 from common.run.config.fields import ConfigError, Section, opt
+from common.run.drafter_family import DEFAULT_OBJECTIVE
 from common.run.witness import check_model_id
 
 
@@ -191,7 +192,7 @@ class TargetSection(Section):
                               f"got {layers}")
 
 
-Objective = Literal["dflash", "eagle3"]
+Objective = str  # a registered drafter family's name (common.run.drafter_family)
 ElasticBatch = Literal["tokens", "ranks"]
 StepBalance = Literal["cost", "count"]
 
@@ -209,7 +210,7 @@ class DrafterSection(Section):
     checkpoint_keep: int = opt(3, "Checkpoints kept per model; older step directories are removed.")
     max_restarts: int = opt(3, "Restarts hsd launch grants a crashed drafter.")
     backend: Literal["dflash", "linear"] = opt("dflash", "What a real (non-sim) drafter runs: dflash (a drafter model of drafter.objective), or linear (a one-layer model on the captured states, for tests).")
-    objective: Objective = opt("dflash", "Drafter a real drafter trains: dflash (block diffusion, the default) or eagle3 (EAGLE-3: one layer, training-time test); it sets the capture contract's defaults.")
+    objective: Objective = opt(DEFAULT_OBJECTIVE, "Drafter a real drafter trains: dflash (block diffusion, the default) or eagle3 (EAGLE-3: one layer, training-time test), or a family named in HSD_DRAFTER_FAMILIES; it sets the capture contract's defaults.")
     data_parallel: bool = opt(True, "With count > 1, real drafters train one model as a torch.distributed group (sim drafters always train a model each).")
     model: str = opt("drafter", "Id of the model a data-parallel group trains (its checkpoints live in run.dir/models/<model>).")
     collective_timeout_s: float = opt(60.0, "Longest a rank waits in a collective (gradient all-reduce, group rendezvous) before it gives the step up.")
@@ -222,6 +223,8 @@ class DrafterSection(Section):
     step_balance: StepBalance = opt("cost", "How a group step's micro-batches are shared among its ranks: cost = each rank takes micro-batches until it holds its share of the step's estimated cost (the dispatcher fits a cost per job from the ranks' measured compute times), so no rank waits long for a slower one at the all-reduce; count = each rank takes the same number.")
 
     def check(self) -> None:
+        from common.run.drafter_family import family_of
+        family_of(self.objective)  # a ConfigError naming the known families
         self.require_positive("accum_steps", "checkpoint_every", "checkpoint_keep")
         self.require_not_negative("count", "sim_cost_per_token", "sim_cost_per_sequence")
         self.require_positive("collective_timeout_s", "group_wait_s")
@@ -301,52 +304,22 @@ class TrainingRecipe(Section):
         self.require_not_negative("total_steps")
 
 
-@dataclass
-class DFlashModelKeys:
-    """The dflash section's keys that shape the draft model: declared once, here, for the section and
-    for the model's config (:class:`drafter_worker.dflash.config.DFlashConfig` adds what it reads from
-    the target)."""
-    block_size: int = opt(16, "Tokens per draft block: the anchor plus block_size - 1 drafted positions.")
-    num_draft_layers: int = opt(5, "Draft decoder layers.")
-    num_anchors: int = opt(512, "Most anchors (blocks) sampled per training sequence, re-drawn every time.")
-    gamma: float = opt(0.0, "Loss decay: block position k weighs exp(-(k-1)/gamma); 0 = 7 for block 16, 5 for 10, 4 for 8.")
-    mask_token_id: int = opt(-1, "Token id of the masked block positions; -1 = the tokenizer's mask token, else a reserved special token absent from the data, else an error.")
+def family_section_types() -> dict[str, type]:
+    """The config section of every registered drafter family, by name."""
+    from common.run.drafter_family import families
+    return {family.section_name: family.section for family in families()}
 
 
-@dataclass
-class DFlashSection(DFlashModelKeys, TrainingRecipe):
-    section = "dflash"
-    attention: Literal["auto", "flex", "sdpa"] = opt("auto", "Attention kernel: auto (flex attention on GPU, SDPA elsewhere), flex or sdpa.")
-
-    def check(self) -> None:
-        self.require_positive("block_size", "num_draft_layers", "num_anchors")
-        super().check()
-
-
-@dataclass
-class Eagle3ModelKeys:
-    """The eagle3 section's keys that shape the draft model, for the section and for
-    :class:`drafter_worker.eagle3.config.Eagle3Config` (which adds the target's dimensions)."""
-    ttt_steps: int = opt(7, "Training-time test: steps unrolled on the drafter's own hidden states (and tokens drafted at evaluation).")
-    draft_vocab: int = opt(32000, "Draft vocabulary: the most frequent target tokens of the training responses (capped at the target's vocabulary).")
-    loss_decay: float = opt(0.8, "Step k of the training-time test weighs loss_decay ** k.")
-
-
-@dataclass
-class Eagle3Section(Eagle3ModelKeys, TrainingRecipe):
-    section = "eagle3"
-    lr: float = opt(1e-4, "Peak AdamW learning rate.")
-    warmup_ratio: float = opt(0.015, "Share of the total steps spent warming the learning rate up linearly.")
-    grad_clip: float = opt(0.5, "Clip the global gradient norm to this; 0 = no clipping.")
-
-    def check(self) -> None:
-        self.require_positive("ttt_steps", "draft_vocab", "loss_decay", "loss_chunk_size")
-        super().check()
+def section_types() -> dict[str, type]:
+    """Every section of a config file by name: :class:`Config`'s, then the drafter families'."""
+    import typing
+    return {**typing.get_type_hints(Config), **family_section_types()}
 
 
 def model_keys(keys_type: type, section: Any) -> dict[str, Any]:
-    """The values of ``keys_type``'s fields (:class:`DFlashModelKeys`, :class:`Eagle3ModelKeys`) in
-    ``section``: what a model config takes from its section."""
+    """The values of ``keys_type``'s fields (a drafter family's model keys, e.g.
+    :class:`drafter_worker.dflash.section.DFlashModelKeys`) in ``section``: what a model config takes
+    from its section."""
     return {f.name: getattr(section, f.name) for f in dataclasses.fields(keys_type)}
 
 
@@ -361,11 +334,27 @@ class Config:
     nodes: NodesSection = field(default_factory=NodesSection)
     target: TargetSection = field(default_factory=TargetSection)
     drafter: DrafterSection = field(default_factory=DrafterSection)
-    dflash: DFlashSection = field(default_factory=DFlashSection)
-    eagle3: Eagle3Section = field(default_factory=Eagle3Section)
+
+    def __post_init__(self) -> None:
+        # Each drafter family's own section (dflash, eagle3, ...), reached as config.<name> like the
+        # sections above; load_config replaces them with the file's values (:meth:`with_family_sections`).
+        self.family_sections: dict[str, Section] = {name: section_type()
+                                                    for name, section_type in family_section_types().items()}
+
+    def __getattr__(self, name: str) -> Any:
+        sections = self.__dict__.get("family_sections", {})
+        if name in sections:
+            return sections[name]
+        raise AttributeError(f"{type(self).__name__!r} has no section {name!r}")
+
+    def with_family_sections(self, sections: dict[str, Section]) -> Config:
+        self.family_sections.update(sections)
+        return self
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
+        doc = dataclasses.asdict(self)
+        doc.update({name: dataclasses.asdict(section) for name, section in self.family_sections.items()})
+        return doc
 
     @property
     def run_dir(self) -> Path:
