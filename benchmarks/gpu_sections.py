@@ -313,7 +313,7 @@ def dflash_step_flops(trainer: Any, *, context_tokens: int, query_tokens: int, s
     sees every context token, the draft layers the block queries), plus 4 per LM-head weight per
     supervised position (frozen: forward and the input's gradient). Attention scores and the
     context's K/V projections are left out, so it is a lower bound."""
-    hidden, vocab = trainer.model_config.hidden_size, trainer.model_config.vocab_size
+    hidden, vocab = trainer.model_config.target.hidden_size, trainer.model_config.target.vocab_size
     fused = trainer.model_config.num_context_layers * hidden
     fusion = sum(p.numel() for p in trainer.params if p.dim() == 2 and p.shape[1] == fused)
     layers = sum(p.numel() for p in trainer.params) - fusion

@@ -10,6 +10,7 @@ loading the rest of the target. Written as: one servable directory, ``config.jso
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -23,7 +24,7 @@ from torch import nn
 
 from common.run.durable import atomic_write
 from common.run.config import ConfigError
-from common.run.target_config import MODEL_CONFIG_NAME
+from common.run.target_config import MODEL_CONFIG_NAME, TargetDims, rope_scaling_of, rope_theta_of
 from common.run.witness import servable_dir
 
 # -- layers -------------------------------------------------------------------------------------
@@ -160,28 +161,59 @@ def rope_fields(theta: float, scaling: dict | None) -> dict:
             "rope_parameters": {"rope_type": "default", "rope_theta": theta, **(scaling or {})}}
 
 
-def decoder_export_fields(config, *, architecture: str, model_type: str, num_layers: int, dtype: str) -> dict:
+DRAFT_DIMS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "vocab_size")  # what a draft model's layers are built from: none may be zero
+
+
+def draft_dims(target_dir: str | os.PathLike) -> TargetDims:
+    """The dimensions of the target at ``target_dir`` that a draft model takes, its RoPE scaling checked."""
+    dims = TargetDims.read(target_dir)
+    return dataclasses.replace(dims, rope_scaling=check_rope_scaling(dims.rope_scaling))
+
+
+def check_dims(dims: TargetDims, family: str) -> None:
+    for key in DRAFT_DIMS:
+        if getattr(dims, key) <= 0:
+            raise ConfigError(f"{family} {key} must be positive, got {getattr(dims, key)}")
+    if dims.num_attention_heads % dims.num_key_value_heads:
+        raise ConfigError(f"num_attention_heads ({dims.num_attention_heads}) must be a multiple of "
+                          f"num_key_value_heads ({dims.num_key_value_heads})")
+
+
+def decoder_export_fields(dims: TargetDims, *, architecture: str, model_type: str, num_layers: int,
+                          dtype: str) -> dict:
     """The keys of an exported drafter's ``config.json`` that both drafters write alike: a decoder of
-    ``num_layers`` SwiGLU layers with the draft model's dimensions (``config``: a DFlash or EAGLE-3
-    model config), its RoPE, and no head of its own to tie (the target's LM head is used)."""
+    ``num_layers`` SwiGLU layers with the draft model's dimensions (``dims``: the target's, which a
+    DFlash or EAGLE-3 model config holds), its RoPE, and no head of its own to tie (the target's LM
+    head is used). :func:`export_dims` reads them back."""
     return {
         "architectures": [architecture],
         "model_type": model_type,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
+        "hidden_size": dims.hidden_size,
+        "intermediate_size": dims.intermediate_size,
         "num_hidden_layers": num_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
+        "num_attention_heads": dims.num_attention_heads,
+        "num_key_value_heads": dims.num_key_value_heads,
+        "head_dim": dims.head_dim,
         "hidden_act": "silu",
         "attention_bias": False,
-        "rms_norm_eps": config.rms_norm_eps,
-        **rope_fields(config.rope_theta, config.rope_scaling),
-        "max_position_embeddings": config.max_position_embeddings,
-        "vocab_size": config.vocab_size,
+        "rms_norm_eps": dims.rms_norm_eps,
+        **rope_fields(dims.rope_theta, dims.rope_scaling),
+        "max_position_embeddings": dims.max_position_embeddings,
+        "vocab_size": dims.vocab_size,
         "tie_word_embeddings": False,
         "torch_dtype": dtype,
     }
+
+
+def export_dims(doc: dict, *, num_layers: int) -> TargetDims:
+    """The dimensions an exported ``config.json`` records (:func:`decoder_export_fields`), with the
+    target's decoder layers ``num_layers`` (0 when the export does not say)."""
+    return TargetDims(num_layers=num_layers, hidden_size=doc["hidden_size"], intermediate_size=doc["intermediate_size"],
+                      num_attention_heads=doc["num_attention_heads"], num_key_value_heads=doc["num_key_value_heads"],
+                      head_dim=doc["head_dim"], rms_norm_eps=doc["rms_norm_eps"], rope_theta=rope_theta_of(doc),
+                      rope_scaling=check_rope_scaling(rope_scaling_of(doc)),
+                      max_position_embeddings=doc.get("max_position_embeddings", 40960), vocab_size=doc["vocab_size"])
 
 
 def write_drafter_files(tensors: dict[str, torch.Tensor], config_doc: dict, out_dir: str | os.PathLike, *,

@@ -109,7 +109,8 @@ def prepare_inputs(out: Path, *, config_path: str | os.PathLike | None, override
 
 
 def run_demo(*, out: str | os.PathLike, config_path: str | os.PathLike | None, overrides: list[str], samples: int,
-             eval_prompts: int, max_new_tokens: int, tiny_steps: int | None = None, objective: str = DEFAULT_OBJECTIVE) -> int:
+             eval_prompts: int, max_new_tokens: int, tiny_steps: int | None = None,
+             objective: str = DEFAULT_OBJECTIVE) -> int:
     if samples <= 0 or eval_prompts <= 0 or max_new_tokens <= 0:
         raise ConfigError("--samples, --eval-prompts and --max-new-tokens must be positive")
     if objective not in demo_objectives():

@@ -17,7 +17,8 @@ from drafter_worker.layers import apply_rope, rope_cos_sin
 def _dense_step(model, hidden, tokens, positions, cache, mask):
     layer, attn = model.midlayer, model.midlayer.self_attn
     embed = model.embed_tokens(tokens).to(model.fc.weight.dtype)
-    rope = rope_cos_sin(positions, model.config.head_dim, model.config.rope_theta, model.config.rope_scaling)
+    dims = model.config.target
+    rope = rope_cos_sin(positions, dims.head_dim, dims.rope_theta, dims.rope_scaling)
     x = torch.cat([layer.input_layernorm(embed), layer.hidden_norm(hidden)], dim=-1)
     q = apply_rope(attn._heads(attn.q_proj(x), attn.num_heads), *rope)
     k = apply_rope(attn._heads(attn.k_proj(x), attn.num_kv_heads), *rope)
@@ -33,7 +34,7 @@ def _dense_step(model, hidden, tokens, positions, cache, mask):
 
 def reference_micro_batch(trainer, hs, input_ids, loss_mask, seq_lens):
     """(weighted sum, total weight, predicted positions per step); the gradients land in the trainer's model."""
-    model, hidden_size = trainer.model, trainer.model_config.hidden_size
+    model, hidden_size = trainer.model, trainer.model_config.target.hidden_size
     input_ids, loss_mask, seq_lens = input_ids.long(), loss_mask.bool(), seq_lens.long()
     batch, seq_len = input_ids.shape
     with torch.no_grad():

@@ -16,23 +16,22 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from common.run.target_config import rope_scaling_of, rope_theta_of
 from drafter_worker.dflash.config import DFlashConfig
 from drafter_worker.dflash.family import ARCHITECTURE
 from drafter_worker.dflash.model import DFlashDraftModel, build_drafter
-from drafter_worker.layers import (WEIGHTS_NAME, check_rope_scaling, decoder_export_fields, find_drafter_dir,
+from drafter_worker.layers import (WEIGHTS_NAME, decoder_export_fields, export_dims, find_drafter_dir,
                                    read_export_config, write_drafter_files)
 
 
 def export_config(config: DFlashConfig, dtype: str) -> dict:
     return {
-        **decoder_export_fields(config, architecture=ARCHITECTURE, model_type="qwen3",
+        **decoder_export_fields(config.target, architecture=ARCHITECTURE, model_type="qwen3",
                                 num_layers=config.num_draft_layers, dtype=dtype),
         "attention_dropout": 0.0,
         "layer_types": ["full_attention"] * config.num_draft_layers,
         "use_sliding_window": False,
         "block_size": config.block_size,
-        "num_target_layers": config.num_target_layers,
+        "num_target_layers": config.target.num_layers,
         "dflash_config": {
             "target_layer_ids": list(config.target_layer_ids),
             "mask_token_id": config.mask_token_id,
@@ -60,13 +59,8 @@ def config_from_export(doc: dict) -> DFlashConfig:
     return DFlashConfig(
         block_size=block_size, num_draft_layers=doc["num_hidden_layers"],
         num_anchors=training.get("num_anchors", 512), gamma=training.get("gamma", 0.0),
-        target_layer_ids=list(dflash["target_layer_ids"]), num_target_layers=doc.get("num_target_layers", 0),
-        mask_token_id=dflash["mask_token_id"], hidden_size=doc["hidden_size"],
-        intermediate_size=doc["intermediate_size"], num_attention_heads=doc["num_attention_heads"],
-        num_key_value_heads=doc["num_key_value_heads"], head_dim=doc["head_dim"],
-        rms_norm_eps=doc["rms_norm_eps"], rope_theta=rope_theta_of(doc),
-        rope_scaling=check_rope_scaling(rope_scaling_of(doc)), mask_token=dflash.get("mask_token", ""),
-        max_position_embeddings=doc.get("max_position_embeddings", 40960), vocab_size=doc["vocab_size"])
+        target_layer_ids=list(dflash["target_layer_ids"]), mask_token_id=dflash["mask_token_id"],
+        mask_token=dflash.get("mask_token", ""), target=export_dims(doc, num_layers=doc.get("num_target_layers", 0)))
 
 
 def load_drafter(drafter_dir: str | os.PathLike, target_dir: str | os.PathLike, *,

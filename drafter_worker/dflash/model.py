@@ -37,14 +37,15 @@ SHARED_PREFIXES = ("embed_tokens.", "lm_head.")  # the target's tensors: never t
 class DFlashAttention(nn.Module):
     def __init__(self, config: DFlashConfig):
         super().__init__()
-        h, d = config.hidden_size, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        dims = config.target
+        h, d = dims.hidden_size, dims.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = dims.num_attention_heads, dims.num_key_value_heads, d
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
-        self.q_norm = RMSNorm(d, config.rms_norm_eps)
-        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        self.q_norm = RMSNorm(d, config.target.rms_norm_eps)
+        self.k_norm = RMSNorm(d, config.target.rms_norm_eps)
 
     def _heads(self, x: torch.Tensor, num_heads: int) -> torch.Tensor:
         return x.view(*x.shape[:2], num_heads, self.head_dim).transpose(1, 2)  # [B, heads, T, D]
@@ -65,10 +66,10 @@ class DFlashAttention(nn.Module):
 class DFlashDecoderLayer(nn.Module):
     def __init__(self, config: DFlashConfig):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.target.hidden_size, config.target.rms_norm_eps)
         self.self_attn = DFlashAttention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
+        self.post_attention_layernorm = RMSNorm(config.target.hidden_size, config.target.rms_norm_eps)
+        self.mlp = SwiGLUMLP(config.target.hidden_size, config.target.intermediate_size)
 
     def forward(self, x_BQH, ctx_BSH, rope_q, rope_ctx, attend: DraftAttention) -> torch.Tensor:
         x_BQH = x_BQH + self.self_attn(self.input_layernorm(x_BQH), ctx_BSH, rope_q, rope_ctx, attend)
@@ -82,17 +83,17 @@ class DFlashDraftModel(DraftTensors):
     def __init__(self, config: DFlashConfig, *, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor):
         super().__init__()
         self.config = config
-        if tuple(embed_weight.shape) != (config.vocab_size, config.hidden_size):
+        if tuple(embed_weight.shape) != (config.target.vocab_size, config.target.hidden_size):
             raise ValueError(f"target embedding {tuple(embed_weight.shape)} does not match the drafter's "
-                             f"(vocab_size, hidden_size) = ({config.vocab_size}, {config.hidden_size})")
-        num_fused = config.num_context_layers * config.hidden_size
-        self.fc = nn.Linear(num_fused, config.hidden_size, bias=False)
-        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+                             f"(vocab_size, hidden_size) = ({config.target.vocab_size}, {config.target.hidden_size})")
+        num_fused = config.num_context_layers * config.target.hidden_size
+        self.fc = nn.Linear(num_fused, config.target.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.target.hidden_size, config.target.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_draft_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.target.hidden_size, config.target.rms_norm_eps)
         self.embed_tokens = nn.Embedding.from_pretrained(embed_weight, freeze=True)
         # On the meta device: the real weight is the target's, allocating another would be wasted.
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
+        self.lm_head = nn.Linear(config.target.hidden_size, config.target.vocab_size, bias=False, device="meta")
         if lm_head_weight is embed_weight:  # tied target: one tensor, moved and cast once
             self.lm_head.weight = self.embed_tokens.weight
         else:
@@ -120,8 +121,8 @@ class DFlashDraftModel(DraftTensors):
 
         pos_q = block_positions(starts, block)
         pos_ctx = torch.arange(ctx_len, device=hs_BSD.device).expand(batch, ctx_len)
-        rope_q = rope_cos_sin(pos_q, config.head_dim, config.rope_theta, config.rope_scaling)
-        rope_ctx = rope_cos_sin(pos_ctx, config.head_dim, config.rope_theta, config.rope_scaling)
+        rope_q = rope_cos_sin(pos_q, config.target.head_dim, config.target.rope_theta, config.target.rope_scaling)
+        rope_ctx = rope_cos_sin(pos_ctx, config.target.head_dim, config.target.rope_theta, config.target.rope_scaling)
         attend = DraftAttention(anchors_BN, ctx_len=ctx_len, block_size=block,
                                 kind=attention_kind(self.attention, hs_BSD.device))
         for layer in self.layers:

@@ -93,7 +93,7 @@ class DFlashTrainer(AccumulatingTrainer):
         ``hs [B, S, K*H]`` (padded to S), ``input_ids``/``loss_mask [B, S]``, ``seq_lens [B]``;
         ``anchors [B, N]`` (``-1`` = unused) pins the blocks instead of drawing them (checked on the host).
         """
-        num_fused = self.model_config.num_context_layers * self.model_config.hidden_size
+        num_fused = self.model_config.num_context_layers * self.model_config.target.hidden_size
         hs, input_ids, loss_mask, seq_lens = self._batch_on_device(hs, input_ids, loss_mask, seq_lens, width=num_fused,
                                                                    width_is="K*H")
         device = self.device

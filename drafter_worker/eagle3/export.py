@@ -16,17 +16,17 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from common.run.target_config import rope_scaling_of, rope_theta_of
 from drafter_worker.eagle3.config import Eagle3Config
 from drafter_worker.eagle3.family import ARCHITECTURE
 from drafter_worker.eagle3.model import Eagle3DraftModel, build_drafter
-from drafter_worker.layers import (WEIGHTS_NAME, check_rope_scaling, decoder_export_fields, read_export_config,
+from drafter_worker.layers import (WEIGHTS_NAME, decoder_export_fields, export_dims, read_export_config,
                                    write_drafter_files)
 
 
 def export_config(config: Eagle3Config, dtype: str) -> dict:
     return {
-        **decoder_export_fields(config, architecture=ARCHITECTURE, model_type="llama", num_layers=1, dtype=dtype),
+        **decoder_export_fields(config.target, architecture=ARCHITECTURE, model_type="llama", num_layers=1,
+                                dtype=dtype),
         "mlp_bias": False,
         "draft_vocab_size": config.draft_vocab_size,
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
@@ -34,7 +34,7 @@ def export_config(config: Eagle3Config, dtype: str) -> dict:
                          "eagle_aux_hidden_state_layer_ids": list(config.target_layer_ids)},
         # What this project trains and evaluates with; engines ignore it.
         "hsd_training": {"target_layer_ids": list(config.target_layer_ids),
-                         "num_target_layers": config.num_target_layers,
+                         "num_target_layers": config.target.num_layers,
                          "ttt_steps": config.ttt_steps, "loss_decay": config.loss_decay},
     }
 
@@ -50,13 +50,9 @@ def config_from_export(doc: dict) -> Eagle3Config:
         raise ValueError(f"config.json is not an EAGLE-3 drafter of this project's (needs architectures "
                          f"{ARCHITECTURE} and hsd_training.target_layer_ids)")
     return Eagle3Config(
-        target_layer_ids=list(training["target_layer_ids"]), num_target_layers=training["num_target_layers"],
-        ttt_steps=training["ttt_steps"], loss_decay=training["loss_decay"], hidden_size=doc["hidden_size"],
-        intermediate_size=doc["intermediate_size"], num_attention_heads=doc["num_attention_heads"],
-        num_key_value_heads=doc["num_key_value_heads"], head_dim=doc["head_dim"], rms_norm_eps=doc["rms_norm_eps"],
-        rope_theta=rope_theta_of(doc), rope_scaling=check_rope_scaling(rope_scaling_of(doc)),
-        max_position_embeddings=doc.get("max_position_embeddings", 40960),
-        vocab_size=doc["vocab_size"], draft_vocab=doc["draft_vocab_size"])
+        target_layer_ids=list(training["target_layer_ids"]), ttt_steps=training["ttt_steps"],
+        loss_decay=training["loss_decay"], draft_vocab=doc["draft_vocab_size"],
+        target=export_dims(doc, num_layers=training["num_target_layers"]))
 
 
 def load_drafter(drafter_dir: str | os.PathLike, target_dir: str | os.PathLike, *,

@@ -30,8 +30,9 @@ SHARED_PREFIXES = ("embed_tokens.",)  # the target's embedding: never trained, n
 class Eagle3Attention(nn.Module):
     def __init__(self, config: Eagle3Config):
         super().__init__()
-        h, d = config.hidden_size, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        dims = config.target
+        h, d = dims.hidden_size, dims.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = dims.num_attention_heads, dims.num_key_value_heads, d
         self.q_proj = nn.Linear(2 * h, self.num_heads * d, bias=False)
         self.k_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
@@ -61,11 +62,11 @@ class Eagle3Attention(nn.Module):
 class Eagle3DecoderLayer(nn.Module):
     def __init__(self, config: Eagle3Config):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.target.hidden_size, config.target.rms_norm_eps)
+        self.hidden_norm = RMSNorm(config.target.hidden_size, config.target.rms_norm_eps)
         self.self_attn = Eagle3Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
+        self.post_attention_layernorm = RMSNorm(config.target.hidden_size, config.target.rms_norm_eps)
+        self.mlp = SwiGLUMLP(config.target.hidden_size, config.target.intermediate_size)
 
     def forward(self, embed_BTH, hidden_BTH, rope, cache: KVCache, ttt: str | None) -> torch.Tensor:
         x = torch.cat([self.input_layernorm(embed_BTH), self.hidden_norm(hidden_BTH)], dim=-1)
@@ -80,17 +81,17 @@ class Eagle3DraftModel(DraftTensors):
     def __init__(self, config: Eagle3Config, *, embed_weight: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor):
         super().__init__()
         self.config = config
-        if tuple(embed_weight.shape) != (config.vocab_size, config.hidden_size):
+        if tuple(embed_weight.shape) != (config.target.vocab_size, config.target.hidden_size):
             raise ValueError(f"target embedding {tuple(embed_weight.shape)} does not match the drafter's "
-                             f"(vocab_size, hidden_size) = ({config.vocab_size}, {config.hidden_size})")
-        if d2t.numel() != config.draft_vocab_size or t2d.numel() != config.vocab_size:
+                             f"(vocab_size, hidden_size) = ({config.target.vocab_size}, {config.target.hidden_size})")
+        if d2t.numel() != config.draft_vocab_size or t2d.numel() != config.target.vocab_size:
             raise ValueError(f"d2t of {d2t.numel()} and t2d of {t2d.numel()} entries for a draft vocabulary of "
-                             f"{config.draft_vocab_size} over {config.vocab_size} target tokens")
+                             f"{config.draft_vocab_size} over {config.target.vocab_size} target tokens")
         check_vocab(d2t, t2d)
-        h = config.hidden_size
+        h = config.target.hidden_size
         self.fc = nn.Linear(NUM_FUSED_LAYERS * h, h, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
-        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.norm = RMSNorm(h, config.target.rms_norm_eps)
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
         self.embed_tokens = nn.Embedding.from_pretrained(embed_weight, freeze=True)
         self.register_buffer("d2t", d2t.clone())
@@ -111,7 +112,8 @@ class Eagle3DraftModel(DraftTensors):
         ``ttt``: the step sees keys as the training-time test lets it (step 0 causal, each later
         step its own position's key of every earlier step); otherwise every key in ``cache``."""
         embed = self.embed_tokens(tokens_BT).to(self.fc.weight.dtype)
-        rope = rope_cos_sin(positions_BT, self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
+        dims = self.config.target
+        rope = rope_cos_sin(positions_BT, dims.head_dim, dims.rope_theta, dims.rope_scaling)
         stream = self.midlayer(embed, hidden_BTH, rope, cache, self.attention if ttt else None)
         return stream, self.norm(stream)
 

@@ -100,7 +100,7 @@ class Eagle3Trainer(AccumulatingTrainer):
         ``hs [B, S, 4*H]`` (three layers, then the final-norm state; padded to S),
         ``input_ids``/``loss_mask [B, S]``, ``seq_lens [B]``.
         """
-        hidden_size = self.model_config.hidden_size
+        hidden_size = self.model_config.target.hidden_size
         width = (NUM_FUSED_LAYERS + 1) * hidden_size
         hs, input_ids, loss_mask, seq_lens = self._batch_on_device(hs, input_ids, loss_mask, seq_lens, width=width,
                                                                    width_is="(3 layers + final norm) x H")

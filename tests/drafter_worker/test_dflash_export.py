@@ -43,7 +43,7 @@ def test_export_layout_and_config(trained, tmp_path):
     assert config["dflash_config"]["mask_token_id"] == trainer.model_config.mask_token_id
     for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "rms_norm_eps", "rope_theta", "vocab_size"):
-        assert config[key] == getattr(trainer.model_config, key), key
+        assert config[key] == getattr(trainer.model_config.target, key), key
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         names = set(f.keys())
         assert f.get_tensor("fc.weight").dtype == torch.bfloat16

@@ -40,23 +40,23 @@ def _cos_sin(positions, head_dim, theta):
 
 def _reference_one_block(model, hs_SD, ids_S, anchor):
     """One layer, one block, written out: only ctx[:anchor] is handed to the attention at all."""
-    c = model.config
+    c, dims = model.config, model.config.target
     layer = model.layers[0]
     attn = layer.self_attn
-    eps, B, d = c.rms_norm_eps, c.block_size, c.head_dim
+    eps, B, d = dims.rms_norm_eps, c.block_size, dims.head_dim
     ctx = _rms(hs_SD[:anchor] @ model.fc.weight.T, model.hidden_norm.weight, eps)          # [a, H]
     tokens = torch.tensor([int(ids_S[anchor])] + [c.mask_token_id] * (B - 1))
     x = model.embed_tokens.weight[tokens]                                                    # [B, H]
     h = _rms(x, layer.input_layernorm.weight, eps)
-    q = (h @ attn.q_proj.weight.T).view(B, c.num_attention_heads, d)
-    k = torch.cat([ctx @ attn.k_proj.weight.T, h @ attn.k_proj.weight.T]).view(anchor + B, c.num_key_value_heads, d)
-    v = torch.cat([ctx @ attn.v_proj.weight.T, h @ attn.v_proj.weight.T]).view(anchor + B, c.num_key_value_heads, d)
+    q = (h @ attn.q_proj.weight.T).view(B, dims.num_attention_heads, d)
+    k = torch.cat([ctx @ attn.k_proj.weight.T, h @ attn.k_proj.weight.T]).view(anchor + B, dims.num_key_value_heads, d)
+    v = torch.cat([ctx @ attn.v_proj.weight.T, h @ attn.v_proj.weight.T]).view(anchor + B, dims.num_key_value_heads, d)
     q, k = _rms(q, attn.q_norm.weight, eps), _rms(k, attn.k_norm.weight, eps)
-    cos_q, sin_q = _cos_sin(range(anchor, anchor + B), d, c.rope_theta)
-    cos_k, sin_k = _cos_sin(list(range(anchor)) + list(range(anchor, anchor + B)), d, c.rope_theta)
+    cos_q, sin_q = _cos_sin(range(anchor, anchor + B), d, dims.rope_theta)
+    cos_k, sin_k = _cos_sin(list(range(anchor)) + list(range(anchor, anchor + B)), d, dims.rope_theta)
     q, _ = apply_rotary_pos_emb(q.transpose(0, 1)[None], q.transpose(0, 1)[None], cos_q, sin_q)
     _, k = apply_rotary_pos_emb(k.transpose(0, 1)[None], k.transpose(0, 1)[None], cos_k, sin_k)
-    groups = c.num_attention_heads // c.num_key_value_heads
+    groups = dims.num_attention_heads // dims.num_key_value_heads
     k = k[0].repeat_interleave(groups, 0)
     v = v.transpose(0, 1).repeat_interleave(groups, 0)
     scores = q[0] @ k.transpose(-1, -2) / math.sqrt(d)                                       # no mask at all
@@ -131,7 +131,7 @@ def test_shared_head_is_read_from_the_target_and_tied_targets_work(tiny_target, 
     assert not model.lm_head.weight.requires_grad
     names = {n for n, _ in model.draft_named_parameters()}
     assert not any(n.startswith(("embed_tokens", "lm_head")) for n in names)
-    assert model.config.vocab_size == VOCAB and model.config.mask_token_id == VOCAB - 1
+    assert model.config.target.vocab_size == VOCAB and model.config.mask_token_id == VOCAB - 1
 
 
 def test_a_zero_mask_embedding_is_refused(tmp_path):
@@ -218,7 +218,7 @@ def test_both_drafters_take_and_export_the_targets_rope_scaling(tmp_path):
     eagle3 = Eagle3Config.from_target(target, layer_ids=[1, 3, 4], draft_vocab=100)
     for config, doc, back in ((dflash, export_config(dflash, "bfloat16"), config_from_export),
                               (eagle3, eagle3_export_config(eagle3, "bfloat16"), eagle3_from_export)):
-        assert config.rope_theta == 500000.0 and config.rope_scaling == scaling
+        assert config.target.rope_theta == 500000.0 and config.target.rope_scaling == scaling
         assert doc["rope_theta"] == 500000.0 and doc["rope_scaling"] == scaling
         assert doc["rope_parameters"] == {"rope_theta": 500000.0, **scaling}
-        assert back(doc).rope_scaling == scaling and back(doc).rope_theta == 500000.0
+        assert back(doc).target.rope_scaling == scaling and back(doc).target.rope_theta == 500000.0

@@ -131,8 +131,8 @@ def _validate_capture(config: Config) -> None:
         raise ConfigError(f"target.{key}: {exc}") from None
     if family.num_fused_layers and contract.num_capture_layers != family.num_fused_layers:
         # A drafter whose serving engines build its fc for a fixed count (EAGLE-3: 3 x hidden -> hidden).
-        raise ConfigError(f"target.capture_layers: an {family.title} drafter fuses exactly {family.num_fused_layers} "
-                          f"target layers, got {list(contract.layer_ids)}")
+        raise ConfigError(f"target.capture_layers: an {family.title} drafter fuses exactly "
+                          f"{family.num_fused_layers} target layers, got {list(contract.layer_ids)}")
     reason = unservable_reason(contract.layer_ids, num_layers=contract.num_layers, objective=config.drafter.objective)
     if reason and not config.target.allow_unservable:
         raise ConfigError(f"target.capture_layers {list(contract.layer_ids)}: {reason}")
