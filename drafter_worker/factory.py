@@ -34,10 +34,12 @@ def trainer_backend(config: Config, model_id: str, *, backend_class: Any = None,
     """The drafter model of ``drafter.objective``'s family (or ``backend_class``: DFlashBackend,
     Eagle3Backend), given the family's config section."""
     if backend_class is None:
-        backend_class = family_of(config.drafter.objective).backend_class()
-    return backend_class(model_id, training=getattr(config, backend_class.section), target=config.target,
-                         drafter=config.drafter, run=config.run, data=config.data, device=device,
-                         schedule_jobs=schedule_jobs)
+        family = family_of(config.drafter.objective)
+        build, section = family.backend, family.section_name
+    else:
+        build, section = backend_class, backend_class.section
+    return build(model_id, training=getattr(config, section), target=config.target, drafter=config.drafter,
+                 run=config.run, data=config.data, device=device, schedule_jobs=schedule_jobs)
 
 
 def drafter_backend(config: Config, model_id: str) -> Any:

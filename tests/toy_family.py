@@ -54,7 +54,7 @@ class ToyProposer:
         return seq_ids[-1:].repeat(self.model.num_drafts)
 
 
-def _backend_class() -> type:
+def _backend(model_id: str, **sections):
     from drafter_worker.linear_backend import LinearDrafter
     from safetensors.torch import save_file
 
@@ -77,7 +77,7 @@ def _backend_class() -> type:
             return type(snapshot)(snapshot.model_id, snapshot.step, snapshot.trained, write_servable=write_servable,
                                   write_training=snapshot.write_training, keep_last=snapshot.keep_last)
 
-    return ToyBackend
+    return ToyBackend(model_id, **sections)
 
 
 def _load_proposer(drafter_dir, target_dir, *, device="cpu") -> ToyProposer:
@@ -89,6 +89,6 @@ def _load_proposer(drafter_dir, target_dir, *, device="cpu") -> ToyProposer:
 
 FAMILY = register(DrafterFamily(
     objective=OBJECTIVE, title="toy", section=ToySection, default_layer_ids=toy_layer_ids,
-    backend_class=_backend_class, load_proposer=_load_proposer, proposer=ToyProposer,
+    backend=_backend, load_proposer=_load_proposer, proposer=ToyProposer,
     reads_export=lambda doc: ARCHITECTURE in doc.get("architectures", []), needs_target_model=False,
 ))

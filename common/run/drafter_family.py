@@ -42,7 +42,7 @@ class DrafterFamily:
     title: str  # its name in messages and summaries ("EAGLE-3")
     section: type  # its config section (a common.run.config Section; ``section.section`` is its name)
     default_layer_ids: Callable[[int, int], list[int]]  # (target layers N, target.num_capture_layers) -> ids
-    backend_class: Callable[[], type]  # loads the backend class (drafter_worker.factory builds it)
+    backend: Callable[..., Any]  # (model_id, *, training, target, drafter, run, data, device, schedule_jobs)
     load_proposer: Callable[..., Any]  # (drafter_dir, target_dir, *, device) -> a Proposer of an export
     proposer: Callable[[Any], Any]  # a draft model of this family -> its Proposer (hsd eval of a live model)
     reads_export: Callable[[dict], bool] = lambda doc: False  # an exported config.json is this family's
@@ -55,6 +55,16 @@ class DrafterFamily:
     @property
     def section_name(self) -> str:
         return self.section.section
+
+
+def lazy(path: str) -> Callable[..., Any]:
+    """``module:name``, imported at the first call and called with its arguments: a family's heavy
+    parts (torch, its model) load only where they are used."""
+    module, name = path.split(":")
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+    return call
 
 
 _FAMILIES: dict[str, DrafterFamily] = {}

@@ -3,7 +3,7 @@ the backend, the export loader and the proposer are imported when used."""
 
 from __future__ import annotations
 
-from common.run.drafter_family import DemoDefaults, DrafterFamily, register
+from common.run.drafter_family import DemoDefaults, DrafterFamily, lazy, register
 from drafter_worker.eagle3.section import Eagle3Section
 
 OBJECTIVE = "eagle3"
@@ -22,24 +22,11 @@ def eagle3_layer_ids(num_layers: int, num_capture_layers: int = NUM_FUSED_LAYERS
     return ids
 
 
-def _backend_class() -> type:
-    from drafter_worker.eagle3_backend import Eagle3Backend
-    return Eagle3Backend
-
-
-def _load_proposer(drafter_dir, target_dir, *, device="cpu"):
-    from drafter_worker.eagle3.eval import load_proposer
-    return load_proposer(drafter_dir, target_dir, device=device)
-
-
-def _proposer(model):
-    from drafter_worker.eagle3.eval import Eagle3Proposer
-    return Eagle3Proposer(model)
-
-
 FAMILY = register(DrafterFamily(
     objective=OBJECTIVE, title="EAGLE-3", section=Eagle3Section, default_layer_ids=eagle3_layer_ids,
-    backend_class=_backend_class, load_proposer=_load_proposer, proposer=_proposer,
+    backend=lazy("drafter_worker.eagle3_backend:Eagle3Backend"),
+    load_proposer=lazy("drafter_worker.eagle3.eval:load_proposer"),
+    proposer=lazy("drafter_worker.eagle3.eval:Eagle3Proposer"),  # of a live draft model (hsd eval, the demo)
     reads_export=lambda doc: ARCHITECTURE in doc.get("architectures", []),
     # The drafter turns the target's final-norm state into the target's logits with the frozen LM head.
     final_norm=True, num_fused_layers=NUM_FUSED_LAYERS,
