@@ -279,8 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-prompts", type=int, default=12, help="held-out prompts of the tau evaluation")
     p.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per evaluation prompt")
     p.add_argument("--tiny-steps", type=int, help="training steps of the tiny target (default: its full recipe)")
-    p.add_argument("--objective", default=DEFAULT_OBJECTIVE,
-                   choices=[family.objective for family in families() if family.demo is not None],
+    p.add_argument("--objective", choices=[f.objective for f in families() if f.demo], default=DEFAULT_OBJECTIVE,
                    help="drafter to train (default dflash; eagle3 runs deploy/configs/demo-eagle3.yaml)")
     p.set_defaults(func=cmd_demo)
 
