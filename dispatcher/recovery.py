@@ -37,8 +37,8 @@ import numpy as np
 
 from common import faults
 from common.run.durable import atomic_write
-from dispatcher.journal import JOURNAL_NAME, archived_segment_numbers, read_journal
-from dispatcher.journal_events import Checkpointed, DispatcherStarted, EpochStarted, ModelRolledBack, StepCommitted
+from common.run.records.events import Checkpointed, DispatcherStarted, EpochStarted, ModelRolledBack, StepCommitted
+from common.run.records.journal import archived_segment_numbers, read_journal
 
 log = logging.getLogger("hsd.recovery")
 

@@ -10,9 +10,9 @@ import pytest
 
 from common import faults
 from core_harness import Model, ModelSim, all_job_ids, make_core, register, register_models, small_lengths, witness_counts
-from dispatcher.journal import (JOURNAL_NAME, Journal, JournalDamaged, JournalFailed, encode_event, read_journal,
-                                repair_tail)
-from dispatcher.journal_events import EpochStarted, JobReady, StepCommitted
+from common.run.records.events import EpochStarted, JobReady, StepCommitted
+from common.run.records.journal import JOURNAL_NAME, JournalDamaged, encode_event, read_journal
+from dispatcher.journal import Journal, JournalFailed, repair_tail
 from dispatcher.recovery import SnapshotDamaged, array_file, recover, snapshot_dirs
 
 

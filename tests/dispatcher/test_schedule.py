@@ -7,9 +7,10 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from dispatcher.fairness import prefix_deviation, prefix_deviation_array, tail_skew
-from dispatcher.schedule import (EpochSchedule, assign_buckets, build_epoch_schedule, count_batches, epoch_seed,
-                                 interleave_order, load_schedule, pairs_batched_again, save_schedule, schedule_path)
+from common.run.records.fairness import prefix_deviation, prefix_deviation_array, tail_skew
+from common.run.records.schedule import (EpochSchedule, assign_buckets, build_epoch_schedule, count_batches, epoch_seed,
+                                         interleave_order, load_schedule, pairs_batched_again, save_schedule,
+                                         schedule_path)
 
 BUCKETS6 = [256, 512, 1024, 2048, 4096, 8192]
 SHARES6 = (0.04, 0.07, 0.10, 0.15, 0.17, 0.47)

@@ -4,7 +4,7 @@ the snapshot, below the operator's view, so the daemon never imports its own cli
 
 from __future__ import annotations
 
-from common.wire.stats_snapshot import Snapshot
+from common.wire.stats_snapshot import NodeView, Snapshot
 
 
 def format_q_hsb(q_hsb: dict) -> str:
@@ -20,3 +20,18 @@ def pool_usage(s: Snapshot) -> tuple[int, int] | None:
     slot_bytes = transport["slot_bytes"]
     total_slots = sum(pool.values())
     return (total_slots - pool.get("free", 0)) * slot_bytes, total_slots * slot_bytes
+
+
+def format_nodes(nodes: dict[str, NodeView], slot_bytes: int) -> list[str]:
+    """One ``hsd stats`` line per node, once a run has more than one."""
+    if len(nodes) < 2:
+        return []
+    lines = []
+    for name, e in nodes.items():
+        total = sum(e.slots.values())
+        used = total - e.slots.get("free", 0)
+        lines.append(f"node {name}: {e.targets} target(s), {e.drafters} drafter(s); {total} slots "
+                     f"({used * slot_bytes / 2**20:.1f} of {total * slot_bytes / 2**20:.1f} MiB held), ready "
+                     f"{e.slots.get('ready', 0)} (min {e.min_ready}); reads local {e.reads_local} "
+                     f"remote {e.reads_remote}")
+    return lines
