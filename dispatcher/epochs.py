@@ -163,7 +163,7 @@ class EpochStore:
     @property
     def jobs_per_epoch(self) -> int:
         """The job count of an epoch: the first started one's, as every epoch's schedule makes as many
-        (:func:`dispatcher.schedule.count_batches`). A drafter's register reply carries it."""
+        (:func:`common.run.records.schedule.count_batches`). A drafter's register reply carries it."""
         return self.epoch_jobs[min(self.epoch_jobs)]
 
     # -- snapshots and sealing --------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""dispatcher/journal.py: checksummed records, torn tails repaired on open, fail-closed fsync, segments."""
+"""dispatcher/journal.py, the writer, read back through common/run/records/journal.py: checksummed records, torn tails repaired on open, fail-closed fsync, segments."""
 
 import json
 import logging

@@ -1,4 +1,4 @@
-"""dispatcher/journal_events.py: every kind of event survives the journal, whole or with its defaults."""
+"""common/run/records/events.py: every kind of event survives the journal, whole or with its defaults."""
 
 import json
 import math

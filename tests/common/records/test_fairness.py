@@ -1,4 +1,4 @@
-"""dispatcher/fairness.py: prefix deviation and tail skew on hand-computed sequences."""
+"""common/run/records/fairness.py: prefix deviation and tail skew on hand-computed sequences."""
 
 import pytest
 

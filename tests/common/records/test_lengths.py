@@ -1,4 +1,4 @@
-"""dispatcher/dataset.py: lengths files, prepared datasets checked whole, the synthetic length mix,
+"""common/run/records/lengths.py: lengths files, prepared datasets checked whole, the synthetic length mix,
 and the samples too long for the schedule."""
 
 from collections import Counter

@@ -1,4 +1,4 @@
-"""dispatcher/schedule.py: bucketing, fixed token budget, determinism, interleave fairness, persistence."""
+"""common/run/records/schedule.py: bucketing, fixed token budget, determinism, interleave fairness, persistence."""
 
 import json
 import random
