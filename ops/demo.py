@@ -139,11 +139,11 @@ def run_demo(*, out: str | os.PathLike, config_path: str | os.PathLike | None, o
         return code
 
     from common.run.witness import latest_checkpoint, servable_dir
+    from drafter_worker.speculative_eval import evaluate
+    from drafter_worker.eval_prompts import load_chat_prompts
     from drafter_worker.dflash_backend import DFlashBackend
     from drafter_worker.eagle3_backend import Eagle3Backend
-    from drafter_worker.eval_prompts import load_chat_prompts
     from drafter_worker.factory import trainer_backend
-    from drafter_worker.speculative_eval import evaluate
     from transformers import AutoModelForCausalLM, AutoTokenizer
     started = _stage(5, f"speculative decoding on {eval_prompts} held-out prompts, before and after training")
     tokenizer = AutoTokenizer.from_pretrained(target_dir)

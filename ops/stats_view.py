@@ -12,12 +12,12 @@ import time
 from collections import deque
 from pathlib import Path
 
-from common.run.config import ConfigError, load_config, load_run_config
 from common.wire import messages
+from common.wire.stats_snapshot import Snapshot, WaitingFor, WorkerView, to_json_object
 from common.wire.client import DispatcherClient, DispatcherUnavailable
+from common.run.config import ConfigError, load_config, load_run_config
 from common.wire.curve import CurveClient, client_from_config, client_from_keys, handshake_refused
 from common.wire.stats_figures import format_nodes, format_q_hsb, pool_usage
-from common.wire.stats_snapshot import Snapshot, WaitingFor, WorkerView, to_json_object
 from ops.report import dropped_line
 
 DEFAULT_RUN_DIR = "runs/demo"

@@ -166,9 +166,9 @@ def test_a_joiner_whose_source_died_before_any_step_says_its_step_before_the_led
 
 
 def test_the_stats_and_metrics_show_the_group(tmp_path):
+    from dispatcher.metrics import render_prometheus
     from common.wire import messages
     from common.wire.stats_snapshot import serving_snapshot
-    from dispatcher.metrics import render_prometheus
     from dispatcher.snapshot import build_snapshot
     from ops.stats_view import format_stats
     core, a, v1 = _lone_rank_stepping(tmp_path, 2, extra_jobs=1)
