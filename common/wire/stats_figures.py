@@ -1,6 +1,7 @@
-"""Figures derived from a stats snapshot that the daemon itself shows as well as ``hsd stats``: the
-dispatcher's progress line (ready slots per bucket) and ``/metrics`` (pool bytes). They live beside
-the snapshot, below the operator's view, so the daemon never imports its own client's text view."""
+"""Figures and lines derived from a stats snapshot: the dispatcher's progress line (ready slots per
+bucket) and ``/metrics`` (pool bytes), which ``hsd stats`` shows too, and ``hsd stats``'s per-node
+lines. They live beside the snapshot, below both the daemon and the operator's view, so neither
+imports the other."""
 
 from __future__ import annotations
 
