@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 from common.run.config import ConfigError, load_config
-from dispatcher.journal import read_journal
-from dispatcher.journal_events import Checkpointed, StepCommitted
+from common.run.records.events import Checkpointed, StepCommitted
+from common.run.records.journal import read_journal
 from ops.configs import bundled_config
 
 log = logging.getLogger("hsd.demo")
