@@ -36,9 +36,9 @@ import psutil
 from benchmarks.chaos_figures import START_MARK, clean_up, figures, format_figures
 from benchmarks.chaos_plan import ATTACH, DETACH, KILL, ChaosEvent, build_plan
 from benchmarks.chaos_setups import ChaosSetup, real_inputs, real_setup, sim_setup
-from common.run.config import ConfigError, load_config, write_resolved
-from dispatcher.rundir import STATE_FILE
 from common.child_process import die_with_parent  # a killed bench takes its run with it, as hsd launch does
+from common.run.config import ConfigError, load_config, write_resolved
+from common.run.records.rundir import read_state_file
 from common.wire.stats_snapshot import ModelView, Snapshot, to_json_object
 from ops.stats_view import run_stats_or_none
 
@@ -128,10 +128,8 @@ class ChaosSupervisor:
         proc = self.procs.get("dispatcher")
         if proc is None or proc.popen.poll() is not None:
             return False
-        try:
-            return json.loads((self.run_dir / STATE_FILE).read_text()).get("pid") == proc.popen.pid
-        except (OSError, ValueError):
-            return False
+        state = read_state_file(self.run_dir)
+        return state is not None and state.pid == proc.popen.pid
 
     def start_run(self) -> None:
         self.start("dispatcher", "dispatcher")

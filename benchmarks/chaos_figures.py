@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from benchmarks.chaos_plan import ATTACH, DETACH, KILL, ROLES
-from common.wire.client import run_id_for
 from common.dataplane.shm_segment import ShmSegment, list_segments
-from dispatcher.journal import read_journal
-from dispatcher.journal_events import Event, MembershipOpened, ModelRolledBack, StepCommitted
+from common.run.records.events import Event, MembershipOpened, ModelRolledBack, StepCommitted
+from common.run.records.journal import read_journal
+from common.wire.client import run_id_for
 from ops.report import build_report
 
 

@@ -78,7 +78,7 @@ def _report(run_dir: Path) -> dict[str, Any] | str:
 
 def _witness_alone(run_dir: Path) -> dict[str, Any]:
     """The models' witness against every started epoch's schedule, without the journal."""
-    from dispatcher.schedule import load_schedule
+    from common.run.records.schedule import load_schedule
     from ops.report import witness
     epochs = {}
     for epoch in range(EPOCHS):

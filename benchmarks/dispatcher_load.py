@@ -34,13 +34,14 @@ from benchmarks.latency import LatencyHistogram
 from benchmarks.load_clients import SimDrafter, SimModel, SimTarget, mix64_array
 from common.mix import MASK64
 from common.run.config import opt
+from common.run.records.job_ids import make_job_id
+from common.run.records.lengths import SYNTHETIC_SHARES, synthetic_lengths
 from common.wire.messages import ModelClaim
 from dispatcher.allocator import pin_mmap_threshold
 from dispatcher.core import DispatcherCore
 from dispatcher.core_types import DONE, CoreOptions
-from dispatcher.dataset import SYNTHETIC_SHARES, synthetic_lengths
 from dispatcher.journal import Journal
-from dispatcher.ledger import LedgerError, make_job_id
+from dispatcher.ledger import LedgerError
 from dispatcher.pool import HSPool
 
 BUCKETS = [256, 512, 1024, 2048, 4096, 8192]

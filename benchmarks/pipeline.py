@@ -37,11 +37,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.pipeline_figures import pipeline_figures
-from common.wire.client import run_id_for
-from common.run.config import ConfigError, load_config
 from common.dataplane.shm_segment import sweep_dead_segments
-from dispatcher.journal import read_journal
-from dispatcher.journal_events import Event
+from common.run.config import ConfigError, load_config
+from common.run.records.events import Event
+from common.run.records.journal import read_journal
+from common.wire.client import run_id_for
 from ops.report import build_report
 
 POLICIES: dict[str, tuple[str, ...]] = {

@@ -22,8 +22,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from dispatcher.journal_events import DispatcherStopped, Event, JobConsumed, JobReady, StepCommitted, WorkerJoined
-from dispatcher.ledger import split_job_id
+from common.run.records.events import DispatcherStopped, Event, JobConsumed, JobReady, StepCommitted, WorkerJoined
+from common.run.records.job_ids import split_job_id
 
 STAGES = ("target", "drafter")
 

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.pipeline_figures import busy_intervals, consumed_mix, measurement_window, utilization_timeline
-from dispatcher.journal_events import Event
+from common.run.records.events import Event
 
 MIX_WINDOWS = 40      # windows of the consumed stream (each about 2.5 % of it)
 UTILIZATION_BIN_S = 2.0

@@ -63,6 +63,7 @@ from benchmarks.scale_model import GpuModel, counter_delta, step_figures
 from benchmarks.scale_table import format_step, table_header
 from common.dataplane.shm_segment import list_segments, sweep_dead_segments
 from common.run.config import Config, load_config
+from common.run.records.rundir import read_state_file
 from common.wire import messages
 from common.wire.client import DispatcherClient, run_id_for
 
@@ -126,7 +127,7 @@ class Dispatcher:
 
     def wait_started(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not (self.config.run_dir / "dispatcher.json").exists():
+        while read_state_file(self.config.run_dir) is None:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the dispatcher exited with code {self.proc.returncode} while starting: "
                                    f"{self.log_tail()}")

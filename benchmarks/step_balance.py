@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import get_args
 
 from common.run.config import ConfigError, StepBalance, load_config
-from dispatcher.journal import read_journal
-from dispatcher.journal_events import StepCommitted
+from common.run.records.events import StepCommitted
+from common.run.records.journal import read_journal
 from ops.report import build_report
 
 POLICIES = get_args(StepBalance)

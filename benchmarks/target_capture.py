@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from common.run.config import Config
+from common.run.records.schedule import BATCHINGS, EpochSchedule, build_epoch_schedule
 from common.wire import messages
-from dispatcher.schedule import BATCHINGS, EpochSchedule, build_epoch_schedule
 from target_worker.hf_backend import HFTargetBackend, PaddedBatch, default_device, pad_job
 
 

@@ -26,7 +26,7 @@ from common.run.config import Config, load_config, write_resolved
 
 def _jobs(config: Config, *, reps: int, seed: int, num_samples: int, median: float, sigma: float):
     from benchmarks.target_capture import _job, _RandomSamples, _vocab_size, lognormal_lengths
-    from dispatcher.schedule import build_epoch_schedule
+    from common.run.records.schedule import build_epoch_schedule
     schedule_config = config.schedule
     lengths = lognormal_lengths(num_samples, median=median, sigma=sigma, max_len=schedule_config.buckets[-1], seed=seed)
     schedule = build_epoch_schedule(lengths, bucket_max_lens=schedule_config.buckets,

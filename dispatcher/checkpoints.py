@@ -16,9 +16,9 @@ import logging
 from pathlib import Path
 
 from common.run.checkpoint_manifest import DamagedCheckpoint
+from common.run.records.events import Checkpointed
 from common.run.witness import NoUsableCheckpoint, list_models, model_dir, newest_usable
 from dispatcher.journal import Journal
-from dispatcher.journal_events import Checkpointed
 
 log = logging.getLogger("hsd.dispatcher")
 

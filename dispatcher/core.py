@@ -25,23 +25,23 @@ from typing import Any, Callable
 import numpy as np
 
 from common.run.capture_contract import adopt_contract
+from common.run.records.events import (Checkpointed, DispatcherStarted, ModelRolledBack, StepCommitted, WorkerJoined,
+                                       WorkerLeft)
+from common.run.records.lengths import too_long_line, too_long_samples
+from common.run.records.schedule import EpochSchedule
 from common.wire.messages import GpuHealth, ModelClaim
 from dispatcher.checkpoints import KnownCheckpoints
 from dispatcher.core_types import DONE, STEP_FULL, CoreOptions, Counters, Incompatible, JobGrant, Worker
-from dispatcher.dataset import too_long_line, too_long_samples
 from dispatcher.epochs import EpochStore, check_data
 from dispatcher.group_ops import GroupOps
 from dispatcher.groups import DrafterGroups, Membership
 from dispatcher.job_ops import JobOps
 from dispatcher.journal import Journal
-from dispatcher.journal_events import (Checkpointed, DispatcherStarted, ModelRolledBack, StepCommitted, WorkerJoined,
-                                       WorkerLeft)
 from dispatcher.ledger import Job, JobLedger, LedgerError
 from dispatcher.model_ops import ModelOps
 from dispatcher.pool import HSPool
 from dispatcher.recovery import recover
 from dispatcher.registry import WorkerRegistry
-from dispatcher.schedule import EpochSchedule
 from dispatcher.schedule_builder import ScheduleSpec
 
 log = logging.getLogger("hsd.dispatcher")

@@ -21,13 +21,15 @@ from pathlib import Path
 
 import numpy as np
 
-from common.run.durable import StorageFailed, atomic_write
-from dispatcher.journal import Journal, last_segment_number
-from dispatcher.journal_events import EpochStarted
+from common.run.durable import StorageFailed
+from common.run.records.events import EpochStarted
+from common.run.records.journal import last_segment_number
+from common.run.records.rundir import LENGTHS_FILE, write_run_lengths
+from common.run.records.schedule import EpochSchedule, load_schedule
+from dispatcher.journal import Journal
 from dispatcher.ledger import JobLedger
 from dispatcher.recovery import ModelRecord, Recovered, Snapshot, SnapshotWriter, map_arrays, snapshot_root
-from dispatcher.schedule import EpochSchedule, load_schedule
-from dispatcher.schedule_builder import LENGTHS_FILE, ScheduleBuilder, ScheduleSpec
+from dispatcher.schedule_builder import ScheduleBuilder, ScheduleSpec
 
 log = logging.getLogger("hsd.dispatcher")
 
@@ -52,9 +54,8 @@ def check_data(run_dir: Path, lengths: np.ndarray, *, allow_changed: bool) -> No
                                  f"or set data.allow_changed=true to resume anyway")
             log.warning("resuming on changed data (data.allow_changed=true): fingerprint %s -> %s",
                         previous[:12], fingerprint[:12])
-    lengths_path = run_dir / LENGTHS_FILE
-    if not path.exists() or path.read_text().strip() != fingerprint or not lengths_path.exists():
-        atomic_write(lengths_path, lambda tmp: np.save(tmp, lengths), tmp_name=lengths_path.with_suffix(".tmp.npy").name)
+    if not path.exists() or path.read_text().strip() != fingerprint or not (run_dir / LENGTHS_FILE).exists():
+        write_run_lengths(run_dir, lengths)
         path.write_text(fingerprint + "\n")
 
 
@@ -162,7 +163,7 @@ class EpochStore:
     @property
     def jobs_per_epoch(self) -> int:
         """The job count of an epoch: the first started one's, as every epoch's schedule makes as many
-        (:func:`dispatcher.schedule.count_batches`). A drafter's register reply carries it."""
+        (:func:`common.run.records.schedule.count_batches`). A drafter's register reply carries it."""
         return self.epoch_jobs[min(self.epoch_jobs)]
 
     # -- snapshots and sealing --------------------------------------------------------------

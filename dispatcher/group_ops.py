@@ -12,13 +12,13 @@ from typing import Callable
 
 import numpy as np
 
+from common.run.records.events import MembershipOpened
 from common.wire.messages import GroupClaim, ModelClaim, PendingCommit
 from common.wire.store_names import parse_store_address, store_address
 from dispatcher.checkpoints import KnownCheckpoints
 from dispatcher.groups import DrafterGroup, DrafterGroups, GroupSpec, Membership
 from dispatcher.job_ops import JobOps
 from dispatcher.journal import Journal
-from dispatcher.journal_events import MembershipOpened
 from dispatcher.ledger import JobLedger, LedgerError
 from dispatcher.model_ops import ModelOps
 from dispatcher.registry import WorkerRegistry

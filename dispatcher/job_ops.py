@@ -13,13 +13,14 @@ from typing import Any
 
 import numpy as np
 
+from common.run.records.events import JobConsumed, JobGivenBack, JobReady
+from common.run.records.job_ids import split_job_id
 from common.wire.errors import ErrorCode
 from dispatcher.core_types import CoreOptions, Counters, JobGrant, Worker
 from dispatcher.epochs import EpochStore
 from dispatcher.groups import DrafterGroup
 from dispatcher.journal import Journal
-from dispatcher.journal_events import JobConsumed, JobGivenBack, JobReady
-from dispatcher.ledger import Job, JobLedger, JobState, LedgerError, split_job_id
+from dispatcher.ledger import Job, JobLedger, JobState, LedgerError
 from dispatcher.pool import HSPool
 from dispatcher.registry import WorkerRegistry
 

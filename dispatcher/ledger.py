@@ -33,8 +33,9 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from dispatcher.ledger_types import (_CODE, _COMMITTED, _PENDING, _STATES, JOB_ID_STRIDE, NOT_COMMITTED,  # noqa: F401
-                                     EpochProgress, Job, JobState, LedgerError, make_job_id, split_job_id)
+from common.run.records.job_ids import JOB_ID_STRIDE, make_job_id, split_job_id
+from dispatcher.ledger_types import (_CODE, _COMMITTED, _PENDING, _STATES, NOT_COMMITTED,  # noqa: F401
+                                     EpochProgress, Job, JobState, LedgerError)
 
 
 class JobLedger:

@@ -1,4 +1,4 @@
-"""The ledger's records: job states and ids, a job in flight, an epoch's progress (``dispatcher/ledger.py``
+"""The ledger's records: job states, a job in flight, an epoch's progress (``dispatcher/ledger.py``
 decides every transition; these only hold what it decided). Pure data, no I/O."""
 
 from __future__ import annotations
@@ -9,9 +9,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dispatcher.fairness import PrefixDeviation
+from common.run.records.fairness import PrefixDeviation
 
-JOB_ID_STRIDE = 1_000_000_000  # job id = epoch * stride + position in the epoch's job list
 NOT_COMMITTED = -1
 
 
@@ -31,14 +30,6 @@ _PENDING, _COMMITTED = _CODE[JobState.PENDING], _CODE[JobState.COMMITTED]
 
 class LedgerError(Exception):
     """A transition the job's current state does not allow (a stale or duplicate request)."""
-
-
-def make_job_id(epoch: int, index: int) -> int:
-    return epoch * JOB_ID_STRIDE + index
-
-
-def split_job_id(job_id: int) -> tuple[int, int]:
-    return divmod(job_id, JOB_ID_STRIDE)
 
 
 @dataclass

@@ -8,6 +8,7 @@ replaces the parked one.
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,22 +44,58 @@ class Waiter:
     identity: bytes
     request: Poll
     deadline: float
+    seq: int = 0  # the order it was parked in (a newer poll of the same worker and op replaces it)
 
     @property
     def worker_id(self) -> str:
         return self.request.worker_id
 
 
+WaiterKey = tuple[str, type]
+
+
 class LongPolls:
+    """The parked polls, in the order they were parked, kept in two queues: lone drafters' ``get_hs``
+    (all of them find nothing while no ready slot may be handed out, which is asked once for the
+    whole queue) and the rest (``get_job``, a group rank's ``get_hs``, ``join_group``). A rank stays a
+    rank for the life of its worker id, so a poll's queue is known when it is parked. Deadlines sit
+    in a heap, so finding the next one and expiring the due ones cost nothing per parked poll."""
+
     def __init__(self, core: DispatcherCore, send: Callable[[bytes, messages.Reply], None]):
         self.core = core
         self.send = send  # to the control socket
-        self.waiters: list[Waiter] = []
+        self._lone_hs: dict[WaiterKey, Waiter] = {}
+        self._others: dict[WaiterKey, Waiter] = {}
+        self._deadlines: list[tuple[float, int, WaiterKey]] = []  # a heap; an entry whose waiter left is skipped
+        self._unmarked: set[WaiterKey] = set()  # lone get_hs waiters not yet counted starved since last tried
+        self._seq = 0
+
+    @property
+    def waiters(self) -> list[Waiter]:
+        """Every parked poll (the others first, then the lone drafters' get_hs)."""
+        return [*self._others.values(), *self._lone_hs.values()]
+
+    def __len__(self) -> int:
+        return len(self._others) + len(self._lone_hs)
 
     @property
     def next_deadline(self) -> float:
         """When the first parked poll is due (inf: none is parked)."""
-        return min((w.deadline for w in self.waiters), default=float("inf"))
+        heap = self._deadlines
+        while heap and self._parked(heap[0]) is None:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else float("inf")
+
+    def _parked(self, entry: tuple[float, int, WaiterKey]) -> Waiter | None:
+        """The waiter a heap entry stands for, if it is still parked (not answered or replaced)."""
+        key = entry[2]
+        waiter = self._lone_hs.get(key) or self._others.get(key)
+        return waiter if waiter is not None and waiter.seq == entry[1] else None
+
+    def _remove(self, key: WaiterKey) -> None:
+        self._lone_hs.pop(key, None)
+        self._others.pop(key, None)
+        self._unmarked.discard(key)
 
     def poll(self, identity: bytes, request: Poll, now: float) -> tuple[PollReply | None, bool]:
         """(the answer now, whether the pool changed: it handed something out or freed a slot): the
@@ -69,17 +106,25 @@ class LongPolls:
             request.worker_id, request.consumed, now) > 0
         reply = self._try_serve(request, now)
         if reply is not None:
+            self._remove((request.worker_id, type(request)))  # an older poll of the same op is answered by this one
             return reply, True
         return self._park(identity, request, now), freed  # a freed slot may serve a parked get_job
 
     def _park(self, identity: bytes, request: Poll, now: float) -> PollReply | None:
         """Park a poll that found nothing (None), or the empty answer of one that does not wait."""
         wait_ms = min(max(0, request.wait_ms), MAX_WAIT_MS)
+        key = (request.worker_id, type(request))
+        self._remove(key)
         if wait_ms == 0:
             return self._empty_reply(request)
-        kind = type(request)
-        self.waiters = [w for w in self.waiters if (w.worker_id, type(w.request)) != (request.worker_id, kind)]
-        self.waiters.append(Waiter(identity, request, now + wait_ms / 1000))
+        self._seq += 1
+        waiter = Waiter(identity, request, now + wait_ms / 1000, self._seq)
+        if isinstance(request, messages.GetHS) and self.core.is_lone_drafter(request.worker_id):
+            self._lone_hs[key] = waiter
+            self._unmarked.add(key)
+        else:
+            self._others[key] = waiter
+        heapq.heappush(self._deadlines, (waiter.deadline, waiter.seq, key))
         return None
 
     def _try_serve(self, request: Poll, now: float) -> PollReply | None:
@@ -118,51 +163,56 @@ class LongPolls:
         return messages.GrantReply(id=request.id, job=None, done=core.done, flush=flush)
 
     def serve(self, now: float) -> None:
-        """Try every parked poll again (after a state change), in the order they were parked.
+        """Try the parked polls again (after a state change), each queue in the order it was parked.
 
         While no ready slot may be handed out, every lone drafter's get_hs finds nothing, and finding
-        nothing changes nothing: that is asked once (``lone_drafters_starved``) for them all rather than
-        once each (hundreds of parked drafters, at every state change). It is asked again after a
-        poll was answered or one that may change the state was tried (a join, a group rank's get_hs)."""
-        remaining = []
-        core = self.core
-        starved: bool | None = None  # None: not asked since the state last changed
-        for waiter in self.waiters:
-            request_id = waiter.request.id
-            if isinstance(waiter.request, messages.GetHS) and core.is_lone_drafter(waiter.worker_id):
-                if starved is None:
-                    starved = core.lone_drafters_starved()
-                if starved:
-                    core.starved(waiter.worker_id, now)
-                    remaining.append(waiter)
-                    continue
-            elif not isinstance(waiter.request, messages.GetJob):
+        nothing changes nothing: that is asked once (``lone_drafters_starved``) for the whole queue,
+        which then waits without a look at each poll (one that was not counted starved since it was
+        last tried is counted once). It is asked again after a poll was answered."""
+        for key, waiter in list(self._others.items()):
+            self._try_again(key, waiter, now)
+        core, starved = self.core, None  # None: not asked since the state last changed
+        for key, waiter in list(self._lone_hs.items()):
+            if starved is None:
+                starved = core.lone_drafters_starved()
+            if starved:  # this one and every one after it find nothing
+                for unmarked in self._unmarked:
+                    if unmarked[0] in core.workers:
+                        core.starved(unmarked[0], now)
+                self._unmarked.clear()
+                return
+            if self._try_again(key, waiter, now):
                 starved = None
-            try:
-                reply = self._try_serve(waiter.request, now)
-            except UnknownWorker:
-                reply = counted_error(self.core, request_id, ErrorCode.UNKNOWN_WORKER,
-                                      f"worker {waiter.worker_id} is not registered")
-            except GroupChanged as exc:  # a parked get_hs of a rank whose group just changed: tell it now
-                reply = counted_error(self.core, request_id, ErrorCode.GROUP_CHANGED, str(exc))
-            except LedgerError as exc:
-                reply = counted_error(self.core, request_id, ErrorCode.BAD_STATE, str(exc))
-            if reply is None:
-                remaining.append(waiter)
-            else:
-                self.send(waiter.identity, reply)
-                starved = None
-        self.waiters = remaining
+
+    def _try_again(self, key: WaiterKey, waiter: Waiter, now: float) -> bool:
+        """Whether the parked poll was answered (and left its queue)."""
+        request_id = waiter.request.id
+        try:
+            reply = self._try_serve(waiter.request, now)
+        except UnknownWorker:
+            reply = counted_error(self.core, request_id, ErrorCode.UNKNOWN_WORKER,
+                                  f"worker {waiter.worker_id} is not registered")
+        except GroupChanged as exc:  # a parked get_hs of a rank whose group just changed: tell it now
+            reply = counted_error(self.core, request_id, ErrorCode.GROUP_CHANGED, str(exc))
+        except LedgerError as exc:
+            reply = counted_error(self.core, request_id, ErrorCode.BAD_STATE, str(exc))
+        if reply is None:
+            if key in self._lone_hs:
+                self._unmarked.add(key)  # what it found nothing for may not be the starved pool's
+            return False
+        self._remove(key)
+        self.send(waiter.identity, reply)
+        return True
 
     def expire(self, now: float) -> None:
         """Answer every poll past its deadline empty."""
-        if not self.waiters:
-            return
-        expired = [w for w in self.waiters if w.deadline <= now]
-        if not expired:
-            return
-        self.waiters = [w for w in self.waiters if w.deadline > now]
-        for waiter in expired:
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            entry = heapq.heappop(heap)
+            waiter = self._parked(entry)
+            if waiter is None:
+                continue
+            self._remove(entry[2])
             if waiter.worker_id not in self.core.workers:
                 reply = counted_error(self.core, waiter.request.id, ErrorCode.UNKNOWN_WORKER,
                                       f"worker {waiter.worker_id} is not registered")
@@ -172,11 +222,12 @@ class LongPolls:
 
     def drop(self, worker_id: str) -> None:
         """The worker left: its parked polls go unanswered."""
-        self.waiters = [w for w in self.waiters if w.worker_id != worker_id]
+        for kind in (messages.GetJob, messages.GetHS, messages.JoinGroup):
+            self._remove((worker_id, kind))
 
     def close(self) -> None:
         """The dispatcher stops: every parked poll is told so."""
         for waiter in self.waiters:
             self.send(waiter.identity, counted_error(self.core, waiter.request.id, ErrorCode.UNKNOWN_WORKER,
                                                      "the dispatcher is stopping"))
-        self.waiters = []
+        self._lone_hs, self._others, self._deadlines, self._unmarked = {}, {}, [], set()

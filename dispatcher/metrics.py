@@ -20,8 +20,8 @@ from prometheus_client import start_http_server
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from common.wire.stats_figures import pool_usage
 from common.wire.stats_snapshot import Snapshot
-from dispatcher.stats_figures import pool_usage
 
 WORKER_STATES = ("busy", "idle", "starved", "blocked")
 ROLES = ("target", "drafter")

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import logging
 
+from common.run.records.events import Checkpointed, EpochCommitted, ModelRolledBack, StepCommitted
 from dispatcher.checkpoints import KnownCheckpoints
 from dispatcher.core_types import Counters, Worker
 from dispatcher.epochs import EpochStore
 from dispatcher.groups import DrafterGroup
 from dispatcher.job_ops import JobOps
 from dispatcher.journal import Journal
-from dispatcher.journal_events import Checkpointed, EpochCommitted, ModelRolledBack, StepCommitted
 from dispatcher.ledger import JobLedger, JobState, LedgerError
 from dispatcher.recovery import ModelRecord
 from dispatcher.registry import WorkerRegistry

@@ -39,18 +39,3 @@ def node_summary(pool: Any, workers: dict[str, Any], reads: Counter, *, home: st
         else:
             e.reads_remote += n
     return dict(sorted(out.items()))
-
-
-def format_nodes(nodes: dict[str, NodeView], slot_bytes: int) -> list[str]:
-    """One ``hsd stats`` line per node, once a run has more than one."""
-    if len(nodes) < 2:
-        return []
-    lines = []
-    for name, e in nodes.items():
-        total = sum(e.slots.values())
-        used = total - e.slots.get("free", 0)
-        lines.append(f"node {name}: {e.targets} target(s), {e.drafters} drafter(s); {total} slots "
-                     f"({used * slot_bytes / 2**20:.1f} of {total * slot_bytes / 2**20:.1f} MiB held), ready "
-                     f"{e.slots.get('ready', 0)} (min {e.min_ready}); reads local {e.reads_local} "
-                     f"remote {e.reads_remote}")
-    return lines

@@ -33,12 +33,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import msgspec
 import numpy as np
 
 from common import faults
 from common.run.durable import atomic_write
-from dispatcher.journal import JOURNAL_NAME, archived_segment_numbers, read_journal
-from dispatcher.journal_events import Checkpointed, DispatcherStarted, EpochStarted, ModelRolledBack, StepCommitted
+from common.run.records.events import Checkpointed, DispatcherStarted, EpochStarted, ModelRolledBack, StepCommitted
+from common.run.records.journal import archived_segment_numbers, read_journal
 
 log = logging.getLogger("hsd.recovery")
 
@@ -59,22 +60,32 @@ class SnapshotDamaged(ValueError):
         super().__init__(f"{path}: {what}")
 
 
-@dataclass
-class ModelRecord:
+class ModelRecord(msgspec.Struct, kw_only=True):
+    """A model in a snapshot: its index, step, latest checkpoint and last commit (step, job ids)."""
+
     index: int
     step: int = 0
     checkpoint: int = 0
     last_commit: tuple[int, tuple[int, ...]] | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "step": self.step, "checkpoint": self.checkpoint,
-                "last_commit": [self.last_commit[0], list(self.last_commit[1])] if self.last_commit else None}
 
-    @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> "ModelRecord":
-        last = doc.get("last_commit")
-        return cls(index=doc["index"], step=doc["step"], checkpoint=doc["checkpoint"],
-                   last_commit=(last[0], tuple(last[1])) if last else None)
+class SnapshotState(msgspec.Struct, kw_only=True):
+    """``state.json``'s state: what a snapshot holds besides its arrays (a snapshot written before
+    manifests is this alone; since, it sits in :class:`SnapshotFile`)."""
+
+    segment: int
+    num_starts: int
+    epochs_started: list[int]
+    models: dict[str, ModelRecord]
+
+
+class SnapshotFile(msgspec.Struct, kw_only=True):
+    """``state.json``: the state, and the manifest a restart checks the snapshot against."""
+
+    format: int
+    state: dict[str, Any]  # SnapshotState, as the JSON its checksum is computed over
+    files: dict[str, list[int]]  # file name -> [size, crc32]
+    crc32: int
 
 
 @dataclass
@@ -131,9 +142,8 @@ def _state_crc(state: dict[str, Any], files: dict[str, list[int]]) -> int:
 def _linked_manifest(source: Path) -> dict[str, list[int]]:
     """The manifest of an earlier snapshot whose files a new one links ({} when it has none)."""
     try:
-        doc = json.loads((source / STATE_NAME).read_text())
-        return dict(doc.get("files") or {})
-    except (OSError, ValueError):
+        return msgspec.convert(json.loads((source / STATE_NAME).read_text()), SnapshotFile).files
+    except (OSError, ValueError, msgspec.ValidationError):  # one written before manifests
         return {}
 
 
@@ -161,11 +171,10 @@ def write_snapshot(run_dir: str | os.PathLike, snapshot: Snapshot,
                 path = tmp / array_file(name, epoch)
                 os.link(source / path.name, path)
                 files[path.name] = known.get(path.name) or [path.stat().st_size, file_crc32(path)]
-        state = {"segment": snapshot.segment, "num_starts": snapshot.num_starts,
-                 "epochs_started": snapshot.epochs_started,
-                 "models": {model: record.to_json() for model, record in snapshot.models.items()}}
-        (tmp / STATE_NAME).write_text(json.dumps({"format": SNAPSHOT_FORMAT, "state": state, "files": files,
-                                                  "crc32": _state_crc(state, files)}))
+        state = msgspec.to_builtins(SnapshotState(segment=snapshot.segment, num_starts=snapshot.num_starts,
+                                                  epochs_started=snapshot.epochs_started, models=snapshot.models))
+        record = SnapshotFile(format=SNAPSHOT_FORMAT, state=state, files=files, crc32=_state_crc(state, files))
+        (tmp / STATE_NAME).write_text(json.dumps(msgspec.to_builtins(record)))
         faults.fill_disk_at("snapshot", tmp / STATE_NAME)
     # durable: every file fsynced (linked ones included), then the directory's entries
     atomic_write(final, write_files, durable=True, tmp_name=f".tmp-{final.name}",
@@ -195,8 +204,12 @@ def read_snapshot(path: Path) -> Snapshot:
     except (OSError, ValueError) as exc:
         raise SnapshotDamaged(state_path, f"does not parse ({exc})") from None
     if isinstance(doc, dict) and "format" in doc:
-        state, files = doc.get("state"), doc.get("files")
-        if not isinstance(state, dict) or not isinstance(files, dict) or doc.get("crc32") != _state_crc(state, files):
+        try:
+            record = msgspec.convert(doc, SnapshotFile)
+        except msgspec.ValidationError:
+            raise SnapshotDamaged(state_path, "its checksum does not match its content") from None
+        state, files = record.state, record.files
+        if record.crc32 != _state_crc(state, files):
             raise SnapshotDamaged(state_path, "its checksum does not match its content")
         for name, (size, crc) in sorted(files.items()):
             file = path / name
@@ -209,13 +222,12 @@ def read_snapshot(path: Path) -> Snapshot:
     else:  # written before manifests: read unchecked
         state = doc
     try:
-        epochs = state["epochs_started"]
-        arrays = {e: map_arrays(path, e) for e in epochs}
-        return Snapshot(segment=state["segment"], num_starts=state["num_starts"], epochs_started=list(epochs),
-                        models={m: ModelRecord.from_json(r) for m, r in state["models"].items()},
-                        commit_step={e: a[0] for e, a in arrays.items()},
+        saved = msgspec.convert(state, SnapshotState)
+        arrays = {e: map_arrays(path, e) for e in saved.epochs_started}
+        return Snapshot(segment=saved.segment, num_starts=saved.num_starts, epochs_started=list(saved.epochs_started),
+                        models=saved.models, commit_step={e: a[0] for e, a in arrays.items()},
                         commit_model={e: a[1] for e, a in arrays.items()})
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, msgspec.ValidationError) as exc:
         raise SnapshotDamaged(path, f"does not read ({type(exc).__name__}: {exc})") from None
 
 

@@ -1,24 +1,21 @@
-"""The run directory's housekeeping: one dispatcher at a time, its state file, safe endpoints."""
+"""The run directory's housekeeping: one dispatcher at a time, safe endpoints, settings changed on a resume
+(the run directory's files themselves are ``common/run/records/rundir.py``'s)."""
 
 from __future__ import annotations
 
 import fcntl
 import ipaddress
-import json
 import logging
 import socket
 from pathlib import Path
-from typing import Any
 
 import yaml
 
 from common.run.config import RESOLVED_CONFIG_NAME, Config, ConfigError
-from common.run.durable import atomic_write, format_bytes, free_bytes
-from common.run.witness import MODELS_DIR
+from common.run.records.rundir import read_state_file
 
 log = logging.getLogger("hsd.dispatcher")
 
-STATE_FILE = "dispatcher.json"  # pid and endpoints of the serving dispatcher; hsd launch waits for it
 LOCK_FILE = "dispatcher.lock"
 RESUME_SENSITIVE = ("run", "data", "schedule")
 
@@ -65,10 +62,8 @@ def lock_run_dir(run_dir: Path):
         fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         lock_file.close()
-        try:
-            holder = f" (pid {json.loads((run_dir / STATE_FILE).read_text())['pid']})"
-        except (OSError, ValueError, KeyError):
-            holder = ""
+        state = read_state_file(run_dir)
+        holder = f" (pid {state.pid})" if state is not None else ""
         raise ConfigError(f"another dispatcher{holder} is serving {run_dir}") from None
     return lock_file
 
@@ -92,30 +87,3 @@ def warn_about_changed_settings(run_dir: Path, config: Config) -> None:
     if changed:
         log.warning("resuming %s with changed settings (started epochs keep their persisted schedule): %s",
                     run_dir, "; ".join(changed))
-
-
-JOURNAL_HEADROOM_BYTES = 64 << 20  # journal segments and snapshots written between two checkpoints
-
-
-def largest_checkpoint_bytes(run_dir: Path) -> int:
-    """The size of the largest checkpoint (``models/<model>/step-*``) already in ``run_dir``."""
-    largest = 0
-    for step_dir in (run_dir / MODELS_DIR).glob("*/step-*"):
-        if step_dir.is_dir():
-            largest = max(largest, sum(f.stat().st_size for f in step_dir.rglob("*") if f.is_file()))
-    return largest
-
-
-def check_free_space(run_dir: Path, min_free_mb: int) -> None:
-    """Refuse to start where ``run_dir`` cannot hold one more checkpoint set and the journal's headroom:
-    ``min_free_mb``, or with 0 the largest checkpoint already there plus JOURNAL_HEADROOM_BYTES."""
-    needed = min_free_mb << 20 if min_free_mb else largest_checkpoint_bytes(run_dir) + JOURNAL_HEADROOM_BYTES
-    free = free_bytes(run_dir)
-    if free is not None and free < needed:
-        raise ConfigError(f"run.dir {run_dir} has {format_bytes(free)} free, less than the {format_bytes(needed)} a "
-                          "run needs there (one checkpoint set and the journal's headroom; run.min_free_mb sets "
-                          "it): free space or choose another run.dir")
-
-
-def write_state_file(run_dir: Path, state: dict[str, Any]) -> None:
-    atomic_write(run_dir / STATE_FILE, json.dumps(state))

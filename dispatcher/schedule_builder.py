@@ -18,12 +18,9 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
-
 from common.child_process import die_with_parent
-from dispatcher.schedule import build_epoch_schedule, load_schedule, save_schedule
-
-LENGTHS_FILE = "lengths.npy"
+from common.run.records.rundir import LENGTHS_FILE, read_run_lengths
+from common.run.records.schedule import build_epoch_schedule, load_schedule, save_schedule
 
 
 @dataclass(frozen=True)
@@ -40,7 +37,9 @@ def build_and_save(run_dir: str, epoch: int, spec: ScheduleSpec) -> int:
     existing = load_schedule(run_dir, epoch)
     if existing is not None:
         return existing.num_jobs
-    lengths = np.load(Path(run_dir) / LENGTHS_FILE, mmap_mode="r")
+    lengths = read_run_lengths(run_dir)
+    if lengths is None:
+        raise FileNotFoundError(f"{Path(run_dir) / LENGTHS_FILE} is missing: the dispatcher writes it before any schedule")
     schedule = build_epoch_schedule(lengths, bucket_max_lens=list(spec.buckets), tokens_per_batch=spec.tokens_per_batch,
                                     run_seed=spec.run_seed, epoch=epoch, order=spec.order, batching=spec.batching)
     if schedule.num_jobs == 0:

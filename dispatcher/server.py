@@ -31,14 +31,15 @@ from common import faults
 from common.wire.curve import HandshakeMonitor, ZapAuthorizer, auth_stats, server_from_config
 from dispatcher.core_types import CoreOptions, Incompatible, Unauthorized, UnknownWorker
 from dispatcher.groups import GroupChanged
-from dispatcher.dataset import load_lengths
+from common.run.records.lengths import load_lengths
 from dispatcher.journal import Journal, JournalFailed
 from dispatcher.ledger import LedgerError
 from dispatcher.liveness import ProcessWatch
 from dispatcher.long_polls import LongPolls, counted_error, model_step
 from dispatcher.metrics import MetricsServer
 from dispatcher.pool import HSPool
-from dispatcher.rundir import STATE_FILE, check_endpoint, check_free_space, lock_run_dir, warn_about_changed_settings, write_state_file
+from common.run.records.rundir import STATE_FILE, DispatcherState, check_free_space, write_state_file
+from dispatcher.rundir import check_endpoint, lock_run_dir, warn_about_changed_settings
 from dispatcher.snapshot import build_snapshot, progress_line
 from dispatcher.nodes import node_summary
 from dispatcher.transport_setup import DataPlane
@@ -110,9 +111,9 @@ class DispatcherServer:
         self.stats = self._bind(config.stats_endpoint)
         self.handshakes = [HandshakeMonitor(self.control), HandshakeMonitor(self.stats)] if self.curve else []
         self.polls = LongPolls(self.core, lambda identity, reply: self._send(self.control, identity, reply))
-        write_state_file(self.run_dir, {"pid": os.getpid(), "host": self.hostname, "run_id": self.run_id,
-                                        "control": config.control_endpoint, "stats": config.stats_endpoint,
-                                        "started": time.time()})
+        write_state_file(self.run_dir, DispatcherState(pid=os.getpid(), host=self.hostname, run_id=self.run_id,
+                                                       control=config.control_endpoint, stats=config.stats_endpoint,
+                                                       started=time.time()))
         self.metrics: MetricsServer | None = None
         self._next_metrics = 0.0
         if config.dispatcher.metrics_port:
@@ -435,7 +436,7 @@ class DispatcherServer:
     def close(self) -> None:
         self.polls.close()
         if self.journal.failed is None:
-            from dispatcher.journal_events import DispatcherStopped
+            from common.run.records.events import DispatcherStopped
             self.journal.record(DispatcherStopped(done=self.core.done, peak_slots=self.core.pool.peak_in_use,
                                                   slot_bytes=self.data_plane.describe_dict()["slot_bytes"]))
         self.journal.close()  # its last fsync makes every held commit durable

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import time
 
+from common.run.records.lengths import NAMED_TOO_LONG
+from common.wire.stats_figures import format_q_hsb
 from common.wire.stats_snapshot import (CoreSnapshot, DroppedSamples, EpochView, GroupView, ModelView, RankView, StepCost,
                                           WaitingFor, WaitingModel, WorkerView)
 from dispatcher.core import DispatcherCore
 from dispatcher.core_types import Worker
-from dispatcher.dataset import NAMED_TOO_LONG
 from dispatcher.ledger import JobState
-from dispatcher.stats_figures import format_q_hsb
 from dispatcher.step_balance import FEATURES
 
 

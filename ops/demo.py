@@ -24,8 +24,8 @@ from pathlib import Path
 
 from common.run.config import ConfigError, load_config
 from common.run.drafter_family import DEFAULT_OBJECTIVE, families, family_of
-from dispatcher.journal import read_journal
-from dispatcher.journal_events import Checkpointed, StepCommitted
+from common.run.records.events import Checkpointed, StepCommitted
+from common.run.records.journal import read_journal
 from ops.configs import bundled_config
 
 log = logging.getLogger("hsd.demo")

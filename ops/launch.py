@@ -13,7 +13,6 @@ epoch is committed. The data is validated whole before anything starts: a bad da
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -27,12 +26,12 @@ from pathlib import Path
 from common.child_process import die_with_parent
 from common.run.config import Config, write_resolved
 from common.run.durable import STORAGE_FAILED_EXIT_CODE
+from common.run.records.events import DispatcherStopped
+from common.run.records.journal import JournalCorrupt, JournalDamaged, last_event
+from common.run.records.lengths import load_lengths
+from common.run.records.rundir import check_free_space, read_state_file
 from common.run.tensor_parallel import check_tensor_parallel
 from common.worker.runtime import CALL_TIMEOUT_S, EXIT_UNUSABLE
-from dispatcher.dataset import load_lengths
-from dispatcher.journal import JournalCorrupt, JournalDamaged, last_event
-from dispatcher.journal_events import DispatcherStopped
-from dispatcher.rundir import STATE_FILE, check_free_space
 from ops.report import build_report, format_report
 
 log = logging.getLogger("hsd.launch")
@@ -139,16 +138,13 @@ class Launcher:
 
     def _wait_ready(self, dispatcher: Child) -> bool:
         """The dispatcher is ready once it has written its state file naming its own pid."""
-        state_path = self.run_dir / STATE_FILE
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline and not self._stop.is_set():
             if dispatcher.process.poll() is not None:
                 return False
-            try:
-                if json.loads(state_path.read_text()).get("pid") == dispatcher.process.pid:
-                    return True
-            except (OSError, ValueError):
-                pass
+            state = read_state_file(self.run_dir)
+            if state is not None and state.pid == dispatcher.process.pid:
+                return True
             time.sleep(0.05)
         return False
 

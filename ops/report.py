@@ -15,16 +15,16 @@ from typing import Any
 import numpy as np
 
 from common.run.checkpoint_manifest import DamagedCheckpoint
-from common.run.witness import list_models, verified_latest
-from dispatcher.dataset import NAMED_TOO_LONG, too_long_samples
-from dispatcher.fairness import prefix_deviation_array, tail_skew
-from dispatcher.journal import read_journal
-from dispatcher.journal_events import (DispatcherStarted, DispatcherStopped, EpochCommitted, EpochStarted, Event,
+from common.run.records.events import (DispatcherStarted, DispatcherStopped, EpochCommitted, EpochStarted, Event,
                                        JobConsumed, JobGivenBack, JobReady, ModelRolledBack, StepCommitted,
                                        WorkerJoined, WorkerLeft)
-from dispatcher.ledger import split_job_id
-from dispatcher.schedule import EpochSchedule, load_schedule
-from dispatcher.schedule_builder import LENGTHS_FILE
+from common.run.records.fairness import prefix_deviation_array, tail_skew
+from common.run.records.job_ids import split_job_id
+from common.run.records.journal import read_journal
+from common.run.records.lengths import NAMED_TOO_LONG, too_long_samples
+from common.run.records.rundir import read_run_lengths
+from common.run.records.schedule import EpochSchedule, load_schedule
+from common.run.witness import list_models, verified_latest
 
 STAGES = ("target", "drafter")
 
@@ -143,11 +143,11 @@ def read_run(run_dir: str | os.PathLike) -> _ReportPass:
 def dropped_samples(run_dir: Path, schedules: dict[int, EpochSchedule | None]) -> dict[str, Any]:
     """The samples longer than the schedules' last bucket, from the lengths the run's schedules were built from."""
     schedule = next((s for s in schedules.values() if s is not None), None)
-    lengths_path = run_dir / LENGTHS_FILE
-    if schedule is None or not lengths_path.is_file():
+    lengths = read_run_lengths(run_dir)
+    if schedule is None or lengths is None:
         return {"count": 0, "first": [], "longer_than": 0}
     longer_than = schedule.buckets[-1].max_len
-    too_long = too_long_samples(np.load(lengths_path, mmap_mode="r"), [longer_than])
+    too_long = too_long_samples(lengths, [longer_than])
     return {"count": len(too_long), "first": too_long[:NAMED_TOO_LONG].tolist(), "longer_than": longer_than}
 
 

@@ -7,8 +7,8 @@ import json
 import numpy as np
 
 from common.run.config import Config
-from dispatcher.dataset import LENGTHS_FILE_IN_DATASET, load_lengths, read_lengths_file
-from dispatcher.schedule import ORDERS, EpochSchedule, build_epoch_schedule, pairs_batched_again
+from common.run.records.lengths import LENGTHS_FILE_IN_DATASET, load_lengths, read_lengths_file
+from common.run.records.schedule import ORDERS, EpochSchedule, build_epoch_schedule, pairs_batched_again
 
 
 def _lengths(config: Config, lengths_file: str | None, data_dir: str | None) -> list[int]:

@@ -17,8 +17,7 @@ from common.wire.stats_snapshot import Snapshot, WaitingFor, WorkerView, to_json
 from common.wire.client import DispatcherClient, DispatcherUnavailable
 from common.run.config import ConfigError, load_config, load_run_config
 from common.wire.curve import CurveClient, client_from_config, client_from_keys, handshake_refused
-from dispatcher.nodes import format_nodes
-from dispatcher.stats_figures import format_q_hsb, pool_usage
+from common.wire.stats_figures import format_nodes, format_q_hsb, pool_usage
 from ops.report import dropped_line
 
 DEFAULT_RUN_DIR = "runs/demo"

@@ -5,11 +5,12 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+from common.run.records.job_ids import make_job_id
 from common.wire.messages import ModelClaim
 from dispatcher.core import DispatcherCore
 from dispatcher.core_types import DONE, CoreOptions
 from dispatcher.journal import Journal
-from dispatcher.ledger import JobState, make_job_id
+from dispatcher.ledger import JobState
 from dispatcher.pool import HSPool
 
 BUCKETS = [64, 128, 256]

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from common.run.capture_contract import CaptureContract, contract_from_config, resolve_capture_dtype
+from common.run.records.schedule import max_seqs_per_batch
 
 if TYPE_CHECKING:
     import torch
@@ -42,12 +43,6 @@ def format_bytes(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{n} B"
-
-
-def max_seqs_per_batch(tokens_per_batch: int, bucket_max_lens: Any) -> int:
-    """Most sequences one batch (and slot) holds: as many as the shortest bucket's fixed batch. A cap
-    rather than what short samples could pack, so a drafter's per-sequence work (anchors) stays bounded."""
-    return tokens_per_batch // bucket_max_lens[0]
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Generic, Iterable, TypeVar
 
+import msgspec
+
 from common import faults
 from common.run.checkpoint_manifest import MANIFEST_FILE, DamagedCheckpoint, check_manifest, reading, write_manifest
 from common.run.durable import atomic_write
@@ -47,6 +49,24 @@ MODELS_DIR = "models"
 SERVABLE_DIR = "model"  # inside a step directory: what a serving engine loads
 TRAINING_DIR = "training"  # inside a step directory: what resume loads besides the witness
 _MODEL_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+class StepRecord(msgspec.Struct, kw_only=True):
+    """``step.json``: which model and step a checkpoint holds (checkpoints written before ``model`` or
+    ``manifest`` were recorded lack them)."""
+
+    model: str | None = None
+    step: int
+    num_trained: int = 0  # job ids in the witness
+    manifest: str | None = None  # MANIFEST_FILE where the checkpoint has a manifest
+
+
+def write_step_record(step_dir: Path, record: StepRecord) -> None:
+    (step_dir / STEP_FILE).write_text(json.dumps(msgspec.to_builtins(record)))  # the bytes json always wrote
+
+
+def read_step_record(step_dir: Path) -> StepRecord:
+    return msgspec.convert(json.loads((step_dir / STEP_FILE).read_text()), StepRecord, strict=False)
 
 
 def check_model_id(model_id: str) -> str:
@@ -156,8 +176,7 @@ def save_checkpoint(run_dir: str | os.PathLike, model_id: str, step: int, traine
     def write_parts(tmp: Path) -> None:
         tmp.mkdir()
         trained.save(tmp)
-        (tmp / STEP_FILE).write_text(json.dumps({"model": model_id, "step": step, "num_trained": len(trained),
-                                                 "manifest": MANIFEST_FILE}))
+        write_step_record(tmp, StepRecord(model=model_id, step=step, num_trained=len(trained), manifest=MANIFEST_FILE))
         for write, part in ((write_servable, servable_dir(tmp)), (write_training, training_dir(tmp))):
             if write is not None:
                 part.mkdir()
@@ -235,8 +254,7 @@ def latest_checkpoint(run_dir: str | os.PathLike, model_id: str) -> Checkpoint |
         return None
     path = root / name
     with reading(path / STEP_FILE):
-        meta = json.loads((path / STEP_FILE).read_text())
-        return Checkpoint(model_id, int(meta["step"]), path)
+        return Checkpoint(model_id, read_step_record(path).step, path)
 
 
 def verified_latest(run_dir: str | os.PathLike, model_id: str) -> Checkpoint | None:
@@ -339,10 +357,10 @@ def _checked(step_dir: Path, model_id: str, known_good: dict[Path, tuple] | None
     """The checkpoint of ``step_dir`` once its files agree with its manifest, and whether it has one."""
     step_file = step_dir / STEP_FILE
     try:
-        meta, unreadable = json.loads(step_file.read_text()), None
+        meta, unreadable = read_step_record(step_dir), None
     except Exception as exc:  # the manifest says first what is wrong with it, if it lists it
         meta, unreadable = None, exc
-    has_manifest = isinstance(meta, dict) and meta.get("manifest") == MANIFEST_FILE
+    has_manifest = meta is not None and meta.manifest == MANIFEST_FILE
     identity = _identity(step_dir / MANIFEST_FILE) if has_manifest and known_good is not None else None
     if identity is None or known_good.get(step_dir) != identity:
         has_manifest = check_manifest(step_dir, has_manifest=has_manifest)
@@ -351,9 +369,9 @@ def _checked(step_dir: Path, model_id: str, known_good: dict[Path, tuple] | None
     with reading(step_file):
         if unreadable is not None:
             raise unreadable
-        step = int(meta["step"])
-        if step != _step_of(step_dir) or meta.get("model", model_id) != model_id:
-            raise DamagedCheckpoint(step_file, f"says model {meta.get('model')!r} step {step}, not the directory's")
+        step = meta.step
+        if step != _step_of(step_dir) or (meta.model or model_id) != model_id:
+            raise DamagedCheckpoint(step_file, f"says model {meta.model!r} step {step}, not the directory's")
     return Checkpoint(model_id, step, step_dir), has_manifest
 
 

@@ -15,9 +15,9 @@ import pytest
 from benchmarks.chaos import JSON_KEYS
 from benchmarks.chaos_figures import rollbacks_from_journal
 from benchmarks.chaos_plan import ATTACH, DETACH, KILL, PROGRESS_SPAN, SHARES, build_plan, count_events
-from common.wire.client import run_id_for
 from common.dataplane.shm_arena import list_segments
-from dispatcher.journal_events import MembershipOpened, ModelRolledBack, StepCommitted
+from common.run.records.events import MembershipOpened, ModelRolledBack, StepCommitted
+from common.wire.client import run_id_for
 from hsd_testing import assert_session_ended, run_hsd_in_session
 
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from benchmarks.dispatcher_load import DispatcherLoad, samples_for_jobs
 from benchmarks.load_clients import SimDrafter, SimModel
-from dispatcher.ledger import make_job_id
+from common.run.records.job_ids import make_job_id
 from hsd_testing import hsd
 
 KEYS = {"ops_per_s", "op_p99_ms", "stall_max_ms", "giveback_max_ms", "restart_s", "rss_mb", "rss_growth",

@@ -14,11 +14,11 @@ import numpy as np
 
 from benchmarks.pipeline import JSON_KEYS, POLICIES
 from benchmarks.pipeline_figures import target_queues
-from common.wire.client import run_id_for
 from common.dataplane.shm_arena import list_segments
-from dispatcher.journal import read_journal
-from dispatcher.journal_events import JobConsumed, JobReady, StepCommitted
-from dispatcher.schedule import load_schedule
+from common.run.records.events import JobConsumed, JobReady, StepCommitted
+from common.run.records.journal import read_journal
+from common.run.records.schedule import load_schedule
+from common.wire.client import run_id_for
 from hsd_testing import assert_session_ended, run_hsd_in_session
 from ops.report import build_report
 

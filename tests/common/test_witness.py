@@ -1,8 +1,10 @@
 """Model checkpoints with the trained-jobs witness: atomic, keep-last-k, and what a killed writer left."""
 
+import json
 import subprocess
 
-from common.run.witness import TrainedJobs, latest_checkpoint, model_dir, save_checkpoint
+from common.run.witness import (STEP_FILE, StepRecord, TrainedJobs, latest_checkpoint, model_dir, read_step_record,
+                                save_checkpoint, write_step_record)
 
 
 def test_checkpoints_keep_the_last_k_and_the_latest_reloads_its_witness(tmp_path):
@@ -32,3 +34,11 @@ def test_a_checkpoint_removes_what_a_killed_writer_left_and_spares_a_live_one(tm
     finally:
         live.kill()
         live.wait()
+
+
+def test_a_step_record_written_before_model_and_manifest_were_recorded_reads(tmp_path):
+    (tmp_path / STEP_FILE).write_text(json.dumps({"step": 12}))
+    assert read_step_record(tmp_path) == StepRecord(step=12)
+    write_step_record(tmp_path, StepRecord(model="m", step=12, num_trained=3, manifest="manifest.json"))
+    assert (tmp_path / STEP_FILE).read_text() == json.dumps(
+        {"model": "m", "step": 12, "num_trained": 3, "manifest": "manifest.json"})  # the bytes json.dumps wrote

@@ -12,8 +12,8 @@ import pytest
 from common.run.config import load_config
 from common.run.witness import NoUsableCheckpoint, TrainedJobs, model_dir, save_checkpoint
 from core_harness import Model, ModelSim, all_job_ids, make_core, register, register_models, small_lengths
-from dispatcher.journal import read_journal
-from dispatcher.journal_events import ModelRolledBack
+from common.run.records.events import ModelRolledBack
+from common.run.records.journal import read_journal
 from dispatcher.ledger import JobState
 from dispatcher.snapshot import build_snapshot
 from drafter_worker.sim import SimDrafter

@@ -5,11 +5,12 @@ from collections import Counter
 import pytest
 
 from core_harness import Sim, all_job_ids, make_core, register, small_lengths
+from common.run.records.events import EpochCommitted, JobGivenBack, StepCommitted
+from common.run.records.job_ids import make_job_id
+from common.run.records.journal import read_journal
+from common.run.records.schedule import load_schedule
 from dispatcher.core_types import DONE, Incompatible, UnknownWorker
-from dispatcher.journal import read_journal
-from dispatcher.journal_events import EpochCommitted, JobGivenBack, StepCommitted
-from dispatcher.ledger import JobState, LedgerError, make_job_id
-from dispatcher.schedule import load_schedule
+from dispatcher.ledger import JobState, LedgerError
 from dispatcher.snapshot import build_snapshot, worker_state
 
 def test_two_targets_two_drafters_two_epochs(tmp_path):
@@ -375,11 +376,11 @@ def test_the_jobs_of_an_epoch_a_drafter_is_told_are_every_epochs_schedule(tmp_pa
     carries: the jobs of the first epoch's schedule, which every epoch's schedule makes, for any seed
     (what count_batches counts from the lengths alone)."""
     from core_harness import BUCKETS, TOKENS, small_lengths
+    from common.run.records.schedule import build_epoch_schedule, count_batches
     from dispatcher.core import DispatcherCore
     from dispatcher.core_types import CoreOptions
     from dispatcher.journal import Journal
     from dispatcher.pool import HSPool
-    from dispatcher.schedule import build_epoch_schedule, count_batches
     lengths = small_lengths(seed=5, scale=3)
     options = CoreOptions(lease_s=1000.0, worker_timeout_s=1e6, epochs=3, run_seed=11, buckets=list(BUCKETS),
                           tokens_per_batch=TOKENS, order="interleave", batching=batching)

@@ -16,10 +16,11 @@ from common.run.witness import model_dir
 from common.wire.messages import ModelClaim, PendingCommit
 from core_harness import (Model, ModelSim, all_job_ids, make_core, register, register_models, small_lengths,
                           witness_counts)
+from common.run.records.events import Checkpointed, ModelRolledBack, StepCommitted
+from common.run.records.job_ids import make_job_id
+from common.run.records.journal import read_journal
 from dispatcher.core_types import DONE, UnknownWorker
-from dispatcher.journal import read_journal
-from dispatcher.journal_events import Checkpointed, ModelRolledBack, StepCommitted
-from dispatcher.ledger import JobState, LedgerError, make_job_id
+from dispatcher.ledger import JobState, LedgerError
 
 
 def restart(core, tmp_path, **kwargs):

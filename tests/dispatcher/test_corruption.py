@@ -2,17 +2,19 @@
 never skipped where a restart needs it; a damaged snapshot falls back to an older state, saying so
 in a line that names the file, or the restart refuses, naming it."""
 
+import json
 import logging
 import os
+import zlib
 from collections import Counter
 
 import pytest
 
 from common import faults
 from core_harness import Model, ModelSim, all_job_ids, make_core, register, register_models, small_lengths, witness_counts
-from dispatcher.journal import (JOURNAL_NAME, Journal, JournalDamaged, JournalFailed, encode_event, read_journal,
-                                repair_tail)
-from dispatcher.journal_events import EpochStarted, JobReady, StepCommitted
+from common.run.records.events import EpochStarted, JobReady, StepCommitted
+from common.run.records.journal import JOURNAL_NAME, JournalDamaged, encode_event, read_journal
+from dispatcher.journal import Journal, JournalFailed, repair_tail
 from dispatcher.recovery import SnapshotDamaged, array_file, recover, snapshot_dirs
 
 
@@ -216,4 +218,35 @@ def test_a_full_disk_at_the_snapshot_stops_the_core_with_the_path(tmp_path, monk
     core.journal.close()
     core.close()
     monkeypatch.delenv(faults.ENV)
+    finish(tmp_path, lengths, models)
+
+
+# -- snapshots written by earlier versions ---------------------------------------------------------
+def old_snapshot_doc(snap):
+    """``state.json`` as the untyped writer built it: the state as a dict, its manifest and checksum."""
+    doc = json.loads((snap / "state.json").read_text())
+    state, files = doc["state"], doc["files"]
+    return state, files, {"format": 2, "state": state, "files": files,
+                          "crc32": zlib.crc32(json.dumps({"state": state, "files": files}, sort_keys=True).encode())}
+
+
+def test_a_snapshot_keeps_the_bytes_the_untyped_writer_wrote_and_resumes(tmp_path):
+    lengths, models = started_run(tmp_path, steps=6, snapshot_at=3)
+    (snap,) = snapshot_dirs(tmp_path)
+    state, _, doc = old_snapshot_doc(snap)
+    assert (snap / "state.json").read_text() == json.dumps(doc)
+    assert set(state) == {"segment", "num_starts", "epochs_started", "models"}
+    assert set(state["models"]["m0"]) == {"index", "step", "checkpoint", "last_commit"}
+    assert recover(tmp_path).snapshot_path == snap
+    finish(tmp_path, lengths, models)
+
+
+def test_a_snapshot_written_before_manifests_is_read_unchecked_and_resumes(tmp_path):
+    lengths, models = started_run(tmp_path, steps=6, snapshot_at=3)
+    (snap,) = snapshot_dirs(tmp_path)
+    state, _, _ = old_snapshot_doc(snap)
+    (snap / "state.json").write_text(json.dumps(state))  # the state alone: no format, files or checksum
+    recovered = recover(tmp_path)
+    assert recovered.snapshot_path == snap and recovered.snapshot.segment == state["segment"]
+    assert recovered.snapshot.models["m0"].step == state["models"]["m0"]["step"]
     finish(tmp_path, lengths, models)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from core_harness import make_core, register
-from dispatcher.groups import GroupChanged
-from dispatcher.journal import read_journal
+from common.run.records.events import ModelRolledBack
+from common.run.records.journal import read_journal
 from common.wire.messages import GroupClaim, ModelClaim, ProtocolError
-from dispatcher.journal_events import ModelRolledBack
+from dispatcher.groups import GroupChanged
 from dispatcher.ledger import JobState, LedgerError
 
 

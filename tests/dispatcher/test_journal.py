@@ -1,4 +1,4 @@
-"""dispatcher/journal.py: checksummed records, torn tails repaired on open, fail-closed fsync, segments."""
+"""dispatcher/journal.py, the writer, read back through common/run/records/journal.py: checksummed records, torn tails repaired on open, fail-closed fsync, segments."""
 
 import json
 import logging
@@ -7,10 +7,11 @@ import zlib
 import pytest
 
 from common import faults
-from dispatcher.journal import (JOURNAL_NAME, Journal, JournalCorrupt, JournalFailed, encode_event, intact_body,
-                                read_journal, segment_paths)
-from dispatcher.journal_events import (Checkpointed, DispatcherStarted, EpochStarted, JobReady, ModelRolledBack,
+from common.run.records.events import (Checkpointed, DispatcherStarted, EpochStarted, JobReady, ModelRolledBack,
                                        StepCommitted)
+from common.run.records.journal import (JOURNAL_NAME, JournalCorrupt, encode_event, intact_body, read_journal,
+                                        segment_paths)
+from dispatcher.journal import Journal, JournalFailed
 from dispatcher.recovery import recover
 
 

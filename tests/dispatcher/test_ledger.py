@@ -6,7 +6,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from dispatcher.ledger import NOT_COMMITTED, JobLedger, JobState, LedgerError, make_job_id, split_job_id
+from common.run.records.job_ids import make_job_id, split_job_id
+from dispatcher.ledger import NOT_COMMITTED, JobLedger, JobState, LedgerError
 
 P, X, R, T, C, K = (JobState.PENDING, JobState.EXTRACTING, JobState.READY, JobState.TRAINING, JobState.CONSUMED,
                     JobState.COMMITTED)

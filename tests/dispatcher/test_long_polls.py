@@ -29,3 +29,44 @@ def test_parked_drafters_cost_one_look_at_the_pool_while_none_can_be_served_and_
     assert [identity for identity, _ in sent] == [drafters[0].encode()]  # the first parked, first served
     assert sent[0][1].job is not None and len(polls.waiters) == 39
     assert len(looks) <= 4  # once before the grant, once after it, not once for each of the other 39
+
+
+def test_a_newer_poll_replaces_the_parked_one_and_only_live_polls_expire_in_deadline_order(tmp_path):
+    core = make_core(tmp_path, shared_slots=8, min_ready=2)
+    drafters = register(core, "drafter", 3)
+    sent: list[tuple[bytes, messages.Reply]] = []
+    polls = LongPolls(core, lambda identity, reply: sent.append((identity, reply)))
+    polls.poll(b"a", messages.GetHS(id=1, worker_id=drafters[0], wait_ms=1_000), 0.0)
+    polls.poll(b"b", messages.GetHS(id=2, worker_id=drafters[1], wait_ms=3_000), 0.0)
+    polls.poll(b"c", messages.GetHS(id=3, worker_id=drafters[2], wait_ms=2_000), 0.0)
+    polls.poll(b"a", messages.GetHS(id=4, worker_id=drafters[0], wait_ms=5_000), 0.5)  # replaces id 1
+    assert len(polls.waiters) == 3 and polls.next_deadline == 2.0  # id 1's deadline (1.0) is gone
+
+    polls.expire(1.5)
+    assert sent == []
+    polls.expire(3.0)
+    assert [(identity, reply.id) for identity, reply in sent] == [(b"c", 3), (b"b", 2)]
+    assert all(reply.job is None for _, reply in sent)
+    assert polls.next_deadline == 5.5 and [w.request.id for w in polls.waiters] == [4]
+
+    polls.drop(drafters[0])
+    assert polls.waiters == [] and polls.next_deadline == float("inf")
+    polls.expire(10.0)
+    assert len(sent) == 2  # a dropped poll goes unanswered
+
+
+def test_a_poll_answered_at_once_takes_its_parked_predecessor_with_it(tmp_path):
+    core = make_core(tmp_path, shared_slots=8)
+    (target,) = register(core, "target", 1)
+    sent: list[tuple[bytes, messages.Reply]] = []
+    polls = LongPolls(core, lambda identity, reply: sent.append((identity, reply)))
+    core.jobs.take_pending = lambda worker, now: None  # nothing to hand out: the first get_job parks
+    reply, _ = polls.poll(b"t", messages.GetJob(id=1, worker_id=target, wait_ms=1_000), 0.0)
+    assert reply is None and len(polls.waiters) == 1
+    del core.jobs.take_pending  # jobs again
+    reply, _ = polls.poll(b"t", messages.GetJob(id=2, worker_id=target, wait_ms=1_000), 0.1)
+    assert reply is not None and reply.job is not None and reply.id == 2
+    assert polls.waiters == [] and polls.next_deadline == float("inf")
+    polls.serve(0.2)
+    polls.expire(5.0)
+    assert sent == []  # the worker gave up on id 1: it is neither served nor answered empty

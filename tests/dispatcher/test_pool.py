@@ -5,9 +5,9 @@ from collections import Counter
 
 import pytest
 
-from dispatcher.fairness import prefix_deviation, tail_skew
+from common.run.records.fairness import prefix_deviation, tail_skew
+from common.run.records.schedule import build_epoch_schedule
 from dispatcher.pool import HSPool, SlotState, choose_bucket, eligible_buckets
-from dispatcher.schedule import build_epoch_schedule
 
 
 def make_pool(num_slots=8, *, min_ready=1, credits=100, pull="deficit", seed=0):

@@ -10,7 +10,8 @@ import pytest
 from common.wire.messages import ModelClaim
 from core_harness import Sim, make_core, small_lengths
 
-from dispatcher.nodes import format_nodes, node_summary
+from common.wire.stats_figures import format_nodes
+from dispatcher.nodes import node_summary
 from dispatcher.pool import LOCAL_SLACK, HSPool
 from ops.report import build_report
 

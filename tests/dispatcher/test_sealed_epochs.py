@@ -10,7 +10,8 @@ import numpy as np
 
 from core_harness import Model, ModelSim, all_job_ids, make_core, register, register_models, small_lengths, \
     witness_counts
-from dispatcher.ledger import NOT_COMMITTED, JobLedger, JobState, LedgerError, make_job_id
+from common.run.records.job_ids import make_job_id
+from dispatcher.ledger import NOT_COMMITTED, JobLedger, JobState, LedgerError
 from dispatcher.recovery import array_file, latest_snapshot_dir
 
 

@@ -9,8 +9,8 @@ import pytest
 from common.wire import messages
 from common.wire.messages import MAX_STEP_METRICS, ErrorCode, ProtocolError
 from core_harness import make_core, register
-from dispatcher.journal import read_journal
-from dispatcher.journal_events import Checkpointed, StepCommitted
+from common.run.records.events import Checkpointed, StepCommitted
+from common.run.records.journal import read_journal
 from dispatcher.snapshot import build_snapshot
 from ops.stats_view import step_metric_lines
 

@@ -7,11 +7,13 @@ import numpy as np
 import pytest
 
 from core_harness import BUCKETS, TOKENS, Sim, all_job_ids, register, small_lengths
+from common.run.records.events import JobReady, WorkerJoined
+from common.run.records.job_ids import make_job_id, split_job_id
+from common.run.records.journal import read_journal
 from dispatcher.core import DispatcherCore
 from dispatcher.core_types import CoreOptions
-from dispatcher.journal import Journal, read_journal
-from dispatcher.journal_events import JobReady, WorkerJoined
-from dispatcher.ledger import JobLedger, JobState, LedgerError, make_job_id, split_job_id
+from dispatcher.journal import Journal
+from dispatcher.ledger import JobLedger, JobState, LedgerError
 from dispatcher.pool import HSPool
 
 

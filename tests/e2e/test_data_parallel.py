@@ -14,8 +14,8 @@ import re
 import signal
 
 from common import faults
-from dispatcher.journal import read_journal
-from dispatcher.journal_events import MembershipOpened, ModelRolledBack, StepCommitted
+from common.run.records.events import MembershipOpened, ModelRolledBack, StepCommitted
+from common.run.records.journal import read_journal
 from drafter_worker.step_group import GROUP_NEVER_FORMED_EXIT
 from hsd_testing import assert_exactly_once, kill_tree, report, start_hsd, stats, wait_for
 

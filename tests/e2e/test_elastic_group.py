@@ -19,11 +19,11 @@ import psutil
 import pytest
 
 from common import faults
-from common.wire.client import run_id_for
 from common.dataplane.shm_arena import list_segments
+from common.wire.client import run_id_for
 from dflash_run import tiny_run_args
-from dispatcher.journal import read_journal
-from dispatcher.journal_events import ModelRolledBack, StepCommitted, WorkerLeft
+from common.run.records.events import ModelRolledBack, StepCommitted, WorkerLeft
+from common.run.records.journal import read_journal
 from hsd_testing import assert_exactly_once, kill_tree, report, start_hsd, stats, wait_for
 
 CRC_LINE = re.compile(r"(drafter-\d+): weights crc32 ([0-9a-f]{8}) at step (\d+)")

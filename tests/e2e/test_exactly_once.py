@@ -12,13 +12,13 @@ import msgspec
 import pytest
 
 from common import faults
+from common.run.records.events import ModelRolledBack
+from common.run.records.journal import read_journal
+from common.run.records.rundir import STATE_FILE
+from common.run.witness import TrainedJobs, latest_checkpoint, list_models, save_checkpoint
 from common.wire import messages
 from common.wire.client import DispatcherClient, DispatcherUnavailable
 from common.wire.messages import ErrorCode, ProtocolError
-from common.run.witness import TrainedJobs, latest_checkpoint, list_models, save_checkpoint
-from dispatcher.journal import read_journal
-from dispatcher.journal_events import ModelRolledBack
-from dispatcher.rundir import STATE_FILE
 from dispatcher.server import FAIL_CLOSED_EXIT_CODE
 from hsd_testing import hsd, report, running_hsd, sim_args, stats, wait_for_stats
 

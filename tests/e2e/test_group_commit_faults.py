@@ -14,8 +14,8 @@ from __future__ import annotations
 import subprocess
 
 from common import faults
-from dispatcher.journal import read_journal
-from dispatcher.journal_events import MembershipOpened, ModelRolledBack, StepCommitted
+from common.run.records.events import MembershipOpened, ModelRolledBack, StepCommitted
+from common.run.records.journal import read_journal
 from hsd_testing import assert_exactly_once, kill_tree, report, start_hsd, stats, wait_for
 
 

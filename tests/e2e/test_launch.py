@@ -9,10 +9,10 @@ import signal
 import psutil
 
 from common import faults
-from common.wire.client import run_id_for
 from common.dataplane.shm_arena import list_segments
-from dispatcher.journal import read_journal
-from dispatcher.journal_events import JobGivenBack, JobReady, WorkerJoined
+from common.run.records.events import JobGivenBack, JobReady, WorkerJoined
+from common.run.records.journal import read_journal
+from common.wire.client import run_id_for
 from hsd_testing import assert_exactly_once, hsd, report, running_hsd, sim_args, stats, wait_for, wait_for_stats
 
 

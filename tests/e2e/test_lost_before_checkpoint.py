@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import signal
 
-from dispatcher.rundir import STATE_FILE
+from common.run.records.rundir import STATE_FILE
 from hsd_testing import assert_exactly_once, report, running_hsd, sim_args, stats, wait_for, wait_for_stats
 
 

@@ -24,8 +24,8 @@ from hsd_testing import (assert_exactly_once, curve_args, free_port, hsd, kill_t
 
 from common import faults
 from common.dataplane.transport_info import engine_missing
-from dispatcher.journal import read_journal
-from dispatcher.journal_events import MembershipOpened, ModelRolledBack, StepCommitted
+from common.run.records.events import MembershipOpened, ModelRolledBack, StepCommitted
+from common.run.records.journal import read_journal
 
 needs_engine = pytest.mark.skipif(engine_missing() is not None, reason="NIXL is not installed (make install adds it)")
 

@@ -14,8 +14,8 @@ import os
 import signal
 import time
 
-from dispatcher.journal import read_journal
-from dispatcher.journal_events import MembershipOpened
+from common.run.records.events import MembershipOpened
+from common.run.records.journal import read_journal
 from hsd_testing import assert_exactly_once, kill_tree, report, start_hsd, stats, wait_for
 
 WORKER_TIMEOUT_S = 2.0

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from dispatcher.journal import encode_event
-from dispatcher.journal_events import DispatcherStarted, JobReady, ModelRolledBack, StepCommitted, WorkerJoined
+from common.run.records.events import DispatcherStarted, JobReady, ModelRolledBack, StepCommitted, WorkerJoined
+from common.run.records.journal import encode_event
 
 import pytest
 

@@ -6,8 +6,8 @@ import copy
 
 from common.wire.stats_snapshot import EpochView, RankView, Snapshot, WorkerView
 from core_harness import make_core, register
+from common.wire.stats_figures import format_q_hsb, pool_usage
 from dispatcher.snapshot import build_snapshot
-from dispatcher.stats_figures import format_q_hsb, pool_usage
 from ops.stats_view import (CommitRate, WAIT_THRESHOLD, bottleneck_line, eta_line, format_stats, name_bottleneck,
                             remaining_jobs, stage_waits)
 

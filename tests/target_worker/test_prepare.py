@@ -13,7 +13,7 @@ from tiny_tokenizers import save_tiny_tokenizer
 
 from common.run.config import load_config
 from common.run.prepared import LENGTHS_FILE, MANIFEST_FILE, PreparedDataset
-from dispatcher.dataset import load_lengths
+from common.run.records.lengths import load_lengths
 from target_worker.prepare import prepare_dataset
 
 MULTI_TURN = [

@@ -1,4 +1,4 @@
-"""dispatcher/schedule.py: bucketing, fixed token budget, determinism, interleave fairness, persistence."""
+"""common/run/records/schedule.py: bucketing, fixed token budget, determinism, interleave fairness, persistence."""
 
 import json
 import random
@@ -7,9 +7,10 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from dispatcher.fairness import prefix_deviation, prefix_deviation_array, tail_skew
-from dispatcher.schedule import (EpochSchedule, assign_buckets, build_epoch_schedule, count_batches, epoch_seed,
-                                 interleave_order, load_schedule, pairs_batched_again, save_schedule, schedule_path)
+from common.run.records.fairness import prefix_deviation, prefix_deviation_array, tail_skew
+from common.run.records.schedule import (EpochSchedule, assign_buckets, build_epoch_schedule, count_batches, epoch_seed,
+                                         interleave_order, load_schedule, pairs_batched_again, save_schedule,
+                                         schedule_path)
 
 BUCKETS6 = [256, 512, 1024, 2048, 4096, 8192]
 SHARES6 = (0.04, 0.07, 0.10, 0.15, 0.17, 0.47)
@@ -300,3 +301,20 @@ def test_summary_shape(lengths6):
     assert summary["order"] == schedule.bucket_order
     assert len(summary["buckets"]) == 6
     json.dumps(summary)
+
+
+def test_a_schedule_written_before_batching_and_figures_were_recorded_loads_as_fixed(tmp_path, lengths6):
+    schedule = build(lengths6[:500], epoch=2, batching="fixed")
+    path = save_schedule(schedule, tmp_path)
+    meta = json.loads((path / "meta.json").read_text())
+    assert list(meta) == ["epoch", "seed", "order_kind", "batching", "tokens_per_batch", "num_dropped", "num_jobs",
+                          "buckets", "figures"]  # the layout the untyped writer wrote
+    assert meta["buckets"][0] == {"id": 0, "max_len": schedule.buckets[0].max_len,
+                                  "batch_size": schedule.buckets[0].batch_size,
+                                  "num_batches": schedule.buckets[0].num_batches,
+                                  "num_samples": schedule.buckets[0].num_samples}
+    del meta["batching"], meta["figures"]
+    (path / "meta.json").write_text(json.dumps(meta))
+    loaded = load_schedule(tmp_path, 2)
+    assert loaded.batching == "fixed" and loaded.saved_figures is None
+    assert loaded.batches == schedule.batches and loaded.buckets == schedule.buckets

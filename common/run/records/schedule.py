@@ -43,16 +43,17 @@ from functools import cached_property
 from pathlib import Path
 from typing import Sequence, get_args
 
+import msgspec
 import numpy as np
 
 from common.run.config import Batching, Order
 from common.run.durable import atomic_write
-from common.dataplane.slot_layout import max_seqs_per_batch
-from dispatcher.fairness import prefix_deviation_array, tail_skew
+from common.run.records.fairness import prefix_deviation_array, tail_skew
 
 ORDERS = get_args(Order)  # schedule.order's choices, the default first
 BATCHINGS = get_args(Batching)
 SCHEDULE_DIR = "schedule"
+META_FILE = "meta.json"
 # Largest relative change of a length in the within-class order of sorted batching. Larger mixes
 # wider neighbourhoods into a batch each epoch, at the cost of padding: on the lognormal mix of the
 # README, 0.03 keeps 0.28 of the sample pairs batched together from one epoch to the next (0.61 with
@@ -161,11 +162,30 @@ class EpochSchedule:
                 "num_jobs": self.num_jobs, "num_dropped": self.num_dropped, "buckets": [asdict(b) for b in self.buckets],
                 "order": self.bucket_order, **self.figures()}
 
-    def meta(self) -> dict:
-        return {"epoch": self.epoch, "seed": self.seed, "order_kind": self.order_kind, "batching": self.batching,
-                "tokens_per_batch": self.tokens_per_batch, "num_dropped": self.num_dropped,
-                "num_jobs": self.num_jobs, "buckets": [asdict(b) for b in self.buckets],
-                "figures": self.saved_figures or self.figures()}
+    def meta(self) -> ScheduleMeta:
+        return ScheduleMeta(epoch=self.epoch, seed=self.seed, order_kind=self.order_kind, batching=self.batching,
+                            tokens_per_batch=self.tokens_per_batch, num_dropped=self.num_dropped,
+                            num_jobs=self.num_jobs, buckets=self.buckets, figures=self.saved_figures or self.figures())
+
+
+class ScheduleMeta(msgspec.Struct, kw_only=True):
+    """``schedule/epoch-NNNN/meta.json``: what a persisted schedule holds beside its three arrays."""
+
+    epoch: int
+    seed: int
+    order_kind: str
+    batching: str = "fixed"  # schedules written before it was recorded are fixed
+    tokens_per_batch: int
+    num_dropped: int
+    num_jobs: int
+    buckets: tuple[Bucket, ...]
+    figures: dict[str, float] | None = None  # prefix_deviation and tail_skew when it was built
+
+
+def max_seqs_per_batch(tokens_per_batch: int, bucket_max_lens: Sequence[int]) -> int:
+    """Most sequences one batch (and slot) holds: as many as the shortest bucket's fixed batch. A cap
+    rather than what short samples could pack, so a drafter's per-sequence work (anchors) stays bounded."""
+    return tokens_per_batch // bucket_max_lens[0]
 
 
 def pairs_batched_again(first: EpochSchedule, second: EpochSchedule) -> float:
@@ -351,21 +371,20 @@ def save_schedule(schedule: EpochSchedule, run_dir: str | os.PathLike) -> Path:
         for name in _ARRAYS:
             with open(tmp / f"{name}.npy", "wb") as f:
                 np.save(f, getattr(schedule, name))
-        with open(tmp / "meta.json", "w") as f:
-            json.dump(schedule.meta(), f)
+        with open(tmp / META_FILE, "w") as f:  # json, not msgspec: a figure that is NaN stays NaN, as it always was
+            json.dump(msgspec.to_builtins(schedule.meta()), f)
     return atomic_write(path, write_files, durable=True)  # every file fsynced, then both directories
 
 
 def load_schedule(run_dir: str | os.PathLike, epoch: int) -> EpochSchedule | None:
     """The persisted schedule of ``epoch`` (arrays memory-mapped), or None if it was never written."""
     path = schedule_path(run_dir, epoch)
-    if not (path / "meta.json").exists():
+    if not (path / META_FILE).exists():
         return None
-    meta = json.loads((path / "meta.json").read_text())
+    meta = msgspec.convert(json.loads((path / META_FILE).read_text()), ScheduleMeta)
     # Plain ndarray views of the mappings: indexing an np.memmap builds a memmap object per slice or
     # element, several times slower, and the dispatcher slices these on every grant.
     arrays = {name: np.load(path / f"{name}.npy", mmap_mode="r").view(np.ndarray) for name in _ARRAYS}
-    return EpochSchedule(epoch=meta["epoch"], seed=meta["seed"], order_kind=meta["order_kind"],
-                         tokens_per_batch=meta["tokens_per_batch"], num_dropped=meta["num_dropped"],
-                         buckets=tuple(Bucket(**b) for b in meta["buckets"]), saved_figures=meta.get("figures"),
-                         batching=meta.get("batching", "fixed"), **arrays)
+    return EpochSchedule(epoch=meta.epoch, seed=meta.seed, order_kind=meta.order_kind,
+                         tokens_per_batch=meta.tokens_per_batch, num_dropped=meta.num_dropped, buckets=meta.buckets,
+                         saved_figures=meta.figures, batching=meta.batching, **arrays)

@@ -1,8 +1,8 @@
-"""dispatcher/fairness.py: prefix deviation and tail skew on hand-computed sequences."""
+"""common/run/records/fairness.py: prefix deviation and tail skew on hand-computed sequences."""
 
 import pytest
 
-from dispatcher.fairness import bucket_totals, prefix_deviation, tail_skew
+from common.run.records.fairness import bucket_totals, prefix_deviation, tail_skew
 
 
 @pytest.mark.parametrize("order, expected", [
@@ -85,7 +85,7 @@ def test_incremental_tracker_equals_the_full_pass():
     totals = {0: 30, 1: 50, 2: 20}
     order = [b for b, n in totals.items() for _ in range(n)]
     rng.shuffle(order)
-    from dispatcher.fairness import PrefixDeviation
+    from common.run.records.fairness import PrefixDeviation
     tracker = PrefixDeviation(totals)
     for t, bucket in enumerate(order, start=1):
         tracker.add(bucket)
@@ -94,7 +94,7 @@ def test_incremental_tracker_equals_the_full_pass():
 
 def test_add_many_matches_adding_one_at_a_time():
     import random
-    from dispatcher.fairness import PrefixDeviation
+    from common.run.records.fairness import PrefixDeviation
     rng = random.Random(5)
     totals = {0: 40, 1: 25, 2: 7}
     for _ in range(50):
@@ -139,7 +139,7 @@ def test_tracker_equals_measuring_every_bucket_after_every_job_through_give_back
     """The tracker settles each bucket's extremes as its jobs come instead of measuring every bucket
     every time: the same figure exactly, give-backs (which break the extremes' order) and runs included."""
     import random
-    from dispatcher.fairness import PrefixDeviation
+    from common.run.records.fairness import PrefixDeviation
     rng = random.Random(11)
     for trial in range(300):
         totals = {b: rng.randint(1, 60) for b in range(rng.randint(1, 6))}

@@ -1,4 +1,4 @@
-"""dispatcher/dataset.py: lengths files, prepared datasets checked whole, the synthetic length mix,
+"""common/run/records/lengths.py: lengths files, prepared datasets checked whole, the synthetic length mix,
 and the samples too long for the schedule."""
 
 from collections import Counter
@@ -8,9 +8,9 @@ from prepared_data import write_prepared
 
 from common.run.config import load_config
 from common.run.prepared import DataError
-from dispatcher.dataset import (SYNTHETIC_SHARES, DatasetError, load_lengths, read_lengths_file,
-                                synthetic_lengths, too_long_line, too_long_samples)
-from dispatcher.schedule import assign_buckets
+from common.run.records.lengths import (SYNTHETIC_SHARES, DatasetError, load_lengths, read_lengths_file,
+                                        synthetic_lengths, too_long_line, too_long_samples)
+from common.run.records.schedule import assign_buckets
 
 
 def test_read_lengths_file(tmp_path):

@@ -1,4 +1,5 @@
-"""The run journal's events, one struct per kind (``dispatcher/journal.py`` writes and reads them).
+"""The run journal's events, one struct per kind (``dispatcher/journal.py`` writes them, ``journal.py`` here
+reads them).
 
 A line's JSON is the struct's fields in the order below after its kind (``"ev"``, the tag): the
 shape the journal had when its lines were built from keyword arguments, so journals written before
@@ -144,6 +145,6 @@ def kind_of(cls: type[Event]) -> str:
 
 
 # The kinds the dispatcher records durably (an acknowledgement waits on them) and a restart or the
-# report's exactly-once count reads back: a damaged one is never skipped (dispatcher/journal.py).
+# report's exactly-once count reads back: a damaged one is never skipped (common/run/records/journal.py).
 KINDS_A_RESTART_NEEDS: frozenset[str] = frozenset(kind_of(cls) for cls in (
     DispatcherStarted, EpochStarted, EpochCommitted, StepCommitted, ModelRolledBack, Checkpointed))

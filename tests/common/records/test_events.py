@@ -1,4 +1,4 @@
-"""dispatcher/journal_events.py: every kind of event survives the journal, whole or with its defaults."""
+"""common/run/records/events.py: every kind of event survives the journal, whole or with its defaults."""
 
 import json
 import math
@@ -7,10 +7,11 @@ import zlib
 import msgspec
 import pytest
 
-from dispatcher.journal import JOURNAL_NAME, Journal, decode_event, encode_event, intact_body, read_journal
-from dispatcher.journal_events import (EVENT_TYPES, KINDS, Checkpointed, DispatcherStarted, DispatcherStopped,
+from common.run.records.events import (EVENT_TYPES, KINDS, Checkpointed, DispatcherStarted, DispatcherStopped,
                                        EpochCommitted, EpochStarted, JobConsumed, JobGivenBack, JobReady,
                                        MembershipOpened, ModelRolledBack, StepCommitted, WorkerJoined, WorkerLeft)
+from common.run.records.journal import JOURNAL_NAME, decode_event, encode_event, intact_body, read_journal
+from dispatcher.journal import Journal
 
 # one of each kind with every field away from its default, so each field is written and read back
 FULL = [
