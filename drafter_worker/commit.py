@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from common.wire import messages
 from common.wire.messages import ErrorCode, ProtocolError
@@ -35,7 +35,10 @@ from common.worker.gpu_health import ReportingSession
 from common.worker.runtime import CALL_TIMEOUT_S, NoReply, WorkerLost, resend_until_answered
 from drafter_worker.checkpointing import Checkpoints
 from drafter_worker.step_group import (ABORTED, COMMITTED, PENDING, REFUSED, CollectiveFailed, DrafterState,
-                                       RankRound, RoundEnd)
+                                       LoneGroup, RankRound, RoundEnd)
+
+if TYPE_CHECKING:
+    from drafter_worker.elastic_group import ElasticGroup
 
 log = logging.getLogger("hsd.drafter")
 
@@ -59,7 +62,8 @@ class StepCommits:
     ``checkpoints``, and a step kept across a dispatcher restart goes in ``state``. ``stopping``:
     whether the drafter was asked to stop; ``fault``: a test's kill point (:mod:`common.faults`)."""
 
-    def __init__(self, *, name: str, session: ReportingSession, backend: DrafterBackend, group: Any,
+    def __init__(self, *, name: str, session: ReportingSession, backend: DrafterBackend,
+                 group: LoneGroup | ElasticGroup,
                  state: DrafterState, checkpoints: Checkpoints, stopping: Callable[[], bool],
                  fault: Callable[[str], None]):
         self.name, self.session, self.backend, self.group = name, session, backend, group

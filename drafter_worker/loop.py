@@ -53,7 +53,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -73,6 +73,9 @@ from drafter_worker.checkpointing import Checkpoints
 from drafter_worker.commit import StepCommits
 from drafter_worker.step_group import (GROUP_NEVER_FORMED_EXIT, LEAVE, NEXT_VERSION, RUN_DONE, DrafterState,
                                        GroupNeverFormed, LoneGroup, RankRound, RoundEnd)
+
+if TYPE_CHECKING:
+    from drafter_worker.elastic_group import ElasticGroup
 
 log = logging.getLogger("hsd.drafter")
 
@@ -100,10 +103,11 @@ class DrafterLoop(WorkerLoop):
         self.read_s = 0.0  # time spent copying slots out (benchmarks read it)
         self._kill_at = faults.kills_armed()  # test-only (common.faults): kill_at points of a rank with peers
         parts = dict(name=name, session=self.session, backend=backend, state=self.state, clock=self.clock)
+        self.group: LoneGroup | ElasticGroup
         if grouped:
             from drafter_worker.elastic_group import ElasticGroup  # torch.distributed: only a rank loads it
-            self.group: Any = ElasticGroup(drafter, checkpoints=self.checkpoints, stopping=lambda: self.stopping,
-                                           rendezvous=rendezvous, control_endpoint=address.endpoint, **parts)
+            self.group = ElasticGroup(drafter, checkpoints=self.checkpoints, stopping=lambda: self.stopping,
+                                      rendezvous=rendezvous, control_endpoint=address.endpoint, **parts)
         else:
             self.group = LoneGroup(**parts)
         self.commits = StepCommits(name=name, session=self.session, backend=backend, group=self.group,
