@@ -11,7 +11,7 @@ its weights saw.
 from __future__ import annotations
 
 import os
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from common.dataplane.slots import SlotBatch, SlotView
 from common.run.witness import CheckpointSnapshot
@@ -36,6 +36,7 @@ class TargetBackend(Protocol):
         is complete on return; else the write still in flight, which the loop completes before reporting."""
 
 
+@runtime_checkable
 class DrafterBackend(Protocol):
     """What the drafter loop (:mod:`drafter_worker.loop`) asks of a model it trains, every member
     required: a lone drafter and a rank of a data-parallel group use the same ones (a model that
