@@ -17,9 +17,9 @@ from benchmarks.transport_workers import (POLL_MS, BenchSpec, Meter, _errors_to,
 from common.run.config import Config
 from common.wire import messages
 from drafter_worker.loop import DrafterLoop
+from drafter_worker.sim import WitnessModel
 from common.dataplane.slots import SlotBatch, SlotHeader, SlotView
 from target_worker.loop import TargetLoop
-from common.run.witness import TrainedJobs, save_checkpoint
 from common.worker.runtime import DispatcherAddress, WorkerSession
 
 
@@ -35,6 +35,7 @@ class BenchTarget:
     without moving data."""
 
     contract = None
+    device = None
 
     def __init__(self, spec: BenchSpec, write_hs: bool):
         self.src = _scratch_slot(spec.layout)
@@ -52,17 +53,13 @@ class BenchTarget:
         slot.write_header(header)
 
 
-class BenchDrafter:
+class BenchDrafter(WitnessModel):
     """Counts the bytes the loop copied out (:class:`Meter`) and where the time between two
     micro-batches went: the copy (the loop's ``read_s``) or the control plane (the rest). Its model
     state is a real witness, as a drafter's is; it asks the loop to stop once the window is measured."""
 
-    contract = None
-
     def __init__(self, spec: BenchSpec, model_id: str):
-        self.model_id = model_id
-        self.step = 0
-        self.trained = TrainedJobs()
+        super().__init__(model_id)
         self.meter = Meter(spec)
         self.row_bytes = spec.layout.row_width * spec.layout.itemsize
         self.loop: DrafterLoop | None = None
@@ -97,9 +94,6 @@ class BenchDrafter:
     def drop_step(self) -> None:
         self._window = []
 
-    def save_checkpoint(self, run_dir: Any) -> None:
-        save_checkpoint(run_dir, self.model_id, self.step, self.trained)
-
     def result(self) -> dict[str, float]:
         result = self.meter.result()
         result.update(copy_gbps=self.meter.num_bytes / self.copy_s / 1e9,
@@ -112,7 +106,7 @@ def shm_target(config: Config, spec: BenchSpec, write_hs: bool, stop: Any, resul
     target_credits allows two slots), until stopped."""
     _init_process()
     with _errors_to(results):
-        loop = TargetLoop(config, "bench-target", BenchTarget(spec, write_hs), external_stop=stop)
+        loop = TargetLoop.from_config(config, "bench-target", BenchTarget(spec, write_hs), external_stop=stop)
         loop.poll_ms = POLL_MS
         loop.run()
 
@@ -123,7 +117,7 @@ def shm_drafter(config: Config, spec: BenchSpec, stop: Any, results: Any) -> Non
     _init_process()
     with _errors_to(results):
         backend = BenchDrafter(spec, "bench-drafter")
-        loop = DrafterLoop(config, "bench-drafter", backend, external_stop=stop)
+        loop = DrafterLoop.from_config(config, "bench-drafter", backend, external_stop=stop)
         backend.loop = loop
         loop.run()
         results.put(backend.result())

@@ -30,7 +30,7 @@ def anchor_seed(run_seed: int, job_id: int) -> int:
 
 
 class DFlashBackend(TrainerBackend):
-    """A :class:`common.worker.backends.GroupDrafterBackend` training a DFlash drafter with :class:`DFlashTrainer`."""
+    """A :class:`common.worker.backends.DrafterBackend` training a DFlash drafter with :class:`DFlashTrainer`."""
 
     section = "dflash"
     train_config_class = DFlashTrainConfig

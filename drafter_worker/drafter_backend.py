@@ -73,7 +73,7 @@ def default_device(drafter: DrafterSection) -> torch.device:
 
 
 class TrainerBackend:
-    """A :class:`common.worker.backends.GroupDrafterBackend` around a
+    """A :class:`common.worker.backends.DrafterBackend` around a
     :class:`drafter_worker.recipe.AccumulatingTrainer`. A subclass sets the class attributes below
     and may override the hooks (``_resolve_section``, ``_trainer_extras``, ``_seed_job``,
     ``_servable_config``).
@@ -88,6 +88,7 @@ class TrainerBackend:
     export_config: Any  # staticmethod: the servable config.json of a model config and dtype
     target_use: str  # why it needs target.model (the error when it is not set)
     log: logging.Logger  # its step lines' logger
+    verifies_slots = False  # trains on what it reads, checks none of it
 
     def __init__(self, model_id: str, *, training: TrainingRecipe, target: TargetSection, drafter: DrafterSection,
                  run: RunSection, data: DataSection, device: str | torch.device | None = None,

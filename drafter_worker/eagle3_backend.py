@@ -46,7 +46,7 @@ def draft_vocab_of_dataset(data_path: str, vocab_size: int, draft_vocab: int) ->
 
 
 class Eagle3Backend(TrainerBackend):
-    """A :class:`common.worker.backends.GroupDrafterBackend` training an EAGLE-3 drafter with :class:`Eagle3Trainer`."""
+    """A :class:`common.worker.backends.DrafterBackend` training an EAGLE-3 drafter with :class:`Eagle3Trainer`."""
 
     section = "eagle3"
     train_config_class = Eagle3TrainConfig

@@ -61,14 +61,19 @@ import psutil
 import torch
 
 from common import faults
+from common.run.config import DrafterSection
 from common.wire import messages
 from common.wire.messages import ErrorCode, ProtocolError
+from common.worker.backends import DrafterBackend
+from common.worker.gpu_health import ReportingSession
 from common.worker.runtime import CALL_TIMEOUT_S, DispatcherGone, NoReply, WorkerLost
 from drafter_worker.busy_clock import BusyClock
+from drafter_worker.checkpointing import Checkpoints
 from drafter_worker.process_group import CollectiveFailed, RendezvousIncomplete, StepGroup, VersionEnded
 from drafter_worker.rendezvous import RendezvousServer
 from drafter_worker.state_transfer import StateTransferFailed, receive_state, send_state
-from drafter_worker.step_group import ABORTED, COMMITTED, NEXT_VERSION, GroupNeverFormed, RankRound
+from drafter_worker.step_group import (ABORTED, COMMITTED, NEXT_VERSION, PENDING, DrafterState, GroupNeverFormed,
+                                       RankRound, RoundEnd)
 
 log = logging.getLogger("hsd.drafter")
 
@@ -76,23 +81,24 @@ JOIN_POLL_MS = 1000
 
 
 class ElasticGroup:
-    lone = False
-
-    def __init__(self, loop: Any):
-        config = loop.config
-        if not config.drafter.grouped:
+    def __init__(self, section: DrafterSection, *, name: str, session: ReportingSession, backend: DrafterBackend,
+                 state: DrafterState, clock: BusyClock, checkpoints: Checkpoints, stopping: Callable[[], bool],
+                 rendezvous: str, control_endpoint: str):
+        """``section``: the drafter's; ``rendezvous``: file or tcp (the run's, resolved), the store of a
+        tcp one found towards ``control_endpoint``; ``stopping``: whether this rank was asked to stop."""
+        if not section.grouped:
             raise ValueError("a data-parallel drafter needs drafter.data_parallel=true and drafter.count > 1 "
                              "or drafter.max_ranks > 1")
-        section = config.drafter
-        self.loop = loop
+        self.section, self.name, self.session, self.backend = section, name, session, backend
+        self.state, self.clock, self.checkpoints, self.stopping = state, clock, checkpoints, stopping
         self.spec = messages.GroupClaim(size=section.group_size, min_ranks=section.min_ranks,
                                         max_ranks=section.max_ranks, balance=section.step_balance,
                                         accum_steps=section.accum_steps, elastic_batch=section.elastic_batch)
         self.timeout_s = section.collective_timeout_s
         self.group_wait_s = section.group_wait_s
         # drafter.rendezvous=tcp: the store this rank hosts for the versions whose rank 0 it is
-        self.rendezvous = (RendezvousServer.for_rank(section, control_endpoint=config.control_endpoint)
-                           if config.group_rendezvous == "tcp" else None)
+        self.rendezvous = (RendezvousServer.for_rank(section, control_endpoint=control_endpoint)
+                           if rendezvous == "tcp" else None)
         self.group: StepGroup | None = None
         self.membership: messages.Membership | None = None  # the version this rank trains in
         self.rank, self.world_size = -1, 0
@@ -124,43 +130,46 @@ class ElasticGroup:
         # a poll names its version: one sent before a change is answered group_changed
         return self.version
 
+    @staticmethod
+    def registered(reply: messages.RegisterReply) -> None:
+        """A rank's step matters only when its version opens (a live rank's state may replace it)."""
+
     def start(self, registration: messages.RegisterReply) -> None:
         self._after, self._failed, self._waiting_since = 0, False, time.monotonic()
 
     def run_version(self, train: Callable[[], str]) -> str:
         """Join the next version, open its group (taking the state when it says so), train in it."""
-        loop = self.loop
         self.membership = self._join_group(after=self._after, failed=self._failed, started=self._waiting_since)
         version = self.version
         self.rank, self.world_size = self.membership.rank, self.membership.world_size
-        loop.accum = loop.config.drafter.rank_accum_steps(rank=self.rank, world_size=self.world_size)
-        loop.session.held.clear()  # what the last version held went back when it ended
+        self.state.accum = self.section.rank_accum_steps(rank=self.rank, world_size=self.world_size)
+        self.session.held.clear()  # what the last version held went back when it ended
         self.num_versions += 1
         try:
             self.group = self._open_group(self._waiting_since)
             self._waiting_since = time.monotonic()
             if self.membership.transfer:
                 self._transfer()
-            loop.clock.reset()  # rounds are counted per version: every rank of it counts the same ones
+            self.clock.reset()  # rounds are counted per version: every rank of it counts the same ones
             self._round_seq, self._rank_jobs = 0, {}
             self._step_started = time.perf_counter()
             ended = train()
             self._failed = False
         except CollectiveFailed as exc:
-            log.warning("%s: membership %d failed: %s", loop.name, version, exc)
+            log.warning("%s: membership %d failed: %s", self.name, version, exc)
             ended, self._failed = NEXT_VERSION, True
         except StateTransferFailed as exc:
             # the state it holds may be half loaded: back to its checkpoint, then in line as a joiner
-            log.warning("%s: membership %d: the state transfer failed (%s); registering again", loop.name,
+            log.warning("%s: membership %d: the state transfer failed (%s); registering again", self.name,
                         version, exc)
             self.close()
             if self.rank != self.membership.source:
-                loop.reload()
+                self.checkpoints.reload()
             raise WorkerLost(f"state transfer of membership {version} failed") from None
         except ProtocolError as exc:
             if exc.code != ErrorCode.GROUP_CHANGED:
                 raise
-            log.info("%s: membership %d ended: %s", loop.name, version, exc.message)
+            log.info("%s: membership %d ended: %s", self.name, version, exc.message)
             ended, self._failed = NEXT_VERSION, False
         finally:
             self.close()
@@ -169,32 +178,31 @@ class ElasticGroup:
 
     def _join_group(self, *, after: int, failed: bool, started: float) -> messages.Membership:
         """The next version that names this rank, asked for until ``drafter.group_wait_s`` is spent."""
-        loop = self.loop
         while True:
-            if loop.stopping:
+            if self.stopping():
                 raise WorkerLost("asked to stop while waiting for a membership")
-            reply = loop.session.call(messages.JoinGroup(wait_ms=JOIN_POLL_MS, after=after, step=loop.backend.step,
+            reply = self.session.call(messages.JoinGroup(wait_ms=JOIN_POLL_MS, after=after, step=self.backend.step,
                                                          failed=failed),
                                       timeout_s=JOIN_POLL_MS / 1000 + CALL_TIMEOUT_S)
             failed = False  # said once is enough
             if reply.group is not None:
                 return reply.group
             if reply.reload is not None:  # no live rank holds the state: a newer checkpoint does
-                held = loop.backend.step
-                loop.reload()  # the checkpoint being written, if any, is published first
+                held = self.backend.step
+                self.checkpoints.reload()  # the checkpoint being written, if any, is published first
                 log.info("%s: no live rank holds model %s's state; loaded its checkpoint at step %d (held %d)",
-                         loop.name, loop.backend.model_id, loop.backend.step, held)
+                         self.name, self.backend.model_id, self.backend.step, held)
             waited_s = time.monotonic() - started
             if waited_s > self.group_wait_s:
                 raise GroupNeverFormed(
-                    f"model {loop.backend.model_id}: no membership to train in within drafter.group_wait_s="
+                    f"model {self.backend.model_id}: no membership to train in within drafter.group_wait_s="
                     f"{self.group_wait_s:g}s (drafter.count="
                     f"{self.spec.size}, min_ranks={self.spec.min_ranks}; waited {waited_s:.0f}s); this rank "
                     f"gives up, holding no jobs")
 
     def _still_current(self, version: int) -> bool:
         try:
-            reply = self.loop.session.call(messages.JoinGroup(wait_ms=0, after=version, step=self.loop.backend.step))
+            reply = self.session.call(messages.JoinGroup(wait_ms=0, after=version, step=self.backend.step))
         except NoReply:
             return True  # the dispatcher is restarting: the rendezvous' own bound still holds
         return reply.group is None and reply.membership == version
@@ -206,7 +214,7 @@ class ElasticGroup:
         ended: the wait ends (VersionEnded) rather than at ``drafter.collective_timeout_s``. A
         refused heartbeat (this rank was declared dead while it was paused, or the dispatcher
         restarted) ends it too: the rank registers again (WorkerLost)."""
-        channel = self.loop.session.channel
+        channel = self.session.channel
         answered_before, _ = channel.beat_answer()
         rank = self.rank
 
@@ -220,27 +228,27 @@ class ElasticGroup:
         return check
 
     def _open_group(self, waiting_since: float) -> StepGroup:
-        m, loop = self.membership, self.loop
+        m = self.membership
         left_s = self.group_wait_s - (time.monotonic() - waiting_since)
         try:
             return StepGroup(store=m.store, server=self.rendezvous, rank=self.rank, world_size=m.world_size,
                              version=m.membership, timeout_s=self.timeout_s,
-                             max_jobs=loop.config.drafter.exchange_width(m.world_size),
-                             device=getattr(loop.backend, "device", "cpu"),
+                             max_jobs=self.section.exchange_width(m.world_size),
+                             device=self.backend.device or "cpu",
                              rendezvous_timeout_s=min(self.timeout_s, max(left_s, 1.0)),
                              still_current=lambda: self._still_current(m.membership),
                              watch=lambda: self._collective_watch(m.membership))
         except RendezvousIncomplete as exc:
             if left_s > 0:
                 raise
-            raise GroupNeverFormed(f"model {loop.backend.model_id}: {exc.arrived} of {m.world_size} ranks came "
+            raise GroupNeverFormed(f"model {self.backend.model_id}: {exc.arrived} of {m.world_size} ranks came "
                                    f"to the rendezvous of membership {m.membership} within drafter.group_wait_s="
                                    f"{self.group_wait_s:g}s; rank {self.rank} gives up, holding no jobs") from None
 
     def _transfer(self) -> None:
         """Rank 0 sends its state; every other rank takes it when it holds another step, and checks it."""
         assert self.group is not None
-        loop, backend = self.loop, self.loop.backend
+        backend = self.backend
         started = time.perf_counter()
         group, step = self.group, self.membership.step
         device = group.device
@@ -249,7 +257,7 @@ class ElasticGroup:
                 raise StateTransferFailed(f"the source holds step {backend.step}, the membership says {step}")
             sent = send_state(backend.live_state(), step=step, checksum=backend.weights_checksum(),
                               broadcast=group.broadcast_tensor, device=device)
-            log.info("%s: sent the state of step %d (%.1f MB) to membership %d in %.2fs", loop.name, step,
+            log.info("%s: sent the state of step %d (%.1f MB) to membership %d in %.2fs", self.name, step,
                      sent / 1e6, self.version, time.perf_counter() - started)
             return
         state, sent_step, checksum = receive_state(broadcast=group.broadcast_tensor, device=device)
@@ -257,11 +265,54 @@ class ElasticGroup:
             raise StateTransferFailed(f"received the state of step {sent_step}, the membership says {step}")
         if backend.step != step:
             backend.load_live_state(state)
-            loop.checkpointed_step = step  # a checkpoint at least this recent exists, written by the group
+            self.state.checkpointed_step = step  # a checkpoint at least this recent exists, written by the group
         if backend.step != step or backend.weights_checksum() != checksum:
             raise StateTransferFailed(f"the state of step {step} does not match its checksum after loading")
-        log.info("%s: took the state of step %d from rank %d in %.2fs (weights crc32 %08x)", loop.name, step,
+        log.info("%s: took the state of step %d from rank %d in %.2fs (weights crc32 %08x)", self.name, step,
                  self.membership.source, time.perf_counter() - started, checksum)
+
+    # -- what a rank whose peers wait for it does ---------------------------------------------
+    @staticmethod
+    def carries_consumed(job: messages.Job | None, done: bool) -> bool:
+        """A rank's consumed goes on its own, acknowledged before its rank 0 commits."""
+        return False
+
+    @staticmethod
+    def leave(drop_partial_step: Callable[[], None]) -> None:
+        """Asked to stop, a rank brings its partial step to a last round with its peers."""
+
+    @staticmethod
+    def reports_before_round(reports: list[int], collect: Callable[..., list[int]]) -> list[int]:
+        """Rank 0 commits these jobs: every one consumed at the dispatcher before it does."""
+        return collect(reports, wait=True)
+
+    @staticmethod
+    def settles_now(*, no_job: bool, flush: bool, done: bool, answered: Callable[[], bool]) -> bool:
+        """The peers wait for the outcome: settled at once."""
+        return True
+
+    @staticmethod
+    def resends_commit(stopping: bool) -> bool:
+        """The peers wait for the outcome: sent again while dispatcher.reconnect_s allows."""
+        return True
+
+    @staticmethod
+    def unanswered_commit(exc: Exception, step: int, stopping: bool) -> int:
+        """Rank 0's peers wait for an outcome, so every end is one: no dispatcher (NoReply past
+        dispatcher.reconnect_s), or an error: ABORTED; a dispatcher that forgot us: PENDING (every
+        rank registers again, asking)."""
+        return ABORTED if isinstance(exc, (NoReply, ProtocolError)) else PENDING
+
+    @staticmethod
+    def after_refusal(rounds: list[RankRound], after: int) -> RoundEnd | None:
+        """A refused step: the group goes on with its next round."""
+        return None
+
+    @staticmethod
+    def idle_round(stepped: bool) -> bool:
+        """Whether a round may save and end the run on a ``flush``/``done``: one that holds no jobs
+        (the one after the group's last step)."""
+        return not stepped
 
     # -- a round --------------------------------------------------------------------------------
     def await_local_compute(self) -> None:
@@ -269,20 +320,19 @@ class ElasticGroup:
         assert self.group is not None
         self.group.await_local_compute()
 
-    def measure_round(self, clock: BusyClock, step: int, window: list[int]) -> tuple[int, float]:
+    def measure_round(self, step: int, window: list[int]) -> tuple[int, float]:
         """The compute time of this rank's latest round whose work completed (on a GPU: an earlier
         one), with that round's number: every rank of the version counts the same rounds."""
         self._round_seq += 1
-        clock.close_step(self._round_seq)
-        return ([(0, 0.0)] + clock.completed())[-1]
+        self.clock.close_step(self._round_seq)
+        return ([(0, 0.0)] + self.clock.completed())[-1]
 
     def exchange(self, mine: RankRound) -> list[RankRound]:
         assert self.group is not None
         return self.group.exchange(mine)
 
-    @staticmethod
-    def sync_gradients(backend: Any, all_reduce: Callable[[torch.Tensor], None]) -> None:
-        backend.sync_gradients(all_reduce)
+    def sync_gradients(self, all_reduce: Callable[[torch.Tensor], None]) -> None:
+        self.backend.sync_gradients(all_reduce)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         assert self.group is not None
@@ -329,42 +379,40 @@ class ElasticGroup:
         """Whether the step on ``job_ids`` committed, asked of the dispatcher when rank 0's outcome
         never came. The gradients summed already are the group's, so a committed step is applied
         here as on every rank; the answer is final (the version ends as the dispatcher answers)."""
-        loop = self.loop
-        step = loop.backend.step + 1
+        step = self.backend.step + 1
         try:
-            reply = loop.session.call_until_answered(messages.StepOutcome(model=loop.backend.model_id, step=step,
+            reply = self.session.call_until_answered(messages.StepOutcome(model=self.backend.model_id, step=step,
                                                                           job_ids=job_ids, membership=self.version))
         except (ProtocolError, WorkerLost, DispatcherGone) as exc:
             log.warning("%s: no outcome of step %d from rank 0, and the dispatcher could not say (%s): "
-                        "dropped", loop.name, step, exc)
+                        "dropped", self.name, step, exc)
             return False
-        log.info("%s: rank 0 sent no outcome of step %d; the dispatcher says it %s", loop.name, step,
+        log.info("%s: rank 0 sent no outcome of step %d; the dispatcher says it %s", self.name, step,
                  "committed: applied" if reply.committed else "did not commit: dropped")
         return reply.committed
 
     def applied(self, job_ids: list[int], metrics: dict[str, Any], *, busy_s: float, wait_s: float) -> None:
-        loop, backend = self.loop, self.loop.backend
+        backend = self.backend
         now = time.perf_counter()
         step_s, self._step_started = now - self._step_started, now
         self.sync_wait_s += wait_s
         self.step_wall_s += step_s
         self.num_applied += 1
         log.info("%s: step %d  rank %d/%d  membership %d  %d micro-batches  loss %.4f  all-reduce wait %.1f ms "
-                 "(%.0f%% of %.0f ms)", loop.name, backend.step, self.rank, self.world_size, self.version,
+                 "(%.0f%% of %.0f ms)", self.name, backend.step, self.rank, self.world_size, self.version,
                  len(job_ids), metrics.get("loss", float("nan")), 1000 * wait_s, 100 * wait_s / max(step_s, 1e-9),
                  1000 * step_s)
         if self.num_applied == 1:
             started = psutil.Process().create_time()
-            log.info("%s: first step %d applied %.1fs after the process started", loop.name, backend.step,
+            log.info("%s: first step %d applied %.1fs after the process started", self.name, backend.step,
                      time.time() - started)
         if self._log_checksums:
-            log.info("%s: weights crc32 %08x at step %d", loop.name, backend.weights_checksum(), backend.step)
+            log.info("%s: weights crc32 %08x at step %d", self.name, backend.weights_checksum(), backend.step)
 
     def run_complete(self) -> None:
-        loop = self.loop
         log.info("%s: run complete, rank %d, model %s at step %d (%d memberships, %d steps dropped, "
-                 "all-reduce wait %.1f%% of step time)", loop.name, self.rank, loop.backend.model_id,
-                 loop.backend.step, self.num_versions, loop.num_dropped_steps, 100 * self.sync_wait_share)
+                 "all-reduce wait %.1f%% of step time)", self.name, self.rank, self.backend.model_id,
+                 self.backend.step, self.num_versions, self.state.num_dropped_steps, 100 * self.sync_wait_share)
 
     def close(self) -> None:
         if self.group is not None:

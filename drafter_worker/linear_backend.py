@@ -34,6 +34,8 @@ LABEL_MODULUS = 16
 
 class LinearDrafter:
     contract = None
+    device = None  # the CPU, whatever the transport: its slots are copied where their kind says
+    verifies_slots = False
 
     def __init__(self, model_id: str, *, drafter: DrafterSection, target: TargetSection, seed: int,
                  lr: float = 0.05):
@@ -55,6 +57,13 @@ class LinearDrafter:
         self.local_loss_sum = 0.0
         self._step_total: float | None = None  # the group's weight total, once gradients were all-reduced
         self._step_loss: float | None = None
+        self.last_metrics: dict[str, float] = {}  # its step figures stay out of the journal (apply_step returns them)
+
+    def adopt_registration(self, reply: messages.RegisterReply) -> None:
+        """Plain SGD at a fixed rate: no schedule to size."""
+
+    def close(self) -> None:
+        """Nothing was opened."""
 
     @property
     def parameters(self) -> list[torch.nn.Parameter]:

@@ -4,8 +4,11 @@ One loop for a lone drafter and for a rank of a data-parallel group: a lone draf
 one. The group-specific parts (membership versions, rendezvous, the job exchange, the gradient sum,
 the outcome's broadcast, state transfer) are its *step group* (:mod:`drafter_worker.step_group`:
 :class:`~drafter_worker.step_group.LoneGroup`, which opens nothing, and
-:class:`~drafter_worker.elastic_group.ElasticGroup`); the commit and its outcome are one path
-(:mod:`drafter_worker.commit`), checkpoints another (:mod:`drafter_worker.checkpointing`).
+:class:`~drafter_worker.elastic_group.ElasticGroup`); the commit and its outcome are one object
+(:class:`drafter_worker.commit.StepCommits`), checkpoints another
+(:class:`drafter_worker.checkpointing.Checkpoints`). The loop builds them, each given what it uses
+(the session, the backend, the drafter section, the :class:`~drafter_worker.step_group.DrafterState`
+they share), and none sees the loop.
 
 The handshake with the dispatcher (protocol v3), in the order the loop keeps:
 
@@ -28,7 +31,8 @@ The handshake with the dispatcher (protocol v3), in the order the loop keeps:
   when acknowledged, or drops it when refused (its jobs leave the held set, so the dispatcher gives
   them back). No answer → the same commit again (it is idempotent).
 - what differs between a lone drafter and a rank is explicit and small, and comes from one fact: a
-  rank's peers wait for it, a lone drafter's do not. So a lone drafter sends its commit and copies
+  rank's peers wait for it, a lone drafter's do not. The step group says each (the loop asks it,
+  never which one it is). So a lone drafter sends its commit and copies
   its next slot while it is in flight (it settles it before the next micro-batch); it leaves its
   commit pending when the dispatcher restarts, and settles it when it registers again
   (:mod:`drafter_worker.commit`); asked to stop it drops its partial step and stops, where a rank
@@ -47,14 +51,15 @@ The handshake with the dispatcher (protocol v3), in the order the loop keeps:
 from __future__ import annotations
 
 import logging
+import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from common import faults
 from common.run.checkpoint_writer import CheckpointWriter
-from common.run.config import Config
+from common.run.config import Config, DispatcherSection, DrafterSection
 from common.dataplane.cuda_ipc import PeerMappingError
 from common.wire import messages
 from common.wire.messages import ErrorCode, ProtocolError
@@ -62,50 +67,58 @@ from common.dataplane.slots import SlotBatch, StaleSlotError
 from common.dataplane.transport import DrafterTransport, open_drafter_transport
 from common.worker.backends import DrafterBackend
 from common.worker.loop import WorkerLoop
-from common.worker.runtime import DispatcherGone, WorkerLost, WorkerUnusable
+from common.worker.runtime import DispatcherAddress, DispatcherGone, WorkerLost, WorkerUnusable
 from drafter_worker.busy_clock import BusyClock
 from drafter_worker.checkpointing import Checkpoints
-from drafter_worker.commit import StepCommits, StepInFlight
-from drafter_worker.step_group import (GROUP_NEVER_FORMED_EXIT, LEAVE, NEXT_VERSION, RUN_DONE, GroupNeverFormed,
-                                       LoneGroup, RankRound)
+from drafter_worker.commit import StepCommits
+from drafter_worker.step_group import (GROUP_NEVER_FORMED_EXIT, LEAVE, NEXT_VERSION, RUN_DONE, DrafterState,
+                                       GroupNeverFormed, LoneGroup, RankRound, RoundEnd)
+
+if TYPE_CHECKING:
+    from drafter_worker.elastic_group import ElasticGroup
 
 log = logging.getLogger("hsd.drafter")
 
-# A micro-batch at least this long hides a get_hs round trip (0.1-1 ms between two processes, a few
-# ms at the tail on a loaded two-core host): its poll can wait until the slot is copied out and
-# carry the consumed report. A shorter one (a drafter that computes nothing) keeps its poll in flight
-# during the copy instead, or it would wait a round trip for every slot.
-CARRY_MIN_COMPUTE_S = 0.002
 
-
-class DrafterLoop(StepCommits, Checkpoints, WorkerLoop):
+class DrafterLoop(WorkerLoop):
     role = "drafter"
 
-    def __init__(self, config: Config, name: str, backend: DrafterBackend, *, grouped: bool = False, **kwargs: Any):
-        """``grouped``: a rank of a data-parallel group (drafter.data_parallel, several ranks), else a lone drafter."""
-        super().__init__(config, name, backend, **kwargs)
-        self.run_dir = config.run_dir
-        self.checkpoint_every = config.drafter.checkpoint_every
-        self._init_checkpoints()
-        self.writer = CheckpointWriter(config.run_dir, name=name)
+    def __init__(self, address: DispatcherAddress, name: str, backend: DrafterBackend, *, drafter: DrafterSection,
+                 dispatcher: DispatcherSection, run_dir: str | os.PathLike, grouped: bool = False,
+                 rendezvous: str = "file", **kwargs: Any):
+        """``drafter``, ``dispatcher``: the run's sections; ``grouped``: a rank of a data-parallel group
+        (drafter.data_parallel, several ranks), else a lone drafter; ``rendezvous``: a group's, file
+        or tcp (:attr:`common.run.config.Config.group_rendezvous`)."""
+        super().__init__(address, name, backend, **kwargs)
+        self.run_dir = run_dir
+        self.checkpoint_every = drafter.checkpoint_every
+        self.state = DrafterState(accum=drafter.accum_steps)
+        self.writer = CheckpointWriter(run_dir, name=name)
+        self.checkpoints = Checkpoints(name=name, run_dir=run_dir, backend=backend, session=self.session,
+                                       writer=self.writer, state=self.state, dispatcher=dispatcher)
         self.window: list[int] = []  # job ids of the step being accumulated
-        self.accum = config.drafter.accum_steps  # this rank's share of a step (the registration's, or its version's)
-        self.clock = BusyClock(getattr(backend, "device", "cpu"))  # the micro-batches' compute time
-        self.commit: StepInFlight | None = None  # the step whose outcome is not yet applied
+        self.clock = BusyClock(backend.device or "cpu")  # the micro-batches' compute time
         # the consumed reports the poll in flight carries (a lone drafter's): asked again, it carries them again
         self.poll_consumed: list[int] = []
-        # a commit whose dispatcher died before it answered: its gradients are kept, and the next
-        # register asks whether it committed (then it is applied, else dropped)
-        self.pending: messages.PendingCommit | None = None
-        self.num_dropped_steps = 0
-        self.num_read_failures = 0
         self.read_s = 0.0  # time spent copying slots out (benchmarks read it)
         self._kill_at = faults.kills_armed()  # test-only (common.faults): kill_at points of a rank with peers
+        parts = dict(name=name, session=self.session, backend=backend, state=self.state, clock=self.clock)
+        self.group: LoneGroup | ElasticGroup
         if grouped:
             from drafter_worker.elastic_group import ElasticGroup  # torch.distributed: only a rank loads it
-            self.group: Any = ElasticGroup(self)
+            self.group = ElasticGroup(drafter, checkpoints=self.checkpoints, stopping=lambda: self.stopping,
+                                      rendezvous=rendezvous, control_endpoint=address.endpoint, **parts)
         else:
-            self.group = LoneGroup(self)
+            self.group = LoneGroup(**parts)
+        self.commits = StepCommits(name=name, session=self.session, backend=backend, group=self.group,
+                                   state=self.state, checkpoints=self.checkpoints, stopping=lambda: self.stopping,
+                                   fault=self._test_fault)
+
+    @classmethod
+    def from_config(cls, config: Config, name: str, backend: DrafterBackend, **kwargs: Any) -> DrafterLoop:
+        return cls(DispatcherAddress.from_config(config), name, backend, drafter=config.drafter,
+                   dispatcher=config.dispatcher, run_dir=config.run_dir, rendezvous=config.group_rendezvous,
+                   **kwargs)
 
     def run(self) -> int:
         """The worker loop; it returns (and the process exits) only once no checkpoint is being written.
@@ -114,9 +127,9 @@ class DrafterLoop(StepCommits, Checkpoints, WorkerLoop):
             try:
                 code = super().run()
             except BaseException:
-                self._wait_for_writer(quiet=True)
+                self.checkpoints.wait_for_writer(quiet=True)
                 raise
-            self._wait_for_writer()
+            self.checkpoints.wait_for_writer()
             return code
         except GroupNeverFormed as exc:
             log.error("%s: %s", self.name, exc)
@@ -124,10 +137,10 @@ class DrafterLoop(StepCommits, Checkpoints, WorkerLoop):
 
     # -- registration: the model's step ---------------------------------------------------------
     def _start(self) -> None:
-        self._load_latest()
-        if self.checkpointed_step:
+        self.checkpoints.load_latest()
+        if self.state.checkpointed_step:
             log.info("%s: model %s resumes from its checkpoint at step %d", self.name, self.backend.model_id,
-                     self.checkpointed_step)
+                     self.state.checkpointed_step)
 
     def _register(self) -> messages.RegisterReply:
         backend = self.backend
@@ -140,48 +153,34 @@ class DrafterLoop(StepCommits, Checkpoints, WorkerLoop):
                 # The model is ahead of the ledger (a commit it applied is not in the journal this
                 # dispatcher replayed): go back to the latest checkpoint and register from there.
                 ahead = backend.step
-                self.reload()
+                self.checkpoints.reload()
                 log.warning("%s: model %s at step %d refused (%s); reloaded its checkpoint at step %d",
                             self.name, backend.model_id, ahead, exc.message, backend.step)
                 if backend.step >= ahead:
                     raise RuntimeError(f"model {backend.model_id}: the dispatcher refuses step {ahead} and the "
                                        f"latest checkpoint is at step {backend.step}: {exc.message}") from None
                 continue
-            self._settle_pending(reply)
-            if self.group.lone:  # a rank's step matters only when its version opens (a live rank's state may replace it)
-                self._check_registered_step(reply)
+            self.commits.settle_pending(reply)
+            self.group.registered(reply)
             return reply
 
     def _registered(self, registration: messages.RegisterReply) -> None:
         # A trainer takes its learning-rate schedule's length from the reply (the jobs of an epoch).
-        adopt = getattr(self.backend, "adopt_registration", None)
-        if adopt is not None:
-            adopt(registration)
-
-    def _check_registered_step(self, reply: messages.RegisterReply) -> None:
-        ledger_step = self.backend.step if reply.model_step is None else reply.model_step
-        if ledger_step != self.backend.step:
-            raise RuntimeError(f"the dispatcher holds step {ledger_step} for model {self.backend.model_id}, "
-                               f"which registered at step {self.backend.step}: the ledger did not roll back to it")
+        self.backend.adopt_registration(registration)
 
     def _model_claim(self) -> messages.ModelClaim:
         # the checkpoint it holds: one written while no dispatcher listened is known from here on
         return messages.ModelClaim(id=self.backend.model_id, step=self.backend.step,
-                                   checkpoint=min(self.durable_step, self.backend.step), pending=self.pending,
-                                   group=self.group.group_claim())
+                                   checkpoint=min(self.checkpoints.durable_step, self.backend.step),
+                                   pending=self.state.pending, group=self.group.group_claim())
 
     def _open_transport(self, info: dict[str, Any]) -> DrafterTransport:
         return open_drafter_transport(info, device=self._device(info))
 
     def _lost(self) -> None:
         self.group.close()
-        if self.commit is not None and not self.window:  # a lone drafter's commit in flight: keep its gradients
-            self.pending = messages.PendingCommit(step=self.commit.request.step, job_ids=self.commit.request.job_ids)
-        if self.pending is None:  # (or a group's step the restarted dispatcher may hold: PENDING)
-            if self.window or self.commit is not None:
-                self.num_dropped_steps += 1
-            self.backend.drop_step()
-        self.window, self.commit, self.poll_consumed = [], None, []
+        self.commits.lost(partial=bool(self.window))
+        self.window, self.poll_consumed = [], []
         self.clock.discard_open()
 
     def _poll_request(self) -> messages.GetHS:
@@ -195,7 +194,7 @@ class DrafterLoop(StepCommits, Checkpoints, WorkerLoop):
             ended = self.group.run_version(lambda: self._train(transport))
             if self.window:
                 self.backend.drop_step()
-                self.num_dropped_steps += 1
+                self.state.num_dropped_steps += 1
                 self.window = []
                 self.clock.discard_open()
             if ended in (RUN_DONE, LEAVE):
@@ -203,7 +202,7 @@ class DrafterLoop(StepCommits, Checkpoints, WorkerLoop):
 
     def _train(self, transport: DrafterTransport) -> str:
         """Train until this version ends (a lone drafter's: the run is done, or it stops); how it ended."""
-        self.window, self.commit = [], None
+        self.window, self.commits.in_flight = [], None
         reports: list[int] = []
         poll: int | None = self._poll()
         while True:
@@ -214,32 +213,30 @@ class DrafterLoop(StepCommits, Checkpoints, WorkerLoop):
             # step_balance=cost: the dispatcher says when this rank holds its share of the step (a
             # reply about a step that has committed since is stale)
             full = reply.step_full == self.backend.step + 1
-            if leaving and self.group.lone:
-                self._stop_alone(reports)
-            elif not leaving:
+            if leaving:
+                self.group.leave(lambda: self._drop_partial_step(reports))
+            else:
                 # A lone drafter whose compute hides a round trip asks for its next job once this
                 # one is copied out, the poll carrying its consumed report: one message a slot. A
                 # rank's consumed goes on its own, acknowledged before its rank 0 commits.
-                carry = (self.group.lone and job is not None and not done
-                         and (self.clock.cuda or self.clock.last_host_s >= CARRY_MIN_COMPUTE_S))
+                carry = self.group.carries_consumed(job, done)
                 if not done and not carry:  # told step_full too: the dispatcher holds this poll until the step commits
                     poll = self._poll()  # prefetch: the next job is asked for before this one computes
-                self._report_durable()  # rank 0's checkpoint, once its writer has it on disk
+                self.checkpoints.report_durable()  # rank 0's checkpoint, once its writer has it on disk
                 reports = self._collect(reports)
                 if job is not None:
                     sent = self._train_on(job, transport, reports, carry=carry)
                     if sent is not None:
                         poll = sent
-            if leaving or full or len(self.window) >= self.accum or flush or done:
-                if not self.group.lone:  # rank 0 commits these jobs: consumed at the dispatcher before it does
-                    reports = self._collect(reports, wait=True)
+            if leaving or full or len(self.window) >= self.state.accum or flush or done:
+                reports = self.group.reports_before_round(reports, self._collect)
                 ended = self._round(done=done and not leaving, flush=flush, leaving=leaving, no_job=job is None)
                 if ended is not None:
                     if ended == RUN_DONE:
                         self._collect(reports, wait=True)
                         self.group.run_complete()
                     return ended
-            elif self.commit is not None and (job is None or self.session.done(self.commit.request_id)):
+            elif self.commits.in_flight is not None and (job is None or self.commits.answered()):
                 self._settle_commit()  # idle, or answered already: no copy left to overlap it with
             if poll is None:
                 poll = self._poll()
@@ -288,7 +285,7 @@ class DrafterLoop(StepCommits, Checkpoints, WorkerLoop):
         except StaleSlotError as exc:
             # The slot was given to another job under us (our lease lapsed): the dispatcher extracts
             # this one again; we carry on with the next.
-            self.num_read_failures += 1
+            self.state.num_read_failures += 1
             log.warning("%s: job %d: %s; reported, carrying on", self.name, job.job_id, exc)
             reports.append(self.session.submit(messages.ReadFailed(job_id=job.job_id, reason=str(exc))))
             return None
@@ -313,41 +310,49 @@ class DrafterLoop(StepCommits, Checkpoints, WorkerLoop):
         group = self.group
         group.await_local_compute()  # the wait timed below is for the others, not this rank's own queue
         ready_at = time.perf_counter()
-        busy_step, busy_s = group.measure_round(self.clock, self.backend.step + 1, self.window)
+        busy_step, busy_s = group.measure_round(self.backend.step + 1, self.window)
         rounds = group.exchange(RankRound(group.rank, list(self.window), done, flush, busy_us=int(busy_s * 1e6),
                                           leaving=leaving, busy_step=busy_step))
         job_ids = [job_id for r in rounds for job_id in r.job_ids]
         if not job_ids:
-            return self._round_end(rounds, stepped=False, after=group.version)
-        group.sync_gradients(self.backend, self._all_reduce)
-        self._send_commit(job_ids, rounds, busy_s=busy_s, wait_s=time.perf_counter() - ready_at)
-        if group.lone and not (no_job or flush or done or self.session.done(self.commit.request_id)):
+            return self._round_end(RoundEnd(rounds, stepped=False, after=group.version))
+        group.sync_gradients(self._all_reduce)
+        self.commits.send(job_ids, self.window, rounds, busy_s=busy_s, wait_s=time.perf_counter() - ready_at)
+        self.window = []
+        if not group.settles_now(no_job=no_job, flush=flush, done=done, answered=self.commits.answered):
             return None  # settled before the next micro-batch: the next slot is copied while it is in flight
         return self._settle_commit()
 
-    def _round_end(self, rounds: list[RankRound], *, stepped: bool, after: int) -> str | None:
+    def _settle_commit(self) -> str | None:
+        """The outcome of the step in flight, applied or dropped on every rank; how the version ends after it."""
+        ended = self.commits.settle()
+        return None if ended is None else self._round_end(ended)
+
+    def _round_end(self, ended: RoundEnd) -> str | None:
         """After a round (``stepped``: it applied a step; ``after``: the group's version then): the
         checkpoints it calls for, and how the version ends. Every rank leaving saves what was applied;
         nothing more coming does too, in a round that holds no jobs — the one after a group's last
-        step; a lone drafter has no other rank to hold that round with, so it needs no such round."""
-        mine = rounds[self.group.rank]
-        idle = not stepped or self.group.lone
+        step; a lone drafter has no other rank to hold that round with, so it needs no such round
+        (:meth:`~drafter_worker.step_group.LoneGroup.idle_round`)."""
+        rounds, stepped, group = ended.rounds, ended.stepped, self.group
+        mine = rounds[group.rank]
+        idle = group.idle_round(stepped)
+        checkpointed_step = self.state.checkpointed_step
         if all(r.leaving for r in rounds):
-            self._save_applied(all_leave=True)
-        elif (idle and all(r.flush or r.done or r.leaving for r in rounds)
-              and self.backend.step > self.checkpointed_step):
-            self._save_applied()
+            self.checkpoints.save_applied(group.rank, all_leave=True)
+        elif idle and all(r.flush or r.done or r.leaving for r in rounds) and self.backend.step > checkpointed_step:
+            self.checkpoints.save_applied(group.rank)
         if idle and any(r.done for r in rounds):
             return RUN_DONE
         if any(r.leaving for r in rounds):
             return LEAVE if mine.leaving else NEXT_VERSION
-        if stepped and after != self.group.version:
+        if stepped and ended.after != group.version:
             return NEXT_VERSION  # ranks wait to join at this step boundary
-        if stepped and self.backend.step - self.checkpointed_step >= self.checkpoint_every:
-            self._save_applied()
+        if stepped and self.backend.step - self.state.checkpointed_step >= self.checkpoint_every:
+            self.checkpoints.save_applied(group.rank)
         return None
 
-    def _stop_alone(self, reports: list[int]) -> None:
+    def _drop_partial_step(self, reports: list[int]) -> None:
         """A lone drafter asked to stop: its commit in flight settled, its partial step dropped (its
         jobs go back); its last round then saves what was applied."""
         try:

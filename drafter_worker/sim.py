@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import time
+import zlib
+from typing import Any
 
 from common import faults
 from common.run.config import DrafterSection
@@ -19,21 +21,61 @@ from common.wire import messages
 from common.run.witness import CheckpointSnapshot, TrainedJobs, check_model_id, newest_usable
 
 
-class SimDrafter:
+class WitnessModel:
+    """A drafter model whose state is its trained-jobs witness alone: it computes nowhere
+    (``device`` None), holds no gradients to sum and no figures, and its checkpoint is the witness.
+    What a :class:`common.worker.backends.DrafterBackend` needs beyond training, for the sim drafter
+    and the benchmarks' drafters."""
+
     contract = None
+    device = None
+    verifies_slots = False
+
+    def __init__(self, model_id: str, *, keep: int = 3):
+        self.model_id = model_id
+        self.step = 0
+        self.trained = TrainedJobs()
+        self.keep = keep
+        self.last_metrics: dict[str, float] = {}
+
+    def adopt_registration(self, reply: messages.RegisterReply) -> None:
+        """No learning-rate schedule to size."""
+
+    def sync_gradients(self, all_reduce: Any) -> float:
+        """No gradients: nothing to sum."""
+        return 0.0
+
+    def snapshot_checkpoint(self) -> CheckpointSnapshot:
+        return CheckpointSnapshot(self.model_id, self.step, self.trained.copy(), keep_last=self.keep)
+
+    def save_checkpoint(self, run_dir: str | os.PathLike) -> None:
+        self.snapshot_checkpoint().write(run_dir)
+
+    def live_state(self) -> dict:
+        return {"step": self.step, "trained": list(self.trained)}
+
+    def load_live_state(self, state: dict) -> None:
+        self.step, self.trained = int(state["step"]), TrainedJobs(int(i) for i in state["trained"])
+
+    def weights_checksum(self) -> int:
+        """CRC32 of the witness: the whole state there is."""
+        return zlib.crc32(self.trained.to_bytes())
+
+    def close(self) -> None:
+        """Nothing was opened."""
+
+
+class SimDrafter(WitnessModel):
     verifies_slots = True  # every micro-batch is checked byte for byte (commit_step's ``verified``)
 
     def __init__(self, drafter: DrafterSection, model_id: str, *, dataset_path: str | None):
         """``dataset_path``: the prepared dataset a real target reads, to check the slots against (None
         behind a sim target: the slots then hold the sim target's pattern)."""
-        self.model_id = check_model_id(model_id)
-        self.step = 0
-        self.trained = TrainedJobs()
+        super().__init__(check_model_id(model_id), keep=drafter.checkpoint_keep)
         self.cost_per_token = drafter.sim_cost_per_token
         # DFlash trains a fixed number of anchor blocks per sequence: its cost follows the sequence
         # count far more than the length.
         self.cost_per_sequence = drafter.sim_cost_per_sequence
-        self.keep = drafter.checkpoint_keep
         self._window: list[int] = []
         # test-only faults planted in the witness (common.faults), so a test can show the report catches them
         self._duplicate, self._drop = faults.witness_faults()
@@ -71,9 +113,3 @@ class SimDrafter:
 
     def drop_step(self) -> None:
         self._window = []
-
-    def snapshot_checkpoint(self) -> CheckpointSnapshot:
-        return CheckpointSnapshot(self.model_id, self.step, self.trained.copy(), keep_last=self.keep)
-
-    def save_checkpoint(self, run_dir: str | os.PathLike) -> None:
-        self.snapshot_checkpoint().write(run_dir)

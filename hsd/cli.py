@@ -64,23 +64,22 @@ def _run_worker(args) -> int:
             return run_rank(config, args.tp_rank, args.tp_store)
         if not sim and config.target.tp_size > 1:
             return _run_target_group(config, name, args.argv)
-        return TargetLoop(config, name, _sim_target(config) if sim else _hf_target(config)).run()
+        return TargetLoop.from_config(config, name, _sim_target(config) if sim else _hf_target(config)).run()
     from drafter_worker.factory import drafter_backend, sim_drafter
     from drafter_worker.loop import DrafterLoop
     if sim:
         # An independent sim drafter trains a model of its own, named after it: a restart resumes it.
-        return DrafterLoop(config, name, sim_drafter(config, model_id=name)).run()
+        return DrafterLoop.from_config(config, name, sim_drafter(config, model_id=name)).run()
     grouped = config.drafter.grouped
     # Every rank of a data-parallel group trains the group's one model (rank 0 writes its checkpoints);
     # an independent drafter trains a model of its own, named after it: a restart resumes it.
     model_id = config.drafter.model if grouped else name
     backend = drafter_backend(config, model_id=model_id)
-    loop = DrafterLoop(config, name, backend, grouped=grouped)
+    loop = DrafterLoop.from_config(config, name, backend, grouped=grouped)
     try:
         return loop.run()
     finally:
-        if hasattr(backend, "close"):
-            backend.close()
+        backend.close()
 
 
 def _run_target_group(config, name: str, argv: list[str]) -> int:
@@ -97,7 +96,7 @@ def _run_target_group(config, name: str, argv: list[str]) -> int:
     group = start_group(config, [sys.executable, "-m", "hsd.cli", *argv])
     clean = False
     try:
-        loop = TargetLoop(config, name, _hf_target(config, group=group), group=group)
+        loop = TargetLoop.from_config(config, name, _hf_target(config, group=group), group=group)
         code = loop.run()
         clean = True
         return code

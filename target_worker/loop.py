@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from common import faults
-from common.run.config import Config
 from common.run.prepared import DataError
 from common.wire import messages
 from common.dataplane.transport import TargetTransport, open_target_transport
 from common.worker.backends import PendingSlotWrite, TargetBackend
 from common.worker.loop import WorkerLoop
+from common.worker.runtime import DispatcherAddress
 from target_worker.tp_group import TargetGroup, TargetGroupLost
 
 log = logging.getLogger("hsd.target")
@@ -39,10 +39,10 @@ MAX_CONSECUTIVE_FAILURES = 3  # a backend that fails this many jobs in a row is 
 class TargetLoop(WorkerLoop):
     role = "target"
 
-    def __init__(self, config: Config, name: str, backend: TargetBackend, *, group: TargetGroup | None = None,
-                 **kwargs: Any):
+    def __init__(self, address: DispatcherAddress, name: str, backend: TargetBackend, *,
+                 group: TargetGroup | None = None, **kwargs: Any):
         """``group``: the tensor-parallel group this worker is rank 0 of (its ranks show in stats)."""
-        super().__init__(config, name, backend, **kwargs)
+        super().__init__(address, name, backend, **kwargs)
         self.group = group
         self.num_jobs = 0
         self.num_failed = 0

@@ -20,6 +20,7 @@ from common.dataplane.slots import SlotView
 
 class SimTarget:
     contract = None
+    device = None  # computes nothing: its slots live where the transport's kind says
 
     def __init__(self, target: TargetSection):
         self.cost_per_token = target.sim_cost_per_token

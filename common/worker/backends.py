@@ -11,11 +11,11 @@ its weights saw.
 from __future__ import annotations
 
 import os
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from common.dataplane.slots import SlotBatch, SlotView
 from common.run.witness import CheckpointSnapshot
-from common.wire.messages import Job
+from common.wire.messages import Job, RegisterReply
 
 
 class PendingSlotWrite(Protocol):
@@ -29,25 +29,38 @@ class PendingSlotWrite(Protocol):
 
 class TargetBackend(Protocol):
     contract: dict | None  # capture contract sent at registration (None for sim)
+    device: Any  # where its slots are written from (None: a sim's, which computes nothing: the transport's kind says)
 
     def extract(self, job: Job, slot: SlotView) -> PendingSlotWrite | None:
         """Fill the slot for ``job``: data, then the header with the generation last. None when the slot
         is complete on return; else the write still in flight, which the loop completes before reporting."""
 
 
+@runtime_checkable
 class DrafterBackend(Protocol):
-    """A backend may also take what each register reply says (``adopt_registration(reply)`` with the
-    RegisterReply, optional: a trainer's learning-rate schedule spans the reply's ``jobs_per_epoch``)."""
+    """What the drafter loop (:mod:`drafter_worker.loop`) asks of a model it trains, every member
+    required: a lone drafter and a rank of a data-parallel group use the same ones (a model that
+    holds no gradients, a sim's, sums nothing)."""
 
     model_id: str
     contract: dict | None
     step: int  # optimizer steps applied (the model's state)
+    device: Any  # where it computes (None: nowhere, a sim's: the transport's kind says where its slots live)
+    verifies_slots: bool  # every micro-batch is checked byte for byte (commit_step's ``verified``)
+    last_metrics: dict[str, float]  # the figures of the step applied last (empty: none)
+
+    def adopt_registration(self, reply: RegisterReply) -> None:
+        """Take what a ``register`` reply says about training (a trainer's learning-rate schedule
+        spans the reply's ``jobs_per_epoch``)."""
 
     def load_latest(self, run_dir: str | os.PathLike) -> int:
         """Load the latest checkpoint; return its step (0 = none)."""
 
     def micro_batch(self, job: Job, batch: SlotBatch) -> None:
         """Compute on one micro-batch (``batch`` is the reader's copy, valid until the next read)."""
+
+    def sync_gradients(self, all_reduce: Any) -> Any:
+        """Sum the step's gradients (and whatever weighs them) over a data-parallel group; the group's weight total."""
 
     def apply_step(self, job_ids: list[int]) -> dict:
         """The commit was acknowledged: apply, ``step += 1``, witness += ``job_ids``; return step metrics."""
@@ -57,18 +70,7 @@ class DrafterBackend(Protocol):
 
     def snapshot_checkpoint(self) -> CheckpointSnapshot:
         """The checkpoint at ``self.step`` on copies of the state, for a thread to write while
-        training goes on (:mod:`common.run.checkpoint_writer`). A backend without it is checkpointed
-        on the training thread through :meth:`save_checkpoint`."""
-
-    def save_checkpoint(self, run_dir: str | os.PathLike) -> None:
-        """Weights + witness at ``self.step`` (:func:`common.run.witness.save_checkpoint`), written now."""
-
-
-class GroupDrafterBackend(DrafterBackend, Protocol):
-    """A drafter backend that trains as a rank of an elastic data-parallel group."""
-
-    def sync_gradients(self, all_reduce) -> float:
-        """Sum the step's gradients (and whatever weighs them) over the group; the group's weight total."""
+        training goes on (:mod:`common.run.checkpoint_writer`)."""
 
     def live_state(self) -> dict:
         """The whole training state (weights, optimizer, scheduler, RNG, ``step``, and ``trained``:
@@ -79,3 +81,6 @@ class GroupDrafterBackend(DrafterBackend, Protocol):
 
     def weights_checksum(self) -> int:
         """CRC32 of the weights (:func:`drafter_worker.state_transfer.weights_checksum`)."""
+
+    def close(self) -> None:
+        """The process is done with it (logs flushed)."""

@@ -51,16 +51,21 @@ def sim_device(transport_info: dict[str, Any]) -> str:
 class WorkerLoop:
     role = ""
 
-    def __init__(self, config: Config, name: str, backend: Any, *, gpu: int | None = None,
+    def __init__(self, address: DispatcherAddress, name: str, backend: Any, *, gpu: int | None = None,
                  external_stop: Any = None):
-        """``external_stop``: anything with ``is_set()`` (a multiprocessing Event) that also stops the loop."""
-        self.config = config
+        """``address``: the dispatcher's (:meth:`DispatcherAddress.from_config`); ``external_stop``:
+        anything with ``is_set()`` (a multiprocessing Event) that also stops the loop."""
         self.name = name
         self.backend = backend
-        self.session = ReportingSession(DispatcherAddress.from_config(config), self.role, name, gpu=gpu)
+        self.session = ReportingSession(address, self.role, name, gpu=gpu)
         self.copy_times = CopyTimes()  # each slot's copy (target: into the slot; drafter: out of it), for stats
         self._external_stop = external_stop
         self.poll_ms = POLL_MS
+
+    @classmethod
+    def from_config(cls, config: Config, name: str, backend: Any, **kwargs: Any) -> WorkerLoop:
+        """The loop of a run's config: the sections it reads handed over."""
+        return cls(DispatcherAddress.from_config(config), name, backend, **kwargs)
 
     # -- stopping -----------------------------------------------------------------------------
     @property
@@ -124,7 +129,7 @@ class WorkerLoop:
         raise NotImplementedError
 
     def _device(self, info: dict[str, Any]) -> Any:
-        return getattr(self.backend, "device", None) or sim_device(info)
+        return self.backend.device or sim_device(info)
 
     def _work(self, registration: messages.RegisterReply, transport: Any) -> None:
         raise NotImplementedError

@@ -22,6 +22,7 @@ from common.wire.client import run_id_for
 from common.wire.messages import ModelClaim, PendingCommit
 from common.dataplane.slots import SlotView
 from drafter_worker.loop import DrafterLoop
+from drafter_worker.step_group import LoneGroup
 from target_worker.loop import TargetLoop
 from common.run.witness import latest_checkpoint
 from drafter_worker.sim import SimDrafter
@@ -40,7 +41,7 @@ def fake(tmp_path):
 
 def drafter(tmp_path, fake, *overrides: str, name: str = "drafter-0") -> DrafterLoop:
     config = worker_config(tmp_path / "run", fake.endpoint, *overrides)
-    return DrafterLoop(config, name, SimDrafter(config.drafter, model_id=name, dataset_path=None))
+    return DrafterLoop.from_config(config, name, SimDrafter(config.drafter, model_id=name, dataset_path=None))
 
 
 def _index(fake, event) -> int:
@@ -70,7 +71,7 @@ def test_drafter_asks_for_its_next_job_while_computing_and_holds_both(tmp_path, 
     def job_2_listed_while_job_1_computes(f):
         consumed = f.ops("consumed")
         return consumed and [1, 2] in [e.request.holding for e in f.ops("heartbeat") if e.at > consumed[0].at]
-    loop = DrafterLoop(config, "drafter-0", SimDrafterHeldWhile(config, "drafter-0", fake, 1,
+    loop = DrafterLoop.from_config(config, "drafter-0", SimDrafterHeldWhile(config, "drafter-0", fake, 1,
                                                                 job_2_listed_while_job_1_computes))
     with running(loop):
         fake.wait_for(lambda f: len(f.ops("commit_step")) == 2, what="two committed steps")
@@ -112,7 +113,7 @@ def test_target_prefetches_its_second_job_and_lists_it_while_extracting(tmp_path
     fake.add_job(make_job(1, slot=0, generation=1))
     fake.add_job(make_job(2, slot=1, generation=1))
     config = worker_config(tmp_path / "run", fake.endpoint, "target.sim_cost_per_token=0.02")
-    loop = TargetLoop(config, "target-0", SimTarget(config.target))
+    loop = TargetLoop.from_config(config, "target-0", SimTarget(config.target))
     with running(loop):
         fake.wait_for(lambda f: len(f.ops("job_ready")) == 2, what="two ready jobs")
         polls, ready = fake.ops("get_job"), fake.ops("job_ready")
@@ -184,7 +185,7 @@ def test_a_steps_figures_go_with_the_next_commit_and_the_last_with_its_checkpoin
         fake.add_ready_job(job_id, slot=job_id - 1)
     config = worker_config(tmp_path / "run", fake.endpoint)
     backend = SimDrafterWithFigures(config.drafter, model_id="drafter-0", dataset_path=None)
-    loop = DrafterLoop(config, "drafter-0", backend)
+    loop = DrafterLoop.from_config(config, "drafter-0", backend)
     with running(loop) as thread:
         fake.wait_for(lambda f: len(f.ops("commit_step")) == 2, what="two steps")
         fake.flush = True
@@ -196,7 +197,7 @@ def test_a_steps_figures_go_with_the_next_commit_and_the_last_with_its_checkpoin
     assert second.metrics == {"step": 1, "loss": 1.0, "tokens_per_s": 10.0}  # step 1's; the lr is not finite
     saved = fake.ops("checkpoint")[-1].request
     assert saved.step == 2 and saved.metrics == {"step": 2, "loss": 2.0, "tokens_per_s": 10.0}
-    assert loop.group.lone and not torch.distributed.is_initialized()
+    assert isinstance(loop.group, LoneGroup) and not torch.distributed.is_initialized()
 
 
 def test_a_lone_drafter_is_a_group_of_one_that_opens_nothing():
@@ -385,7 +386,7 @@ def test_target_queues_its_next_job_before_it_waits_for_the_last_slot_copy(tmp_p
     fake.add_job(make_job(2, slot=1, generation=1))
     config = worker_config(tmp_path / "run", fake.endpoint, "target.sim_cost_per_token=0.02")
     backend = DeferredSimTarget(config.target)
-    loop = TargetLoop(config, "target-0", backend)
+    loop = TargetLoop.from_config(config, "target-0", backend)
     with running(loop):
         fake.wait_for(lambda f: len(f.ops("job_ready")) == 2, what="two ready jobs")
         ready = fake.ops("job_ready")

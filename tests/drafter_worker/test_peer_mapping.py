@@ -40,7 +40,8 @@ def test_a_refused_peer_mapping_gives_the_job_back_and_ends_the_drafter(tmp_path
         return read(self, slot_id, generation, **kwargs)
     monkeypatch.setattr(DrafterTransport, "start_read", start_read)
     config = worker_config(tmp_path / "run", fake.endpoint)
-    loop = DrafterLoop(config, "drafter-0", SimDrafter(config.drafter, model_id="drafter-0", dataset_path=None))
+    backend = SimDrafter(config.drafter, model_id="drafter-0", dataset_path=None)
+    loop = DrafterLoop.from_config(config, "drafter-0", backend)
     loop.poll_ms = 100
     raised: list[BaseException] = []
 

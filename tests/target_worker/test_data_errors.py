@@ -53,7 +53,7 @@ def test_a_data_error_stops_the_target_after_reporting_the_job(tmp_path):
             fake.add_job(make_job(job_id, slot=job_id - 1, generation=1))
         config = worker_config(tmp_path / "run", fake.endpoint)
         backend = ReadsTheDataset(config.target, InMemory([16, 11]))
-        loop = TargetLoop(config, "target-0", backend)
+        loop = TargetLoop.from_config(config, "target-0", backend)
         loop.poll_ms = 100
         raised: list[BaseException] = []
         thread = threading.Thread(target=lambda: raised.extend(_run(loop)), daemon=True)
