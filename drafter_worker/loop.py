@@ -55,6 +55,7 @@ import torch
 from common import faults
 from common.run.checkpoint_writer import CheckpointWriter
 from common.run.config import Config
+from common.run.descriptors import TransportInfo
 from common.dataplane.cuda_ipc import PeerMappingError
 from common.wire import messages
 from common.wire.messages import ErrorCode, ProtocolError
@@ -170,7 +171,7 @@ class DrafterLoop(StepCommits, Checkpoints, WorkerLoop):
                                    checkpoint=min(self.durable_step, self.backend.step), pending=self.pending,
                                    group=self.group.group_claim())
 
-    def _open_transport(self, info: dict[str, Any]) -> DrafterTransport:
+    def _open_transport(self, info: TransportInfo) -> DrafterTransport:
         return open_drafter_transport(info, device=self._device(info))
 
     def _lost(self) -> None:

@@ -14,6 +14,7 @@ import os
 from typing import Any, Protocol
 
 from common.dataplane.slots import SlotBatch, SlotView
+from common.run.capture_contract import CaptureContract
 from common.run.witness import CheckpointSnapshot
 from common.wire.messages import Job
 
@@ -28,7 +29,7 @@ class PendingSlotWrite(Protocol):
 
 
 class TargetBackend(Protocol):
-    contract: dict | None  # capture contract sent at registration (None for sim)
+    contract: CaptureContract | None  # capture contract sent at registration (None for sim)
 
     def extract(self, job: Job, slot: SlotView) -> PendingSlotWrite | None:
         """Fill the slot for ``job``: data, then the header with the generation last. None when the slot
@@ -40,7 +41,7 @@ class DrafterBackend(Protocol):
     RegisterReply, optional: a trainer's learning-rate schedule spans the reply's ``jobs_per_epoch``)."""
 
     model_id: str
-    contract: dict | None
+    contract: CaptureContract | None
     step: int  # optimizer steps applied (the model's state)
 
     def load_latest(self, run_dir: str | os.PathLike) -> int:
