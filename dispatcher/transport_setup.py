@@ -87,8 +87,9 @@ class DataPlane:
 
     def view(self) -> TransportView:
         """The transport as ``hsd stats`` shows it."""
-        return TransportView(kind=self.kind, slot_bytes=self.layout.slot_bytes, num_slots=self.num_slots,
-                             pool_bytes=self.layout.slot_bytes * self.num_slots, per_target=self.kind in ("cuda_ipc", "nixl"))
+        slot_bytes = self.layout.slot_bytes
+        return TransportView(kind=self.kind, slot_bytes=slot_bytes, num_slots=self.num_slots,
+                             pool_bytes=slot_bytes * self.num_slots, per_target=self.kind in ("cuda_ipc", "nixl"))
 
     def describe(self) -> str:
         v = self.view()

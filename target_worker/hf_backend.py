@@ -22,7 +22,7 @@ publishes the header and reports the job ready, only after it has queued the nex
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch

@@ -63,8 +63,8 @@ class SlotExporter:
 
     def export(self, *, node: str, arena: str) -> NixlExport:
         """What a reader needs, for the block in segment ``arena`` of ``node``: bytes and ints, no pickle."""
-        return NixlExport(node=node, arena=arena, agent=self.agent.name, metadata=bytes(self.agent.get_agent_metadata()),
-                          base=self._address, nbytes=self._nbytes)
+        return NixlExport(node=node, arena=arena, agent=self.agent.name,
+                          metadata=bytes(self.agent.get_agent_metadata()), base=self._address, nbytes=self._nbytes)
 
     def close(self) -> None:
         if self._registered is not None:

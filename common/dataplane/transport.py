@@ -1,8 +1,9 @@
 """What workers use to move hidden states, whatever the transport kind.
 
 The dispatcher picks the kind (:func:`common.dataplane.transport_info.resolve_transport`) and sends a
-:data:`~common.run.descriptors.TransportInfo` in its register reply; a target opens a :class:`TargetTransport` from it and writes slots, a drafter
-opens a :class:`DrafterTransport` and reads them. With ``shm`` every worker maps the dispatcher's
+:data:`~common.run.descriptors.TransportInfo` in its register reply; a target opens a
+:class:`TargetTransport` from it and writes slots, a drafter opens a :class:`DrafterTransport` and
+reads them. With ``shm`` every worker maps the dispatcher's
 pool; with ``cuda_ipc`` every target allocates its own slots on its GPU and sends the dispatcher
 their :meth:`TargetTransport.export`, which drafters receive with each job as ``ipc``. ``nixl`` is
 the same with the slots in the target node's memory, read across nodes (:mod:`common.dataplane.node_slots`).

@@ -60,7 +60,7 @@ def test_slot_read_locally_and_across_nodes(monkeypatch):
         assert (local.num_local, local.num_remote, remote.num_local, remote.num_remote) == (1, 0, 0, 1)  # refused reads do not count
         # A host that shares node a's name but not its memory (node a's config used there without
         # its own --node): the segment is not on it, so the slot is read through the engine.
-        elsewhere = msgspec.structs.replace(export, arena=f"hsd_{run_id}_{os.getpid()}")  # a segment this host never had
+        elsewhere = msgspec.structs.replace(export, arena=f"hsd_{run_id}_{os.getpid()}")  # a segment not on this host
         mixed = NodeSlotReader(LAYOUT, "a", torch.device("cpu"))
         try:
             batch = mixed.start_read(elsewhere, 2, 4, owner="t1").wait()
