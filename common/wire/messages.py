@@ -8,7 +8,10 @@ The structs are `msgspec <https://jcristharif.com/msgspec/>`_ structs: msgpack-n
 as they are decoded (a field of the wrong type, a missing field, a value out of range is a
 ``ValidationError`` naming its path, answered ``malformed``). msgpack only: no pickle anywhere, so a
 peer can never make another execute code. Unknown fields are ignored, so an older peer's message
-with a field more still decodes.
+with a field more still decodes. A few parts are structs of their own, decoded with the message
+that carries them: what a worker claims when it registers (:mod:`common.wire.claims`), the data
+plane's descriptors (:mod:`common.run.descriptors`, :mod:`common.run.slot_layout`) and the capture
+contract (:mod:`common.run.capture_contract`).
 
 Tensor bytes never travel here: a job names a slot and its generation, and the bytes move through
 the hidden-state transport (shared memory, CUDA IPC or NIXL).
