@@ -98,7 +98,7 @@ def bench_target(config: Config, *, warmup: int = 1, reps: int = 3, seed: int = 
     dataset = _RandomSamples(lengths, _vocab_size(config), seed)
     backend = HFTargetBackend(config.target, config.schedule, objective=config.drafter.objective,
                               device=device, dataset=dataset, keep_full_model=True)
-    layer_ids = list(backend.contract["layer_ids"])
+    layer_ids = list(backend.contract.layer_ids)
     model = backend.model
 
     def plain(batch: PaddedBatch) -> torch.Tensor:
@@ -145,7 +145,7 @@ def bench_target(config: Config, *, warmup: int = 1, reps: int = 3, seed: int = 
         results[batching] = result
     backend.close()
     ours = results[schedule_config.batching]
-    return {"device": str(device), "dtype": backend.contract["dtype"], "contract": backend.contract,
+    return {"device": str(device), "dtype": backend.contract.dtype, "contract": backend.contract.to_dict(),
             "warmup": warmup, "reps": reps, "tokens_per_batch": schedule_config.tokens_per_batch,
             "lengths": {"distribution": "lognormal", "median": median, "sigma": sigma, "samples": num_samples,
                         "max_len": schedule_config.buckets[-1], "mean": float(lengths.mean()), "seed": seed},

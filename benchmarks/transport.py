@@ -64,6 +64,7 @@ from common.dataplane.cuda_ipc import cuda_ipc_available
 from common.dataplane.shm_arena import SHM_DIR, sweep_dead_segments
 from common.dataplane.shm_segment import PoolSegment
 from common.dataplane.transport_info import cuda_ipc_transport_info, shm_transport_info
+from common.run.descriptors import TransportInfo
 from common.dataplane.slots import SlotLayout, format_bytes
 from benchmarks import protocol_workers, transport_workers as workers
 from benchmarks.transport_table import RTT_P99_TARGET_MS, TARGETS, format_table
@@ -233,7 +234,7 @@ def measure_memcpy_shared(ctx: Any, spec: BenchSpec, timeout_s: float) -> float:
                      timeout_s=timeout_s)["gbps"]
 
 
-def _run_piped(ctx: Any, what: str, spec: BenchSpec, info: dict[str, Any], producer_device: str,
+def _run_piped(ctx: Any, what: str, spec: BenchSpec, info: TransportInfo, producer_device: str,
                consumer_device: str, *, timeout_s: float) -> dict:
     """A target and a drafter of the transport ``info`` names, handing slots over through a pipe."""
     producer_end, consumer_end = ctx.Pipe()

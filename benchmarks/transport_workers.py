@@ -28,6 +28,7 @@ import zmq
 from common.run.config import Config
 from common.dataplane.slots import SlotHeader, SlotLayout, SlotView
 from common.dataplane.transport import open_drafter_transport, open_target_transport
+from common.run.descriptors import SlotExport, TransportInfo
 
 POLL_MS = 100  # how long a producer's long-poll waits before it looks at ``stop`` again
 
@@ -254,7 +255,7 @@ def zmq_consumer(spec: BenchSpec, endpoint: str, stop: Any, results: Any) -> Non
 # -- slots handed over through a pipe: the data plane alone, no dispatcher ---------------------
 class Exported(msgspec.Struct, tag=True):
     """The piped target's first message: its CUDA IPC block (None for shm)."""
-    block: dict[str, Any] | None
+    block: SlotExport | None
 
 
 class Written(msgspec.Struct, tag=True):
@@ -290,7 +291,7 @@ def _open_device(device: str) -> torch.device:
     return dev
 
 
-def piped_target(spec: BenchSpec, info: dict[str, Any], device: str, conn: Any, stop: Any, results: Any) -> None:
+def piped_target(spec: BenchSpec, info: TransportInfo, device: str, conn: Any, stop: Any, results: Any) -> None:
     """Write slots of the transport ``info`` names as the consumer frees them, told over ``conn``.
 
     On ``conn`` the target sends :class:`Exported` once, then :class:`Written` per slot; the consumer
@@ -327,7 +328,7 @@ def piped_target(spec: BenchSpec, info: dict[str, Any], device: str, conn: Any, 
             transport.close()
 
 
-def piped_drafter(spec: BenchSpec, info: dict[str, Any], device: str, conn: Any, stop: Any, results: Any) -> None:
+def piped_drafter(spec: BenchSpec, info: TransportInfo, device: str, conn: Any, stop: Any, results: Any) -> None:
     _init_process()
     with _errors_to(results):
         export = _recv(conn, Exported).block

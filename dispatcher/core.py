@@ -24,7 +24,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from common.run.capture_contract import adopt_contract
+from common.run.capture_contract import CaptureContract, adopt_contract
+from common.run.descriptors import SlotExport
 from common.run.records.events import (Checkpointed, DispatcherStarted, ModelRolledBack, StepCommitted, WorkerJoined,
                                        WorkerLeft)
 from common.run.records.lengths import too_long_line, too_long_samples
@@ -150,7 +151,7 @@ class DispatcherCore:
 
     # -- sessions ---------------------------------------------------------------------------
     def register(self, *, role: str, name: str, pid: int, host: str, gpu: int | None, now: float,
-                 contract: dict[str, Any] | None = None, model: ModelClaim | None = None,
+                 contract: CaptureContract | None = None, model: ModelClaim | None = None,
                  node: str | None = None, tp_ranks: list[tuple[int, int, int | None]] | None = None) -> Worker:
         """A new session. A drafter names its model and the step of the state it holds: the ledger
         rolls that model back to exactly that step (its later commits go back to pending)."""
@@ -161,7 +162,7 @@ class DispatcherCore:
             except ValueError as exc:
                 raise Incompatible(str(exc)) from None
             if first:
-                log.info("capture contract of this run (from %s %s): %s", role, name, self.contract)
+                log.info("capture contract of this run (from %s %s): %s", role, name, self.contract.to_dict())
         registered = self.group_ops.registered_model(role, model)
         model_id, model_step, spec = (registered.id, registered.step, registered.spec) if registered else (None, 0, None)
         if model_id is not None:
@@ -199,7 +200,7 @@ class DispatcherCore:
     def worker(self, worker_id: str, now: float, *, touch: bool = True) -> Worker:
         return self.registry.get(worker_id, now, touch=touch)
 
-    def register_slots(self, worker_id: str, ipc_block: dict[str, Any], num_slots: int, now: float) -> None:
+    def register_slots(self, worker_id: str, ipc_block: SlotExport, num_slots: int, now: float) -> None:
         self.jobs.register_slots(self.worker(worker_id, now), ipc_block, num_slots)
 
     def heartbeat(self, worker_id: str, now: float, holding: list[int] | None = None,

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
 
+from common.run.capture_contract import CaptureContract
 from common.run.config import Config, Objective, TargetSection
+from common.run.descriptors import SlotExport
 from common.wire import messages
 from common.wire.client import RECONNECT_S
 from dispatcher.groups import Membership
@@ -48,7 +49,7 @@ class Worker:
     num_jobs: int = 0
     window_avail: int | None = None  # drafter: buckets eligible when its accumulation window opened
     window_mixed: bool = True  # drafter: every pull of the window took a new bucket when one was eligible
-    ipc_block: dict[str, Any] | None = None  # target on cuda_ipc: how drafters open its slots
+    ipc_block: SlotExport | None = None  # target on cuda_ipc or nixl: how drafters open its slots
     slot_base: int = 0
     token: str = ""
     model: str | None = None  # drafter: the model it trains
@@ -76,7 +77,7 @@ class JobGrant:
     def num_tokens(self) -> int:
         return sum(self.lengths)
 
-    def to_wire(self, *, ipc_block: dict | None = None) -> messages.Job:
+    def to_wire(self, *, ipc_block: SlotExport | None = None) -> messages.Job:
         job = self.job
         return messages.Job(job_id=job.job_id, epoch=job.epoch, bucket=job.bucket, seq_len=self.seq_len,
                             samples=self.samples, lengths=self.lengths, num_tokens=self.num_tokens, slot=self.slot,
@@ -96,7 +97,7 @@ class CoreOptions:
     heartbeat_s: float = 0.5
     build_ahead: bool = False  # build the next epoch's schedule in a child process (the daemon) or inline (tests)
     allow_changed_data: bool = False
-    contract: dict[str, Any] | None = None  # the run's capture contract, when the config fixes it
+    contract: CaptureContract | None = None  # the run's capture contract, when the config fixes it
     num_target_queues: int = 0  # > 0: per-target queues (job i to queue i mod this), the naive assignment
     abandoned_model_s: float = RECONNECT_S  # the dispatcher section's abandoned_after_s
 
@@ -112,14 +113,14 @@ class CoreOptions:
                    abandoned_model_s=config.dispatcher.abandoned_after_s)
 
 
-def run_contract(target: TargetSection, objective: Objective) -> dict[str, Any] | None:
+def run_contract(target: TargetSection, objective: Objective) -> CaptureContract | None:
     """The capture contract the run's slots are laid out for: from the target model's config.json when
     the run has a real target; None for a sim run (then the first worker that declares one sets it).
     ``objective``: the run's ``drafter.objective``."""
     if target.sim or not target.model:
         return None
     from common.run.capture_contract import contract_of
-    return contract_of(target, objective).to_dict()
+    return contract_of(target, objective)
 
 
 @dataclass

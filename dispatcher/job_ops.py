@@ -9,10 +9,10 @@ calling here, what depends on the run or on a drafter's group (done, a rank's ve
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import numpy as np
 
+from common.run.descriptors import NixlExport, SlotExport
 from common.run.records.events import JobConsumed, JobGivenBack, JobReady
 from common.run.records.job_ids import split_job_id
 from common.wire.errors import ErrorCode
@@ -100,7 +100,7 @@ class JobOps:
             self.give_back(job, "lease_expired")
 
     # -- a session's slots ------------------------------------------------------------------------
-    def register_slots(self, worker: Worker, ipc_block: dict[str, Any], num_slots: int) -> None:
+    def register_slots(self, worker: Worker, ipc_block: SlotExport, num_slots: int) -> None:
         """A cuda_ipc or nixl target's own slots join the pool; drafters get ``ipc_block`` to open them.
         nixl slots live on the target's node (cuda_ipc ones on the dispatcher's, as every worker)."""
         if worker.role != "target" or worker.ipc_block is not None:
@@ -110,7 +110,7 @@ class JobOps:
         worker.ipc_block, worker.slot_base = ipc_block, self._next_slot_id
         self._next_slot_id += num_slots
         self.pool.add_slots(range(worker.slot_base, worker.slot_base + num_slots), owner=worker.id,
-                            node=worker.node if ipc_block.get("kind") == "nixl" else None)
+                            node=worker.node if isinstance(ipc_block, NixlExport) else None)
         if self.pool.effective_min_ready < self.pool.min_ready:
             log.warning("pool.min_ready=%d cannot be reached with the %d slot(s) live targets registered (and "
                         "pool.target_credits=%d): drafters are served from %d ready slot(s)", self.pool.min_ready,

@@ -122,7 +122,7 @@ class DispatcherServer:
         log.info("serving %s (stats %s), run %s, %s", config.control_endpoint, config.stats_endpoint,
                  self.run_id, self.data_plane.describe())
         if self.core.contract is not None:  # else the first worker that declares one sets it (logged then)
-            log.info("capture contract of this run (from the target model's config.json): %s", self.core.contract)
+            log.info("capture contract of this run (from the target model's config.json): %s", self.core.contract.to_dict())
         needed = config.target.count * config.pool.target_credits + config.pool.min_ready
         if self.data_plane.kind == "shm" and config.pool.slots < needed:
             log.warning("pool.slots=%d < target.count x pool.target_credits + pool.min_ready = %d: targets will "
@@ -429,7 +429,7 @@ class DispatcherServer:
     def _stats_snapshot(self) -> Snapshot:
         return serving_snapshot(
             build_snapshot(self.core, time.monotonic()), run_dir=str(self.run_dir), run_id=self.run_id,
-            pid=os.getpid(), transport=self.data_plane.describe_dict(), waiters=len(self.polls.waiters),
+            pid=os.getpid(), transport=self.data_plane.view(), waiters=len(self.polls.waiters),
             auth=auth_stats(self.authorizer, self.handshakes, secret=bool(self.config.dispatcher.secret)),
             nodes=node_summary(self.core.pool, self.core.workers, self.core.counters.reads, home=self.data_plane.node))
 
@@ -438,7 +438,7 @@ class DispatcherServer:
         if self.journal.failed is None:
             from common.run.records.events import DispatcherStopped
             self.journal.record(DispatcherStopped(done=self.core.done, peak_slots=self.core.pool.peak_in_use,
-                                                  slot_bytes=self.data_plane.describe_dict()["slot_bytes"]))
+                                                  slot_bytes=self.data_plane.view().slot_bytes))
         self.journal.close()  # its last fsync makes every held commit durable
         if self.journal.failed is None:
             self._release_durable_replies()

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import logging
 import socket
-from typing import Any
 
 from common.run.config import Config
+from common.run.descriptors import TransportInfo
 from common.wire.messages import ErrorCode, ProtocolError, Register
+from common.wire.stats_snapshot import TransportView
 from common.dataplane.shm_segment import PoolSegment, check_fits, dead_segments, sweep_dead_segments
-from common.dataplane.slot_layout import SlotLayout, format_bytes
+from common.run.slot_layout import SlotLayout, format_bytes
 from common.dataplane.transport_info import (choose_transport, cuda_ipc_transport_info, nixl_transport_info, probe_cuda_host,
                                    shm_transport_info)
 
@@ -64,12 +65,12 @@ class DataPlane:
         """Slots in memory the dispatcher owns (the arena); cuda_ipc slots arrive with their targets."""
         return self.num_slots if self.arena is not None else 0
 
-    def info(self, role: str, node: str) -> dict[str, Any]:
-        """The register reply's transport map for a worker of ``node``."""
+    def info(self, role: str, node: str) -> TransportInfo:
+        """The register reply's transport descriptor for a worker of ``node``."""
         if self.arena is not None:
             return shm_transport_info(self.arena)
         if self.kind == "nixl":
-            return {**nixl_transport_info(self.layout, self.num_slots, self.run_id), "node": node}
+            return nixl_transport_info(self.layout, self.num_slots, self.run_id, node)
         return cuda_ipc_transport_info(self.layout, self.num_slots)
 
     def check_worker(self, request: Register) -> None:
@@ -80,19 +81,20 @@ class DataPlane:
             raise ProtocolError(ErrorCode.INCOMPATIBLE,
                                 f"{role} on node {node!r}, but pool.transport={self.kind} keeps every slot on the "
                                 f"dispatcher's node {self.node!r}: runs across nodes need pool.transport=nixl")
-        if request.layout is not None and request.layout != self.layout.to_dict():
-            raise ProtocolError(ErrorCode.INCOMPATIBLE, f"capture contract differs: worker has {request.layout}, "
-                                                        f"run has {self.layout.to_dict()}")
+        if request.layout is not None and request.layout != self.layout:
+            raise ProtocolError(ErrorCode.INCOMPATIBLE, f"capture contract differs: worker has "
+                                                        f"{request.layout.to_dict()}, run has {self.layout.to_dict()}")
 
-    def describe_dict(self) -> dict[str, Any]:
-        total = self.layout.slot_bytes * self.num_slots
-        return {"kind": self.kind, "slot_bytes": self.layout.slot_bytes, "num_slots": self.num_slots,
-                "pool_bytes": total, "per_target": self.kind in ("cuda_ipc", "nixl")}
+    def view(self) -> TransportView:
+        """The transport as ``hsd stats`` shows it."""
+        slot_bytes = self.layout.slot_bytes
+        return TransportView(kind=self.kind, slot_bytes=slot_bytes, num_slots=self.num_slots,
+                             pool_bytes=slot_bytes * self.num_slots, per_target=self.kind in ("cuda_ipc", "nixl"))
 
     def describe(self) -> str:
-        d = self.describe_dict()
-        scope = " per target" if d["per_target"] else ""
-        return f"{d['kind']} transport, {d['num_slots']} slots{scope} x {d['slot_bytes'] / 2**20:.1f} MiB"
+        v = self.view()
+        scope = " per target" if v.per_target else ""
+        return f"{v.kind} transport, {v.num_slots} slots{scope} x {v.slot_bytes / 2**20:.1f} MiB"
 
     def close(self) -> None:
         if self.arena is not None:

@@ -100,7 +100,7 @@ class TrainerBackend:
         self.run_dir = Path(run.dir)
         self.model_id = check_model_id(model_id)
         contract = contract_of(target, drafter.objective)  # what the target derives too: the dispatcher compares them
-        self.contract: dict[str, Any] = contract.to_dict()
+        self.contract = contract
         self.layer_ids = list(contract.layer_ids)
         self.target = target
         self.target_dir = str(target.model)
@@ -140,7 +140,7 @@ class TrainerBackend:
     def _servable_config(self, dtype: str) -> dict:
         """The checkpoint's servable ``config.json``: the export's, with the run's capture point."""
         doc = self.export_config(self.trainer.model.config, dtype)
-        doc.setdefault("hsd_training", {})["capture_point"] = self.contract["capture_point"]
+        doc.setdefault("hsd_training", {})["capture_point"] = self.contract.capture_point
         return doc
 
     def _new_trainer(self):
@@ -209,7 +209,7 @@ class TrainerBackend:
         config_path = servable_dir(step_dir) / CONFIG_NAME
         doc = json.loads(config_path.read_text()) if config_path.is_file() else {}
         theirs = (doc.get("hsd_training") or {}).get("capture_point", LEGACY_CAPTURE_POINT)
-        ours = self.contract["capture_point"]
+        ours = self.contract.capture_point
         if theirs != ours:
             raise ValueError(f"checkpoint {step_dir} was trained on target states taken at {theirs!r}, this run "
                              f"captures at {ours!r}: {capture_point_hint(ours, theirs)}")

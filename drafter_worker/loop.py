@@ -60,6 +60,7 @@ import torch
 from common import faults
 from common.run.checkpoint_writer import CheckpointWriter
 from common.run.config import Config, DispatcherSection, DrafterSection
+from common.run.descriptors import TransportInfo
 from common.dataplane.cuda_ipc import PeerMappingError
 from common.wire import messages
 from common.wire.messages import ErrorCode, ProtocolError
@@ -174,7 +175,7 @@ class DrafterLoop(WorkerLoop):
                                    checkpoint=min(self.checkpoints.durable_step, self.backend.step),
                                    pending=self.state.pending, group=self.group.group_claim())
 
-    def _open_transport(self, info: dict[str, Any]) -> DrafterTransport:
+    def _open_transport(self, info: TransportInfo) -> DrafterTransport:
         return open_drafter_transport(info, device=self._device(info))
 
     def _lost(self) -> None:

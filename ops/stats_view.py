@@ -219,13 +219,13 @@ def format_stats(s: Snapshot, *, previous: Snapshot | None = None, rate: float |
     if s.dropped_samples is not None:
         lines.append(dropped_line(s.dropped_samples.count, s.dropped_samples.first, s.dropped_samples.longer_than))
     lines.append("q_hsb     " + format_q_hsb(s.q_hsb))
-    lines.append(f"pool      {t['kind']}, {t['num_slots']} slots{' per target' if t['per_target'] else ''} x "
-                 f"{_mib(t['slot_bytes'])} = {_mib(t['pool_bytes'])}; "
+    lines.append(f"pool      {t.kind}, {t.num_slots} slots{' per target' if t.per_target else ''} x "
+                 f"{_mib(t.slot_bytes)} = {_mib(t.pool_bytes)}; "
                  + "  ".join(f"{k} {v}" for k, v in s.pool.items()))
     usage = pool_usage(s)
     if usage is not None:
         lines.append(f"pool use  {_mib(usage[0])} of {_mib(usage[1])} ({usage[0] / max(1, usage[1]):.0%})")
-    lines.extend(format_nodes(s.nodes, t["slot_bytes"]))
+    lines.extend(format_nodes(s.nodes, t.slot_bytes))
     mix = f" (mixed {s.step_mix:.0%} since the dispatcher started)" if s.step_mix is not None else ""
     lines.append(f"steps     {s.steps}{mix}   given back {s.given_back or 0}   errors {s.errors or 0}")
     for model, g in s.groups.items():
@@ -239,9 +239,9 @@ def format_stats(s: Snapshot, *, previous: Snapshot | None = None, rate: float |
                          f"sequence + {cost.padded_tokens * 1e6:.2f} us/padded token "
                          f"({cost.observations} observations)")
     auth = s.auth
-    if auth.get("mechanism") == "curve":
-        lines.append(f"auth      curve: {auth['accepted']} accepted, {auth['refused']} keys refused, "
-                     f"{auth['handshakes_failed']} handshakes failed")
+    if auth.mechanism == "curve":
+        lines.append(f"auth      curve: {auth.accepted} accepted, {auth.refused} keys refused, "
+                     f"{auth.handshakes_failed} handshakes failed")
     lines.append(bottleneck_line(s, previous))
     lines.extend(waiting_lines(s.waiting_for))
     lines.append("")

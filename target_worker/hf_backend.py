@@ -22,7 +22,7 @@ publishes the header and reports the job ready, only after it has queued the nex
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -138,9 +138,9 @@ class HFTargetBackend:
         architecture, num_layers, hidden_size = contract_shape_of(self.model)
         loaded = CaptureContract(architecture=architecture, num_layers=num_layers, hidden_size=hidden_size,
                                  layer_ids=declared.layer_ids, dtype=str(self.model.dtype).removeprefix("torch."),
-                                 final_norm=declared.final_norm)
+                                 final_norm=declared.final_norm, capture_point=declared.capture_point)
         check_same_contract(declared, loaded, ours_name="config.json", theirs_name="loaded model")
-        self.contract: dict[str, Any] = declared.to_dict()
+        self.contract = declared
         on_gpu = device.type == "cuda"
         # Two capture buffers on a GPU: the next forward fills one while the other drains into its slot.
         self.capture = LayerCapture(self.model, declared.layer_ids, max_tokens=self.tokens_per_batch,

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common import faults
+from common.run.descriptors import TransportInfo
 from common.run.prepared import DataError
 from common.wire import messages
 from common.dataplane.transport import TargetTransport, open_target_transport
@@ -51,7 +52,7 @@ class TargetLoop(WorkerLoop):
         ranks = self.group.ranks() if self.group is not None else None
         return self.session.register(contract=self.backend.contract, tp_ranks=ranks)
 
-    def _open_transport(self, info: dict[str, Any]) -> TargetTransport:
+    def _open_transport(self, info: TransportInfo) -> TargetTransport:
         return open_target_transport(info, device=self._device(info))
 
     def _poll_request(self) -> messages.GetJob:

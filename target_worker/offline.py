@@ -98,7 +98,7 @@ def capture_to_file(config: Config, dataset: SampleSource, *, num_samples: int, 
                   (f"sample.{i}.input_ids", torch.int32, (lengths[i],)),
                   (f"sample.{i}.loss_mask", torch.uint8, (lengths[i],))]
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    metadata = {"contract": json.dumps(backend.contract), "samples": json.dumps(captured)}
+    metadata = {"contract": json.dumps(backend.contract.to_dict()), "samples": json.dumps(captured)}
     fingerprint = getattr(dataset, "fingerprint", None)
     if fingerprint is not None:  # which dataset version the states belong to
         metadata["dataset_fingerprint"] = str(fingerprint)
@@ -117,4 +117,4 @@ def capture_to_file(config: Config, dataset: SampleSource, *, num_samples: int, 
     finally:
         backend.close()
     return {"samples": len(captured), "tokens": sum(lengths[i] for i in captured), "skipped": skipped,
-            "jobs": len(jobs), "out": str(out), "contract": backend.contract}
+            "jobs": len(jobs), "out": str(out), "contract": backend.contract.to_dict()}

@@ -21,7 +21,7 @@ from k8s_recipe import Pod, container_env, expand, hsd_invocations, matches, pod
 
 from common.run.config import ConfigError, load_config
 from common.wire.curve import client_from_config, server_from_config
-from common.dataplane.slot_layout import SlotLayout
+from common.run.slot_layout import SlotLayout
 from hsd.cli import build_parser
 from hsd.cli import main as cli_main
 

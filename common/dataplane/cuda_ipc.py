@@ -4,8 +4,8 @@ Each target allocates all its slots once, in one dedicated allocation, and expor
 handle of that allocation in its register message. A drafter opens each handle once (cached) and
 copies a slot into its own memory on a side stream; messages only carry ``(slot, generation)``.
 
-The export is built from torch's storage sharing primitives, but as plain msgpack values: no
-pickle, so a peer can never make a worker execute code.
+The export (:class:`common.run.descriptors.CudaIpcExport`) is built from torch's storage sharing
+primitives, but as plain msgpack values: no pickle, so a peer can never make a worker execute code.
 
 Lifetime: torch's cross-process reference counting assumes each consumer releases what one send
 handed it; here many drafters open one export for a whole run. So the producer drops its own
@@ -28,12 +28,12 @@ import secrets
 import socket
 import sys
 import weakref
-from typing import Any
 
 import psutil
 import torch
 
 from common.dataplane.slots import SlotBatch, SlotCopy, SlotLayout, SlotView, start_copy
+from common.run.descriptors import CudaIpcExport
 
 # shm_open of this name fails, which is what turns a consumer's counter release into a no-op.
 _NO_REF_COUNTER = b"/hsd_no_ipc_refcount"
@@ -46,9 +46,9 @@ class PeerMappingError(RuntimeError):
     """A target's block cannot be mapped onto this drafter's GPU (no peer access, no shared device)."""
 
 
-def is_own_export(export: dict[str, Any]) -> bool:
+def is_own_export(export: CudaIpcExport) -> bool:
     """Whether ``export`` was made by this process (then it is never opened through IPC)."""
-    return export.get("pid") == os.getpid() and export.get("host") == socket.gethostname()
+    return export.pid == os.getpid() and export.host == socket.gethostname()
 
 
 def process_alive(pid: int) -> bool:
@@ -92,7 +92,7 @@ class CudaSlotBlock:
                                                        device=self.device)
         # Tells a restarted target's block apart from its predecessor's in a drafter's cache.
         self.block_id = secrets.token_hex(8)
-        self._export: dict[str, Any] | None = None
+        self._export: CudaIpcExport | None = None
         _LOCAL_BLOCKS[self.block_id] = self
 
     @property
@@ -107,8 +107,8 @@ class CudaSlotBlock:
         start = index * self.layout.slot_bytes
         return SlotView(self.buffer[start:start + self.layout.slot_bytes], self.layout)
 
-    def export(self) -> dict[str, Any]:
-        """Plain values (ints, str, bytes, bool) that let another process open this block."""
+    def export(self) -> CudaIpcExport:
+        """What lets another process open this block (made once: the same handle every time)."""
         if self._export is None:
             if self.buffer is None:
                 raise RuntimeError("CUDA slot block is closed")
@@ -120,13 +120,12 @@ class CudaSlotBlock:
             device_index, handle, storage_bytes, storage_offset, ref_counter, ref_counter_offset, _, _ = (
                 storage._share_cuda_())
             torch.UntypedStorage._release_ipc_counter_cuda(ref_counter, ref_counter_offset)
-            self._export = {
-                "block_id": self.block_id, "host": socket.gethostname(), "pid": os.getpid(),
-                "device_index": int(device_index), "device_uuid": _device_uuid(self.device.index),
-                "handle": bytes(handle), "storage_bytes": int(storage_bytes), "storage_offset": int(storage_offset),
-                "num_slots": self.num_slots, "slot_bytes": self.layout.slot_bytes,
-            }
-        return dict(self._export)
+            self._export = CudaIpcExport(
+                block_id=self.block_id, host=socket.gethostname(), pid=os.getpid(),
+                device_index=int(device_index), device_uuid=_device_uuid(self.device.index),
+                handle=bytes(handle), storage_bytes=int(storage_bytes), storage_offset=int(storage_offset),
+                num_slots=self.num_slots, slot_bytes=self.layout.slot_bytes)
+        return self._export
 
     def finish_write(self, index: int, *, stream: torch.cuda.Stream | None = None) -> None:
         """Wait until slot ``index``'s writes are done, before the target reports the job ready.
@@ -142,12 +141,11 @@ class CudaSlotBlock:
         _LOCAL_BLOCKS.pop(self.block_id, None)
 
 
-def _map_ipc_block(index: int, export: dict[str, Any]) -> torch.Tensor:
+def _map_ipc_block(index: int, export: CudaIpcExport) -> torch.Tensor:
     """Open the export's IPC handle on device ``index`` as a flat uint8 tensor (RuntimeError if the driver refuses)."""
     storage = torch.UntypedStorage._new_shared_cuda(
-        index, bytes(export["handle"]), int(export["storage_bytes"]), int(export["storage_offset"]),
-        _NO_REF_COUNTER, 0, b"", False)
-    nbytes = int(export["num_slots"]) * int(export["slot_bytes"])
+        index, export.handle, export.storage_bytes, export.storage_offset, _NO_REF_COUNTER, 0, b"", False)
+    nbytes = export.num_slots * export.slot_bytes
     if storage.nbytes() < nbytes:
         raise ValueError(f"peer block holds {storage.nbytes()} bytes, its export claims {nbytes}")
     block = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index))
@@ -161,46 +159,46 @@ class CudaIpcOpener:
         self.layout = layout
         self.device = _cuda_device(device)
         self._blocks: dict[tuple[str, bytes], torch.Tensor] = {}
-        self._sources: dict[tuple[str, bytes], tuple[Any, str]] = {}  # key -> (exporting pid, block id)
+        self._sources: dict[tuple[str, bytes], tuple[int, str]] = {}  # key -> (exporting pid, block id)
 
     @property
     def num_open_blocks(self) -> int:
         return len(self._blocks)
 
-    def open(self, export: dict[str, Any], *, owner: str = "") -> torch.Tensor:
+    def open(self, export: CudaIpcExport, *, owner: str = "") -> torch.Tensor:
         """The peer's whole block as a flat uint8 tensor (cached by owner and handle)."""
-        key = (owner or str(export["block_id"]), bytes(export["handle"]))
+        key = (owner or export.block_id, export.handle)
         block = self._blocks.get(key)
         if block is None:
-            if export["slot_bytes"] != self.layout.slot_bytes:
-                raise ValueError(f"peer block has {export['slot_bytes']} bytes per slot, this layout "
+            if export.slot_bytes != self.layout.slot_bytes:
+                raise ValueError(f"peer block has {export.slot_bytes} bytes per slot, this layout "
                                  f"{self.layout.slot_bytes}: target and drafter disagree on the layout")
             block = self._open(export)
             self._blocks[key] = block
-            self._sources[key] = (export.get("pid"), str(export["block_id"]))
+            self._sources[key] = (export.pid, export.block_id)
         return block
 
-    def is_open(self, export: dict[str, Any], *, owner: str = "") -> bool:
-        return (owner or str(export["block_id"]), bytes(export["handle"])) in self._blocks
+    def is_open(self, export: CudaIpcExport, *, owner: str = "") -> bool:
+        return (owner or export.block_id, export.handle) in self._blocks
 
-    def departed(self, export: dict[str, Any] | None = None, *, alive=process_alive) -> list[str]:
+    def departed(self, export: CudaIpcExport | None = None, *, alive=process_alive) -> list[str]:
         """Owners of open blocks whose target is gone: its process died, or the process of ``export``
         (a block about to be opened) made that new block since (it registered again: a new worker id).
         Blocks of this very process (tests, benchmarks: several may live side by side) never are."""
-        new_pid, new_block = (export.get("pid"), str(export["block_id"])) if export is not None else (None, None)
+        new_pid, new_block = (export.pid, export.block_id) if export is not None else (None, None)
         gone = []
         for key, (pid, block_id) in self._sources.items():
-            if not isinstance(pid, int) or pid == os.getpid():
+            if pid == os.getpid():
                 continue
             if (pid == new_pid and block_id != new_block) or not alive(pid):
                 gone.append(key[0])
         return list(dict.fromkeys(gone))
 
-    def _open(self, export: dict[str, Any]) -> torch.Tensor:
+    def _open(self, export: CudaIpcExport) -> torch.Tensor:
         if is_own_export(export):
-            local = _LOCAL_BLOCKS.get(str(export["block_id"]))
+            local = _LOCAL_BLOCKS.get(export.block_id)
             if local is None or local.buffer is None:
-                raise RuntimeError(f"CUDA IPC block {export['block_id']} of this process is closed")
+                raise RuntimeError(f"CUDA IPC block {export.block_id} of this process is closed")
             return local.buffer
         # Mapping into our own device (peer access) avoids a CUDA context on the target's GPU;
         # without P2P between the two GPUs, fall back to the target's GPU when this process sees it.
@@ -215,14 +213,14 @@ class CudaIpcOpener:
             except RuntimeError as exc:
                 errors.append(f"cuda:{index}: {exc}")
         raise PeerMappingError(
-            f"cannot map the CUDA IPC block of target pid {export.get('pid')} on {export.get('host')} (GPU "
-            f"{export.get('device_uuid') or export.get('device_index')}) onto this drafter's {self.device}: "
+            f"cannot map the CUDA IPC block of target pid {export.pid} on {export.host} (GPU "
+            f"{export.device_uuid or export.device_index}) onto this drafter's {self.device}: "
             f"{'; '.join(errors)}. Without peer access between the two GPUs, use pool.transport=shm")
 
     @staticmethod
-    def _local_index(export: dict[str, Any]) -> int | None:
+    def _local_index(export: CudaIpcExport) -> int | None:
         """This process's index of the target's GPU, matched by UUID (CUDA_VISIBLE_DEVICES may differ)."""
-        uuid = export.get("device_uuid")
+        uuid = export.device_uuid
         if uuid is None:
             return None
         for index in range(torch.cuda.device_count()):
@@ -230,21 +228,21 @@ class CudaIpcOpener:
                 return index
         return None
 
-    def start_read(self, export: dict[str, Any], slot: int, generation: int, *,
+    def start_read(self, export: CudaIpcExport, slot: int, generation: int, *,
                    stream: torch.cuda.Stream | None = None, owner: str = "") -> SlotCopy:
         """Begin copying slot ``slot`` of the peer block into new tensors on this drafter's device
         (device to device, on ``stream``); the :class:`SlotCopy` checks the generation again when waited for.
 
         Raises StaleSlotError when the slot does not hold ``generation`` before the copy.
         """
-        if not 0 <= slot < int(export["num_slots"]):
-            raise IndexError(f"slot {slot} is outside the peer block of {export['num_slots']}")
+        if not 0 <= slot < export.num_slots:
+            raise IndexError(f"slot {slot} is outside the peer block of {export.num_slots}")
         block = self.open(export, owner=owner)
         start = slot * self.layout.slot_bytes
         view = SlotView(block[start:start + self.layout.slot_bytes], self.layout)
         return start_copy(view, generation, self.device, stream=stream)
 
-    def read_into(self, export: dict[str, Any], slot: int, generation: int, *, stream: torch.cuda.Stream | None = None,
+    def read_into(self, export: CudaIpcExport, slot: int, generation: int, *, stream: torch.cuda.Stream | None = None,
                   owner: str = "") -> SlotBatch:
         """:meth:`start_read`, waited for (StaleSlotError when the slot was rewritten before or during the copy)."""
         return self.start_read(export, slot, generation, stream=stream, owner=owner).wait()

@@ -24,9 +24,10 @@ import torch
 
 from common.dataplane.host_staging import PinnedBuffer
 from common.dataplane.shm_arena import CudaHostRuntime, cuda_host_runtime
-from common.dataplane.slot_layout import HEADER_BYTES, StaleSlotError
+from common.run.slot_layout import HEADER_BYTES, StaleSlotError
 from common.dataplane.slots import SlotBatch, SlotLayout, SlotView
 from common.dataplane.transport_info import ENGINE_MODULES, INSTALL_HINT, engine_missing
+from common.run.descriptors import NixlExport
 
 _GENERATION_OFFSET = 8  # the header's second int64 word (common.dataplane.slots: magic, generation, ...)
 
@@ -60,10 +61,10 @@ class SlotExporter:
         self._address, self._nbytes = address, nbytes
         self._registered = self.agent.register_memory([(address, nbytes, 0, "")], "DRAM")
 
-    def export(self) -> dict[str, Any]:
-        """What a remote reader needs: msgpack-safe (bytes and ints), no pickle."""
-        return {"agent": self.agent.name, "metadata": self.agent.get_agent_metadata(),
-                "base": self._address, "nbytes": self._nbytes}
+    def export(self, *, node: str, arena: str) -> NixlExport:
+        """What a reader needs, for the block in segment ``arena`` of ``node``: bytes and ints, no pickle."""
+        return NixlExport(node=node, arena=arena, agent=self.agent.name,
+                          metadata=bytes(self.agent.get_agent_metadata()), base=self._address, nbytes=self._nbytes)
 
     def close(self) -> None:
         if self._registered is not None:
@@ -102,11 +103,11 @@ class RemoteSlotReader:
     def pinned(self) -> bool:
         return self._pinned is not None and self._pinned.pinned
 
-    def _peer(self, export: dict[str, Any]) -> str:
-        name = self._peers.get(export["agent"])
+    def _peer(self, export: NixlExport) -> str:
+        name = self._peers.get(export.agent)
         if name is None:
-            name = self.agent.add_remote_agent(export["metadata"])
-            self._peers[export["agent"]] = name
+            name = self.agent.add_remote_agent(export.metadata)
+            self._peers[export.agent] = name
         return name
 
     def _read(self, peer: str, pieces: list[tuple[int, int, int]]) -> None:
@@ -128,17 +129,17 @@ class RemoteSlotReader:
             self.agent.release_xfer_handle(handle)
         self.bytes_read += sum(n for _, _, n in pieces)
 
-    def read(self, export: dict[str, Any], slot: int, generation: int) -> SlotBatch:
+    def read(self, export: NixlExport, slot: int, generation: int) -> SlotBatch:
         """Slot ``slot`` of the owner ``export`` describes, if it still holds ``generation``.
 
         The batch is views into the staging slot, valid until the next read (as a CPU shm read).
         Raises :class:`StaleSlotError` when the generation differs before or after.
         """
         layout = self.layout
-        if not 0 <= slot < export["nbytes"] // layout.slot_bytes:
-            raise IndexError(f"slot {slot} is outside the owner's block of {export['nbytes'] // layout.slot_bytes}")
+        if not 0 <= slot < export.nbytes // layout.slot_bytes:
+            raise IndexError(f"slot {slot} is outside the owner's block of {export.nbytes // layout.slot_bytes}")
         peer = self._peer(export)
-        base = export["base"] + slot * layout.slot_bytes
+        base = export.base + slot * layout.slot_bytes
         staging = self._staging.data_ptr()
         self._read(peer, [(staging, base, HEADER_BYTES)])
         header = self._view.expect_generation(generation, when="before")

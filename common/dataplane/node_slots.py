@@ -11,13 +11,13 @@ Either way the generation check guards it.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 
 from common.dataplane.nixl_engine import RemoteSlotReader, SlotExporter
 from common.dataplane.shm_arena import SlotArena
 from common.dataplane.slots import SlotCopy, SlotLayout, SlotView, start_copy
+from common.run.descriptors import NixlExport
 
 log = logging.getLogger("hsd.transport")
 
@@ -44,8 +44,8 @@ class NodeSlotBlock:
         """Nothing to add: TargetTransport.finish_write lets a GPU target's copies into host memory
         land before the header, as for the shm pool."""
 
-    def export(self) -> dict[str, Any]:
-        return {"kind": "nixl", "node": self.node, "arena": self.arena.name, **self.exporter.export()}
+    def export(self) -> NixlExport:
+        return self.exporter.export(node=self.node, arena=self.arena.name)
 
     def close(self) -> None:
         exporter = getattr(self, "exporter", None)
@@ -70,7 +70,7 @@ class NodeSlotReader:
         self.num_local = 0
         self.num_remote = 0
 
-    def start_read(self, export: dict[str, Any], slot: int, generation: int, *,
+    def start_read(self, export: NixlExport, slot: int, generation: int, *,
                    stream: torch.cuda.Stream | None = None, owner: str = "") -> SlotCopy:
         """The slot's batch on the reader's device (views into the staging slot on a CPU reader).
 
@@ -78,7 +78,7 @@ class NodeSlotReader:
         the engine with both generation checks before this returns, then moved to the GPU if any, on
         ``stream`` too.
         """
-        arena = self._local_arena(export, owner) if export.get("node") == self.node else None
+        arena = self._local_arena(export, owner) if export.node == self.node else None
         if arena is not None:
             if self.device.type == "cpu" and self._staging is None:
                 self._staging = SlotView(torch.zeros(self.layout.slot_bytes, dtype=torch.uint8), self.layout)
@@ -88,7 +88,7 @@ class NodeSlotReader:
             return copy
         if self._remote is None:
             self._remote = RemoteSlotReader(self.layout)
-        self._agents[owner] = export["agent"]
+        self._agents[owner] = export.agent
         batch = self._remote.read(export, slot, generation)
         self.num_remote += 1
         if self.device.type == "cpu":
@@ -103,21 +103,21 @@ class NodeSlotReader:
         return SlotCopy(self._remote.view, generation, batch, device=self.device, stream=stream, event=event,
                         checked=True)
 
-    def _local_arena(self, export: dict[str, Any], owner: str) -> SlotArena | None:
+    def _local_arena(self, export: NixlExport, owner: str) -> SlotArena | None:
         """The owner's segment mapped, or None when its node has the drafter's name but no such segment:
         two hosts share a node name (a node's config used on another without its own ``--node``), so
         the slot is read through the engine, as any other node's, and the mix-up is said once."""
         arena = self._local.get(owner)
         if arena is None and owner not in self._not_here:
             try:
-                arena = self._local[owner] = SlotArena.attach(export["arena"], self.layout,
-                                                              export["nbytes"] // self.layout.slot_bytes)
+                arena = self._local[owner] = SlotArena.attach(export.arena, self.layout,
+                                                              export.nbytes // self.layout.slot_bytes)
             except FileNotFoundError:
                 self._not_here.add(owner)
                 log.warning("%s's slots are named node %r, this drafter's node, but segment %s is not on this "
                             "host: two hosts use node name %r (start each with its own --node, or leave "
                             "nodes.name unset for its hostname); reading them through the engine", owner,
-                            self.node, export["arena"], self.node)
+                            self.node, export.arena, self.node)
         return arena
 
     def forget(self, *, owner: str = "") -> None:

@@ -16,7 +16,7 @@ import torch
 
 from common.dataplane.shm_segment import (SEGMENT_PREFIX, SEGMENT_RE, SHM_DIR, ShmSegment, check_fits, create_segment_fd,
                                 list_segments, segment_name, sweep_dead_segments, unlink_segment)
-from common.dataplane.slot_layout import format_bytes
+from common.run.slot_layout import format_bytes
 from common.dataplane.slots import SlotLayout, SlotView
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from common.dataplane.slot_layout import SlotLayout, format_bytes
+from common.run.slot_layout import SlotLayout, format_bytes
 
 logger = logging.getLogger(__name__)
 

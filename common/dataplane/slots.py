@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.dataplane.slot_layout import (DTYPE_SIZES, HEADER_BYTES, REGION_ALIGN, SLOT_ALIGN, SlotLayout, StaleSlotError,
+from common.run.slot_layout import (DTYPE_SIZES, HEADER_BYTES, REGION_ALIGN, SLOT_ALIGN, SlotLayout, StaleSlotError,
                                 format_bytes)
 
 _DTYPE_CODES = {"bfloat16": 1, "float16": 2, "float32": 3}

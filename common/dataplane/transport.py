@@ -1,8 +1,9 @@
 """What workers use to move hidden states, whatever the transport kind.
 
-The dispatcher picks the kind (:func:`common.dataplane.transport_info.resolve_transport`) and sends a ``transport_info`` map in
-its register reply; a target opens a :class:`TargetTransport` from it and writes slots, a drafter
-opens a :class:`DrafterTransport` and reads them. With ``shm`` every worker maps the dispatcher's
+The dispatcher picks the kind (:func:`common.dataplane.transport_info.resolve_transport`) and sends a
+:data:`~common.run.descriptors.TransportInfo` in its register reply; a target opens a
+:class:`TargetTransport` from it and writes slots, a drafter opens a :class:`DrafterTransport` and
+reads them. With ``shm`` every worker maps the dispatcher's
 pool; with ``cuda_ipc`` every target allocates its own slots on its GPU and sends the dispatcher
 their :meth:`TargetTransport.export`, which drafters receive with each job as ``ipc``. ``nixl`` is
 the same with the slots in the target node's memory, read across nodes (:mod:`common.dataplane.node_slots`).
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 import torch
 
@@ -21,8 +21,8 @@ from common.dataplane.node_slots import NodeSlotBlock, NodeSlotReader
 from common.dataplane.shm_arena import SlotArena
 from common.dataplane.slots import SlotBatch, SlotCopy, SlotHeader, SlotLayout, SlotView, start_copy
 from common.dataplane.transport_info import (TRANSPORT_CHOICES, TRANSPORT_KINDS, cuda_ipc_transport_info,  # noqa: F401
-                                   engine_missing, nixl_transport_info, parse_transport_info, resolve_transport,
-                                   shm_transport_info)
+                                   engine_missing, nixl_transport_info, resolve_transport, shm_transport_info)
+from common.run.descriptors import CudaIpcExport, NixlInfo, ShmInfo, SlotExport, TransportInfo
 
 class TargetTransport:
     """Writable slots of one target: the shared pool (shm) or the target's own GPU block (cuda_ipc)."""
@@ -42,8 +42,8 @@ class TargetTransport:
         assert self._block is not None
         return self._block.slot(slot_id)
 
-    def export(self) -> dict[str, Any] | None:
-        """The target's CUDA IPC block for its register message; None for shm."""
+    def export(self) -> SlotExport | None:
+        """The target's own slots (CUDA IPC block, node segment) for its register message; None for shm."""
         return self._block.export() if self._block is not None else None
 
     def write(self, slot_id: int, header: SlotHeader, *, hs: torch.Tensor, input_ids: torch.Tensor,
@@ -122,7 +122,7 @@ class DrafterTransport:
         self._next_sweep = 0.0
         self.num_released = 0  # blocks of departed targets dropped
 
-    def start_read(self, slot_id: int, generation: int, *, ipc: dict[str, Any] | None = None,
+    def start_read(self, slot_id: int, generation: int, *, ipc: SlotExport | None = None,
                    owner: str = "") -> SlotCopy:
         """Begin copying slot ``slot_id`` if it holds ``generation`` (else StaleSlotError).
 
@@ -145,7 +145,7 @@ class DrafterTransport:
         return start_copy(self._arena.slot(slot_id), generation, self.device, stream=self._stream,
                           into=self._staging)
 
-    def read(self, slot_id: int, generation: int, *, ipc: dict[str, Any] | None = None, owner: str = "") -> SlotBatch:
+    def read(self, slot_id: int, generation: int, *, ipc: SlotExport | None = None, owner: str = "") -> SlotBatch:
         """:meth:`start_read`, waited for: the slot can be released as soon as this returns."""
         return self.start_read(slot_id, generation, ipc=ipc, owner=owner).wait()
 
@@ -159,7 +159,7 @@ class DrafterTransport:
         if self._opener is not None:
             self._opener.forget(owner=owner)
 
-    def _release_departed(self, ipc: dict[str, Any], owner: str) -> None:
+    def _release_departed(self, ipc: CudaIpcExport, owner: str) -> None:
         assert isinstance(self._opener, CudaIpcOpener)
         is_new = not self._opener.is_open(ipc, owner=owner)
         now = time.monotonic()
@@ -187,31 +187,31 @@ def _resolve_device(device: torch.device | str) -> torch.device:
     return device
 
 
-def open_target_transport(info: dict[str, Any], device: torch.device | str) -> TargetTransport:
-    kind, layout, num_slots = parse_transport_info(info)
+def open_target_transport(info: TransportInfo, device: torch.device | str) -> TargetTransport:
+    kind, layout, num_slots = info.kind, info.layout, info.num_slots
     device = _resolve_device(device)
-    if kind == "shm":
-        arena = SlotArena.attach(info["arena"], layout, num_slots, pin_device=device)
+    if isinstance(info, ShmInfo):
+        arena = SlotArena.attach(info.arena, layout, num_slots, pin_device=device)
         return TargetTransport(kind, layout, num_slots, device, arena=arena)
-    if kind == "nixl":
+    if isinstance(info, NixlInfo):
         # Host memory even on a GPU target (copied into from a side stream): slots in GPU memory
         # across nodes (VRAM registration, GPUDirect) are not built yet.
-        node_block = NodeSlotBlock(info["run_id"], layout, num_slots, info["node"], device)
+        node_block = NodeSlotBlock(info.run_id, layout, num_slots, info.node, device)
         return TargetTransport(kind, layout, num_slots, device, block=node_block)
     block = CudaSlotBlock(layout, num_slots, device)
     return TargetTransport(kind, layout, num_slots, block.device, block=block)
 
 
-def open_drafter_transport(info: dict[str, Any], device: torch.device | str) -> DrafterTransport:
-    kind, layout, num_slots = parse_transport_info(info)
+def open_drafter_transport(info: TransportInfo, device: torch.device | str) -> DrafterTransport:
+    kind, layout = info.kind, info.layout
     device = _resolve_device(device)
-    if kind == "shm":
-        arena = SlotArena.attach(info["arena"], layout, num_slots, pin_device=device)
+    if isinstance(info, ShmInfo):
+        arena = SlotArena.attach(info.arena, layout, info.num_slots, pin_device=device)
         return DrafterTransport(kind, layout, device, arena=arena)
-    if kind == "nixl":
+    if isinstance(info, NixlInfo):
         missing = engine_missing()  # said at start, not at the first read of another node's slot
         if missing:
             raise RuntimeError(missing)
-        return DrafterTransport(kind, layout, device, opener=NodeSlotReader(layout, info["node"], device))
+        return DrafterTransport(kind, layout, device, opener=NodeSlotReader(layout, info.node, device))
     opener = CudaIpcOpener(layout, device)
     return DrafterTransport(kind, layout, opener.device, opener=opener)

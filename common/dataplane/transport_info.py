@@ -1,4 +1,4 @@
-"""Which hidden-state transport a run uses, and the ``transport`` map of the register reply.
+"""Which hidden-state transport a run uses, and the ``transport`` descriptor of the register reply.
 
 Torch-free: the dispatcher decides and describes the data plane but never touches a tensor. Only
 ``pool.transport=auto`` (or ``cuda_ipc``) on a host that has an NVIDIA device node asks torch
@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence, get_args
 
 from common.run.config import Transport
-from common.dataplane.slot_layout import SlotLayout
+from common.run.descriptors import CudaIpcInfo, NixlInfo, ShmInfo
+from common.run.slot_layout import SlotLayout
 
 TRANSPORT_CHOICES = get_args(Transport)  # pool.transport: auto or a kind
 TRANSPORT_KINDS = tuple(choice for choice in TRANSPORT_CHOICES if choice != "auto")
@@ -129,30 +130,17 @@ def resolve_transport(requested: str, same_node: bool, *, cuda: CudaHost | None 
                             drafter_gpus=drafter_gpus)[0]
 
 
-def shm_transport_info(arena: Any) -> dict[str, Any]:
+def shm_transport_info(arena: Any) -> ShmInfo:
     """For a pool segment (or a mapped SlotArena): its name, slot count and layout."""
-    return {"kind": "shm", "arena": arena.name, "num_slots": arena.num_slots, "layout": arena.layout.to_dict()}
+    return ShmInfo(arena=arena.name, num_slots=arena.num_slots, layout=arena.layout)
 
 
-def cuda_ipc_transport_info(layout: SlotLayout, num_slots: int) -> dict[str, Any]:
+def cuda_ipc_transport_info(layout: SlotLayout, num_slots: int) -> CudaIpcInfo:
     """``num_slots`` is what each target allocates on its GPU (its share of the pool)."""
-    return {"kind": "cuda_ipc", "num_slots": num_slots, "layout": layout.to_dict()}
+    return CudaIpcInfo(num_slots=num_slots, layout=layout)
 
 
-def nixl_transport_info(layout: SlotLayout, num_slots: int, run_id: str) -> dict[str, Any]:
-    """``num_slots`` is what each target allocates on its node; ``run_id`` names its segment."""
-    return {"kind": "nixl", "num_slots": num_slots, "layout": layout.to_dict(), "run_id": run_id}
-
-
-def parse_transport_info(info: dict[str, Any]) -> tuple[str, SlotLayout, int]:
-    kind = info.get("kind")
-    if kind not in TRANSPORT_KINDS:
-        raise ValueError(f"unknown transport kind {kind!r} (known: {', '.join(TRANSPORT_KINDS)})")
-    num_slots = info.get("num_slots")
-    if not isinstance(num_slots, int) or num_slots <= 0:
-        raise ValueError(f"transport info needs a positive num_slots, got {num_slots!r}")
-    if kind == "shm" and not isinstance(info.get("arena"), str):
-        raise ValueError("shm transport info needs the arena name")
-    if kind == "nixl" and not (isinstance(info.get("run_id"), str) and isinstance(info.get("node"), str)):
-        raise ValueError("nixl transport info needs the run id and the worker's node")
-    return kind, SlotLayout.from_dict(info["layout"]), num_slots
+def nixl_transport_info(layout: SlotLayout, num_slots: int, run_id: str, node: str) -> NixlInfo:
+    """``num_slots`` is what each target allocates on its node; ``run_id`` names its segment; ``node``
+    is the worker's."""
+    return NixlInfo(num_slots=num_slots, layout=layout, run_id=run_id, node=node)

@@ -20,9 +20,10 @@ the final norm), so states or a drafter from such a run never pass as the curren
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
+
+import msgspec
 
 from common.run.drafter_family import DEFAULT_OBJECTIVE, family_of
 from common.run.target_config import model_shape, read_model_config
@@ -33,8 +34,8 @@ CAPTURE_POINT = "layer_output"  # every layer's raw output, before any final nor
 LEGACY_CAPTURE_POINT = "hidden_states"  # a contract that names none: the last layer after the final norm
 
 
-@dataclass(frozen=True)
-class CaptureContract:
+class CaptureContract(msgspec.Struct, frozen=True):
+    """Sent as a msgpack map of its fields (a target's and a drafter's register, the reply)."""
     architecture: str
     num_layers: int  # decoder layers of the target
     hidden_size: int
@@ -44,7 +45,8 @@ class CaptureContract:
     # EAGLE-3 drafter turns it into the target's logits with the frozen LM head on its own device,
     # so the slot carries H values a token instead of a vocabulary's worth.
     final_norm: bool = False
-    capture_point: str = CAPTURE_POINT  # where a layer's state is taken (see the module docstring)
+    # where a layer's state is taken (see the module docstring); a contract that names none predates it
+    capture_point: str = LEGACY_CAPTURE_POINT
 
     def __post_init__(self) -> None:
         ids = list(self.layer_ids)
@@ -72,20 +74,16 @@ class CaptureContract:
         return self.num_blocks * self.hidden_size
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain values (msgpack, JSON): what a target sends when it registers."""
-        doc = asdict(self)
-        doc["layer_ids"] = list(self.layer_ids)
-        return doc
+        """Plain values (msgpack, JSON), as it travels."""
+        return {**msgspec.structs.asdict(self), "layer_ids": list(self.layer_ids)}
 
     @classmethod
     def from_dict(cls, doc: Mapping[str, Any]) -> CaptureContract:
+        """:meth:`to_dict`'s values as a contract; ValueError naming the field that is missing or wrong."""
         try:
-            return cls(architecture=str(doc["architecture"]), num_layers=int(doc["num_layers"]),
-                       hidden_size=int(doc["hidden_size"]), layer_ids=tuple(int(i) for i in doc["layer_ids"]),
-                       dtype=str(doc["dtype"]), final_norm=bool(doc.get("final_norm", False)),
-                       capture_point=str(doc.get("capture_point", LEGACY_CAPTURE_POINT)))
-        except KeyError as exc:
-            raise ValueError(f"capture contract is missing {exc.args[0]!r}: {dict(doc)!r}") from None
+            return msgspec.convert(doc, cls)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"capture contract: {exc}") from None
 
 
 def default_layer_ids(num_layers: int, num_capture_layers: int = 5) -> list[int]:
@@ -117,7 +115,7 @@ def build_contract(doc: Mapping[str, Any], *, layer_ids: Sequence[int] = (), num
     family = family_of(objective)
     ids = list(layer_ids) if layer_ids else family.default_layer_ids(num_layers, num_capture_layers)
     return CaptureContract(architecture=architecture, num_layers=num_layers, hidden_size=hidden_size,
-                           layer_ids=tuple(ids), dtype=dtype, final_norm=family.final_norm)
+                           layer_ids=tuple(ids), dtype=dtype, final_norm=family.final_norm, capture_point=CAPTURE_POINT)
 
 
 def contract_from_model_dir(model_dir: str | Path, *, layer_ids: Sequence[int] = (), num_capture_layers: int = 5,
@@ -126,11 +124,10 @@ def contract_from_model_dir(model_dir: str | Path, *, layer_ids: Sequence[int] =
                           dtype=dtype)
 
 
-def check_same_contract(ours: CaptureContract | Mapping[str, Any], theirs: CaptureContract | Mapping[str, Any], *,
-                        ours_name: str = "target", theirs_name: str = "drafter") -> None:
+def check_same_contract(ours: CaptureContract, theirs: CaptureContract, *, ours_name: str = "target",
+                        theirs_name: str = "drafter") -> None:
     """Raise ValueError naming both sides and every field on which they differ."""
-    a = ours.to_dict() if isinstance(ours, CaptureContract) else CaptureContract.from_dict(ours).to_dict()
-    b = theirs.to_dict() if isinstance(theirs, CaptureContract) else CaptureContract.from_dict(theirs).to_dict()
+    a, b = ours.to_dict(), theirs.to_dict()
     differences = [f"{key}: {ours_name} {a[key]!r} vs {theirs_name} {b[key]!r}" for key in a if a[key] != b[key]]
     if differences:
         hint = ""
@@ -180,11 +177,11 @@ def contract_of(target: Any, objective: str, *, model_config: Mapping[str, Any] 
                           dtype=capture_dtype(target), objective=objective)
 
 
-def adopt_contract(current: Mapping[str, Any] | None, contract: Mapping[str, Any], *,
-                   theirs_name: str) -> dict[str, Any]:
+def adopt_contract(current: CaptureContract | None, contract: CaptureContract, *,
+                   theirs_name: str) -> CaptureContract:
     """The run's capture contract once a worker brought ``contract``: the first one sets it, every
     later one must equal it (ValueError naming the fields that differ)."""
     if current is None:
-        return dict(contract)
+        return contract
     check_same_contract(current, contract, ours_name="this run", theirs_name=theirs_name)
-    return dict(current)
+    return current

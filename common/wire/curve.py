@@ -27,12 +27,12 @@ import threading
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import zmq
 import zmq.auth
 
 from common.run.config import ConfigError
+from common.wire.stats_snapshot import AuthView
 
 log = logging.getLogger("hsd.curve")
 
@@ -193,15 +193,15 @@ class HandshakeMonitor:
 
 
 def auth_stats(authorizer: ZapAuthorizer | None, handshakes: list[HandshakeMonitor], *,
-               secret: bool) -> dict[str, Any]:
+               secret: bool) -> AuthView:
     """How a control plane authenticates, and the handshakes it refused (CURVE only): ``hsd stats``'s ``auth``."""
     if authorizer is None:
-        return {"mechanism": "secret" if secret else "none"}
+        return AuthView(mechanism="secret" if secret else "none")
     for monitor in handshakes:
         monitor.drain()
     counts = authorizer.snapshot()
-    return {"mechanism": "curve", "accepted": counts.get("accepted", 0), "refused": counts.get("refused", 0),
-            "handshakes_failed": sum(m.failed for m in handshakes)}
+    return AuthView(mechanism="curve", accepted=counts.get("accepted", 0), refused=counts.get("refused", 0),
+                    handshakes_failed=sum(m.failed for m in handshakes))
 
 
 def _allowed_keys(entries: list[str]) -> frozenset[bytes]:

@@ -8,7 +8,10 @@ The structs are `msgspec <https://jcristharif.com/msgspec/>`_ structs: msgpack-n
 as they are decoded (a field of the wrong type, a missing field, a value out of range is a
 ``ValidationError`` naming its path, answered ``malformed``). msgpack only: no pickle anywhere, so a
 peer can never make another execute code. Unknown fields are ignored, so an older peer's message
-with a field more still decodes.
+with a field more still decodes. A few parts are structs of their own, decoded with the message
+that carries them: what a worker claims when it registers (:mod:`common.wire.claims`), the data
+plane's descriptors (:mod:`common.run.descriptors`, :mod:`common.run.slot_layout`) and the capture
+contract (:mod:`common.run.capture_contract`).
 
 Tensor bytes never travel here: a job names a slot and its generation, and the bytes move through
 the hidden-state transport (shared memory, CUDA IPC or NIXL).
@@ -20,69 +23,25 @@ from typing import Annotated, Any, Literal, Union
 
 import msgspec
 
+from common.run.capture_contract import CaptureContract
+from common.run.descriptors import SlotExport, TransportInfo
+from common.run.slot_layout import SlotLayout
+from common.wire.claims import Count, GroupClaim, ModelClaim, PendingCommit, TargetRank  # noqa: F401 (Register's parts)
 from common.wire.errors import ErrorCode, ProtocolError
 from common.wire.stats_snapshot import GpuHealth, Snapshot
 
 PROTOCOL_VERSION = 3  # 3: get_hs carries the consumed reports of the slots copied out since the last poll
 
-Count = Annotated[int, msgspec.Meta(ge=0)]
 MAX_STEP_METRICS = 16  # commit_step's metrics: a few figures for hsd stats, never a payload
 StepMetrics = Annotated[dict[Annotated[str, msgspec.Meta(max_length=32)], float],
                         msgspec.Meta(max_length=MAX_STEP_METRICS)]
 
 
-# -- what requests carry -----------------------------------------------------------------------
+# -- requests ------------------------------------------------------------------------------------
 
 class Struct(msgspec.Struct, kw_only=True):
     """A message part. Every struct here is keyword-only (msgspec does not inherit kw_only), so a
     subclass's required fields may follow its base's defaults."""
-
-
-class PendingCommit(Struct, kw_only=True):
-    """The commit a drafter (or its group's rank 0) sent and got no answer to (its dispatcher died):
-    when the ledger holds exactly that commit, the register reply says ``pending_committed``."""
-    step: int
-    job_ids: list[int]
-
-
-class GroupClaim(Struct, kw_only=True):
-    """The sizes a data-parallel rank brings (every rank of a model must agree; dispatcher/groups.py)."""
-    size: int  # drafter.count: the ranks a new group waits for before its first step
-    min_ranks: int = 1
-    max_ranks: int = 0  # 0: no bound
-    balance: str = "count"  # drafter.step_balance
-    accum_steps: int = 1
-    elastic_batch: str = "tokens"
-    # drafter.rendezvous=tcp: "HOST:PORT" of the TCPStore the rank hosts; the versions whose rank 0
-    # it is meet there (see STORE_SCHEME). Every rank of a model has one, or none.
-    store: str | None = None
-
-
-class ModelClaim(Struct, kw_only=True):
-    """A drafter's model: its id and the step of the state it holds now (0 = fresh). The ledger rolls
-    the model back to exactly that step; a model *ahead* of the ledger (its last commit never became
-    durable) must reload its latest checkpoint and register again with that step."""
-    id: Annotated[str, msgspec.Meta(min_length=1)]
-    step: Count = 0
-    # the newest checkpoint it loaded or wrote (<= step): counted durable when it is of the ledger's
-    # history, so a checkpoint whose report found no dispatcher still lets the run end
-    checkpoint: Count = 0
-    pending: PendingCommit | None = None
-    group: GroupClaim | None = None  # data-parallel drafters: ranks of one elastic group
-
-    def __post_init__(self) -> None:
-        if self.checkpoint > self.step:
-            raise ValueError(f"model.checkpoint must be the step of a checkpoint the drafter holds: in [0, "
-                             f"step={self.step}]")
-
-
-# -- requests ------------------------------------------------------------------------------------
-
-class TargetRank(Struct, kw_only=True):
-    """One process of a tensor-parallel target group (rank 0 is the worker that registers)."""
-    rank: int
-    pid: int
-    gpu: int | None = None
 
 
 class Request(Struct, tag_field="op", kw_only=True):
@@ -110,9 +69,9 @@ class Register(Request, tag="register", kw_only=True):
     host: str
     node: str | None = None
     gpu: int | None = None
-    contract: dict[str, Any] | None = None
+    contract: CaptureContract | None = None
     model: ModelClaim | None = None  # drafters only
-    layout: dict[str, Any] | None = None  # the slot layout it expects: one that is not the run's is incompatible
+    layout: SlotLayout | None = None  # the slot layout it expects: one that is not the run's is incompatible
     tp_ranks: list[TargetRank] | None = None  # a tensor-parallel target group: its ranks (none talks but rank 0)
 
 
@@ -129,8 +88,8 @@ class JoinGroup(WorkerRequest, tag="join_group", kw_only=True):
 
 class RegisterSlots(WorkerRequest, tag="register_slots", kw_only=True):
     """-> Ack; a cuda_ipc target offers the slots it allocated on its GPU, a nixl target those in its
-    node's memory. ``ipc_block`` is the transport's own description of them (common/dataplane)."""
-    ipc_block: dict[str, Any]
+    node's memory. ``ipc_block`` is the transport's own description of them (common/run/descriptors.py)."""
+    ipc_block: SlotExport
     num_slots: Count
 
 
@@ -261,7 +220,7 @@ class Job(Struct, kw_only=True):
     generation: int
     owner: str | None = None  # the target whose own slot it is (cuda_ipc, nixl), None for the pool's
     grant: int = 0  # counts 1, 2, ... per session (see Heartbeat.seen_grant)
-    ipc: dict[str, Any] | None = None  # get_hs of an owned slot: the owner's ipc_block
+    ipc: SlotExport | None = None  # get_hs of an owned slot: the owner's ipc_block
 
 
 class Membership(Struct, kw_only=True):
@@ -310,13 +269,13 @@ class RegisterReply(Reply, kw_only=True):
     worker_id: str
     token: str | None
     run_id: str
-    transport: dict[str, Any]  # the data plane's description for this worker (common/dataplane/transport_info.py)
+    transport: TransportInfo  # the data plane's description for this worker (common/run/descriptors.py)
     heartbeat_s: float
     worker_timeout_s: float
     accum_steps: int
     buckets: list[int]
     epochs: int
-    contract: dict[str, Any] | None = None
+    contract: CaptureContract | None = None
     model_step: int | None = None  # a drafter's: the step the ledger now holds for its model
     pending_committed: bool = False  # its pending commit is the ledger's: apply it
     # a drafter's: the jobs of one epoch's schedule; one whose <section>.total_steps is 0 spans its

@@ -15,10 +15,10 @@ def format_q_hsb(q_hsb: dict) -> str:
 
 def pool_usage(s: Snapshot) -> tuple[int, int] | None:
     """(bytes held by a job, bytes of the pool), from the slot states and the transport's slot size."""
-    transport, pool = s.transport, s.pool
-    if not transport or not pool:
+    pool = s.pool
+    if not pool:
         return None
-    slot_bytes = transport["slot_bytes"]
+    slot_bytes = s.transport.slot_bytes
     total_slots = sum(pool.values())
     return (total_slots - pool.get("free", 0)) * slot_bytes, total_slots * slot_bytes
 

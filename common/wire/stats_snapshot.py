@@ -137,6 +137,23 @@ class DroppedSamples(Part, kw_only=True, omit_defaults=True):
     longer_than: int  # the last bucket's max length
 
 
+class TransportView(Part, kw_only=True, omit_defaults=True):
+    """The hidden-state transport, as a viewer sizes the pool."""
+    kind: str  # shm, cuda_ipc or nixl
+    slot_bytes: int
+    num_slots: int  # of the pool (shm), of each target (cuda_ipc, nixl)
+    pool_bytes: int  # num_slots × slot_bytes
+    per_target: bool  # the slots are each target's own (cuda_ipc, nixl)
+
+
+class AuthView(Part, kw_only=True, omit_defaults=True):
+    """How the control socket authenticates (common/wire/curve.py's auth_stats); the counts with CURVE only."""
+    mechanism: str  # none, secret or curve
+    accepted: int | None = None  # client keys accepted
+    refused: int | None = None  # client keys refused
+    handshakes_failed: int | None = None
+
+
 class CoreSnapshot(Part, kw_only=True, omit_defaults=True):
     """What the core knows: built by dispatcher/snapshot.py's build_snapshot."""
     time: float  # wall clock (time.time()) when it was taken
@@ -169,9 +186,9 @@ class Snapshot(CoreSnapshot, kw_only=True, omit_defaults=True):
     run_dir: str
     run_id: str
     pid: int  # the dispatcher's process
-    transport: dict[str, Any]  # the hidden-state transport's description (kind, num_slots, slot_bytes, ...)
+    transport: TransportView
     waiters: int  # long polls waiting for an answer
-    auth: dict[str, Any]  # the control socket's authentication (common/wire/curve.py's auth_stats)
+    auth: AuthView
     nodes: dict[str, NodeView]  # node -> its view
 
 

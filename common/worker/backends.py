@@ -14,6 +14,7 @@ import os
 from typing import Any, Protocol, runtime_checkable
 
 from common.dataplane.slots import SlotBatch, SlotView
+from common.run.capture_contract import CaptureContract
 from common.run.witness import CheckpointSnapshot
 from common.wire.messages import Job, RegisterReply
 
@@ -28,7 +29,7 @@ class PendingSlotWrite(Protocol):
 
 
 class TargetBackend(Protocol):
-    contract: dict | None  # capture contract sent at registration (None for sim)
+    contract: CaptureContract | None  # capture contract sent at registration (None for sim)
     device: Any  # where its slots are written from (None: a sim's, which computes nothing: the transport's kind says)
 
     def extract(self, job: Job, slot: SlotView) -> PendingSlotWrite | None:
@@ -43,7 +44,7 @@ class DrafterBackend(Protocol):
     holds no gradients, a sim's, sums nothing)."""
 
     model_id: str
-    contract: dict | None
+    contract: CaptureContract | None
     step: int  # optimizer steps applied (the model's state)
     device: Any  # where it computes (None: nowhere, a sim's: the transport's kind says where its slots live)
     verifies_slots: bool  # every micro-batch is checked byte for byte (commit_step's ``verified``)

@@ -26,6 +26,7 @@ from typing import Any
 import msgspec
 
 from common.run.config import Config
+from common.run.descriptors import CudaIpcInfo, TransportInfo
 from common.wire import messages
 from common.wire.messages import ErrorCode, ProtocolError
 from common.worker.gpu_health import CopyTimes, GpuHealthProbe, ReportingSession
@@ -43,9 +44,9 @@ STOP_WAIT_S = 2.0
 EMPTY_POLL = messages.GrantReply(job=None, done=False)  # what a poll given up on (asked to stop) amounts to
 
 
-def sim_device(transport_info: dict[str, Any]) -> str:
+def sim_device(transport_info: TransportInfo) -> str:
     """Sim workers compute nothing, but cuda_ipc slots live on a GPU."""
-    return "cuda" if transport_info.get("kind") == "cuda_ipc" else "cpu"
+    return "cuda" if isinstance(transport_info, CudaIpcInfo) else "cpu"
 
 
 class WorkerLoop:
@@ -125,10 +126,10 @@ class WorkerLoop:
     def _registered(self, registration: messages.RegisterReply) -> None:
         """After each registration, before the transport opens: what the reply tells the backend."""
 
-    def _open_transport(self, info: dict[str, Any]) -> Any:
+    def _open_transport(self, info: TransportInfo) -> Any:
         raise NotImplementedError
 
-    def _device(self, info: dict[str, Any]) -> Any:
+    def _device(self, info: TransportInfo) -> Any:
         return self.backend.device or sim_device(info)
 
     def _work(self, registration: messages.RegisterReply, transport: Any) -> None:

@@ -22,6 +22,7 @@ import msgspec
 
 from common.wire import messages
 from common.wire.client import RECONNECT_S, DispatcherUnavailable
+from common.run.capture_contract import CaptureContract
 from common.run.config import Config, CurveSection
 from common.wire.control_channel import ControlChannel
 from common.wire.curve import client_from_config
@@ -176,7 +177,7 @@ class WorkerSession:
                                   seen_grant=self.seen_grant)
 
     # -- registration -------------------------------------------------------------------------
-    def register(self, *, contract: dict[str, Any] | None = None,
+    def register(self, *, contract: CaptureContract | None = None,
                  model: messages.ModelClaim | None = None,
                  tp_ranks: list[messages.TargetRank] | None = None) -> messages.RegisterReply:
         """Register (retrying while the dispatcher starts or restarts) and start heartbeats.

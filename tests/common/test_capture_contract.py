@@ -70,7 +70,7 @@ def test_multimodal_config_reads_the_text_model():
 def test_differing_contracts_raise_naming_both_sides():
     ours = build_contract(QWEN3_8B, dtype="bfloat16")
     theirs = build_contract(QWEN3_8B, layer_ids=[1, 9, 17, 25, 32], dtype="float32")
-    check_same_contract(ours, ours.to_dict())
+    check_same_contract(ours, CaptureContract.from_dict(ours.to_dict()))
     with pytest.raises(ValueError) as info:
         check_same_contract(ours, theirs, ours_name="target-0", theirs_name="drafter-1")
     message = str(info.value)
@@ -87,7 +87,7 @@ def test_a_contract_from_before_the_capture_point_was_recorded_is_refused():
     assert CaptureContract.from_dict(old).capture_point == "hidden_states"
     with pytest.raises(ValueError, match=r"capture_point: this run 'layer_output' vs target t0 'hidden_states'.*"
                                          r"train it again in a new run directory"):
-        adopt_contract(ours.to_dict(), old, theirs_name="target t0")
+        adopt_contract(ours, CaptureContract.from_dict(old), theirs_name="target t0")
 
 
 def test_the_last_layer_is_refused_naming_sglang_the_engine_that_cannot_serve_it(tmp_path):
@@ -152,7 +152,7 @@ def test_slot_layout_comes_from_the_model(tmp_path):
                                 "schedule.tokens_per_batch=16384", "target.hidden_size=64"])
     layout = SlotLayout.from_config(config)
     assert layout == SlotLayout(tokens_per_batch=16384, num_layers=5, hidden_size=4096, dtype="bfloat16", max_seqs=32)
-    assert layout == SlotLayout.from_contract(contract_from_config(config).to_dict(), config.schedule)
+    assert layout == SlotLayout.from_contract(contract_from_config(config), config.schedule)
     # Sim targets keep the hand-set keys, the model notwithstanding.
     sim = load_config(None, [f"target.model={model}", "target.sim=true", "target.hidden_size=64"])
     assert SlotLayout.from_config(sim).hidden_size == 64

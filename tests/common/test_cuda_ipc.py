@@ -7,7 +7,7 @@ import multiprocessing
 import uuid
 from pathlib import Path
 
-import msgpack
+import msgspec
 import pytest
 import torch
 from hsd_testing import child_message
@@ -16,6 +16,7 @@ from common.dataplane.cuda_ipc import CudaIpcOpener, CudaSlotBlock, cuda_ipc_ava
 from common.dataplane.shm_arena import SHM_DIR, SlotArena
 from common.dataplane.slot_pattern import fill_pattern, verify_pattern
 from common.dataplane.slots import SlotLayout, StaleSlotError
+from common.run.descriptors import CudaIpcExport
 from common.dataplane.transport import (cuda_ipc_transport_info, open_drafter_transport, open_target_transport,
                               shm_transport_info)
 
@@ -39,7 +40,7 @@ def _verify(batch, job_id: int) -> None:
 
 def _drafter(wire_export: bytes, to_parent, from_parent) -> None:
     try:
-        export = msgpack.unpackb(wire_export)
+        export = msgspec.msgpack.decode(wire_export, type=CudaIpcExport)
         opener = CudaIpcOpener(LAYOUT, "cuda:0")
         stream = torch.cuda.Stream("cuda:0")
         batch = opener.read_into(export, 1, 4, stream=stream, owner="target-0")
@@ -73,7 +74,7 @@ def test_export_open_and_read_in_another_process(monkeypatch) -> None:
     export = block.export()
     assert export == block.export()  # exported once, the same handle every time
     to_parent, from_parent = ctx.Queue(), ctx.Queue()
-    child = ctx.Process(target=_drafter, args=(msgpack.packb(export), to_parent, from_parent))
+    child = ctx.Process(target=_drafter, args=(msgspec.msgpack.encode(export), to_parent, from_parent))
     child.start()
     try:
         assert child_message(to_parent, child) == "read"
@@ -96,7 +97,7 @@ def test_cuda_ipc_transport_in_one_process() -> None:
     drafter = open_drafter_transport(info, "cuda:0")
     _fill(target.slot(0), job_id=3, generation=8)
     target.finish_write(0)
-    export = msgpack.unpackb(msgpack.packb(target.export()))
+    export = msgspec.msgpack.decode(msgspec.msgpack.encode(target.export()), type=CudaIpcExport)
     _verify(drafter.read(0, 8, ipc=export, owner="t0"), job_id=3)
     copy = drafter.start_read(0, 8, ipc=export, owner="t0")
     target.slot(0).begin_write()  # on the target's GPU, while the device-to-device copy may still run

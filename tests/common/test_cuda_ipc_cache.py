@@ -24,6 +24,7 @@ from common.dataplane.cuda_ipc import CudaIpcOpener, CudaSlotBlock, PeerMappingE
 from common.dataplane.slot_pattern import fill_pattern
 from common.dataplane.slots import SlotLayout, SlotView
 from common.dataplane.transport import DrafterTransport
+from common.run.descriptors import CudaIpcExport
 
 LAYOUT = SlotLayout(tokens_per_batch=256, num_layers=2, hidden_size=16, dtype="float32", max_seqs=4)
 CPU = torch.device("cpu")
@@ -40,11 +41,11 @@ class FakeDriver:
     def map(self, index, export):
         if self.refuse:
             raise RuntimeError(self.refuse)
-        self.mapped.append(export["block_id"])
-        block = torch.zeros(int(export["num_slots"]) * LAYOUT.slot_bytes, dtype=torch.uint8)
+        self.mapped.append(export.block_id)
+        block = torch.zeros(export.num_slots * LAYOUT.slot_bytes, dtype=torch.uint8)
         fill_pattern(SlotView(block[:LAYOUT.slot_bytes], LAYOUT), job_id=1, generation=1, bucket=64, batch_size=1,
                      seq_len=64, seq_lens=[64])
-        self.blocks[export["block_id"]] = weakref.ref(block)
+        self.blocks[export.block_id] = weakref.ref(block)
         return block
 
 
@@ -56,10 +57,10 @@ def driver(monkeypatch):
     return fake
 
 
-def export_of(pid: int, block_id: str) -> dict:
-    return {"block_id": block_id, "host": socket.gethostname(), "pid": pid, "device_index": 0, "device_uuid": None,
-            "handle": block_id.encode(), "storage_bytes": 2 * LAYOUT.slot_bytes, "storage_offset": 0,
-            "num_slots": 2, "slot_bytes": LAYOUT.slot_bytes}
+def export_of(pid: int, block_id: str) -> CudaIpcExport:
+    return CudaIpcExport(block_id=block_id, host=socket.gethostname(), pid=pid, device_index=0, device_uuid=None,
+                         handle=block_id.encode(), storage_bytes=2 * LAYOUT.slot_bytes, storage_offset=0,
+                         num_slots=2, slot_bytes=LAYOUT.slot_bytes)
 
 
 def sleeper() -> subprocess.Popen:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.wire import messages
-from common.wire.stats_snapshot import serving_snapshot, to_json_object
+from common.wire.stats_snapshot import AuthView, TransportView, serving_snapshot, to_json_object
 from common.worker.gpu_health import CopyTimes, GpuHealthProbe, ReportingSession, percentile
 from common.worker.runtime import DispatcherAddress
 from core_harness import make_core
@@ -60,8 +60,9 @@ def test_gpu_health_reaches_stats_json_the_text_view_and_metrics(tmp_path):
         for session in sessions.values():
             session.close()
     snapshot = serving_snapshot(build_snapshot(core, 2.0), run_dir=str(tmp_path), run_id="r", pid=1,
-                                transport={"kind": "shm", "num_slots": 6, "slot_bytes": 1000, "pool_bytes": 6000,
-                                           "per_target": False}, waiters=0, auth={}, nodes={})
+                                transport=TransportView(kind="shm", num_slots=6, slot_bytes=1000, pool_bytes=6000,
+                                                        per_target=False),
+                                waiters=0, auth=AuthView(mechanism="none"), nodes={})
 
     workers = {w["name"]: w for w in to_json_object(snapshot)["workers"]}  # hsd stats --json
     assert workers["target-0"]["gpu_health"] == {

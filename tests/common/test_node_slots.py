@@ -9,6 +9,7 @@ import os
 import uuid
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from hsd_testing import child_message
@@ -49,7 +50,7 @@ def test_slot_read_locally_and_across_nodes(monkeypatch):
     local, remote = NodeSlotReader(LAYOUT, "a", torch.device("cpu")), NodeSlotReader(LAYOUT, "b", torch.device("cpu"))
     try:
         export = child_message(to_parent, child)
-        assert export["node"] == "a" and isinstance(export["metadata"], bytes)
+        assert export.node == "a" and isinstance(export.metadata, bytes)
         for reader in (local, remote):
             batch = reader.start_read(export, 2, 4, owner="t0").wait()
             verify_pattern(batch.hs, batch.input_ids, batch.loss_mask, batch.seq_lens, job_id=9,
@@ -59,7 +60,7 @@ def test_slot_read_locally_and_across_nodes(monkeypatch):
         assert (local.num_local, local.num_remote, remote.num_local, remote.num_remote) == (1, 0, 0, 1)  # refused reads do not count
         # A host that shares node a's name but not its memory (node a's config used there without
         # its own --node): the segment is not on it, so the slot is read through the engine.
-        elsewhere = {**export, "arena": f"hsd_{run_id}_{os.getpid()}"}  # a segment this host never had
+        elsewhere = msgspec.structs.replace(export, arena=f"hsd_{run_id}_{os.getpid()}")  # a segment not on this host
         mixed = NodeSlotReader(LAYOUT, "a", torch.device("cpu"))
         try:
             batch = mixed.start_read(elsewhere, 2, 4, owner="t1").wait()

@@ -21,6 +21,7 @@ from common.dataplane.slot_pattern import fill_pattern, verify_pattern
 from common.dataplane.slots import SlotHeader, SlotLayout, SlotView, StaleSlotError, copy_out
 from common.dataplane.transport import open_drafter_transport, open_target_transport, resolve_transport, shm_transport_info
 from common.dataplane.transport_info import CudaHost
+from common.run.descriptors import ShmInfo
 
 REPO = Path(__file__).resolve().parents[2]
 LAYOUT = SlotLayout(tokens_per_batch=512, num_layers=2, hidden_size=24, dtype="bfloat16", max_seqs=4)
@@ -220,7 +221,7 @@ def test_close_and_unlink_are_idempotent_and_views_stay_valid(run_id: str) -> No
 def test_shm_transport_round_trip(run_id: str) -> None:
     with SlotArena.create(run_id, LAYOUT, 3) as arena:
         info = shm_transport_info(arena)
-        assert info == {"kind": "shm", "arena": arena.name, "num_slots": 3, "layout": LAYOUT.to_dict()}
+        assert info == ShmInfo(arena=arena.name, num_slots=3, layout=LAYOUT)
         target = open_target_transport(info, "cpu")
         drafter = open_drafter_transport(info, "cpu")
         assert target.export() is None

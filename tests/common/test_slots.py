@@ -61,7 +61,7 @@ def test_layout_from_config_and_round_trip() -> None:
     assert SlotLayout.from_dict(wire) == layout
     with pytest.raises(ValueError, match="different hsdispatch versions"):
         SlotLayout.from_dict({**wire, "slot_bytes": wire["slot_bytes"] + 4096})
-    with pytest.raises(ValueError, match="missing 'dtype'"):
+    with pytest.raises(ValueError, match="missing required field `dtype`"):
         SlotLayout.from_dict({k: v for k, v in wire.items() if k != "dtype"})
 
 

@@ -2,8 +2,10 @@
 
 from collections import Counter
 
+import msgspec
 import pytest
 
+from common.run.capture_contract import CaptureContract
 from core_harness import Sim, all_job_ids, make_core, register, small_lengths
 from common.run.records.events import EpochCommitted, JobGivenBack, StepCommitted
 from common.run.records.job_ids import make_job_id
@@ -359,13 +361,14 @@ def test_a_slot_whose_writer_lost_its_lease_is_quarantined_until_the_writer_is_g
 
 def test_a_worker_whose_capture_contract_differs_is_refused_naming_both(tmp_path):
     core = make_core(tmp_path, epochs=1)
-    contract = {"architecture": "Qwen3ForCausalLM", "num_layers": 8, "hidden_size": 64, "layer_ids": [1, 3, 5],
-                "dtype": "float32"}
+    contract = CaptureContract(architecture="Qwen3ForCausalLM", num_layers=8, hidden_size=64, layer_ids=(1, 3, 5),
+                               dtype="float32")
     core.register(role="target", name="target-0", pid=1, host="h", gpu=None, now=0.0, contract=contract)
-    core.register(role="drafter", name="drafter-0", pid=2, host="h", gpu=None, now=0.0, contract=dict(contract))
+    core.register(role="drafter", name="drafter-0", pid=2, host="h", gpu=None, now=0.0,
+                  contract=CaptureContract.from_dict(contract.to_dict()))
     with pytest.raises(Incompatible) as refused:
         core.register(role="drafter", name="drafter-1", pid=3, host="h", gpu=None, now=0.0,
-                      contract={**contract, "layer_ids": [1, 4, 6]})
+                      contract=msgspec.structs.replace(contract, layer_ids=(1, 4, 6)))
     message = str(refused.value)
     assert "this run" in message and "drafter drafter-1" in message and "[1, 3, 5]" in message and "[1, 4, 6]" in message
 

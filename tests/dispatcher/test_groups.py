@@ -168,7 +168,7 @@ def test_a_joiner_whose_source_died_before_any_step_says_its_step_before_the_led
 def test_the_stats_and_metrics_show_the_group(tmp_path):
     from dispatcher.metrics import render_prometheus
     from common.wire import messages
-    from common.wire.stats_snapshot import serving_snapshot
+    from common.wire.stats_snapshot import AuthView, TransportView, serving_snapshot
     from dispatcher.snapshot import build_snapshot
     from ops.stats_view import format_stats
     core, a, v1 = _lone_rank_stepping(tmp_path, 2, extra_jobs=1)
@@ -177,9 +177,9 @@ def test_the_stats_and_metrics_show_the_group(tmp_path):
     s = build_snapshot(core, 4.0)
     assert {k: getattr(s.groups["m"], k) for k in ("world_size", "version", "waiting", "steps_since_change")} == {
         "world_size": 1, "version": v1, "waiting": 1, "steps_since_change": 2}
-    served = serving_snapshot(s, run_dir=str(tmp_path), run_id="r", pid=1, waiters=0, auth={}, nodes={},
-                              transport={"kind": "shm", "num_slots": 8, "per_target": False, "slot_bytes": 1,
-                                         "pool_bytes": 8})
+    served = serving_snapshot(s, run_dir=str(tmp_path), run_id="r", pid=1, waiters=0, auth=AuthView(mechanism="none"),
+                              nodes={}, transport=TransportView(kind="shm", num_slots=8, per_target=False, slot_bytes=1,
+                                                                pool_bytes=8))
     text = render_prometheus(served)
     assert 'hsd_group_ranks{model="m"} 1.0' in text and 'hsd_group_waiting{model="m"} 1.0' in text
     assert 'hsd_group_steps_since_change{model="m"} 2.0' in text

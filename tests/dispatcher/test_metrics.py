@@ -14,7 +14,7 @@ from dispatcher.metrics import MetricsServer, render_prometheus
 from dispatcher.snapshot import build_snapshot
 
 SNAPSHOT = msgspec.convert({
-    "run_dir": "runs/x", "run_id": "r", "pid": 42, "waiters": 0, "auth": {}, "nodes": {}, "pool_peak_slots": 8,
+    "run_dir": "runs/x", "run_id": "r", "pid": 42, "waiters": 0, "auth": {"mechanism": "none"}, "nodes": {}, "pool_peak_slots": 8,
     "models": {}, "groups": {},
     "time": 1000.0, "uptime_s": 12.5, "done": False, "epochs_total": 2, "steps": 7,
     "epochs": [{"epoch": 0, "jobs": 40, "committed": 28, "taken": 33,

@@ -51,7 +51,7 @@ def test_checkpoint_then_load_latest_continues_identically(tiny_target, tiny_tar
     config = backend_config(tiny_target, tmp_path / "run")
     jobs = _jobs(tiny_target_model, 12)
     straight = trainer_backend(config, "drafter-0", backend_class=DFlashBackend, schedule_jobs=12)
-    assert straight.contract == contract_from_config(config).to_dict()  # what the target sends too
+    assert straight.contract == contract_from_config(config)  # what the target sends too
     reference = _train(straight, jobs, range(6))
 
     first = trainer_backend(config, "drafter-0", backend_class=DFlashBackend, schedule_jobs=12)

@@ -47,7 +47,7 @@ def test_checkpoint_resumes_exactly_and_exports_the_eagle3_layout(tiny_target, t
     contract = contract_from_config(config)
     jobs = _jobs(tiny_target_model, 8)
     straight = trainer_backend(config, "drafter-0", backend_class=Eagle3Backend, schedule_jobs=8)
-    assert straight.contract == contract.to_dict() and contract.final_norm and contract.row_width == 4 * HIDDEN
+    assert straight.contract == contract and contract.final_norm and contract.row_width == 4 * HIDDEN
     reference = _train(straight, jobs, range(4))
     assert reference[-1] < reference[0]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 
-from common.wire.stats_snapshot import EpochView, RankView, Snapshot, WorkerView
+from common.wire.stats_snapshot import AuthView, EpochView, RankView, Snapshot, TransportView, WorkerView
 from core_harness import make_core, register
 from common.wire.stats_figures import format_q_hsb, pool_usage
 from dispatcher.snapshot import build_snapshot
@@ -30,13 +30,13 @@ def snapshot(*, t: float = 100.0, target_wait: float = 0.0, drafter_wait: float 
                                    "committed": sum(committed)},
                     q_hsb={"0": 1, "5": 2}, pool={"free": 10, "writing": 2, "ready": 3, "reading": 1},
                     pool_peak_slots=6,
-                    transport={"kind": "shm", "slot_bytes": 2**20, "num_slots": 16, "pool_bytes": 16 * 2**20,
-                               "per_target": False},
+                    transport=TransportView(kind="shm", slot_bytes=2**20, num_slots=16, pool_bytes=16 * 2**20,
+                                            per_target=False),
                     workers=[worker("1", "target", alive_s=t, wait_s=target_wait * t),
                              worker("2", "target", alive_s=t, wait_s=target_wait * t),
                              worker("3", "drafter", alive_s=t, wait_s=drafter_wait * t)],
-                    steps=5, models={}, groups={}, given_back={}, errors={}, requests={}, waiters=0, auth={},
-                    nodes={})
+                    steps=5, models={}, groups={}, given_back={}, errors={}, requests={}, waiters=0,
+                    auth=AuthView(mechanism="none"), nodes={})
 
 
 def test_drafters_starving_names_the_targets():

@@ -142,7 +142,7 @@ def test_default_attention_on_an_architecture_without_sdpa(tmp_path, caplog):
     batch = copy_out(slot, 1, CPU)
     for row, n in enumerate(lengths):
         ids = torch.from_numpy(dataset.sample(row)[0].astype(np.int64))[None]
-        alone = _plain_layers(backend.model, ids, torch.ones_like(ids), backend.contract["layer_ids"])[0]
+        alone = _plain_layers(backend.model, ids, torch.ones_like(ids), list(backend.contract.layer_ids))[0]
         torch.testing.assert_close(batch.hs[row, :n], alone, atol=1e-5, rtol=0)
     backend.close()
     # An explicit kernel the architecture lacks is a config error naming the key and what it supports.
@@ -176,7 +176,7 @@ def test_padding_to_bucket_shape_leaves_real_states_unchanged(model_dir, tmp_pat
     backend = HFTargetBackend(config.target, config.schedule, objective=config.drafter.objective,
                               device="cpu", dataset=dataset, keep_full_model=True)
     slot = _slot(backend, config)
-    layer_ids = backend.contract["layer_ids"]
+    layer_ids = list(backend.contract.layer_ids)
 
     # Sample 0 alone (padded to 64 and to the bucket's 2 rows) ...
     backend.extract(_job(0, [0], lengths, 64, 2), slot)
@@ -236,7 +236,7 @@ def test_eagle3_contract_puts_the_final_norm_state_in_the_slot(model_dir, tmp_pa
     dataset = random_samples(lengths, seed=4)
     backend = HFTargetBackend(config.target, config.schedule, objective=config.drafter.objective,
                               device="cpu", dataset=dataset)
-    assert (backend.contract["layer_ids"], backend.contract["final_norm"]) == ([1, 3, 4], True)
+    assert (backend.contract.layer_ids, backend.contract.final_norm) == ((1, 3, 4), True)
     assert len(backend.model.model.layers) == 8  # the final norm needs every layer
     slot = _slot(backend, config)
     assert slot.layout.row_width == 4 * backend.capture.hidden_size

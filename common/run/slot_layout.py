@@ -2,13 +2,15 @@
 
 Every process of a run agrees on this layout; the dispatcher needs it only to size the pool and to
 check the capture contract, so it lives apart from the torch views (:mod:`common.dataplane.slots`), and a
-dispatcher never pays for importing torch.
+dispatcher never pays for importing torch. It travels in the register reply's transport descriptor
+(:mod:`common.run.descriptors`) as a msgpack map of its fields and ``slot_bytes``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from common.run.capture_contract import CaptureContract, contract_from_config, resolve_capture_dtype
 from common.run.records.schedule import max_seqs_per_batch
@@ -45,8 +47,7 @@ def format_bytes(n: int) -> str:
     return f"{n} B"
 
 
-@dataclass(frozen=True)
-class SlotLayout:
+class SlotLayout(msgspec.Struct, frozen=True, kw_only=True):
     """Byte layout of one slot; identical in every process of a run (sent in the register reply)."""
 
     tokens_per_batch: int
@@ -54,6 +55,9 @@ class SlotLayout:
     hidden_size: int
     dtype: str
     max_seqs: int
+    # Bytes per slot, computed here; one received that this build computes otherwise means the
+    # sender runs another hsdispatch version (0: compute it).
+    slot_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZES:
@@ -64,6 +68,12 @@ class SlotLayout:
                 raise ValueError(f"slot layout {name} must be a positive integer, got {value!r}")
         if self.max_seqs > self.tokens_per_batch:
             raise ValueError(f"slot layout max_seqs ({self.max_seqs}) exceeds tokens_per_batch ({self.tokens_per_batch})")
+        computed = _align(self.seq_lens_offset + self.seq_lens_bytes, SLOT_ALIGN)
+        if self.slot_bytes == 0:
+            msgspec.structs.force_setattr(self, "slot_bytes", computed)
+        elif self.slot_bytes != computed:
+            raise ValueError(f"slot layout says {self.slot_bytes} bytes per slot but this build computes "
+                             f"{computed}: the processes run different hsdispatch versions")
 
     @classmethod
     def from_config(cls, config: Any) -> SlotLayout:
@@ -81,10 +91,8 @@ class SlotLayout:
         )
 
     @classmethod
-    def from_contract(cls, contract: CaptureContract | dict[str, Any], schedule: Any) -> SlotLayout:
+    def from_contract(cls, contract: CaptureContract, schedule: Any) -> SlotLayout:
         """Slots sized for a capture contract and the schedule's token budget (``config.schedule``)."""
-        if not isinstance(contract, CaptureContract):
-            contract = CaptureContract.from_dict(contract)
         return cls(tokens_per_batch=schedule.tokens_per_batch, num_layers=contract.num_blocks,
                    hidden_size=contract.hidden_size, dtype=contract.dtype, max_seqs=cls._max_seqs(schedule))
 
@@ -94,8 +102,8 @@ class SlotLayout:
 
     @property
     def torch_dtype(self) -> "torch.dtype":
-        from common.dataplane.slots import DTYPES  # torch only where a process really views slot memory
-        return DTYPES[self.dtype]
+        import torch  # only where a process really views slot memory
+        return getattr(torch, self.dtype)
 
     @property
     def itemsize(self) -> int:
@@ -142,27 +150,17 @@ class SlotLayout:
     def seq_lens_bytes(self) -> int:
         return self.max_seqs * 4
 
-    @property
-    def slot_bytes(self) -> int:
-        return _align(self.seq_lens_offset + self.seq_lens_bytes, SLOT_ALIGN)
-
     def to_dict(self) -> dict[str, Any]:
-        """Plain values for msgpack; ``slot_bytes`` lets the receiver detect a layout-code mismatch."""
-        return {"tokens_per_batch": self.tokens_per_batch, "num_layers": self.num_layers,
-                "hidden_size": self.hidden_size, "dtype": self.dtype, "max_seqs": self.max_seqs,
-                "slot_bytes": self.slot_bytes}
+        """Plain values (msgpack, JSON), ``slot_bytes`` included."""
+        return msgspec.structs.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SlotLayout:
+    def from_dict(cls, data: Any) -> SlotLayout:
+        """:meth:`to_dict`'s values as a layout; ValueError naming the field that is missing or wrong."""
         try:
-            layout = cls(tokens_per_batch=data["tokens_per_batch"], num_layers=data["num_layers"],
-                         hidden_size=data["hidden_size"], dtype=data["dtype"], max_seqs=data["max_seqs"])
-        except KeyError as exc:
-            raise ValueError(f"slot layout is missing {exc.args[0]!r}: {data!r}") from None
-        if "slot_bytes" in data and data["slot_bytes"] != layout.slot_bytes:
-            raise ValueError(f"slot layout says {data['slot_bytes']} bytes per slot but this build computes "
-                             f"{layout.slot_bytes}: the processes run different hsdispatch versions")
-        return layout
+            return msgspec.convert(data, cls)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"slot layout: {exc}") from None
 
     def describe(self) -> str:
         return (f"slot {format_bytes(self.slot_bytes)} = {self.tokens_per_batch} tok × {self.num_layers} layers × "
