@@ -7,11 +7,14 @@ a session by hand instead, so that each figure is one request.
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks.transport_timeline import Stamps
 from benchmarks.transport_workers import (POLL_MS, BenchSpec, Meter, _errors_to, _init_process, _scratch_slot,
                                           percentile)
 from common.run.config import Config
@@ -40,9 +43,12 @@ class BenchTarget:
     def __init__(self, spec: BenchSpec, write_hs: bool):
         self.src = _scratch_slot(spec.layout)
         self.write_hs = write_hs
+        self.stamps = Stamps()
 
     def extract(self, job: messages.Job, slot: SlotView) -> None:
         header = _header_for(job)
+        mark = self.stamps.mark
+        mark(job.job_id, "write_start", cpu=True)
         slot.begin_write()
         if self.write_hs:
             rows, src = header.num_rows, self.src
@@ -50,7 +56,9 @@ class BenchTarget:
             slot.input_ids[:rows].copy_(src.input_ids[:rows])
             slot.loss_mask[:rows].copy_(src.loss_mask[:rows])
             slot.seq_lens[:header.batch_size].copy_(torch.tensor(job.lengths, dtype=torch.int32))
+        mark(job.job_id, "write_end")
         slot.write_header(header)
+        mark(job.job_id, "published")
 
 
 class BenchDrafter(WitnessModel):
@@ -67,12 +75,14 @@ class BenchDrafter(WitnessModel):
         self._last: tuple[float, float] | None = None  # (time, loop.read_s) at the previous micro-batch
         self.num_micro_batches = 0  # warm-up included: every item the dispatcher handed out
         self._window: list[int] = []
+        self.stamps = Stamps()
 
     def load_latest(self, run_dir: Any) -> int:
         return 0  # every benchmark run starts in a fresh run directory
 
     def micro_batch(self, job: messages.Job, batch: SlotBatch) -> None:
         assert self.loop is not None
+        self.stamps.mark(job.job_id, "consumed")  # sent, or carried by the get_hs already in flight
         self.num_micro_batches += 1
         now, read_s = time.perf_counter(), self.loop.read_s
         num_counted = self.meter.num_items
@@ -97,18 +107,60 @@ class BenchDrafter(WitnessModel):
     def result(self) -> dict[str, float]:
         result = self.meter.result()
         result.update(copy_gbps=self.meter.num_bytes / self.copy_s / 1e9,
-                      control_ms=1e3 * self.control_s / self.meter.num_items, items_run=self.num_micro_batches)
+                      control_ms=1e3 * self.control_s / self.meter.num_items, items_run=self.num_micro_batches,
+                      timeline=self.stamps.export(), window_start_ns=self.meter.start_ns)
         return result
 
 
-def shm_target(config: Config, spec: BenchSpec, write_hs: bool, stop: Any, results: Any) -> None:
+class TimedTargetLoop(TargetLoop):
+    """The target's loop, stamping when each grant arrived and when each job_ready went out."""
+
+    backend: BenchTarget
+
+    def _await_poll(self, request_id: int) -> messages.GrantReply:
+        reply = super()._await_poll(request_id)
+        if reply.job is not None:
+            self.backend.stamps.mark(reply.job.job_id, "target_granted")
+        return reply
+
+    def _complete(self, pending: Any, transport: Any) -> None:
+        super()._complete(pending, transport)
+        self.backend.stamps.mark(pending.job.job_id, "reported")
+
+
+class TimedDrafterLoop(DrafterLoop):
+    """The drafter's loop, stamping when each grant arrived and when its copy started and ended."""
+
+    backend: BenchDrafter
+
+    def _await_poll(self, request_id: int) -> messages.GrantReply:
+        reply = super()._await_poll(request_id)
+        if reply.job is not None:
+            self.backend.stamps.mark(reply.job.job_id, "granted")
+        return reply
+
+    def _read(self, job: messages.Job, transport: Any, reports: list[int]) -> SlotBatch | None:
+        self.backend.stamps.mark(job.job_id, "read_start", cpu=True)
+        try:
+            return super()._read(job, transport, reports)
+        finally:
+            self.backend.stamps.mark(job.job_id, "read_end")
+
+
+def shm_target(config: Config, spec: BenchSpec, write_hs: bool, timeline: str | None, stop: Any,
+               results: Any) -> None:
     """A target on the worker loop (get_job → write the slot → job_ready, the next get_job in flight:
-    target_credits allows two slots), until stopped."""
+    target_credits allows two slots), until stopped; its stamps saved to ``timeline`` as it exits."""
     _init_process()
     with _errors_to(results):
-        loop = TargetLoop.from_config(config, "bench-target", BenchTarget(spec, write_hs), external_stop=stop)
+        backend = BenchTarget(spec, write_hs)
+        loop = TimedTargetLoop.from_config(config, "bench-target", backend, external_stop=stop)
         loop.poll_ms = POLL_MS
-        loop.run()
+        try:
+            loop.run()
+        finally:
+            if timeline is not None:
+                Path(timeline).write_text(json.dumps(backend.stamps.export()))
 
 
 def shm_drafter(config: Config, spec: BenchSpec, stop: Any, results: Any) -> None:
@@ -117,7 +169,7 @@ def shm_drafter(config: Config, spec: BenchSpec, stop: Any, results: Any) -> Non
     _init_process()
     with _errors_to(results):
         backend = BenchDrafter(spec, "bench-drafter")
-        loop = DrafterLoop.from_config(config, "bench-drafter", backend, external_stop=stop)
+        loop = TimedDrafterLoop.from_config(config, "bench-drafter", backend, external_stop=stop)
         backend.loop = loop
         loop.run()
         results.put(backend.result())

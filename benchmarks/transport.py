@@ -68,6 +68,7 @@ from common.run.descriptors import TransportInfo
 from common.dataplane.slots import SlotLayout, format_bytes
 from benchmarks import protocol_workers, transport_workers as workers
 from benchmarks.transport_table import RTT_P99_TARGET_MS, TARGETS, format_table
+from benchmarks.transport_timeline import describe as describe_timeline, summarize as summarize_timeline
 from benchmarks.transport_workers import BenchSpec
 
 SLOT_TOKENS = 8192
@@ -274,20 +275,25 @@ def _measure_shm_round(ctx: Any, spec: BenchSpec, config: Config, dispatcher: Di
     lone copy's speed varies by a third between runs on a shared host)."""
     memcpy = _measure_memcpy(spec)
     shared = measure_memcpy_shared(ctx, spec, timeout_s)
+    target_stamps = config.run_dir / "timeline-target.json"
     result, cpu_s = dispatcher.while_running(lambda: _run_pair(
-        ctx, "shm", protocol_workers.shm_target, (config, spec, True),
+        ctx, "shm", protocol_workers.shm_target, (config, spec, True, str(target_stamps)),
         protocol_workers.shm_drafter, (config, spec), timeout_s=timeout_s))
+    timeline = summarize_timeline(json.loads(target_stamps.read_text()), result.pop("timeline"),
+                                  since_ns=result.pop("window_start_ns"))
+    target_stamps.unlink()
     item_mb = result["gbps"] * 1e3 * result["elapsed_s"] / result["items"]
     cpu_ms = 1e3 * cpu_s / result["items_run"]
     _progress(f"memcpy {memcpy:.2f} GB/s, beside another copy {shared:.2f}; shm {result['gbps']:.2f} GB/s, "
               f"{result['items']} items of {item_mb:.1f} MB; the drafter copies at {result['copy_gbps']:.2f} GB/s and "
               f"spends {result['control_ms']:.2f} ms per item in get_hs/consumed/commit_step (a commit every "
               f"{config.drafter.accum_steps} items); the dispatcher's CPU {cpu_ms:.2f} ms per item")
+    _progress(describe_timeline(timeline))
     return {"memcpy_gbps": memcpy, "memcpy_shared_gbps": shared, "shm_gbps": result["gbps"],
             "shm_copy_gbps": result["copy_gbps"], "shm_control_ms": result["control_ms"],
             "shm_dispatcher_cpu_ms": cpu_ms,
             "shm_vs_memcpy": result["gbps"] / memcpy, "shm_vs_memcpy_shared": result["gbps"] / shared,
-            "memcpy_shared_vs_memcpy": shared / memcpy}
+            "memcpy_shared_vs_memcpy": shared / memcpy, "shm_timeline": timeline}
 
 
 def _measure_protocol(ctx: Any, spec: BenchSpec, config: Config, *, rounds: int, num_rtt_cycles: int,
@@ -302,10 +308,13 @@ def _measure_protocol(ctx: Any, spec: BenchSpec, config: Config, *, rounds: int,
             if rounds > 1:
                 _progress(f"round {index + 1} of {rounds}")
             per_round.append(_measure_shm_round(ctx, spec, config, dispatcher, timeout_s))
-        figures.update({key: statistics.median(r[key] for r in per_round) for key in per_round[0]})
+        figures.update({key: statistics.median(r[key] for r in per_round) for key in per_round[0]
+                        if key != "shm_timeline"})
+        # the timeline of the round whose shm figure is the median (the upper one of an even count)
+        figures["shm_timeline"] = sorted(per_round, key=lambda r: r["shm_gbps"])[len(per_round) // 2]["shm_timeline"]
         figures["rounds"] = per_round
         result, cpu_s = dispatcher.while_running(lambda: _run_pair(
-            ctx, "rtt", protocol_workers.shm_target, (config, spec, False),
+            ctx, "rtt", protocol_workers.shm_target, (config, spec, False, None),
             protocol_workers.rtt_drafter, (config, spec, num_rtt_cycles), timeout_s=timeout_s))
         cycles_run = result.pop("rtt_cycles_run")
         figures.update(result, rtt_accum_steps=config.drafter.accum_steps,

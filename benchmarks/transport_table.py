@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from benchmarks.transport_timeline import describe as describe_timeline
 from common.dataplane.slots import format_bytes
 
 TARGETS = {"shm_vs_memcpy": 0.8, "shm_vs_torch_mp_queue": 3.0}
@@ -51,6 +52,7 @@ def format_table(figures: dict[str, Any]) -> str:
         f"data plane (shm piped / memcpy: {f['shm_piped_vs_memcpy']:.2f})",
         f"shm / torch mp Queue    {f['shm_vs_torch_mp_queue']:5.2f}  target >= {TARGETS['shm_vs_torch_mp_queue']:g}: "
         f"{verdict('shm_vs_torch_mp_queue')}  (vs its best case: {f['shm_vs_torch_mp_queue_shared']:.2f})",
+        f"shm {describe_timeline(f['shm_timeline'])}",
         f"shm drafter             {f['shm_control_ms']:.2f} ms per item in get_hs/consumed/commit_step; "
         f"the dispatcher's CPU {f['shm_dispatcher_cpu_ms']:.2f} ms per item",
         f"get_hs with consumed    p50 {f['rtt_p50_ms']:.3f} ms  p99 {f['rtt_p99_ms']:.3f} ms  "

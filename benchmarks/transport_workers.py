@@ -53,6 +53,7 @@ class Meter:
         self.spec = spec
         self._first: float | None = None
         self._start: float | None = None
+        self.start_ns = 0  # the window's opening, time.perf_counter_ns
         self._last = 0.0
         self.num_bytes = 0
         self.num_items = 0
@@ -65,7 +66,7 @@ class Meter:
             return False
         if self._start is None:
             if now - self._first >= self.spec.warmup_s:
-                self._start = now
+                self._start, self.start_ns = now, time.perf_counter_ns()
             return False
         self.num_bytes += num_bytes
         self.num_items += 1

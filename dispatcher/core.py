@@ -30,7 +30,7 @@ from common.run.records.events import (Checkpointed, DispatcherStarted, ModelRol
                                        WorkerLeft)
 from common.run.records.lengths import too_long_line, too_long_samples
 from common.run.records.schedule import EpochSchedule
-from common.wire.messages import GpuHealth, ModelClaim
+from common.wire.messages import GpuHealth, ModelClaim, SlotCopies
 from dispatcher.checkpoints import KnownCheckpoints
 from dispatcher.core_types import DONE, STEP_FULL, CoreOptions, Counters, Incompatible, JobGrant, Worker
 from dispatcher.epochs import EpochStore, check_data
@@ -204,7 +204,8 @@ class DispatcherCore:
         self.jobs.register_slots(self.worker(worker_id, now), ipc_block, num_slots)
 
     def heartbeat(self, worker_id: str, now: float, holding: list[int] | None = None,
-                  seen_grant: int | None = None, gpu: GpuHealth | None = None) -> Worker:
+                  seen_grant: int | None = None, gpu: GpuHealth | None = None,
+                  copies: SlotCopies | None = None) -> Worker:
         """Keeps the worker alive (leases are not renewed: a lease bounds one job's time); returns it.
 
         ``holding`` lists the jobs the worker holds and ``seen_grant`` the number of the latest grant
@@ -215,6 +216,8 @@ class DispatcherCore:
         worker = self.worker(worker_id, now)
         if gpu is not None:
             worker.gpu_health = gpu
+        if copies is not None:
+            worker.slot_copies = copies
         if holding is not None and seen_grant is not None:
             self.jobs.give_back_unlisted(worker_id, holding, seen_grant)
         return worker

@@ -59,7 +59,8 @@ class Worker:
     metrics: dict[str, float] = field(default_factory=dict)  # drafter: its latest step's figures (loss, lr, ...)
     node: str = ""  # the node it runs on (register's ``node``, default its host)
     pending_committed: bool = False  # drafter: the step it registered as pending had committed: it applies it
-    gpu_health: messages.GpuHealth | None = None  # a GPU worker's latest heartbeat's figures (memory, copies, graphs)
+    gpu_health: messages.GpuHealth | None = None  # a GPU worker's latest heartbeat's figures (memory, graphs)
+    slot_copies: messages.SlotCopies | None = None  # its latest heartbeat's slot copy times (GPU or CPU)
     tp_ranks: list[tuple[int, int, int | None]] = field(default_factory=list)  # target group: (rank, pid, gpu)
 
 

@@ -115,6 +115,7 @@ def snapshot_families(s: Snapshot) -> Iterator[GaugeMetricFamily | CounterMetric
                   for role in ROLES for state in WORKER_STATES])
 
     yield from gpu_health_families(workers)
+    yield from slot_copy_families(workers)
     yield _counter("hsd_requests", "Requests by op.", ("op",), _labelled(s.requests))
     yield _counter("hsd_errors", "Error replies by code.", ("code",), _labelled(s.errors))
     yield _counter("hsd_given_back", "Jobs given back by reason.", ("reason",), _labelled(s.given_back))
@@ -142,17 +143,25 @@ GPU_GAUGES = (("memory_allocated_bytes", "hsd_worker_gpu_memory_allocated_bytes"
 
 
 def gpu_health_families(workers) -> Iterator[GaugeMetricFamily]:
-    """The GPU workers' health (memory, slot copy ms p50/p99, compiled graphs); a CPU worker has no series."""
+    """The GPU workers' health (memory, compiled graphs); a CPU worker has no series."""
     health = [((w.name, w.role), w.gpu_health) for w in workers if w.gpu_health is not None]
     if not health:
         return
     for field, name, text in GPU_GAUGES:
         yield _gauge(name, text, ("worker", "role"), [(key, getattr(h, field)) for key, h in health])
-    copies = [((*key, quantile), value) for key, h in health
-              for quantile, value in (("0.5", h.copy_ms_p50), ("0.99", h.copy_ms_p99)) if value is not None]
-    if copies:
-        yield _gauge("hsd_worker_slot_copy_ms", "A GPU worker's latest slot copies, ms each, by quantile (a target's "
-                     "copy into its slot, a drafter's out of one).", ("worker", "role", "quantile"), copies)
+
+
+def slot_copy_families(workers) -> Iterator[GaugeMetricFamily]:
+    """Each worker's latest slot copies (on a GPU or a CPU), once it reported any: ms p50/p99 and their count."""
+    copies = [((w.name, w.role), w.slot_copies) for w in workers if w.slot_copies is not None]
+    if not copies:
+        return
+    yield _gauge("hsd_worker_slot_copy_ms", "A worker's latest slot copies, ms each, by quantile (a target's "
+                 "copy into its slot, a drafter's out of one).", ("worker", "role", "quantile"),
+                 [((*key, quantile), value) for key, c in copies
+                  for quantile, value in (("0.5", c.copy_ms_p50), ("0.99", c.copy_ms_p99))])
+    yield _gauge("hsd_worker_slot_copies", "Slot copies a worker timed since it started.", ("worker", "role"),
+                 [(key, c.copies) for key, c in copies])
 
 
 class SnapshotCollector(Collector):

@@ -318,7 +318,8 @@ class DispatcherServer:
 
     def _on_heartbeat(self, request: messages.Heartbeat, identity: bytes, now: float) -> messages.Done:
         given_back = self.core.counters.given_back["not_held"]
-        worker = self.core.heartbeat(request.worker_id, now, request.holding, request.seen_grant, gpu=request.gpu)
+        worker = self.core.heartbeat(request.worker_id, now, request.holding, request.seen_grant, gpu=request.gpu,
+                                     copies=request.copies)
         self._state_changed = self.core.counters.given_back["not_held"] != given_back
         return messages.Done(id=request.id, done=self.core.done,
                              membership=worker.group.version if worker.group is not None else 0)

@@ -49,7 +49,7 @@ def build_snapshot(core: DispatcherCore, now: float) -> CoreSnapshot:
                                   alive_s=round(alive_s, 3), wait_s=round(waiting, 3),
                                   held=[j.job_id for j in core.ledger.held_by(w.id)],
                                   metrics=dict(w.metrics) if w.metrics else None,
-                                  gpu_health=w.gpu_health,
+                                  gpu_health=w.gpu_health, slot_copies=w.slot_copies,
                                   rank=w.group.rank if w.group else None,
                                   membership=w.group.version if w.group else None,
                                   tp_ranks=[RankView(rank=r, pid=pid, gpu=gpu) for r, pid, gpu in w.tp_ranks] or None))

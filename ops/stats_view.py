@@ -283,17 +283,18 @@ def step_metric_lines(workers: list[WorkerView]) -> list[str]:
 
 
 def gpu_health_lines(workers: list[WorkerView]) -> list[str]:
-    """Each GPU worker's memory, slot copy times and compiled graphs (a CPU worker has none)."""
+    """Each worker's slot copy times, and a GPU worker's memory and compiled graphs."""
     lines = []
     for w in sorted(workers, key=lambda w: w.name):
-        h = w.gpu_health
-        if h is None:
-            continue
-        copies = (f"copy p50 {h.copy_ms_p50:.2f} ms p99 {h.copy_ms_p99:.2f} ms ({h.copies} slots)"
-                  if h.copy_ms_p50 is not None else "no slot copied yet")
-        lines.append(f"{w.name:<12} gpu: allocated {h.memory_allocated_bytes / 2**30:.2f} GiB  reserved "
-                     f"{h.memory_reserved_bytes / 2**30:.2f} GiB  peak {h.memory_peak_bytes / 2**30:.2f} GiB  "
-                     f"{copies}  {h.compiled_graphs} compiled graphs")
+        h, c = w.gpu_health, w.slot_copies
+        copies = (f"copy p50 {c.copy_ms_p50:.2f} ms p99 {c.copy_ms_p99:.2f} ms ({c.copies} slots)"
+                  if c is not None else "no slot copied yet")
+        if h is not None:
+            lines.append(f"{w.name:<12} gpu: allocated {h.memory_allocated_bytes / 2**30:.2f} GiB  reserved "
+                         f"{h.memory_reserved_bytes / 2**30:.2f} GiB  peak {h.memory_peak_bytes / 2**30:.2f} GiB  "
+                         f"{copies}  {h.compiled_graphs} compiled graphs")
+        elif c is not None:
+            lines.append(f"{w.name:<12} slots: {copies}")
     return lines
 
 

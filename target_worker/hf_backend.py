@@ -64,15 +64,17 @@ class PaddedBatch:
         return self.input_ids.shape[1]
 
 
-def pad_job(job: messages.Job, dataset: SampleSource, *, tokens_per_batch: int) -> PaddedBatch:
-    """The job's samples right-padded to its ``seq_len``."""
+def pad_job(job: messages.Job, dataset: SampleSource, *, tokens_per_batch: int, pin: bool = False) -> PaddedBatch:
+    """The job's samples right-padded to its ``seq_len``; ``pin``: the ids and mask in page-locked
+    memory (CUDA only), so their host-to-GPU copies run async instead of staging through a
+    pageable bounce buffer while the host waits."""
     seq_len = job.seq_len
     samples, lengths = list(job.samples), list(job.lengths)
     if not samples or len(samples) != len(lengths) or len(samples) * seq_len > tokens_per_batch:
         raise ValueError(f"job {job.job_id}: {len(samples)} samples with {len(lengths)} lengths do not form "
                          f"a batch of 1..{tokens_per_batch // seq_len} sequences of {seq_len} tokens")
-    input_ids = torch.zeros(len(samples), seq_len, dtype=torch.int64)
-    attention_mask = torch.zeros(len(samples), seq_len, dtype=torch.int64)
+    input_ids = torch.zeros(len(samples), seq_len, dtype=torch.int64, pin_memory=pin)
+    attention_mask = torch.zeros(len(samples), seq_len, dtype=torch.int64, pin_memory=pin)
     loss_mask = torch.zeros(len(samples), seq_len, dtype=torch.uint8)
     for row, (index, length) in enumerate(zip(samples, lengths)):
         try:
@@ -190,7 +192,8 @@ class HFTargetBackend:
         if layout.row_width != self.capture.row_width or layout.torch_dtype != self.capture.dtype:
             raise ValueError(f"slot rows hold {layout.row_width} {layout.dtype} values but this target captures "
                              f"{self.capture.row_width} {self.capture.dtype}: the pool was sized for another contract")
-        batch = pad_job(job, self.dataset, tokens_per_batch=self.tokens_per_batch)
+        # Pinned on a GPU: the torch host allocator keeps each buffer until its async copy is done.
+        batch = pad_job(job, self.dataset, tokens_per_batch=self.tokens_per_batch, pin=self.device.type == "cuda")
         num_seqs, seq_len = batch.num_seqs, batch.seq_len
         rows = num_seqs * seq_len
         if num_seqs > layout.max_seqs or rows > layout.tokens_per_batch:

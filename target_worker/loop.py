@@ -117,7 +117,12 @@ class TargetLoop(WorkerLoop):
             self._failed(job, exc)
             return
         self._failures_in_a_row = 0
-        self.copy_times.add(time.perf_counter() - started)  # the wait for the slot's copy to land, and publishing it
+        if pending.written is not None:  # the wait for the slot's copy to land, and publishing it
+            self.copy_times.add(time.perf_counter() - started)
+        else:  # the backend filled the slot inside extract: the copy is what came between its marks
+            write_s = transport.slot(job.slot).write_s
+            if write_s is not None:
+                self.copy_times.add(write_s)
         busy_s = pending.busy_s + time.perf_counter() - started
         self._reports.append(self.session.submit(messages.JobReady(job_id=job.job_id, generation=job.generation,
                                                                    busy_s=busy_s)))

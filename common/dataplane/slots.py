@@ -19,6 +19,7 @@ header store).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -106,6 +107,10 @@ class SlotView:
         self.input_ids = buffer[layout.input_ids_offset:layout.input_ids_offset + layout.input_ids_bytes].view(torch.int32)
         self.loss_mask = buffer[layout.loss_mask_offset:layout.loss_mask_offset + layout.loss_mask_bytes]
         self.seq_lens = buffer[layout.seq_lens_offset:layout.seq_lens_offset + layout.seq_lens_bytes].view(torch.int32)
+        self._write_started: float | None = None
+        # The host's seconds from begin_write to the header's publication, of the latest write: a
+        # writer that fills the slot between the two (a CPU target) times its copy by it.
+        self.write_s: float | None = None
 
     @property
     def device(self) -> torch.device:
@@ -113,6 +118,7 @@ class SlotView:
 
     def begin_write(self) -> None:
         """Mark the slot as being written, so a reader still holding the old generation fails its check."""
+        self._write_started, self.write_s = time.perf_counter(), None
         self._header[_GENERATION].fill_(0)
 
     def write_header(self, header: SlotHeader) -> None:
@@ -135,6 +141,8 @@ class SlotView:
         # Generation 0 is copied with the rest; the real one is stored alone afterwards.
         self._header.copy_(words)
         self._header[_GENERATION].fill_(header.generation)
+        if self._write_started is not None:
+            self.write_s, self._write_started = time.perf_counter() - self._write_started, None
 
     def read_generation(self) -> int:
         """The published generation; 0 while being written or never written."""

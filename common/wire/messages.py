@@ -28,7 +28,7 @@ from common.run.descriptors import SlotExport, TransportInfo
 from common.run.slot_layout import SlotLayout
 from common.wire.claims import Count, GroupClaim, ModelClaim, PendingCommit, TargetRank  # noqa: F401 (Register's parts)
 from common.wire.errors import ErrorCode, ProtocolError
-from common.wire.stats_snapshot import GpuHealth, Snapshot
+from common.wire.stats_snapshot import GpuHealth, SlotCopies, Snapshot
 
 PROTOCOL_VERSION = 3  # 3: get_hs carries the consumed reports of the slots copied out since the last poll
 
@@ -100,7 +100,8 @@ class Heartbeat(WorkerRequest, tag="heartbeat", kw_only=True):
     it holds, granted no later than seen_grant and not listed, is given back at once."""
     holding: list[int]
     seen_grant: int | None = None
-    gpu: GpuHealth | None = None  # a worker on a GPU: its memory, copy times and compiled graphs
+    gpu: GpuHealth | None = None  # a worker on a GPU: its memory and compiled graphs
+    copies: SlotCopies | None = None  # a worker that copied a slot: its latest copies' times
 
 
 class GetJob(WorkerRequest, tag="get_job", kw_only=True):

@@ -42,16 +42,20 @@ class EpochView(Part, kw_only=True, omit_defaults=True):
 
 class GpuHealth(Part, kw_only=True, omit_defaults=True):
     """A GPU worker's health, with each heartbeat (a CPU worker sends none): its process's CUDA memory
-    (torch's allocator: allocated, reserved, the peak allocated), the wall time of its latest slot
-    copies (a target's device-to-host write, a drafter's read into the device, IPC included; ms per
-    slot, over the latest :data:`common.worker.gpu_health.COPY_WINDOW`) and the graphs dynamo compiled."""
+    (torch's allocator: allocated, reserved, the peak allocated) and the graphs dynamo compiled."""
     memory_allocated_bytes: int
     memory_reserved_bytes: int
     memory_peak_bytes: int
     compiled_graphs: int
+
+
+class SlotCopies(Part, kw_only=True, omit_defaults=True):
+    """The wall time of a worker's latest slot copies, with each heartbeat once it copied one, on a GPU
+    or a CPU: a target's write into its slot (device to host, or host to host), a drafter's read out of
+    one (IPC included); ms per slot, over the latest :data:`common.worker.gpu_health.COPY_WINDOW`."""
     copies: int  # slot copies timed so far (the percentiles are of the latest ones)
-    copy_ms_p50: float | None = None
-    copy_ms_p99: float | None = None
+    copy_ms_p50: float
+    copy_ms_p99: float
 
 
 class WorkerView(Part, kw_only=True, omit_defaults=True):
@@ -74,7 +78,8 @@ class WorkerView(Part, kw_only=True, omit_defaults=True):
     metrics: dict[str, float] | None = None  # drafter: its latest step's figures (loss, lr, ...), when it sent any
     rank: int | None = None  # drafter of a data-parallel group: its rank
     membership: int | None = None  # ... and the group's membership version it registered in
-    gpu_health: GpuHealth | None = None  # a worker on a GPU: memory, slot copy ms, compiled graphs (none on a CPU)
+    gpu_health: GpuHealth | None = None  # a worker on a GPU: memory, compiled graphs (none on a CPU)
+    slot_copies: SlotCopies | None = None  # a worker that copied a slot: its copies' ms per slot
     tp_ranks: list[RankView] | None = None  # target of tensor-parallel ranks: each of them (rank 0 is this worker)
 
 

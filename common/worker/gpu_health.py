@@ -1,8 +1,9 @@
-"""A GPU worker's health, sent with each heartbeat: CUDA memory, slot copy times, compiled graphs.
+"""A worker's health, sent with each heartbeat: slot copy times, and on a GPU CUDA memory and compiled graphs.
 
 What ``hsd stats`` and ``/metrics`` show of it (docs/stats.md) lets an operator see an IPC mapping
 that leaks (reserved memory growing job after job), a copy that stalls (p99 far above p50) or
-shapes that keep recompiling. A worker on the CPU sends none: the fields are absent, not zero.
+shapes that keep recompiling. A worker on the CPU sends no GPU figures (absent, not zero), and any
+worker sends its copy times once it copied a slot.
 
 The memory comes from a :class:`CudaMemory` reader (torch's allocator by default; a test passes a
 fake one), read on the control channel's I/O thread when the heartbeat goes out; the loops add one
@@ -18,7 +19,7 @@ from typing import Any, Callable, Protocol
 
 import msgspec
 
-from common.wire.messages import GpuHealth, Heartbeat
+from common.wire.messages import GpuHealth, Heartbeat, SlotCopies
 from common.worker.runtime import WorkerSession
 
 COPY_WINDOW = 256  # the percentiles are over this many latest slot copies
@@ -70,6 +71,13 @@ class CopyTimes:
             return None
         return round(percentile(latest, 0.5), 3), round(percentile(latest, 0.99), 3)
 
+    def read(self) -> SlotCopies | None:
+        """What a heartbeat carries: None before the first copy."""
+        quantiles = self.quantiles()
+        if quantiles is None:
+            return None
+        return SlotCopies(copies=self.count, copy_ms_p50=quantiles[0], copy_ms_p99=quantiles[1])
+
 
 def compiled_graphs() -> int:
     """Graphs dynamo compiled in this process (0 when nothing was compiled; dynamo is never imported here)."""
@@ -86,33 +94,33 @@ def is_cuda(device: Any) -> bool:
 class GpuHealthProbe:
     """What a worker on ``device`` reports; :meth:`read` is None off the GPU."""
 
-    def __init__(self, device: Any, copies: CopyTimes, memory: CudaMemory | None = None):
+    def __init__(self, device: Any, memory: CudaMemory | None = None):
         self.device = device
-        self.copies = copies
         self.memory = memory if memory is not None else TorchCudaMemory()
 
     def read(self) -> GpuHealth | None:
         if not is_cuda(self.device):
             return None
-        quantiles = self.copies.quantiles()
         return GpuHealth(memory_allocated_bytes=self.memory.allocated(self.device),
                          memory_reserved_bytes=self.memory.reserved(self.device),
-                         memory_peak_bytes=self.memory.peak(self.device), compiled_graphs=compiled_graphs(),
-                         copies=self.copies.count, copy_ms_p50=quantiles[0] if quantiles else None,
-                         copy_ms_p99=quantiles[1] if quantiles else None)
+                         memory_peak_bytes=self.memory.peak(self.device), compiled_graphs=compiled_graphs())
 
 
 class ReportingSession(WorkerSession):
-    """A worker session whose heartbeats carry :attr:`health`'s reading when it gives one."""
+    """A worker session whose heartbeats carry :attr:`health`'s reading and :attr:`copies`' when they give one."""
 
     health: Callable[[], GpuHealth | None] | None = None
+    copies: CopyTimes | None = None
 
     def _heartbeat(self) -> Heartbeat | None:
         beat = super()._heartbeat()
-        if beat is None or self.health is None:
+        if beat is None:
             return beat
         try:
-            reading = self.health()
+            gpu = self.health() if self.health is not None else None
+            copies = self.copies.read() if self.copies is not None else None
         except Exception:  # noqa: BLE001 - a health figure never stops the heartbeat that keeps the worker alive
             return beat
-        return beat if reading is None else msgspec.structs.replace(beat, gpu=reading)
+        if gpu is None and copies is None:
+            return beat
+        return msgspec.structs.replace(beat, gpu=gpu, copies=copies)

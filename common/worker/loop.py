@@ -60,6 +60,7 @@ class WorkerLoop:
         self.backend = backend
         self.session = ReportingSession(address, self.role, name, gpu=gpu)
         self.copy_times = CopyTimes()  # each slot's copy (target: into the slot; drafter: out of it), for stats
+        self.session.copies = self.copy_times
         self._external_stop = external_stop
         self.poll_ms = POLL_MS
 
@@ -104,7 +105,7 @@ class WorkerLoop:
                     raise
                 self._registered(registration)
                 transport = self._open_transport(registration.transport)
-                self.session.health = GpuHealthProbe(self._device(registration.transport), self.copy_times).read
+                self.session.health = GpuHealthProbe(self._device(registration.transport)).read
                 try:
                     self._work(registration, transport)
                     return 0

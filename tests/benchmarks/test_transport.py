@@ -10,6 +10,7 @@ import math
 from common.dataplane.shm_arena import list_segments
 from benchmarks.transport import bench_layout
 from benchmarks.transport_table import format_table
+from benchmarks.transport_timeline import summarize
 from benchmarks.transport_workers import BenchSpec, Meter, percentile
 from hsd_testing import assert_session_ended, run_hsd_in_session
 
@@ -37,8 +38,16 @@ def test_bench_transport_json_and_clean_exit():
     assert min(r["shm_vs_memcpy"] for r in figures["rounds"]) <= figures["shm_vs_memcpy"] \
         <= max(r["shm_vs_memcpy"] for r in figures["rounds"])
     assert "cuda_ipc_gbps" not in figures or figures["cuda_ipc_gbps"] > 0
+    timeline = figures["shm_timeline"]  # the per-item timeline of the shm path
+    assert timeline["items"] >= 2, timeline
+    offsets = timeline["offsets_ms"]
+    # Causal order, across processes on one clock: a slot is read only once published and granted.
+    assert 0 < offsets["write_end"] <= offsets["published"] <= offsets["reported"], offsets
+    assert offsets["published"] <= offsets["granted"] <= offsets["read_start"] < offsets["read_end"], offsets
+    assert 0 <= timeline["overlap"] <= 1 and timeline["target_cpu_ms"] > 0 and timeline["drafter_cpu_ms"] > 0
     table = format_table(figures)  # what the command prints without --json, from the same figures
     assert "memcpy over 6 buffers" in table and "shm arena, real protocol" in table
+    assert "reads overlapping a write" in table
     assert "the dispatcher's CPU" in table and "shm / memcpy" in table
 
     assert_session_ended(run.sid, grace_s=10)  # multiprocessing's resource tracker exits when it sees EOF
@@ -69,3 +78,28 @@ def test_percentile_is_nearest_rank():
     assert percentile(values, 50) == 50
     assert percentile(values, 99) == 99
     assert percentile([3.0], 99) == 3.0
+
+
+def _stamps(write_ms: tuple[float, float], read_ms: tuple[float, float], cpu_ms: float) -> tuple[dict, dict]:
+    ms = 1_000_000
+    target = {"target_granted": 0, "write_start": int(write_ms[0] * ms), "write_end": int(write_ms[1] * ms),
+              "published": int(write_ms[1] * ms), "reported": int(write_ms[1] * ms), "cpu": int(cpu_ms * ms)}
+    drafter = {"granted": int(read_ms[0] * ms), "read_start": int(read_ms[0] * ms), "read_end": int(read_ms[1] * ms),
+               "consumed": int(read_ms[1] * ms), "cpu": int(cpu_ms * ms)}
+    return target, drafter
+
+
+def test_timeline_summary_measures_how_the_two_copies_overlap():
+    # Item k is written over [10k, 10k + 10) ms and read over [10k + 10, 10k + 20): the write of k + 1
+    # runs under the read of k, entirely. Taking turns instead, item k is read in [20k + 10, 20k + 20).
+    overlapped = [_stamps((10 * k, 10 * k + 10), (10 * k + 10, 10 * k + 20), 10 * k) for k in range(5)]
+    turns = [_stamps((20 * k, 20 * k + 10), (20 * k + 10, 20 * k + 20), 10 * k) for k in range(5)]
+    for stamps, overlap, idle in ((overlapped, 0.8, 0.0), (turns, 0.0, 10.0)):
+        target = {str(k): t for k, (t, _) in enumerate(stamps)}
+        drafter = {str(k): d for k, (_, d) in enumerate(stamps)}
+        summary = summarize(target, drafter)
+        # the last read overlaps no write: four fifths of the reading time overlap one
+        assert summary["overlap"] == overlap and summary["drafter_idle_ms"] == idle
+        assert summary["offsets_ms"]["read_start"] == 10 and summary["read_ms"] == summary["write_ms"] == 10
+        assert summary["items"] == 5 and summary["target_cpu_ms"] == summary["drafter_cpu_ms"] == 10
+    assert summarize({}, {}) == {"items": 0}

@@ -7,7 +7,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from hsd_testing import kill_tree, sim_args, start_hsd, wait_for
+from hsd_testing import kill_tree, sim_args, start_hsd, wait_for, wait_for_stats
 
 BUCKETS = [str(b) for b in range(6)]  # q_hsb labels buckets by index
 
@@ -83,6 +83,21 @@ def test_metrics_of_a_running_launch(run_dir, tmp_path):
         assert 0 <= deviation["schedule"] <= 2 and 0 <= deviation["consumed"] <= 3
         if "hsd_membership_version" in f:
             assert f["hsd_membership_version"].samples[0].value >= 0
+
+        # Every worker's slot copies (the targets' writes, the drafter's reads; CPU workers over shm)
+        # reach the stats snapshot and /metrics with a heartbeat: a busy worker's go out every 8th interval.
+        def all_copied(snapshot):
+            copies = {w["name"]: w.get("slot_copies") for w in snapshot["workers"]}
+            return copies if len(copies) == 3 and all(copies.values()) else None
+        copies = wait_for_stats(run_dir, all_copied, 60, what="every worker's slot copy times in the stats")
+        assert all(c["copies"] > 0 and 0 < c["copy_ms_p50"] <= c["copy_ms_p99"] for c in copies.values()), copies
+        f = wait_for(lambda: (lambda f: f if f and "hsd_worker_slot_copy_ms" in f
+                              and len(f["hsd_worker_slot_copy_ms"].samples) == 6 else None)(scrape(port)),
+                     30, what="a scrape with every worker's slot copy times")
+        copy_ms = samples(f["hsd_worker_slot_copy_ms"])
+        assert {dict(labels)["role"] for labels in copy_ms} == {"target", "drafter"}
+        assert all(value > 0 for value in copy_ms.values()), copy_ms
+        assert all(value > 0 for value in samples(f["hsd_worker_slot_copies"]).values())
 
         assert launch.wait(timeout=240) == 0, (tmp_path / "launch.log").read_text()[-3000:]
         assert scrape(port) is None  # the endpoint went away with the dispatcher

@@ -8,6 +8,7 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
 from common.run.prepared import DataError
 from common.wire.client import run_id_for
@@ -33,6 +34,17 @@ def test_pad_job_names_a_sample_the_dataset_does_not_hold_as_scheduled():
         pad_job(job, InMemory([16, 11]), tokens_per_batch=64)
     with pytest.raises(DataError, match="job 7: sample 1 out of range for a dataset of 1 samples"):
         pad_job(job, InMemory([16]), tokens_per_batch=64)
+
+
+def test_pad_job_pins_the_token_inputs_only_when_asked():
+    job = make_job(7, slot=0, generation=1, lengths=(16, 12))
+    batch = pad_job(job, InMemory([16, 12]), tokens_per_batch=64)
+    assert not batch.input_ids.is_pinned() and not batch.attention_mask.is_pinned()
+    assert batch.input_ids[1, :12].tolist() == [1] * 12 and batch.input_ids[1, 12:].tolist() == [0] * 4
+    if torch.cuda.is_available():  # a GPU target's H2D copies of the ids and mask run from page-locked memory
+        pinned = pad_job(job, InMemory([16, 12]), tokens_per_batch=64, pin=True)
+        assert pinned.input_ids.is_pinned() and pinned.attention_mask.is_pinned()
+        assert torch.equal(pinned.input_ids, batch.input_ids)
 
 
 class ReadsTheDataset(SimTarget):
