@@ -112,32 +112,33 @@ class BenchDrafter(WitnessModel):
         return result
 
 
-class TimedTargetLoop(TargetLoop):
-    """The target's loop, stamping when each grant arrived and when each job_ready went out."""
+class _StampsGrants:
+    """A worker loop that stamps when each grant arrived, as :attr:`grant_event`."""
 
-    backend: BenchTarget
+    grant_event = ""
+    backend: Any
 
     def _await_poll(self, request_id: int) -> messages.GrantReply:
-        reply = super()._await_poll(request_id)
+        reply = super()._await_poll(request_id)  # type: ignore[misc]
         if reply.job is not None:
-            self.backend.stamps.mark(reply.job.job_id, "target_granted")
+            self.backend.stamps.mark(reply.job.job_id, self.grant_event)
         return reply
+
+
+class TimedTargetLoop(_StampsGrants, TargetLoop):
+    """The target's loop, stamping its grants and when each job_ready went out."""
+
+    grant_event = "target_granted"
 
     def _complete(self, pending: Any, transport: Any) -> None:
         super()._complete(pending, transport)
         self.backend.stamps.mark(pending.job.job_id, "reported")
 
 
-class TimedDrafterLoop(DrafterLoop):
-    """The drafter's loop, stamping when each grant arrived and when its copy started and ended."""
+class TimedDrafterLoop(_StampsGrants, DrafterLoop):
+    """The drafter's loop, stamping its grants and when each copy started and ended."""
 
-    backend: BenchDrafter
-
-    def _await_poll(self, request_id: int) -> messages.GrantReply:
-        reply = super()._await_poll(request_id)
-        if reply.job is not None:
-            self.backend.stamps.mark(reply.job.job_id, "granted")
-        return reply
+    grant_event = "granted"
 
     def _read(self, job: messages.Job, transport: Any, reports: list[int]) -> SlotBatch | None:
         self.backend.stamps.mark(job.job_id, "read_start", cpu=True)

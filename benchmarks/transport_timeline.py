@@ -9,10 +9,12 @@ Linux: one clock for every process of a host) at each step of its handoff:
   copy out of the slot), ``consumed`` (its report sent, or carried by the next get_hs).
 
 :func:`summarize` reduces the items the drafter read inside its measured window to medians of
-each stamp's offset from the item's ``write_start``, the medians of each side's copy and of the
-idle gap between two of its copies, and ``overlap``: the fraction of the drafter's copying time
-during which the target was copying too. Two copies that take turns read an overlap near 0 and
-each side idle about as long as the other copies; two that overlap read near 1.
+each stamp's offset from the item's ``write_start`` (``target_granted`` comes before it: negative,
+and below minus the previous write's length when the grant came before that write ended), the
+medians of each side's copy and of the idle gap between two of its copies, each process's CPU time
+per item, and ``overlap``: the fraction of the drafter's copying time during which the target was
+copying too. Two copies that take turns read an overlap near 0 and each side idle about as long as
+the other copies; two that overlap read near 1.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from typing import Any
 
 TARGET_EVENTS = ("target_granted", "write_start", "write_end", "published", "reported")
 DRAFTER_EVENTS = ("granted", "read_start", "read_end", "consumed")
-OFFSET_EVENTS = ("write_end", "published", "reported", "granted", "read_start", "read_end", "consumed")
+OFFSET_EVENTS = ("target_granted", "write_end", "published", "reported", "granted", "read_start", "read_end",
+                 "consumed")
 
 
 class Stamps:
@@ -74,7 +77,8 @@ def _gaps_ms(intervals: list[tuple[int, int]]) -> list[float]:
 def summarize(target: dict[str, dict[str, int]], drafter: dict[str, dict[str, int]], *,
               since_ns: int = 0) -> dict[str, Any]:
     """The timeline's figures over the items the drafter started reading at or after ``since_ns``."""
-    items = [{**target[job], **drafter[job], "target_cpu": target[job].get("cpu", 0), "drafter_cpu": drafter[job].get("cpu", 0)}
+    items = [{**target[job], **drafter[job], "target_cpu": target[job].get("cpu", 0),
+              "drafter_cpu": drafter[job].get("cpu", 0)}
              for job in drafter if job in target
              and drafter[job].get("read_start", -1) >= since_ns
              and all(e in target[job] for e in TARGET_EVENTS) and all(e in drafter[job] for e in DRAFTER_EVENTS)]
@@ -109,7 +113,7 @@ def describe(summary: dict[str, Any]) -> str:
     """One line: the medians of the item's stamps from its write's start, and the overlap."""
     if "offsets_ms" not in summary:
         return f"timeline: {summary['items']} item(s), too few to summarize"
-    offsets = " ".join(f"{event} +{ms:.2f}" for event, ms in summary["offsets_ms"].items())
+    offsets = " ".join(f"{event} {ms:+.2f}" for event, ms in summary["offsets_ms"].items())
     return (f"timeline (ms from write_start, medians of {summary['items']} items): {offsets}; "
             f"write {summary['write_ms']:.2f}, read {summary['read_ms']:.2f}, idle between copies: target "
             f"{summary['target_idle_ms'] or 0:.2f}, drafter {summary['drafter_idle_ms']:.2f}; reads overlapping a "
