@@ -149,8 +149,8 @@ def copy_measured(spec: BenchSpec, stop: Any, results: Any) -> None:
 # -- the dispatcher ------------------------------------------------------------------------------
 def serve_dispatcher(config: Config) -> int:
     _init_process()
-    from dispatcher.server import DispatcherServer
-    return DispatcherServer(config).serve_forever()
+    from dispatcher.build import build_dispatcher
+    return build_dispatcher(config).serve_forever()
 
 
 # -- torch.multiprocessing Queue -----------------------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import socket
 
-from common.run.config import Config
+from common.run.config import DrafterSection, NodesSection, PoolSection, TargetSection
 from common.run.descriptors import TransportInfo
 from common.wire.messages import ErrorCode, ProtocolError, Register
 from common.wire.stats_snapshot import TransportView
@@ -35,15 +35,17 @@ class DataPlane:
         self.arena = arena
 
     @classmethod
-    def create(cls, config: Config, run_id: str) -> "DataPlane":
-        layout = SlotLayout.from_config(config)
-        cuda = probe_cuda_host() if config.pool.transport in ("auto", "cuda_ipc") else None
-        kind, reason = choose_transport(config.pool.transport, same_node=True, cuda=cuda,
-                                        target_gpus=config.target.gpus[:config.target.count * config.target.tp_size:config.target.tp_size],
-                                        drafter_gpus=config.drafter.gpus[:config.drafter.count])
-        if config.pool.transport == "auto":
+    def create(cls, layout: SlotLayout, pool: PoolSection, *, target: TargetSection, drafter: DrafterSection,
+               nodes: NodesSection, run_id: str) -> "DataPlane":
+        """The run's data plane for slots of ``layout``: the transport ``pool.transport`` chooses, on
+        the GPUs of the ``target`` and ``drafter`` sections, served from node ``nodes.name``."""
+        cuda = probe_cuda_host() if pool.transport in ("auto", "cuda_ipc") else None
+        kind, reason = choose_transport(pool.transport, same_node=True, cuda=cuda,
+                                        target_gpus=target.gpus[:target.count * target.tp_size:target.tp_size],
+                                        drafter_gpus=drafter.gpus[:drafter.count])
+        if pool.transport == "auto":
             log.info("pool.transport=auto chose %s: %s", kind, reason)
-        node = config.nodes.name or socket.gethostname()
+        node = nodes.name or socket.gethostname()
         swept = sweep_dead_segments(run_id)  # this run's, left by a killed dispatcher of it
         if swept:
             log.info("removed %d shared-memory segment(s) a dead dispatcher of this run left: %s", len(swept),
@@ -54,10 +56,10 @@ class DataPlane:
                         "`hsd cleanup --all-dead` removes them", len(others),
                         format_bytes(sum(s.nbytes for s in others)), ", ".join(s.name for s in others))
         if kind == "shm":
-            check_fits(config.pool.slots, layout.slot_bytes)
-            arena = PoolSegment(run_id, layout, config.pool.slots)
-            return cls(kind, layout, config.pool.slots, arena, run_id=run_id, node=node)
-        per_target = max(2, -(-config.pool.slots // max(1, config.target.count)))
+            check_fits(pool.slots, layout.slot_bytes)
+            arena = PoolSegment(run_id, layout, pool.slots)
+            return cls(kind, layout, pool.slots, arena, run_id=run_id, node=node)
+        per_target = max(2, -(-pool.slots // max(1, target.count)))
         return cls(kind, layout, per_target, None, run_id=run_id, node=node)
 
     @property

@@ -12,30 +12,14 @@ from common.run.config import ConfigError, ScheduleSection, describe
 from common.run.drafter_family import DEFAULT_OBJECTIVE, families
 from common.run.durable import STORAGE_FAILED_EXIT_CODE, StorageFailed, describe_storage_failure, is_storage_error
 from hsd.bench import add_bench_parser
+from hsd.keys import add_keys_parser
 from hsd.shared import add_config_args, config_of, require_model, setup_logging
-
-
-def cmd_keys(args) -> int:
-    """``hsd keys``: CURVE key pairs for the dispatcher and the workers, and the config that uses them."""
-    from common.wire.curve import generate_keys
-    names = ["dispatcher"] + ([n for n in args.name if n != "dispatcher"] or ["worker"])
-    written = generate_keys(args.out, names)
-    for name, (public, secret) in written.items():
-        print(f"{name:<12} public {public}  secret {secret}")
-    server_public, server_secret = written["dispatcher"]
-    clients = [str(p) for n, (p, _) in written.items() if n != "dispatcher"]
-    print("\nconfig (each worker sets curve.client_secret_key to its own .key_secret file):")
-    print(f"curve:\n  server_public_key: {server_public}\n  server_secret_key: {server_secret}\n"
-          f"  allowed_client_keys: [{', '.join(clients)}]\n  client_secret_key: {written[names[1]][1]}")
-    return 0
 
 
 def cmd_dispatcher(args) -> int:
     setup_logging()
-    from dispatcher.allocator import pin_mmap_threshold
-    from dispatcher.server import DispatcherServer
-    pin_mmap_threshold()
-    return DispatcherServer(config_of(args)).serve_forever()
+    from dispatcher.build import serve_dispatcher
+    return serve_dispatcher(config_of(args))
 
 
 def cmd_worker(args) -> int:
@@ -345,11 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="remove every hsdispatch segment whose creating dispatcher is gone, whatever its run")
     p.set_defaults(func=cmd_cleanup)
 
-    p = sub.add_parser("keys", help="make CURVE key pairs for a control plane over TCP between nodes")
-    p.add_argument("--out", required=True, help="directory for the key files (NAME.key, NAME.key_secret)")
-    p.add_argument("--name", action="append", default=[], metavar="NAME",
-                   help="a worker (or node) key pair to make besides the dispatcher's; repeat for more (default: worker)")
-    p.set_defaults(func=cmd_keys)
+    add_keys_parser(sub)
 
     p = sub.add_parser("config", help="show every config key with its default, or the resolved config")
     add_config_args(p)
@@ -382,7 +362,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mask-token", help="DFlash: the text the serving tokenizer has for the trained mask id, where "
                                         "the target's tokenizer named none (written as dflash_config.mask_token)")
     p.set_defaults(func=cmd_export)
-
 
     p = sub.add_parser("prepare", help="tokenize conversations (JSONL/Parquet) into a prepared dataset directory")
     p.add_argument("--input", required=True, help="JSONL or Parquet file, or a folder of shards")

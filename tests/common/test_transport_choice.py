@@ -13,6 +13,7 @@ import pytest
 
 from common.run.config import load_config
 from common.dataplane.shm_segment import list_segments
+from common.run.slot_layout import SlotLayout
 from common.dataplane.transport_info import CudaHost, choose_transport
 from dispatcher import transport_setup
 from dispatcher.transport_setup import DataPlane
@@ -59,12 +60,18 @@ def test_explicit_choices_are_kept() -> None:
         choose_transport("cuda_ipc", True, cuda=None)
 
 
+def data_plane(config, run_id: str) -> DataPlane:
+    """The data plane the dispatcher makes for ``config`` (dispatcher.build)."""
+    return DataPlane.create(SlotLayout.from_config(config), config.pool, target=config.target,
+                            drafter=config.drafter, nodes=config.nodes, run_id=run_id)
+
+
 def test_the_dispatcher_logs_its_choice_and_reason_once(monkeypatch, caplog, tmp_path) -> None:
     monkeypatch.setattr(transport_setup, "probe_cuda_host", lambda: host(8))
     config = load_config(None, [f"run.dir={tmp_path}", "target.sim=true", "drafter.sim=true"])
     run_id = uuid.uuid4().hex[:12]
     with caplog.at_level(logging.INFO, logger="hsd.dispatcher"):
-        plane = DataPlane.create(config, run_id)
+        plane = data_plane(config, run_id)
     try:
         assert plane.kind == "shm" and plane.arena is not None
         choices = [r.getMessage() for r in caplog.records if "pool.transport=auto" in r.getMessage()]
@@ -74,5 +81,5 @@ def test_the_dispatcher_logs_its_choice_and_reason_once(monkeypatch, caplog, tmp
         plane.close()
     assert not list_segments(run_id)
     gpu_config = load_config(None, [f"run.dir={tmp_path}", "target.gpus=[0]", "drafter.gpus=[1]"])
-    gpu_plane = DataPlane.create(gpu_config, uuid.uuid4().hex[:12])
+    gpu_plane = data_plane(gpu_config, uuid.uuid4().hex[:12])
     assert gpu_plane.kind == "cuda_ipc" and gpu_plane.arena is None

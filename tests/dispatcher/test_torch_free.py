@@ -26,7 +26,7 @@ def _torch_libraries(pid: int) -> list[str]:
 
 
 def test_importing_the_dispatcher_and_cli_leaves_torch_out():
-    code = ("import sys, dispatcher.server, dispatcher.transport_setup, common.dataplane.shm_segment, common.dataplane.transport_info, "
+    code = ("import sys, dispatcher.build, dispatcher.transport_setup, common.dataplane.shm_segment, common.dataplane.transport_info, "
             "common.run.slot_layout, hsd.cli, hsd.bench, hsd.shared, ops.launch, ops.stats_view, ops.report, ops.planner, "
             "ops.schedule_view, ops.demo, ops.configs; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
