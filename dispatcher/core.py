@@ -1,9 +1,10 @@
 """The dispatcher's decisions, one method per protocol op, with no sockets and no clock of its own.
 
-The socket loop (``dispatcher/server.py``) decodes a request, calls the method of the same name
-here with ``now``, and encodes what comes back. Long-polls are the loop's business: ``get_job``
-and ``get_hs`` answer None when nothing can be handed out yet and the loop asks again after every
-state change. Everything a restart must know goes through the journal before the method returns.
+The socket loop (``dispatcher/server.py``) decodes a request, its handler (``dispatcher/handlers.py``)
+calls the method of the same name here with ``now``, and the loop encodes what comes back.
+Long-polls are the loop's business: ``get_job`` and ``get_hs`` answer None when nothing can be
+handed out yet and the loop asks again after every state change. Everything a restart must know
+goes through the journal before the method returns.
 
 The core is composed of four parts, each given what it decides with:
 
