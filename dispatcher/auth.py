@@ -1,27 +1,23 @@
-"""How the dispatcher's two sockets tell a peer allowed from one that is not.
+"""CURVE on the dispatcher's two sockets: who may connect, and what was refused.
 
-Two mechanisms, either or both: CURVE (``curve.*``: the sockets encrypt and a ZAP authorizer
-accepts only the listed client keys; handshake monitors count what it refused) and the shared
-secret (``dispatcher.secret``: every request carries it, compared in constant time). Nothing here
-decides anything about jobs; the socket loop asks :meth:`ControlAuth.check_secret` of every request.
+With ``curve.*`` set the sockets encrypt, a ZAP authorizer (on a thread) accepts only the listed
+client keys, and a monitor of each socket counts the handshakes that failed; without it nothing
+here does anything. The shared secret (``dispatcher.secret``) is checked as each request is decoded
+(:mod:`dispatcher.server`); :meth:`CurveAuth.stats` reports both in the stats snapshot's ``auth``.
 """
 
 from __future__ import annotations
 
-import hmac
 from typing import Any
 
 import zmq
 
-from common.wire import messages
 from common.wire.curve import CurveServer, HandshakeMonitor, ZapAuthorizer, auth_stats
-from common.wire.messages import ErrorCode, ProtocolError
 
 
-class ControlAuth:
-    def __init__(self, context: zmq.Context, curve: CurveServer | None, secret: str):
+class CurveAuth:
+    def __init__(self, context: zmq.Context, curve: CurveServer | None):
         self.curve = curve
-        self.secret = secret
         # The authorizer must listen before the first handshake: libzmq drops a CURVE connection
         # whose authentication request finds no handler.
         self.authorizer = ZapAuthorizer(context, curve.allowed) if curve is not None else None
@@ -37,14 +33,9 @@ class ControlAuth:
         if self.curve is not None:
             self.handshakes = [HandshakeMonitor(sock) for sock in socks]
 
-    def check_secret(self, request: messages.Request) -> None:
-        secret, given = self.secret, request.secret
-        if secret and (given is None or not hmac.compare_digest(given.encode(), secret.encode())):
-            raise ProtocolError(ErrorCode.UNAUTHORIZED, "missing or wrong shared secret", request.id)
-
-    def stats(self) -> dict[str, Any]:
-        """The stats snapshot's ``auth``."""
-        return auth_stats(self.authorizer, self.handshakes, secret=bool(self.secret))
+    def stats(self, *, secret: bool) -> dict[str, Any]:
+        """The stats snapshot's ``auth`` (``secret``: whether the run sets ``dispatcher.secret``)."""
+        return auth_stats(self.authorizer, self.handshakes, secret=secret)
 
     def unwatch(self, *socks: zmq.Socket) -> None:
         """Stop the monitors, before their sockets close (``socks`` in :meth:`watch`'s order)."""

@@ -28,7 +28,7 @@ from common.run.slot_layout import SlotLayout
 from common.wire.client import run_id_for
 from common.wire.curve import server_from_config
 from dispatcher.allocator import pin_mmap_threshold
-from dispatcher.auth import ControlAuth
+from dispatcher.auth import CurveAuth
 from dispatcher.core import DispatcherCore
 from dispatcher.core_types import CoreOptions
 from dispatcher.handlers import ControlHandlers, RegisterTerms, StatsView
@@ -83,7 +83,7 @@ def build_dispatcher(config: Config) -> DispatcherServer:
                               pool=pool, shared_slots=data_plane.shared_slots, now=time.monotonic())
         dispatcher = config.dispatcher
         context = zmq.Context()
-        auth = ControlAuth(context, curve, dispatcher.secret)
+        auth = CurveAuth(context, curve)
         control = bind_router(context, config.control_endpoint, max_bytes=dispatcher.max_message_bytes, auth=auth)
         stats = bind_router(context, config.stats_endpoint, max_bytes=dispatcher.max_message_bytes, auth=auth)
         auth.watch(control, stats)
@@ -94,7 +94,8 @@ def build_dispatcher(config: Config) -> DispatcherServer:
                                  run=config.run)
         handlers = ControlHandlers(core, data_plane=data_plane, polls=polls, liveness=liveness, terms=terms,
                                    when_durable=replies.when_durable, run_dir=run_dir)
-        stats_view = StatsView(core, data_plane=data_plane, polls=polls, auth=auth, run_dir=run_dir, run_id=run_id)
+        stats_view = StatsView(core, data_plane=data_plane, polls=polls, auth=auth, secret=bool(dispatcher.secret),
+                               run_dir=run_dir, run_id=run_id)
         write_state_file(run_dir, DispatcherState(pid=os.getpid(), host=hostname, run_id=run_id,
                                                   control=config.control_endpoint, stats=config.stats_endpoint,
                                                   started=time.time()))
@@ -116,7 +117,7 @@ def build_dispatcher(config: Config) -> DispatcherServer:
     return server
 
 
-def bind_router(context: zmq.Context, endpoint: str, *, max_bytes: int, auth: ControlAuth) -> zmq.Socket:
+def bind_router(context: zmq.Context, endpoint: str, *, max_bytes: int, auth: CurveAuth) -> zmq.Socket:
     sock = context.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max(HARD_MESSAGE_LIMIT, 4 * max_bytes))

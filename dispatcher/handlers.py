@@ -24,7 +24,7 @@ from common.run.durable import StorageFailed
 from common.wire import messages
 from common.wire.messages import ErrorCode, ProtocolError
 from common.wire.stats_snapshot import Snapshot, serving_snapshot
-from dispatcher.auth import ControlAuth
+from dispatcher.auth import CurveAuth
 from dispatcher.core import DispatcherCore
 from dispatcher.core_types import Incompatible, Unauthorized, UnknownWorker
 from dispatcher.groups import GroupChanged
@@ -216,12 +216,13 @@ class ControlHandlers:
 class StatsView:
     """The stats socket's one op, and the snapshot the metrics endpoint publishes."""
 
-    def __init__(self, core: DispatcherCore, *, data_plane: DataPlane, polls: LongPolls, auth: ControlAuth,
-                 run_dir: Path, run_id: str):
+    def __init__(self, core: DispatcherCore, *, data_plane: DataPlane, polls: LongPolls, auth: CurveAuth,
+                 secret: bool, run_dir: Path, run_id: str):
         self.core = core
         self.data_plane = data_plane
         self.polls = polls
         self.auth = auth
+        self.secret = secret  # whether requests carry dispatcher.secret
         self.run_dir = run_dir
         self.run_id = run_id
 
@@ -236,5 +237,5 @@ class StatsView:
         return serving_snapshot(
             build_snapshot(core, time.monotonic()), run_dir=str(self.run_dir), run_id=self.run_id,
             pid=os.getpid(), transport=self.data_plane.view(), waiters=len(self.polls.waiters),
-            auth=self.auth.stats(),
+            auth=self.auth.stats(secret=self.secret),
             nodes=node_summary(core.pool, core.workers, core.counters.reads, home=self.data_plane.node))

@@ -11,6 +11,7 @@ serves is built by :func:`dispatcher.build.build_dispatcher`.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import signal
@@ -26,7 +27,7 @@ from common.run.config import DispatcherSection, RunSection
 from common.run.durable import STORAGE_FAILED_EXIT_CODE, StorageFailed
 from common.wire import messages
 from common.wire.messages import ErrorCode, ProtocolError
-from dispatcher.auth import ControlAuth
+from dispatcher.auth import CurveAuth
 from dispatcher.core import DispatcherCore
 from dispatcher.handlers import ControlHandlers, StatsView
 from dispatcher.journal import Journal, JournalFailed
@@ -98,19 +99,21 @@ class DurableReplies:
 @dataclass(frozen=True)
 class LoopOptions:
     max_message_bytes: int
+    secret: str  # dispatcher.secret: every request must carry it (empty: none)
     exit_when_done: bool  # stop once every epoch is committed and the workers left
     worker_timeout_s: float  # after the last epoch, workers still registered are waited for twice this
     epochs: int
 
     @classmethod
     def of(cls, dispatcher: DispatcherSection, run: RunSection) -> "LoopOptions":
-        return cls(max_message_bytes=dispatcher.max_message_bytes, exit_when_done=dispatcher.exit_when_done,
+        return cls(max_message_bytes=dispatcher.max_message_bytes, secret=dispatcher.secret,
+                   exit_when_done=dispatcher.exit_when_done,
                    worker_timeout_s=dispatcher.worker_timeout_s, epochs=run.epochs)
 
 
 class DispatcherServer:
     def __init__(self, core: DispatcherCore, *, options: LoopOptions, context: zmq.Context, control: zmq.Socket,
-                 stats: zmq.Socket, auth: ControlAuth, handlers: ControlHandlers, stats_view: StatsView,
+                 stats: zmq.Socket, auth: CurveAuth, handlers: ControlHandlers, stats_view: StatsView,
                  polls: LongPolls, replies: DurableReplies, journal: Journal, liveness: ProcessWatch,
                  metrics: MetricsServer | None, slot_bytes: int, release: Callable[[], None]):
         self.core = core
@@ -126,6 +129,7 @@ class DispatcherServer:
         self.liveness = liveness
         self.metrics = metrics
         self.slot_bytes = slot_bytes  # for the journal's last line
+        self.max_bytes, self.secret = options.max_message_bytes, options.secret
         self._context = context
         self._release = release  # what the composition root holds: files, the slot memory, the run-dir lock
         self._stop = False
@@ -233,8 +237,10 @@ class DispatcherServer:
     def _decode(self, payload: list[bytes]) -> messages.Request:
         if len(payload) != 1:
             raise ProtocolError(ErrorCode.MALFORMED, f"expected one frame, got {len(payload)}")
-        request = messages.decode_request(payload[0], self.options.max_message_bytes)
-        self.auth.check_secret(request)
+        request = messages.decode_request(payload[0], self.max_bytes)
+        secret, given = self.secret, request.secret
+        if secret and (given is None or not hmac.compare_digest(given.encode(), secret.encode())):
+            raise ProtocolError(ErrorCode.UNAUTHORIZED, "missing or wrong shared secret", request.id)
         return request
 
     def _handle_control(self, identity: bytes, payload: list[bytes]) -> tuple[Reply | None, bool]:
