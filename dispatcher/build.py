@@ -94,8 +94,8 @@ def build_dispatcher(config: Config) -> DispatcherServer:
                                  run=config.run)
         handlers = ControlHandlers(core, data_plane=data_plane, polls=polls, liveness=liveness, terms=terms,
                                    when_durable=replies.when_durable, run_dir=run_dir)
-        stats_view = StatsView(core, data_plane=data_plane, polls=polls, auth=auth, secret=bool(dispatcher.secret),
-                               run_dir=run_dir, run_id=run_id)
+        stats_view = StatsView(core=core, data_plane=data_plane, polls=polls, auth=auth,
+                               secret=bool(dispatcher.secret), run_dir=run_dir, run_id=run_id)
         write_state_file(run_dir, DispatcherState(pid=os.getpid(), host=hostname, run_id=run_id,
                                                   control=config.control_endpoint, stats=config.stats_endpoint,
                                                   started=time.time()))

@@ -213,18 +213,17 @@ class ControlHandlers:
         return messages.Ack(id=request.id)
 
 
+@dataclass(frozen=True)
 class StatsView:
     """The stats socket's one op, and the snapshot the metrics endpoint publishes."""
 
-    def __init__(self, core: DispatcherCore, *, data_plane: DataPlane, polls: LongPolls, auth: CurveAuth,
-                 secret: bool, run_dir: Path, run_id: str):
-        self.core = core
-        self.data_plane = data_plane
-        self.polls = polls
-        self.auth = auth
-        self.secret = secret  # whether requests carry dispatcher.secret
-        self.run_dir = run_dir
-        self.run_id = run_id
+    core: DispatcherCore
+    data_plane: DataPlane
+    polls: LongPolls
+    auth: CurveAuth
+    secret: bool  # whether requests carry dispatcher.secret
+    run_dir: Path
+    run_id: str
 
     def handle(self, request: messages.Request) -> messages.StatsReply:
         if not isinstance(request, messages.Stats):

@@ -313,7 +313,7 @@ class OutcomeReply(Reply, kw_only=True):
 
 
 class StatsReply(Reply, kw_only=True):
-    stats: Snapshot  # dispatcher/snapshot.py's, with what dispatcher/server.py adds
+    stats: Snapshot  # dispatcher/snapshot.py's, with what dispatcher/handlers.py adds
 
 
 REPLY_TYPES: dict[str, type[Reply]] = {

@@ -187,7 +187,7 @@ class CoreSnapshot(Part, kw_only=True, omit_defaults=True):
 
 
 class Snapshot(CoreSnapshot, kw_only=True, omit_defaults=True):
-    """The stats reply: the core's snapshot and what the serving dispatcher adds (dispatcher/server.py)."""
+    """The stats reply: the core's snapshot and what the serving dispatcher adds (dispatcher/handlers.py)."""
     run_dir: str
     run_id: str
     pid: int  # the dispatcher's process
