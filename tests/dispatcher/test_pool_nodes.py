@@ -10,6 +10,7 @@ import pytest
 from common.wire.messages import ModelClaim
 from core_harness import Sim, make_core, small_lengths
 
+from common.run.descriptors import NixlExport
 from common.wire.stats_figures import format_nodes
 from dispatcher.nodes import node_summary
 from dispatcher.pool import LOCAL_SLACK, HSPool
@@ -79,7 +80,8 @@ def _two_node_run(run_dir, *, drafter_nodes: list[str], target_nodes: list[str])
     targets, drafters = [], []
     for i, node in enumerate(target_nodes):
         t = core.register(role="target", name=f"t{i}", pid=100 + i, host="h", gpu=None, now=0.0, node=node).id
-        core.register_slots(t, {"kind": "nixl", "node": node}, 4, 0.0)
+        core.register_slots(t, NixlExport(node=node, arena=f"arena-{i}", agent=f"t{i}", metadata=b"", base=0,
+                                              nbytes=4 << 20), 4, 0.0)
         targets.append(t)
     for i, node in enumerate(drafter_nodes):
         drafters.append(core.register(role="drafter", name=f"d{i}", pid=200 + i, host="h", gpu=None, now=0.0,
