@@ -17,8 +17,6 @@ from typing import Any, Callable
 
 import torch
 
-from common.dataplane.slots import SlotHeader
-
 
 class Skip(Exception):
     """A section that cannot run on this machine (e.g. it needs two GPUs): reported ``skipped``, not failed."""
@@ -126,6 +124,7 @@ def pinned_shm(ctx: CheckContext) -> dict[str, Any]:
     drafter's copy stream hides under compute queued before it (1 = all of it, 0 = none)."""
     from benchmarks.transport import bench_layout
     from common.dataplane.shm_arena import SlotArena
+    from common.dataplane.slots import SlotHeader
     from common.dataplane.transport import open_drafter_transport, open_target_transport, shm_transport_info
 
     device, reps = ctx.device, ctx.shapes.copy_reps

@@ -21,14 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 import msgspec
 
+from common.run.config.sections import CaptureDtype
 from common.run.drafter_family import DEFAULT_OBJECTIVE, family_of
 from common.run.target_config import model_shape, read_model_config
 
-CaptureDtype = Literal["bfloat16", "float16", "float32"]  # target.dtype is one of these or auto
 CAPTURE_DTYPES = get_args(CaptureDtype)
 CAPTURE_POINT = "layer_output"  # every layer's raw output, before any final norm (the engines')
 LEGACY_CAPTURE_POINT = "hidden_states"  # a contract that names none: the last layer after the final norm
@@ -84,26 +84,6 @@ class CaptureContract(msgspec.Struct, frozen=True):
             return msgspec.convert(doc, cls)
         except msgspec.ValidationError as exc:
             raise ValueError(f"capture contract: {exc}") from None
-
-
-def default_layer_ids(num_layers: int, num_capture_layers: int = 5) -> list[int]:
-    """The DFlash choice: K layers evenly spaced from layer 1 to layer N−3; one layer → the middle one
-    (at most N−2: the last layer's output is one no serving engine captures).
-
-    Python's ``round`` (half to even) places the in-between layers, as the published DFlash drafters
-    record them, so a drafter trained here lists the same ids as theirs for the same target.
-    """
-    if num_capture_layers <= 0:
-        raise ValueError(f"the number of capture layers must be positive, got {num_capture_layers}")
-    if num_capture_layers == 1:
-        return [max(0, min(num_layers // 2, num_layers - 2))]
-    first, last = 1, num_layers - 3
-    if last - first + 1 < num_capture_layers:
-        raise ValueError(f"{num_capture_layers} capture layers do not fit between layer {first} and layer "
-                         f"{last} of a {num_layers}-layer target; lower target.num_capture_layers or list "
-                         f"target.capture_layers")
-    span = last - first
-    return [round(first + k * span / (num_capture_layers - 1)) for k in range(num_capture_layers)]
 
 
 def build_contract(doc: Mapping[str, Any], *, layer_ids: Sequence[int] = (), num_capture_layers: int = 5,

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from common.run.capture_contract import (CaptureContract, adopt_contract, build_contract, check_same_contract, contract_from_config,
-                                     contract_from_model_dir, default_layer_ids, resolve_capture_dtype)
+                                     contract_from_model_dir, resolve_capture_dtype)
 from common.run.config import ConfigError, load_config
 from common.dataplane.slots import SlotLayout
+from drafter_worker.dflash.family import default_layer_ids
 
 QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_hidden_layers": 36,
             "hidden_size": 4096, "torch_dtype": "bfloat16"}
@@ -159,5 +160,4 @@ def test_slot_layout_comes_from_the_model(tmp_path):
 
 
 def test_one_default_layer_is_the_middle_one_an_engine_serves():
-    from common.run.capture_contract import default_layer_ids
     assert [default_layer_ids(n, 1) for n in (2, 3, 4, 36)] == [[0], [1], [2], [18]]

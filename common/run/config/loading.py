@@ -11,7 +11,6 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from common.run.capture_contract import contract_from_config
 from common.run.config.fields import ConfigError, is_text, key_types, type_name
 from common.run.config.sections import Config, section_types
 from common.run.drafter_family import family_of
@@ -124,6 +123,9 @@ def _validate_capture(config: Config) -> None:
         raise ConfigError(f"target.model: {exc}") from None
     layers = config.target.capture_layers
     family = family_of(config.drafter.objective)
+    # Imported here: the contract is a msgspec struct, and reading a config (``hsd bench gpu``'s
+    # preflight among others) must work in an image that lacks msgspec.
+    from common.run.capture_contract import contract_from_config
     try:
         contract = contract_from_config(config, model_config=doc)
     except ValueError as exc:

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from common.run.capture_contract import CaptureDtype
 from common.run.config.fields import ConfigError, Section, opt
 from common.run.drafter_family import DEFAULT_OBJECTIVE
-from common.run.witness import check_model_id
+
+CaptureDtype = Literal["bfloat16", "float16", "float32"]  # target.dtype is one of these or auto; a capture contract's dtype
 
 
 @dataclass
@@ -242,6 +242,7 @@ class DrafterSection(Section):
         if host and (any(c.isspace() or c in "/[]" for c in host) or host.count(":") == 1):
             raise ConfigError(f"drafter.rendezvous_host: expected a host name or IP address (no port), got {host!r}")
         if self.model:
+            from common.run.witness import check_model_id  # here: reading a config needs no msgspec (hsd bench gpu's preflight)
             try:
                 check_model_id(self.model)
             except ValueError as exc:
