@@ -235,6 +235,6 @@ class StatsView:
         core = self.core
         return serving_snapshot(
             build_snapshot(core, time.monotonic()), run_dir=str(self.run_dir), run_id=self.run_id,
-            pid=os.getpid(), transport=self.data_plane.view(), waiters=len(self.polls.waiters),
+            pid=os.getpid(), transport=self.data_plane.view(), waiters=len(self.polls),
             auth=self.auth.stats(secret=self.secret),
             nodes=node_summary(core.pool, core.workers, core.counters.reads, home=self.data_plane.node))

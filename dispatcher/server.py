@@ -25,6 +25,7 @@ import zmq
 from common import faults
 from common.run.config import DispatcherSection, RunSection
 from common.run.durable import STORAGE_FAILED_EXIT_CODE, StorageFailed
+from common.run.records.events import DispatcherStopped
 from common.wire import messages
 from common.wire.messages import ErrorCode, ProtocolError
 from dispatcher.auth import CurveAuth
@@ -129,7 +130,6 @@ class DispatcherServer:
         self.liveness = liveness
         self.metrics = metrics
         self.slot_bytes = slot_bytes  # for the journal's last line
-        self.max_bytes, self.secret = options.max_message_bytes, options.secret
         self._context = context
         self._release = release  # what the composition root holds: files, the slot memory, the run-dir lock
         self._stop = False
@@ -237,8 +237,8 @@ class DispatcherServer:
     def _decode(self, payload: list[bytes]) -> messages.Request:
         if len(payload) != 1:
             raise ProtocolError(ErrorCode.MALFORMED, f"expected one frame, got {len(payload)}")
-        request = messages.decode_request(payload[0], self.max_bytes)
-        secret, given = self.secret, request.secret
+        request = messages.decode_request(payload[0], self.options.max_message_bytes)
+        secret, given = self.options.secret, request.secret
         if secret and (given is None or not hmac.compare_digest(given.encode(), secret.encode())):
             raise ProtocolError(ErrorCode.UNAUTHORIZED, "missing or wrong shared secret", request.id)
         return request
@@ -271,7 +271,6 @@ class DispatcherServer:
     def close(self) -> None:
         self.polls.close()
         if self.journal.failed is None:
-            from common.run.records.events import DispatcherStopped
             self.journal.record(DispatcherStopped(done=self.core.done, peak_slots=self.core.pool.peak_in_use,
                                                   slot_bytes=self.slot_bytes))
         self.journal.close()  # its last fsync makes every held commit durable

@@ -9,6 +9,7 @@ from drafter_worker.dflash.section import DFlashSection
 OBJECTIVE = "dflash"
 ARCHITECTURE = "DFlashDraftModel"  # an export's config.json architectures
 
+
 def default_layer_ids(num_layers: int, num_capture_layers: int = 5) -> list[int]:
     """The DFlash choice: K layers evenly spaced from layer 1 to layer N−3; one layer → the middle one
     (at most N−2: the last layer's output is one no serving engine captures).
