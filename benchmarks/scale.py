@@ -16,8 +16,8 @@ After every worker registered and ``--warmup`` seconds, a window of ``--seconds`
 
 - ``items_per_s``: jobs reported ready (``job_ready`` requests the dispatcher counted), against
   ``offered_items_per_s`` (what the targets' GPUs would produce);
-- ``dispatcher_cpu_us_per_item``: the dispatcher process's CPU time (user + system, every thread,
-  psutil) per item; ``loop_thread_cpu_us_per_item`` its socket loop's thread alone;
+- ``dispatcher_cpu_us_per_item``: the dispatcher process's CPU time (every thread's time on a CPU,
+  from its schedstat in nanoseconds; psutil's 10 ms ticks where the kernel keeps none) per item; ``loop_thread_cpu_us_per_item`` its socket loop's thread alone;
   ``messages_per_item`` by op (the dispatcher's request counters). The dispatcher does not time its
   ops, so CPU by op is not given;
 - ``request_p50/p99/max_ms``: round trips the clients timed of get_job, job_ready, heartbeat and
@@ -141,7 +141,12 @@ class Dispatcher:
         return self.stats_client.call(messages.Stats(), timeout_s=30.0).stats
 
     def cpu(self) -> tuple[float, float]:
-        """(every thread's CPU seconds, the main thread's: the socket loop)."""
+        """(every thread's CPU seconds, the main thread's: the socket loop). From each thread's
+        ``schedstat`` (nanoseconds) where the kernel keeps it: the clock ticks psutil reads are 10 ms
+        each, coarser than a short step's whole use."""
+        per_thread = thread_cpu_ns(self.proc.pid)
+        if per_thread:
+            return sum(per_thread.values()) / 1e9, per_thread.get(self.proc.pid, 0) / 1e9
         threads = self.process.threads()
         total = sum(t.user_time + t.system_time for t in threads)
         loop = sum(t.user_time + t.system_time for t in threads if t.id == self.proc.pid)
@@ -228,6 +233,23 @@ class Clients:
 
 def _host_sample() -> tuple[Any, float]:
     return psutil.cpu_times(), time.monotonic()
+
+
+def thread_cpu_ns(pid: int) -> dict[int, int]:
+    """Each live thread's time on a CPU in nanoseconds (``/proc/PID/task/TID/schedstat``); empty where
+    the kernel does not keep it."""
+    times = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return {}
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                times[int(tid)] = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended meanwhile
+    return times
 
 
 def _host_figures(before: tuple[Any, float], after: tuple[Any, float], own_cpu_s: float) -> dict[str, float]:
