@@ -133,6 +133,9 @@ FAULTS = {fault.name: fault for fault in (
           "micro-batch; allreduce: as it enters the gradient sum, its peers already in it; committed: rank 0 with "
           "its commit durable, before the outcome goes out to its peers) of its first step numbered <step> or "
           "later that it trains with peers; once per run directory", repeated=True),
+    Fault("pending_outcome_delay_s", _seconds, "drafter_worker.commit: a group's rank 0 whose commit the restarted "
+          "dispatcher could not answer waits this long before it shares that outcome, so its peers learn that the "
+          "dispatcher forgot them from a refused heartbeat first"),
     Fault("log_weight_checksums", None, "drafter_worker.elastic_group: log the weights' CRC32 after every applied step"),
     Fault("target_stop_in_job", _path, "target_worker.loop: the first target of the run to take a job writes "
           "{name, pid, job_id} to this path and stops itself (SIGSTOP) before extracting it; once per path"),
@@ -225,6 +228,14 @@ def exit_before_commit_reply(run_dir: str | os.PathLike, step: int) -> bool:
     """Whether the dispatcher exits instead of replying to the commit of ``step`` (once it is durable)."""
     at = active().get("dispatcher_exit_before_commit_reply")
     return at is not None and step >= at and fires_once(run_dir, "exit-before-commit-reply")
+
+
+def delay_pending_outcome() -> None:
+    """A group's rank 0 with a commit left pending holds its outcome back when ``pending_outcome_delay_s`` says so."""
+    delay_s = active().get("pending_outcome_delay_s")
+    if delay_s:
+        log.warning("holding a pending commit's outcome back %.1fs (%s pending_outcome_delay_s)", delay_s, ENV)
+        time.sleep(delay_s)
 
 
 def exit_after_step(step: int, logger: logging.Logger, model_id: str) -> None:

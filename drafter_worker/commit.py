@@ -28,6 +28,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+from common import faults
 from common.wire import messages
 from common.wire.messages import ErrorCode, ProtocolError
 from common.worker.backends import DrafterBackend
@@ -102,8 +103,22 @@ class StepCommits:
         self.in_flight = None
         if outcome == COMMITTED:
             self.fault("committed")
-        outcome, after, failure = self.group.share_outcome(outcome, after, job_ids)
+        elif outcome == PENDING:
+            faults.delay_pending_outcome()
+        try:
+            outcome, after, failure = self.group.share_outcome(outcome, after, job_ids)
+        except WorkerLost as exc:  # the dispatcher forgot this rank while it waited for the outcome
+            outcome, failure = PENDING, exc
         self.session.held.discard(step.mine)  # the dispatcher holds them as committed, or took them back
+        if outcome == PENDING:
+            # Kept, not dropped, whichever rank learnt first that the dispatcher forgot it (rank 0 from
+            # its commit, a peer from a refused heartbeat while it waited for the outcome): the
+            # gradients are the group's, and the next dispatcher says whether the step committed.
+            self.state.pending = messages.PendingCommit(step=request.step, job_ids=job_ids)
+            if isinstance(failure, WorkerLost):
+                raise failure
+            raise WorkerLost(f"the dispatcher restarted before it answered the commit of step {request.step}") \
+                from failure
         if failure is not None:
             if outcome == COMMITTED:  # durable, and the gradients are the group's: applied as on every rank
                 self._apply(step)
@@ -112,9 +127,6 @@ class StepCommits:
                 if step.mine:
                     self.state.num_dropped_steps += 1
             raise failure
-        if outcome == PENDING:
-            self.state.pending = messages.PendingCommit(step=request.step, job_ids=job_ids)
-            raise WorkerLost(f"the dispatcher restarted before it answered the commit of step {request.step}")
         if outcome != COMMITTED:
             self.backend.drop_step()
             self.state.num_dropped_steps += 1

@@ -4,7 +4,10 @@
   the other ranks learn from the dispatcher that the step committed and apply it, so no committed
   step is rolled back or committed twice, and no survivor exits.
 - The dispatcher exits with rank 0's commit durable and its reply unsent: every rank keeps the
-  step, and the next dispatcher, which holds the commit, has them apply it as they register.
+  step, and the next dispatcher, which holds the commit, has them apply it as they register —
+  whichever rank learns first that the dispatcher forgot it: rank 0 from its commit sent again, or
+  its peer from a heartbeat refused while it waits for rank 0's outcome (forced here: rank 0 holds
+  a pending outcome back, ``pending_outcome_delay_s``).
 - ``drafter.step_balance=count`` on a group whose size does not divide the step (3 ranks, 4
   micro-batches a step: shares 2, 1, 1): every rank's job-exchange row has the group's width.
 """
@@ -57,7 +60,7 @@ def test_rank0_killed_inside_its_commit_loses_no_step_and_no_survivor(run_dir, t
 
 
 def test_a_group_commit_whose_reply_died_with_the_dispatcher_is_applied(run_dir, tmp_path, monkeypatch):
-    monkeypatch.setenv(faults.ENV, "dispatcher_exit_before_commit_reply=3")
+    monkeypatch.setenv(faults.ENV, "dispatcher_exit_before_commit_reply=3,pending_outcome_delay_s=2")
     args = _args(run_dir, "drafter.count=2", "target.count=1", "target.sim_cost_per_token=2e-5", "run.epochs=3")
     procs = {}
     try:
@@ -76,6 +79,7 @@ def test_a_group_commit_whose_reply_died_with_the_dispatcher_is_applied(run_dir,
     assert_exactly_once(report(run_dir))
     logs = "".join((tmp_path / f"drafter-{i}.log").read_text() for i in (0, 1))
     assert logs.count("sent to the last dispatcher, committed: applied") == 2, logs[-3000:]
+    assert "took the state of step" not in logs, logs[-3000:]  # each rank kept the step: nothing to transfer
 
 
 def test_count_balance_on_a_group_whose_size_does_not_divide_the_step(run_dir, tmp_path):
