@@ -14,13 +14,14 @@ that interval, as a real worker's does (:mod:`common.wire.heartbeats`).
 
 After every worker registered and ``--warmup`` seconds, a window of ``--seconds`` is measured:
 
-- ``items_per_s``: jobs reported ready (``job_ready`` requests the dispatcher counted), against
-  ``offered_items_per_s`` (what the targets' GPUs would produce);
+- ``items_per_s``: jobs reported ready (the targets' finished jobs in the dispatcher's stats: a
+  ``job_ready`` of its own or carried by the next ``get_job``), against ``offered_items_per_s``
+  (what the targets' GPUs would produce);
 - ``dispatcher_cpu_us_per_item``: the dispatcher process's CPU time (every thread's time on a CPU,
   from its schedstat in nanoseconds; psutil's 10 ms ticks where the kernel keeps none) per item; ``loop_thread_cpu_us_per_item`` its socket loop's thread alone;
   ``messages_per_item`` by op (the dispatcher's request counters). The dispatcher does not time its
   ops, so CPU by op is not given;
-- ``request_p50/p99/max_ms``: round trips the clients timed of get_job, job_ready, heartbeat and
+- ``request_p50/p99/max_ms``: round trips the clients timed of get_job, job_ready (sent alone), heartbeat and
   commit_step (commit waits for the journal's fsync); ``latency_by_op`` each op's, get_hs too
   (a drafter's long poll: its time includes waiting for a ready slot);
 - ``heartbeat_lag_p99_ms``: a heartbeat's reply after the moment it was due; ``heartbeat_age_max_s``
@@ -309,6 +310,7 @@ def run_step(options: ScaleOptions, workers: int, step_dir: Path) -> dict[str, A
     figures = step_figures(
         model=options.model, targets=targets, drafters=drafters, window_s=window_s,
         dispatcher_cpu_s=dispatcher_cpu, loop_thread_cpu_s=loop_cpu,
+        items=_target_jobs(stats1) - _target_jobs(stats0),
         requests=counter_delta(stats0.requests, stats1.requests),
         given_back=counter_delta(stats0.given_back, stats1.given_back), journal_bytes=journal1 - journal0,
         latencies_ms=latencies, heartbeat_lag_ms=[ms for r in results for ms in r["heartbeat_lag_ms"]],
@@ -321,6 +323,11 @@ def run_step(options: ScaleOptions, workers: int, step_dir: Path) -> dict[str, A
                    shm_left=len(left),
                    error_examples={code: text for r in results for code, text in r["error_examples"].items()})
     return figures
+
+
+def _target_jobs(stats: messages.Snapshot) -> int:
+    """Jobs the registered targets finished (reported ready, alone or on a get_job)."""
+    return sum(w.jobs for w in stats.workers if w.role == "target")
 
 
 def run_scale_bench(options: ScaleOptions, *, as_json: bool) -> int:

@@ -4,9 +4,10 @@ thread over epoll.
 
 A simulated worker speaks the real protocol with the timing of the GPU model
 (:class:`benchmarks.scale_model.GpuModel`) and no bytes: a target holds up to ``target_credits``
-jobs, its next ``get_job`` in flight while its GPU works (``job_s`` a job, ±10 %), and reports each with
-``job_ready``; a drafter's ``get_hs`` carries the consumed report of the slot it got before (protocol
-v3), it trains one micro-batch at a time (``1 / drafter_batches_per_s``) with one more waiting, and
+jobs, its next ``get_job`` in flight while its GPU works (``job_s`` a job, ±10 %), and reports each
+ready on the ``get_job`` it sends as the job ends (protocol v4), or with a ``job_ready`` of its own
+when a ``get_job`` is still in flight then; a drafter's ``get_hs`` carries the consumed report of the
+slot it got before (protocol v3), it trains one micro-batch at a time (``1 / drafter_batches_per_s``) with one more waiting, and
 commits every ``accum_steps`` micro-batches, one commit in flight. Every worker sends a heartbeat
 on the same socket, listing the jobs it holds, when one is due every ``heartbeat_s`` and the worker
 sent no request within the interval (as a real worker's control channel does:
@@ -215,18 +216,21 @@ class SimWorker:
 class ScaleTarget(SimWorker):
     def setup(self, reply: messages.RegisterReply) -> None:
         self.queue: list[messages.Job] = []  # granted, not yet finished; the first is on the GPU
+        self.ready: list[messages.ReadyReport] = []  # finished, for the next get_job to report
         self.polling = False
         self.done = False
 
     def poll(self, now: float) -> None:
         if not self.polling and not self.done and len(self.queue) < self.plan.target_credits:
             self.polling = True
-            self.send(messages.GetJob(wait_ms=POLL_MS), now)
+            ready, self.ready = self.ready, []
+            self.send(messages.GetJob(wait_ms=POLL_MS, ready=ready), now)
 
     def answered(self, request: messages.Request, reply: messages.Reply, now: float) -> None:
         if isinstance(request, messages.JobReady):
             self.held.discard(request.job_id)
         elif isinstance(reply, messages.GrantReply):
+            self.held.difference_update(r.job_id for r in request.ready)
             self.polling = False
             self.done = reply.done
             if reply.job is not None:
@@ -237,10 +241,14 @@ class ScaleTarget(SimWorker):
 
     def gpu_done(self, now: float) -> None:
         job = self.queue.pop(0)
-        self.send(messages.JobReady(job_id=job.job_id, generation=job.generation, busy_s=self.plan.model.job_s), now)
+        report = messages.ReadyReport(job_id=job.job_id, generation=job.generation, busy_s=self.plan.model.job_s)
         if self.queue:
             self.clock.at(now + self.gpu_s(), self, "gpu")
-        self.poll(now)
+        if self.polling or self.done:  # no get_job goes out now: the report goes alone
+            self.send(messages.JobReady(job_id=report.job_id, generation=report.generation, busy_s=report.busy_s), now)
+        else:
+            self.ready.append(report)
+            self.poll(now)
 
 
 class ScaleDrafter(SimWorker):

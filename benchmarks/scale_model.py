@@ -92,14 +92,14 @@ def counter_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, in
 
 
 def step_figures(*, model: GpuModel, targets: int, drafters: int, window_s: float, dispatcher_cpu_s: float,
-                 loop_thread_cpu_s: float, requests: dict[str, int], given_back: dict[str, int],
+                 loop_thread_cpu_s: float, items: int, requests: dict[str, int], given_back: dict[str, int],
                  journal_bytes: int, latencies_ms: dict[str, list[float]], heartbeat_lag_ms: list[float],
                  heartbeat_age_max_s: float, client_cpu_s: list[float], host: dict[str, float],
                  committed: int, duplicates: int, errors: dict[str, int], late_wakeups: int) -> dict[str, Any]:
-    """One sweep step's figures. ``requests``/``given_back``: the dispatcher's counters over the
-    window; ``dispatcher_cpu_s``: its process's CPU (every thread), ``loop_thread_cpu_s`` its
-    socket loop's alone; ``latencies_ms``: per op, requests the clients sent inside the window."""
-    items = requests.get("job_ready", 0)
+    """One sweep step's figures. ``items``: jobs the targets reported ready over the window;
+    ``requests``/``given_back``: the dispatcher's counters over the window; ``dispatcher_cpu_s``:
+    its process's CPU (every thread), ``loop_thread_cpu_s`` its socket loop's alone;
+    ``latencies_ms``: per op, requests the clients sent inside the window."""
     cpu_per_item = dispatcher_cpu_s / items if items else math.nan
     loop_per_item = loop_thread_cpu_s / items if items else math.nan
     timed = [ms for op in REQUEST_OPS for ms in latencies_ms.get(op, [])]

@@ -31,7 +31,7 @@ from common.run.records.events import (Checkpointed, DispatcherStarted, ModelRol
                                        WorkerLeft)
 from common.run.records.lengths import too_long_line, too_long_samples
 from common.run.records.schedule import EpochSchedule
-from common.wire.messages import GpuHealth, ModelClaim, SlotCopies
+from common.wire.messages import GpuHealth, ModelClaim, ReadyReport, SlotCopies
 from dispatcher.checkpoints import KnownCheckpoints
 from dispatcher.core_types import DONE, STEP_FULL, CoreOptions, Counters, Incompatible, JobGrant, Worker
 from dispatcher.epochs import EpochStore, check_data
@@ -256,6 +256,9 @@ class DispatcherCore:
 
     def job_ready(self, worker_id: str, job_id: int, generation: int, busy_s: float, now: float) -> None:
         self.jobs.job_ready(self.worker(worker_id, now), job_id, generation, busy_s)
+
+    def ready_with_poll(self, worker_id: str, reports: list[ReadyReport], now: float) -> int:
+        return self.jobs.ready_with_poll(self.worker(worker_id, now), reports)
 
     def job_failed(self, worker_id: str, job_id: int, reason: str, now: float) -> None:
         self.worker(worker_id, now)

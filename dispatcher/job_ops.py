@@ -16,6 +16,7 @@ from common.run.descriptors import NixlExport, SlotExport
 from common.run.records.events import JobConsumed, JobGivenBack, JobReady
 from common.run.records.job_ids import split_job_id
 from common.wire.errors import ErrorCode
+from common.wire.messages import ReadyReport
 from dispatcher.core_types import CoreOptions, Counters, JobGrant, Worker
 from dispatcher.epochs import EpochStore
 from dispatcher.groups import DrafterGroup
@@ -25,6 +26,9 @@ from dispatcher.pool import HSPool
 from dispatcher.registry import WorkerRegistry
 
 log = logging.getLogger("hsd.dispatcher")
+
+# where a job is once its job_ready was applied, until it commits (a report sent again finds it there)
+_PAST_READY = (JobState.READY, JobState.TRAINING, JobState.CONSUMED)
 
 
 class JobOps:
@@ -153,6 +157,31 @@ class JobOps:
         worker.num_tokens += num_tokens
         worker.num_jobs += 1
         self.journal.record(JobReady(job=job_id, w=worker.id, tokens=num_tokens, busy_s=round(busy_s, 6)))
+
+    def ready_with_poll(self, worker: Worker, reports: list[ReadyReport]) -> int:
+        """The job_ready reports a target's get_job carries, applied before the poll is served; how
+        many slots they published. One applied already (the poll was sent again, its reply lost:
+        the job left extraction at that generation) is skipped; one refused (the job was given back
+        meanwhile) is logged and counted as the error a job_ready of its own would have got, and
+        the poll is served all the same."""
+        published = 0
+        for report in reports:
+            job_id = report.job_id
+            try:
+                job = self.ledger.jobs.get(job_id)
+                if job is None:
+                    applied = self.ledger.state_of(job_id) is JobState.COMMITTED
+                else:
+                    applied = job.state in _PAST_READY and job.generation == report.generation
+                if applied:
+                    continue
+                self.job_ready(worker, job_id, report.generation, report.busy_s)
+                published += 1
+            except LedgerError as exc:
+                self.counters.errors[ErrorCode.BAD_STATE] += 1
+                log.warning("%s: the job_ready report of job %d on its get_job was refused: %s", worker.id, job_id,
+                            exc)
+        return published
 
     def job_failed(self, worker_id: str, job_id: int, reason: str) -> None:
         job = self._held_as(job_id, worker_id, JobState.EXTRACTING)

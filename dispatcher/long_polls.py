@@ -100,10 +100,13 @@ class LongPolls:
     def poll(self, identity: bytes, request: Poll, now: float) -> tuple[PollReply | None, bool]:
         """(the answer now, whether the pool changed: it handed something out or freed a slot): the
         empty answer of a poll that does not wait, or None for one parked until something can be
-        handed out or its deadline. The consumed reports a get_hs carries are applied first, once,
-        whatever becomes of the poll."""
-        freed = isinstance(request, messages.GetHS) and bool(request.consumed) and self.core.consumed_with_poll(
-            request.worker_id, request.consumed, now) > 0
+        handed out or its deadline. The consumed reports a get_hs carries, and the job_ready reports a
+        get_job carries, are applied first, once, whatever becomes of the poll."""
+        if isinstance(request, messages.GetHS):
+            freed = bool(request.consumed) and self.core.consumed_with_poll(request.worker_id, request.consumed, now) > 0
+        else:  # a published slot may serve a parked get_hs
+            freed = isinstance(request, messages.GetJob) and bool(request.ready) and self.core.ready_with_poll(
+                request.worker_id, request.ready, now) > 0
         reply = self._try_serve(request, now)
         if reply is not None:
             self._remove((request.worker_id, type(request)))  # an older poll of the same op is answered by this one

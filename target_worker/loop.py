@@ -1,4 +1,8 @@
-"""A target worker: get_job, fill the slot through the backend, job_ready; the next get_job in flight.
+"""A target worker: get_job, fill the slot through the backend, report it ready; the next get_job in flight.
+
+A job's ready report rides on the get_job that follows it (protocol v4: one message a job), sent as
+soon as the previous get_job is answered; when that one is still waiting (no slot or job free), the
+report goes at once in a job_ready of its own, so a written slot is never held back by a wait.
 
 With ``pool.target_credits`` of 2 (the default) the dispatcher grants the prefetched request while
 the current job computes, so the next job (and its slot) is waiting when this one is reported.
@@ -47,6 +51,9 @@ class TargetLoop(WorkerLoop):
         self.group = group
         self.num_jobs = 0
         self.num_failed = 0
+        self._to_carry: list[messages.ReadyReport] = []  # finished: reported by the next get_job
+        self._carried: list[messages.ReadyReport] = []  # reported by the get_job in flight
+        self._poll_in_flight: int | None = None
 
     def _register(self) -> messages.RegisterReply:
         ranks = self.group.ranks() if self.group is not None else None
@@ -56,7 +63,17 @@ class TargetLoop(WorkerLoop):
         return open_target_transport(info, device=self._device(info))
 
     def _poll_request(self) -> messages.GetJob:
-        return messages.GetJob(wait_ms=self.poll_ms)
+        # sent again unchanged while unanswered: a report it carries is applied once
+        return messages.GetJob(wait_ms=self.poll_ms, ready=self._carried)
+
+    def _poll(self) -> int:
+        if self._to_carry:  # the reports of the jobs finished since the last poll go with this one
+            self._carried, self._to_carry = self._carried + self._to_carry, []
+        self._poll_in_flight = super()._poll()
+        return self._poll_in_flight
+
+    def _lost(self) -> None:
+        self._carried, self._to_carry = [], []  # the jobs went back with the registration
 
     def _work(self, registration: messages.RegisterReply, transport: TargetTransport) -> None:
         session = self.session
@@ -75,9 +92,11 @@ class TargetLoop(WorkerLoop):
                 self._complete(pending, transport)
                 pending = None
             reply = self._await_poll(poll)
+            self._carried = []  # applied, whatever the reply
             if reply.done or self.stopping:
                 if pending is not None:
                     self._complete(pending, transport)
+                self._send_carried_alone()
                 self._collect(self._reports, wait=True)
                 if reply.done:
                     log.info("%s: run complete after %d jobs", self.name, self.num_jobs)
@@ -123,10 +142,18 @@ class TargetLoop(WorkerLoop):
             write_s = transport.slot(job.slot).write_s
             if write_s is not None:
                 self.copy_times.add(write_s)
-        busy_s = pending.busy_s + time.perf_counter() - started
-        self._reports.append(self.session.submit(messages.JobReady(job_id=job.job_id, generation=job.generation,
-                                                                   busy_s=busy_s)))
+        report = messages.ReadyReport(job_id=job.job_id, generation=job.generation,
+                                      busy_s=pending.busy_s + time.perf_counter() - started)
+        self._to_carry.append(report)
+        if self._poll_in_flight is None or not self.session.done(self._poll_in_flight):  # it may wait: a report cannot
+            self._send_carried_alone()
         self.num_jobs += 1
+
+    def _send_carried_alone(self) -> None:
+        for report in self._to_carry:
+            self._reports.append(self.session.submit(messages.JobReady(
+                job_id=report.job_id, generation=report.generation, busy_s=report.busy_s)))
+        self._to_carry = []
 
     def _failed(self, job: messages.Job, exc: Exception) -> None:
         self._failures_in_a_row += 1
@@ -139,6 +166,7 @@ class TargetLoop(WorkerLoop):
                                                                     reason=f"{type(exc).__name__}: {exc}"[:500])))
         # A data error recurs on every job; a lost group rank ends this incarnation of the group.
         if isinstance(exc, (DataError, TargetGroupLost)) or self._failures_in_a_row >= MAX_CONSECUTIVE_FAILURES:
+            self._send_carried_alone()  # no get_job follows
             self._collect(self._reports, wait=True)
             raise exc
 

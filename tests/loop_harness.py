@@ -35,7 +35,7 @@ class Event:
     at: float
     op: str
     request: messages.Request
-    carried: bool = False  # a consumed report that came on a get_hs, not a request of its own
+    carried: bool = False  # a report that came on a poll (consumed on a get_hs, job_ready on a get_job)
 
 
 def make_job(job_id: int, slot: int, generation: int, *, lengths=(16, 12)) -> messages.Job:
@@ -75,6 +75,7 @@ class FakeDispatcher:
         self.checkpoint_faults: deque[str] = deque()  # per checkpoint: ok | forget (the dispatcher restarted)
         self.model_steps: dict[str, int] = {}
         self.silent_polls = 0  # leave this many get_job/get_hs unanswered (a lost reply)
+        self.min_poll_wait_s = 0.0  # a poll that finds nothing is answered no sooner, whatever its wait_ms
         self.flush = False  # answer a get_hs that found nothing with flush
         self.done = False
         self.workers: dict[str, str] = {}  # worker id -> token
@@ -168,6 +169,12 @@ class FakeDispatcher:
                 report = messages.Consumed(id=request.id, worker_id=request.worker_id, token=request.token,
                                            job_id=job_id)
                 self.events.append(Event(at, "consumed", report, carried=True))
+        for ready in getattr(request, "ready", ()):
+            if (request.worker_id, ready.job_id) not in self._carried:
+                self._carried.add((request.worker_id, ready.job_id))
+                report = messages.JobReady(id=request.id, worker_id=request.worker_id, token=request.token,
+                                           job_id=ready.job_id, generation=ready.generation, busy_s=ready.busy_s)
+                self.events.append(Event(at, "job_ready", report, carried=True))
 
     def _handle(self, request: messages.Request, parked: list, identity: bytes) -> messages.Reply | None:
         m, rid = messages, request.id
@@ -189,7 +196,8 @@ class FakeDispatcher:
                 return None
             reply = self._poll_reply(request, final=request.wait_ms == 0)
             if reply is None:
-                parked.append((identity, request, time.monotonic() + request.wait_ms / 1000))
+                parked.append((identity, request, time.monotonic() + max(request.wait_ms / 1000,
+                                                                          self.min_poll_wait_s)))
             return reply
         if isinstance(request, m.CommitStep):
             fault = self.commit_faults.popleft() if self.commit_faults else "ok"

@@ -30,7 +30,8 @@ from common.wire.claims import Count, GroupClaim, ModelClaim, PendingCommit, Tar
 from common.wire.errors import ErrorCode, ProtocolError
 from common.wire.stats_snapshot import GpuHealth, SlotCopies, Snapshot
 
-PROTOCOL_VERSION = 3  # 3: get_hs carries the consumed reports of the slots copied out since the last poll
+PROTOCOL_VERSION = 4  # 3: get_hs carries the consumed reports of the slots copied out since the last poll;
+                      # 4: get_job carries the job_ready reports of the slots written since the last poll
 
 MAX_STEP_METRICS = 16  # commit_step's metrics: a few figures for hsd stats, never a payload
 StepMetrics = Annotated[dict[Annotated[str, msgspec.Meta(max_length=32)], float],
@@ -104,13 +105,25 @@ class Heartbeat(WorkerRequest, tag="heartbeat", kw_only=True):
     copies: SlotCopies | None = None  # a worker that copied a slot: its latest copies' times
 
 
+class ReadyReport(Struct):
+    """A job whose slot now holds its hidden states (a job_ready's fields, carried by a get_job)."""
+    job_id: int
+    generation: int
+    busy_s: float
+
+
 class GetJob(WorkerRequest, tag="get_job", kw_only=True):
-    """-> GrantReply; long-poll until a job and a slot are free."""
+    """-> GrantReply; long-poll until a job and a slot are free. ``ready``: slots this target wrote
+    since its previous poll, each applied as a :class:`JobReady` before the poll is served (and
+    whether or not it is), so a job costs one message, not two; one applied already (this poll sent
+    again) is skipped, one refused (the job was given back meanwhile) is logged by the dispatcher
+    and the poll answered all the same."""
     wait_ms: int
+    ready: list[ReadyReport] = []
 
 
 class JobReady(WorkerRequest, tag="job_ready", kw_only=True):
-    """-> Ack; the slot now holds the job's hidden states."""
+    """-> Ack; the slot now holds the job's hidden states (sent alone when no get_job follows at once)."""
     job_id: int
     generation: int
     busy_s: float

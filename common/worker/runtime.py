@@ -160,6 +160,8 @@ class WorkerSession:
         if getattr(request, "worker_id", None) != self.worker_id:
             return  # a late reply to a previous registration: its jobs went back with it
         if isinstance(reply, messages.GrantReply):
+            if isinstance(request, messages.GetJob) and request.ready:  # the jobs it reported ready
+                self.held.discard([report.job_id for report in request.ready])
             if reply.job is not None:
                 self.held.add(reply.job.job_id)
                 self.seen_grant = max(self.seen_grant, reply.job.grant)

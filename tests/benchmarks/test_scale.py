@@ -41,7 +41,8 @@ def test_a_tiny_sweep_runs_every_step_exactly_once_and_leaves_nothing(tmp_path):
         assert s["items"] > 0
         assert s["duplicates"] == 0, "a job was committed twice"
         assert s["errors"] == {} and s["given_back"] == {}, (s["errors"], s.get("error_examples"))
-        assert s["messages_per_item"]["job_ready"] == 1.0 and s["messages_per_item"]["get_hs"] > 0
+        # a target reports a job ready on its next get_job unless one is in flight as the job ends
+        assert s["messages_per_item"].get("job_ready", 0) < 1.0 and s["messages_per_item"]["get_hs"] > 0
         assert s["requests_timed"] > 0 and s["request_p50_ms"] <= s["request_p99_ms"] <= s["request_max_ms"]
         assert len(s["client_cpu_pct"]) == 2 and s["journal_bytes_per_s"] > 0
         assert s["dispatcher_exit_code"] == 0 and s["shm_left"] == 0
@@ -89,7 +90,7 @@ def test_parse_workers():
 def test_step_figures_and_the_table_row():
     figures = step_figures(
         model=GpuModel(), targets=3, drafters=1, window_s=2.0, dispatcher_cpu_s=0.02, loop_thread_cpu_s=0.015,
-        requests={"job_ready": 10, "get_job": 10, "get_hs": 11, "heartbeat": 16, "commit_step": 2},
+        items=10, requests={"job_ready": 2, "get_job": 10, "get_hs": 11, "heartbeat": 16, "commit_step": 2},
         given_back={}, journal_bytes=4000, latencies_ms={"get_job": [1.0, 2.0], "heartbeat": [0.5], "get_hs": [90.0]},
         heartbeat_lag_ms=[3.0, 1.0], heartbeat_age_max_s=0.4, client_cpu_s=[0.1, 1.9],
         host={"steal_pct": 0.0, "other_cpu_pct": 5.0}, committed=8, duplicates=0, errors={}, late_wakeups=0)
@@ -106,7 +107,7 @@ def test_step_figures_and_the_table_row():
     assert "27,000 tokens/s" in table_header(GpuModel())
     empty = step_figures(
         model=GpuModel(), targets=1, drafters=1, window_s=1.0, dispatcher_cpu_s=0.01, loop_thread_cpu_s=0.01,
-        requests={}, given_back={}, journal_bytes=0, latencies_ms={}, heartbeat_lag_ms=[], heartbeat_age_max_s=0.0,
+        items=0, requests={}, given_back={}, journal_bytes=0, latencies_ms={}, heartbeat_lag_ms=[], heartbeat_age_max_s=0.0,
         client_cpu_s=[0.0], host={"steal_pct": 0.0, "other_cpu_pct": 0.0}, committed=0, duplicates=0, errors={},
         late_wakeups=0)
     assert math.isnan(empty["dispatcher_cpu_us_per_item"]) and json_safe(empty)["projected_gpus_per_core"] is None

@@ -120,8 +120,25 @@ def test_target_prefetches_its_second_job_and_lists_it_while_extracting(tmp_path
         assert polls[1].at < ready[0].at  # job 2 was asked for while job 1 was extracted
         assert [1, 2] in [e.request.holding for e in fake.ops("heartbeat") if e.at < ready[0].at]
     assert [r.request.job_id for r in ready] == [1, 2]
+    assert ready[0].carried  # on the get_job sent as job 1 ended (job 2's grant was in by then)
     view = fake.arena.slot(1)
     assert view.read_header().job_id == 2  # the backend wrote the slot
+
+
+def test_a_target_reports_a_slot_alone_when_its_next_get_job_waits(tmp_path, fake):
+    """A job's ready report rides on the next get_job only when the one before is answered: with
+    that one waiting (no job left), the report goes at once on its own, so the slot is never held
+    back by a wait."""
+    fake.add_job(make_job(1, slot=0, generation=1))
+    fake.min_poll_wait_s = 3.0  # the prefetched get_job waits: no job comes
+    config = worker_config(tmp_path / "run", fake.endpoint)
+    loop = TargetLoop.from_config(config, "target-0", SimTarget(config.target))
+    with running(loop):
+        fake.wait_for(lambda f: f.ops("job_ready"), what="job 1 reported")
+        polls, ready = fake.ops("get_job"), fake.ops("job_ready")
+    assert [(r.request.job_id, r.carried) for r in ready] == [(1, False)]
+    assert ready[0].at < polls[1].at + fake.min_poll_wait_s  # not after the wait
+    assert all(not p.request.ready for p in polls)
 
 
 def test_refused_commit_drops_the_step_and_forgets_its_jobs(tmp_path, fake):

@@ -155,6 +155,43 @@ def test_a_get_hs_carries_the_consumed_reports_once_and_is_served_whatever_they_
         client.close()
 
 
+def test_a_get_job_carries_the_ready_reports_once_and_is_served_whatever_they_find(dispatcher, run_dir):
+    """A target's get_job carries the ready report of the slot it wrote: applied before the poll,
+    skipped when the poll is asked again (or the job moved on since), and one that is refused (a
+    stale generation) is counted while the poll is answered all the same."""
+    client = DispatcherClient(endpoint(run_dir), secret="s3cret", timeout_s=5)
+    try:
+        target = client.call(messages.Register(role="target", name="probe-t", pid=os.getpid(), host="elsewhere"))
+        t = {"worker_id": target.worker_id, "token": target.token}
+
+        def jobs_by_state():
+            return stats(run_dir)["jobs_by_state"]
+
+        def ready(job):
+            return messages.ReadyReport(job_id=job.job_id, generation=job.generation, busy_s=0.01)
+        before = stats(run_dir)["errors"].get(ErrorCode.BAD_STATE, 0)
+        first = client.call(messages.GetJob(**t, wait_ms=2000)).job
+        second = client.call(messages.GetJob(**t, wait_ms=2000, ready=[ready(first)])).job
+        assert second is not None and second.job_id != first.job_id
+        assert jobs_by_state()["ready"] == 1 and jobs_by_state()["extracting"] == 1
+        again = client.call(messages.GetJob(**t, wait_ms=0, ready=[ready(first)])).job  # asked again: applied once
+        assert jobs_by_state()["ready"] == 1
+        assert stats(run_dir)["errors"].get(ErrorCode.BAD_STATE, 0) == before
+        stale = msgspec.structs.replace(ready(second), generation=second.generation + 1)
+        reply = client.call(messages.GetJob(**t, wait_ms=0, ready=[stale]))  # refused, the poll answered
+        assert isinstance(reply, messages.GrantReply)
+        assert stats(run_dir)["errors"].get(ErrorCode.BAD_STATE, 0) == before + 1
+        assert jobs_by_state()["ready"] == 1
+        held = [job for job in (second, again, reply.job) if job is not None]
+        client.call(messages.GetJob(**t, wait_ms=0, ready=[ready(job) for job in held]))
+        assert jobs_by_state()["ready"] == 1 + len(held)
+        worker = next(w for w in stats(run_dir)["workers"] if w["id"] == target.worker_id)
+        assert worker["jobs"] == 1 + len(held)
+        client.call(messages.Deregister(**t))
+    finally:
+        client.close()
+
+
 def test_stats_socket_is_read_only(dispatcher, run_dir):
     client = DispatcherClient(f"ipc://{run_dir / 'stats.sock'}", secret="s3cret", timeout_s=5)
     try:
