@@ -19,6 +19,8 @@ After every worker registered and ``--warmup`` seconds, a window of ``--seconds`
   (what the targets' GPUs would produce);
 - ``dispatcher_cpu_us_per_item``: the dispatcher process's CPU time (every thread's time on a CPU,
   from its schedstat in nanoseconds; psutil's 10 ms ticks where the kernel keeps none) per item; ``loop_thread_cpu_us_per_item`` its socket loop's thread alone;
+  ``thread_cpu_us_per_item`` by thread (``loop``; ``python``: the other Python threads, the
+  journal's sync thread; ZeroMQ's ``ZMQbg/IO/0``);
   ``messages_per_item`` by op (the dispatcher's request counters). The dispatcher does not time its
   ops, so CPU by op is not given;
 - ``request_p50/p99/max_ms``: round trips the clients timed of get_job, job_ready (sent alone), heartbeat and
@@ -236,6 +238,27 @@ def _host_sample() -> tuple[Any, float]:
     return psutil.cpu_times(), time.monotonic()
 
 
+def cpu_ns_by_thread_name(pid: int) -> dict[str, int]:
+    """Each thread's time on a CPU in nanoseconds, summed by the thread's name (``comm``): ``loop``
+    (the main thread: the socket loop), ``python`` (the other Python threads, which keep the
+    process's name: the journal's sync thread), ZeroMQ's I/O threads (``ZMQbg/IO/0``)."""
+    names: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            process_name = f.read().strip()
+    except OSError:
+        return names
+    for tid, ns in thread_cpu_ns(pid).items():
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                comm = f.read().strip()
+        except OSError:
+            continue
+        name = "loop" if tid == pid else "python" if comm == process_name else comm
+        names[name] = names.get(name, 0) + ns
+    return names
+
+
 def thread_cpu_ns(pid: int) -> dict[int, int]:
     """Each live thread's time on a CPU in nanoseconds (``/proc/PID/task/TID/schedstat``); empty where
     the kernel does not keep it."""
@@ -280,9 +303,11 @@ def run_step(options: ScaleOptions, workers: int, step_dir: Path) -> dict[str, A
         time.sleep(max(0.0, t0 - time.monotonic() - 0.2))
         stats0 = dispatcher.stats()  # before the window: a snapshot's own cost is not the items'
         time.sleep(max(0.0, t0 - time.monotonic()))
+        threads0 = cpu_ns_by_thread_name(dispatcher.proc.pid)
         cpu0, client0, journal0, host0 = dispatcher.cpu(), clients.cpu(), dispatcher.journal_bytes(), _host_sample()
         time.sleep(max(0.0, t1 - time.monotonic()))
         cpu1, client1, journal1, host1 = dispatcher.cpu(), clients.cpu(), dispatcher.journal_bytes(), _host_sample()
+        threads1 = cpu_ns_by_thread_name(dispatcher.proc.pid)
         window_s = host1[1] - host0[1]
         stats1 = dispatcher.stats()
         clients.send("stop")
@@ -318,6 +343,10 @@ def run_step(options: ScaleOptions, workers: int, step_dir: Path) -> dict[str, A
         client_cpu_s=client_cpu, host=_host_figures(host0, host1, dispatcher_cpu + sum(client_cpu)),
         committed=len(committed), duplicates=len(committed) - len(set(committed)), errors=errors,
         late_wakeups=sum(r["late_wakeups"] for r in results))
+    items = figures["items"]
+    figures["thread_cpu_us_per_item"] = {
+        name: (ns - threads0.get(name, 0)) / 1e3 / items for name, ns in sorted(threads1.items())
+        if items and ns > threads0.get(name, 0)}
     figures.update(heartbeat_s=config.dispatcher.heartbeat_s, registered=len(stats1.workers),
                    lost_workers=sum(r["lost"] for r in results), dispatcher_exit_code=exit_code,
                    shm_left=len(left),

@@ -39,6 +39,10 @@ def format_step(s: dict[str, Any]) -> str:
     )
     row = "".join(cell.rjust(width) for cell, (_, width) in zip(cells, COLUMNS))
     notes = []
+    by_thread = s.get("thread_cpu_us_per_item") or {}
+    if by_thread:
+        notes.append("us/item by thread: " + ", ".join(
+            f"{name} {us:.0f}" for name, us in sorted(by_thread.items(), key=lambda kv: -kv[1]) if us >= 1))
     if s["duplicates"]:
         notes.append(f"EXACTLY-ONCE VIOLATED: {s['duplicates']} job(s) committed twice")
     if s["errors"]:

@@ -38,6 +38,8 @@ def test_a_tiny_sweep_runs_every_step_exactly_once_and_leaves_nothing(tmp_path):
         for key in STEP_KEYS:
             assert s[key] is not None, (s["workers"], key)
         assert s["registered"] == s["workers"] and s["lost_workers"] == 0
+        if s["thread_cpu_us_per_item"]:  # where the kernel keeps each thread's schedstat: the loop is among them
+            assert s["thread_cpu_us_per_item"]["loop"] > 0
         assert s["items"] > 0
         assert s["duplicates"] == 0, "a job was committed twice"
         assert s["errors"] == {} and s["given_back"] == {}, (s["errors"], s.get("error_examples"))
