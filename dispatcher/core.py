@@ -143,7 +143,7 @@ class DispatcherCore:
     # -- snapshots --------------------------------------------------------------------------
     def maybe_snapshot(self, *, force: bool = False) -> bool:
         """Snapshot the ledger when it is due (see ``EpochStore.maybe_snapshot``)."""
-        return self.store.maybe_snapshot(self.models.records(), self.incarnation + 1, force=force)
+        return self.store.maybe_snapshot(self.models.records, self.incarnation + 1, force=force)
 
     def close(self) -> None:
         if self.done:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -167,8 +168,10 @@ class EpochStore:
         return self.epoch_jobs[min(self.epoch_jobs)]
 
     # -- snapshots and sealing --------------------------------------------------------------
-    def maybe_snapshot(self, models: dict[str, ModelRecord], num_starts: int, *, force: bool = False) -> bool:
+    def maybe_snapshot(self, models: Callable[[], dict[str, ModelRecord]], num_starts: int, *,
+                       force: bool = False) -> bool:
         """Close the journal segment and snapshot the ledger when it is due; the write runs on a thread.
+        ``models``: what the snapshot keeps of each model, asked only when one is taken.
 
         Only epochs not yet sealed are copied (on the loop: the open ones, and a finished one once);
         sealed epochs are hard-linked from the previous snapshot. When a write is done, the finished
@@ -191,7 +194,7 @@ class EpochStore:
         epochs = self.ledger.epochs
         copied = {e: p for e, p in epochs.items() if not p.sealed}
         snapshot = Snapshot(
-            segment=self._segment, num_starts=num_starts, epochs_started=sorted(self.epoch_jobs), models=models,
+            segment=self._segment, num_starts=num_starts, epochs_started=sorted(self.epoch_jobs), models=models(),
             commit_step={e: p.commit_step.copy() for e, p in copied.items()},
             commit_model={e: p.commit_model.copy() for e, p in copied.items()},
             linked={e: self._snapshot_dir for e, p in epochs.items() if p.sealed},

@@ -47,9 +47,9 @@ class JobLedger:
             raise ValueError(f"num_queues must be at least 1, got {num_queues}")
         self.num_queues = num_queues
         self.jobs: dict[int, Job] = {}  # jobs in flight only
-        # (deadline, job id) of every lease granted, soonest first; an entry whose job left its leased
-        # state (or holds a newer lease) is skipped when it comes up, and dropped in bulk once such
-        # entries outnumber the jobs in flight: the sweep's question costs nothing while none expires
+        # (deadline, job id) of every lease granted, soonest first: the sweep's question costs nothing
+        # while none lapses. An entry whose job left its leased state (or holds a newer lease) is
+        # skipped when it comes up, and dropped in bulk once such entries outnumber the jobs in flight.
         self._leases: list[tuple[float, int]] = []
         self.epochs: dict[int, EpochProgress] = {}
         self._epoch_order: list[int] = []  # the keys of ``epochs``, sorted
@@ -412,7 +412,7 @@ class JobLedger:
         job.lease_deadline = deadline
         leases = self._leases
         heapq.heappush(leases, (deadline, job.job_id))
-        if len(leases) > 2 * len(self.jobs) + 256:
+        if len(leases) > 4 * len(self.jobs) + 1024:
             self._leases = [(j.lease_deadline, j.job_id) for j in self.jobs.values() if j.state in _LEASED]
             heapq.heapify(self._leases)
 

@@ -174,18 +174,23 @@ class LongPolls:
         last tried is counted once). It is asked again after a poll was answered."""
         for key, waiter in list(self._others.items()):
             self._try_again(key, waiter, now)
-        core, starved = self.core, None  # None: not asked since the state last changed
-        for key, waiter in list(self._lone_hs.items()):
-            if starved is None:
-                starved = core.lone_drafters_starved()
-            if starved:  # this one and every one after it find nothing
-                for unmarked in self._unmarked:
-                    if unmarked[0] in core.workers:
-                        core.starved(unmarked[0], now)
-                self._unmarked.clear()
-                return
-            if self._try_again(key, waiter, now):
-                starved = None
+        if not self._lone_hs:
+            return
+        core = self.core
+        starved = core.lone_drafters_starved()  # asked before the queue is copied: it usually waits whole
+        if not starved:
+            for key, waiter in list(self._lone_hs.items()):
+                if starved is None:  # not asked since a poll was answered
+                    starved = core.lone_drafters_starved()
+                    if starved:
+                        break
+                if self._try_again(key, waiter, now):
+                    starved = None
+        if starved:  # the polls not tried find nothing
+            for unmarked in self._unmarked:
+                if unmarked[0] in core.workers:
+                    core.starved(unmarked[0], now)
+            self._unmarked.clear()
 
     def _try_again(self, key: WaiterKey, waiter: Waiter, now: float) -> bool:
         """Whether the parked poll was answered (and left its queue)."""

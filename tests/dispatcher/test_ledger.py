@@ -134,7 +134,7 @@ def test_the_lease_heap_stays_the_size_of_the_jobs_in_flight():
     for now in range(5000):  # leases granted and ended long before they would lapse
         ledger.give_back(ledger.start_extract("t0", 0, 1, float(now), 1e6))
     held = ledger.start_extract("t0", 0, 1, 0.0, 10.0)
-    assert len(ledger._leases) <= 2 * len(ledger.jobs) + 256
+    assert len(ledger._leases) <= 4 * len(ledger.jobs) + 1024
     assert ledger.expired(2e6) == [held]
 
 
