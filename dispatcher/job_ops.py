@@ -29,6 +29,9 @@ log = logging.getLogger("hsd.dispatcher")
 
 # where a job is once its job_ready was applied, until it commits (a report sent again finds it there)
 _PAST_READY = (JobState.READY, JobState.TRAINING, JobState.CONSUMED)
+# The longest between two looks at the leases (each walks every job in flight): a lease is minutes
+# long, and the sweep runs four times a second. A short lease is looked at every quarter of it.
+LEASE_CHECK_S = 1.0
 
 
 class JobOps:
@@ -44,6 +47,7 @@ class JobOps:
         self.journal = journal
         self.counters = counters
         self._next_slot_id = shared_slots
+        self._next_lease_check = float("-inf")
         pool.add_slots(range(shared_slots))
 
     # -- what a job is --------------------------------------------------------------------------
@@ -100,6 +104,9 @@ class JobOps:
                 self.give_back(job, "not_held")
 
     def expire_leases(self, now: float) -> None:
+        if now < self._next_lease_check:
+            return
+        self._next_lease_check = now + min(LEASE_CHECK_S, self.options.lease_s / 4)
         for job in self.ledger.expired(now):
             self.give_back(job, "lease_expired")
 

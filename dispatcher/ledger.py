@@ -38,19 +38,12 @@ from dispatcher.ledger_types import (_CODE, _COMMITTED, _PENDING, _STATES, NOT_C
                                      EpochProgress, Job, JobState, LedgerError)
 
 
-_LEASED = (JobState.EXTRACTING, JobState.TRAINING)  # the states a lease bounds
-
-
 class JobLedger:
     def __init__(self, num_queues: int = 1) -> None:
         if num_queues < 1:
             raise ValueError(f"num_queues must be at least 1, got {num_queues}")
         self.num_queues = num_queues
         self.jobs: dict[int, Job] = {}  # jobs in flight only
-        # (deadline, job id) of every lease granted, soonest first: the sweep's question costs nothing
-        # while none lapses. An entry whose job left its leased state (or holds a newer lease) is
-        # skipped when it comes up, and dropped in bulk once such entries outnumber the jobs in flight.
-        self._leases: list[tuple[float, int]] = []
         self.epochs: dict[int, EpochProgress] = {}
         self._epoch_order: list[int] = []  # the keys of ``epochs``, sorted
         self._returned: list[list[int]] = [[] for _ in range(num_queues)]  # per queue: min-heap of given-back job ids
@@ -287,7 +280,7 @@ class JobLedger:
         self.jobs[job_id] = job
         self._set_state(job, JobState.EXTRACTING)
         job.slot, job.generation = slot, generation
-        self._lease(job, now + lease_s)
+        job.lease_deadline = now + lease_s
         self._hold(job, target, now)
         return job
 
@@ -302,7 +295,7 @@ class JobLedger:
     def start_training(self, job_id: int, drafter: str, now: float, lease_s: float) -> Job:
         job = self._expect(job_id, JobState.READY)
         self._set_state(job, JobState.TRAINING)
-        self._lease(job, now + lease_s)
+        job.lease_deadline = now + lease_s
         self._hold(job, drafter, now)
         self.epochs[job.epoch].take(job.bucket)
         return job
@@ -408,22 +401,6 @@ class JobLedger:
         """Give back every job the worker holds (it died or left)."""
         return [(job, self.give_back(job)) for job in self.held_by(worker_id)]
 
-    def _lease(self, job: Job, deadline: float) -> None:
-        job.lease_deadline = deadline
-        leases = self._leases
-        heapq.heappush(leases, (deadline, job.job_id))
-        if len(leases) > 4 * len(self.jobs) + 1024:
-            self._leases = [(j.lease_deadline, j.job_id) for j in self.jobs.values() if j.state in _LEASED]
-            heapq.heapify(self._leases)
-
     def expired(self, now: float) -> list[Job]:
-        """The jobs whose lease (extracting, training) ran out before ``now``, soonest first, each
-        named once: the caller gives them back."""
-        leases, jobs, out = self._leases, self.jobs, {}
-        while leases and leases[0][0] < now:
-            deadline, job_id = heapq.heappop(leases)
-            job = jobs.get(job_id)
-            # (a job's two leases may end at the same instant: both entries come up in this call)
-            if job is not None and job.state in _LEASED and job.lease_deadline == deadline:
-                out[job_id] = job
-        return list(out.values())
+        return [job for job in self.jobs.values()
+                if job.state in (JobState.EXTRACTING, JobState.TRAINING) and job.lease_deadline < now]

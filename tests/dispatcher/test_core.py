@@ -127,6 +127,18 @@ def test_dead_target_gives_its_job_back_and_it_is_handed_out_again(tmp_path):
     assert sorted(sim.committed_ids()) == sorted(all_job_ids(core))
 
 
+def test_leases_are_looked_at_once_a_second_and_a_lapsed_one_goes_back_within_it(tmp_path):
+    core = make_core(tmp_path, epochs=1, worker_timeout_s=1000.0, lease_s=100.0)
+    (t0,) = register(core, "target", 1)
+    grant = core.get_job(t0, 0.0)
+    assert core.sweep(99.9, is_alive=lambda w: True) == []  # looked at: not lapsed yet
+    core.heartbeat(t0, 100.2)
+    core.sweep(100.2, is_alive=lambda w: True)  # lapsed at 100.0, not looked at again before 100.9
+    assert grant.job.state is JobState.EXTRACTING
+    core.sweep(100.9, is_alive=lambda w: True)
+    assert grant.job.state is JobState.PENDING
+
+
 def test_silent_worker_times_out_and_expired_lease_is_given_back(tmp_path):
     core = make_core(tmp_path, epochs=1, worker_timeout_s=5.0, lease_s=11.0, min_ready=1)
     t0, t1 = register(core, "target", 2)

@@ -115,29 +115,6 @@ def test_lease_expiry():
     assert ledger.expired(4.0) == [] and ledger.expired(6.0) == [job]
 
 
-def test_each_lapsed_lease_is_named_once_and_ended_ones_never():
-    ledger = ledger_with([0] * 8)
-    ready = ledger.start_extract("t0", 0, 1, 0.0, 5.0)
-    ledger.mark_ready(ready.job_id, "t0", 1)  # its extraction lease ended
-    training = ledger.start_training(ready.job_id, "d0", 1.0, 9.0)  # a new lease, to 10.0
-    late = ledger.start_extract("t0", 1, 1, 0.0, 2.0)
-    given = ledger.start_extract("t0", 2, 1, 0.0, 1.0)
-    ledger.give_back(given)
-    assert ledger.expired(6.0) == [late]  # not the ready job's old lease, not the job given back
-    assert ledger.expired(6.0) == []  # named once: the caller gives it back
-    ledger.give_back(late)
-    assert ledger.expired(11.0) == [training]
-
-
-def test_the_lease_heap_stays_the_size_of_the_jobs_in_flight():
-    ledger = ledger_with([0] * 4)
-    for now in range(5000):  # leases granted and ended long before they would lapse
-        ledger.give_back(ledger.start_extract("t0", 0, 1, float(now), 1e6))
-    held = ledger.start_extract("t0", 0, 1, 0.0, 10.0)
-    assert len(ledger._leases) <= 4 * len(ledger.jobs) + 1024
-    assert ledger.expired(2e6) == [held]
-
-
 def test_rollback_returns_a_models_later_commits_to_pending():
     ledger = ledger_with([0, 1, 0, 1, 0, 1])
     steps = []
