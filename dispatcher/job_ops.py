@@ -9,6 +9,7 @@ calling here, what depends on the run or on a drafter's group (done, a rank's ve
 from __future__ import annotations
 
 import logging
+from typing import Any, Callable
 
 import numpy as np
 
@@ -166,29 +167,34 @@ class JobOps:
         self.journal.record(JobReady(job=job_id, w=worker.id, tokens=num_tokens, busy_s=round(busy_s, 6)))
 
     def ready_with_poll(self, worker: Worker, reports: list[ReadyReport]) -> int:
-        """The job_ready reports a target's get_job carries, applied before the poll is served; how
-        many slots they published. One applied already (the poll was sent again, its reply lost:
-        the job left extraction at that generation) is skipped; one refused (the job was given back
-        meanwhile) is logged and counted as the error a job_ready of its own would have got, and
-        the poll is served all the same."""
-        published = 0
-        for report in reports:
-            job_id = report.job_id
+        """The job_ready reports a target's get_job carries (:meth:`_apply_carried`); how many slots
+        they published. Applied already: the job left extraction at that generation, or committed."""
+        def apply_once(report: ReadyReport) -> bool:
+            job = self.ledger.jobs.get(report.job_id)
+            if job is None and self.ledger.state_of(report.job_id) is JobState.COMMITTED:
+                return False
+            if job is not None and job.state in _PAST_READY and job.generation == report.generation:
+                return False
+            self.job_ready(worker, report.job_id, report.generation, report.busy_s)
+            return True
+        return self._apply_carried(worker, "job_ready", [(r.job_id, r) for r in reports], apply_once)
+
+    def _apply_carried(self, worker: Worker, op: str, reports: list[tuple[int, Any]],
+                       apply_once: Callable[[Any], bool]) -> int:
+        """Reports of ``op`` that a poll carries, as (job id, report), applied before the poll is
+        served; how many took effect. One applied already (the poll was sent again, its reply lost:
+        ``apply_once`` says False) is skipped; one refused (the job was given back meanwhile) is
+        logged and counted as the error a request of its own would have got, and the poll is served
+        all the same."""
+        applied = 0
+        for job_id, report in reports:
             try:
-                job = self.ledger.jobs.get(job_id)
-                if job is None:
-                    applied = self.ledger.state_of(job_id) is JobState.COMMITTED
-                else:
-                    applied = job.state in _PAST_READY and job.generation == report.generation
-                if applied:
-                    continue
-                self.job_ready(worker, job_id, report.generation, report.busy_s)
-                published += 1
+                applied += apply_once(report)
             except LedgerError as exc:
                 self.counters.errors[ErrorCode.BAD_STATE] += 1
-                log.warning("%s: the job_ready report of job %d on its get_job was refused: %s", worker.id, job_id,
+                log.warning("%s: the %s report of job %d carried by a poll was refused: %s", worker.id, op, job_id,
                             exc)
-        return published
+        return applied
 
     def job_failed(self, worker_id: str, job_id: int, reason: str) -> None:
         job = self._held_as(job_id, worker_id, JobState.EXTRACTING)
@@ -281,23 +287,16 @@ class JobOps:
         self.journal.record(JobConsumed(job=job_id, w=worker.id, bucket=job.bucket, remote=remote))
 
     def consumed_with_poll(self, worker: Worker, job_ids: list[int]) -> int:
-        """The consumed reports a drafter's get_hs carries, applied before the poll is served; how
-        many slots they freed. One applied already (the poll was sent again, its reply lost) is
-        skipped; one refused (the job was given back meanwhile) is logged and counted as the error a
-        consumed of its own would have got, and the poll is served all the same."""
-        freed = 0
-        for job_id in job_ids:
-            try:
-                job = self.ledger.jobs.get(job_id)
-                state = job.state if job is not None else self.ledger.state_of(job_id)
-                if state is JobState.COMMITTED or (state is JobState.CONSUMED and job.holder == worker.id):
-                    continue
-                self.consumed(worker, job_id)
-                freed += 1
-            except LedgerError as exc:
-                self.counters.errors[ErrorCode.BAD_STATE] += 1
-                log.warning("%s: the consumed report of job %d on its get_hs was refused: %s", worker.id, job_id, exc)
-        return freed
+        """The consumed reports a drafter's get_hs carries (:meth:`_apply_carried`); how many slots
+        they freed. Applied already: the job is consumed by this drafter, or committed."""
+        def apply_once(job_id: int) -> bool:
+            job = self.ledger.jobs.get(job_id)
+            state = job.state if job is not None else self.ledger.state_of(job_id)
+            if state is JobState.COMMITTED or (state is JobState.CONSUMED and job.holder == worker.id):
+                return False
+            self.consumed(worker, job_id)
+            return True
+        return self._apply_carried(worker, "consumed", [(j, j) for j in job_ids], apply_once)
 
     def read_failed(self, worker_id: str, job_id: int, reason: str) -> None:
         """The drafter found the slot stale: its data cannot be trusted, so the job is extracted again."""
