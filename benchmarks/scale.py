@@ -21,8 +21,10 @@ After every worker registered and ``--warmup`` seconds, a window of ``--seconds`
   from its schedstat in nanoseconds; psutil's 10 ms ticks where the kernel keeps none) per item; ``loop_thread_cpu_us_per_item`` its socket loop's thread alone;
   ``thread_cpu_us_per_item`` by thread (``loop``; ``python``: the other Python threads, the
   journal's sync thread; ZeroMQ's ``ZMQbg/IO/0``);
-  ``messages_per_item`` by op (the dispatcher's request counters). The dispatcher does not time its
-  ops, so CPU by op is not given;
+  ``messages_per_item`` by op (the dispatcher's request counters);
+  ``loop_cpu_us_per_item`` the loop thread's CPU per item by what it went to (the dispatcher's
+  ``loop_cpu_s``: each op's requests whole, ``poll``, ``serve``, ``expire``, ``sweep``, ...;
+  docs/stats.md) and ``loop_cpu_us_per_request`` each op's per request;
 - ``request_p50/p99/max_ms``: round trips the clients timed of get_job, job_ready (sent alone), heartbeat and
   commit_step (commit waits for the journal's fsync); ``latency_by_op`` each op's, get_hs too
   (a drafter's long poll: its time includes waiting for a ready slot);
@@ -74,8 +76,6 @@ BUCKETS = (256, 512, 1024, 2048, 4096, 8192)  # the dispatcher bench's synthetic
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
 JOURNAL_GLOB = "journal*.jsonl"
-CPU_BY_OP_NOTE = ("the dispatcher's stats count requests by op but do not time them: CPU by op is not measured; "
-                  "messages_per_item gives each op's count per item")
 
 
 @dataclass(frozen=True)
@@ -344,6 +344,11 @@ def run_step(options: ScaleOptions, workers: int, step_dir: Path) -> dict[str, A
         committed=len(committed), duplicates=len(committed) - len(set(committed)), errors=errors,
         late_wakeups=sum(r["late_wakeups"] for r in results))
     items = figures["items"]
+    loop_cpu_s = counter_delta(stats0.loop_cpu_s, stats1.loop_cpu_s)
+    figures["loop_cpu_us_per_item"] = {what: 1e6 * s / items for what, s in
+                                       sorted(loop_cpu_s.items(), key=lambda kv: -kv[1])} if items else {}
+    figures["loop_cpu_us_per_request"] = {op: 1e6 * loop_cpu_s[op] / n for op, n in figures["requests"].items()
+                                          if n and op in loop_cpu_s}
     figures["thread_cpu_us_per_item"] = {
         name: (ns - threads0.get(name, 0)) / 1e3 / items for name, ns in sorted(threads1.items())
         if items and ns > threads0.get(name, 0)}
@@ -378,10 +383,7 @@ def run_scale_bench(options: ScaleOptions, *, as_json: bool) -> int:
         print(json.dumps(json_safe({"model": {**asdict(options.model), "job_s": options.model.job_s,
                                     "target_jobs_per_s": options.model.target_jobs_per_s},
                           "seconds": options.seconds, "warmup_s": options.warmup_s, "clients": options.clients,
-                          "cpu_count": os.cpu_count(), "same_host": options.same_host, "cpu_by_op": None, "cpu_by_op_note": CPU_BY_OP_NOTE,
-                          "steps": steps}), indent=2))
-    else:
-        print(f"CPU by op: {CPU_BY_OP_NOTE}.")
+                          "cpu_count": os.cpu_count(), "same_host": options.same_host, "steps": steps}), indent=2))
     return 1 if failed else 0
 
 

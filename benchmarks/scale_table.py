@@ -43,6 +43,13 @@ def format_step(s: dict[str, Any]) -> str:
     if by_thread:
         notes.append("us/item by thread: " + ", ".join(
             f"{name} {us:.0f}" for name, us in sorted(by_thread.items(), key=lambda kv: -kv[1]) if us >= 1))
+    by_what = s.get("loop_cpu_us_per_item") or {}
+    if by_what:
+        notes.append("loop us/item by op or phase: " + ", ".join(
+            f"{what} {us:.0f}" for what, us in by_what.items() if us >= 1))
+    per_request = s.get("loop_cpu_us_per_request") or {}
+    if per_request:
+        notes.append("loop us/request: " + ", ".join(f"{op} {us:.0f}" for op, us in sorted(per_request.items())))
     if s["duplicates"]:
         notes.append(f"EXACTLY-ONCE VIOLATED: {s['duplicates']} job(s) committed twice")
     if s["errors"]:

@@ -34,6 +34,7 @@ from dispatcher.core_types import CoreOptions
 from dispatcher.handlers import ControlHandlers, RegisterTerms, StatsView
 from dispatcher.journal import Journal
 from dispatcher.liveness import ProcessWatch
+from dispatcher.loop_cpu import LoopCpu
 from dispatcher.long_polls import LongPolls
 from dispatcher.metrics import MetricsServer
 from dispatcher.pool import HSPool
@@ -89,13 +90,15 @@ def build_dispatcher(config: Config) -> DispatcherServer:
         auth.watch(control, stats)
         send = functools.partial(send_reply, control)
         replies = DurableReplies(journal, send)
-        polls = LongPolls(core, send)
+        loop_cpu = LoopCpu()  # the socket loop's CPU by what it was spent on (hsd stats' loop_cpu_s)
+        polls = LongPolls(core, send, loop_cpu=loop_cpu)
         terms = RegisterTerms.of(run_id, dispatcher=dispatcher, drafter=config.drafter, schedule=config.schedule,
                                  run=config.run)
         handlers = ControlHandlers(core, data_plane=data_plane, polls=polls, liveness=liveness, terms=terms,
                                    when_durable=replies.when_durable, run_dir=run_dir)
         stats_view = StatsView(core=core, data_plane=data_plane, polls=polls, auth=auth,
-                               secret=bool(dispatcher.secret), run_dir=run_dir, run_id=run_id)
+                               secret=bool(dispatcher.secret), run_dir=run_dir, run_id=run_id,
+                               loop_cpu=loop_cpu)
         write_state_file(run_dir, DispatcherState(pid=os.getpid(), host=hostname, run_id=run_id,
                                                   control=config.control_endpoint, stats=config.stats_endpoint,
                                                   started=time.time()))
@@ -111,7 +114,8 @@ def build_dispatcher(config: Config) -> DispatcherServer:
         server = DispatcherServer(
             core, options=LoopOptions.of(dispatcher, config.run), context=context, control=control, stats=stats,
             auth=auth, handlers=handlers, stats_view=stats_view, polls=polls, replies=replies, journal=journal,
-            liveness=liveness, metrics=metrics, slot_bytes=data_plane.layout.slot_bytes, release=held.close)
+            liveness=liveness, metrics=metrics, slot_bytes=data_plane.layout.slot_bytes, loop_cpu=loop_cpu,
+            release=held.close)
         on_error.pop_all()
     _log_serving(config, run_id, data_plane, core)
     return server

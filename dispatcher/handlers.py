@@ -31,6 +31,7 @@ from dispatcher.groups import GroupChanged
 from dispatcher.ledger import LedgerError
 from dispatcher.liveness import ProcessWatch
 from dispatcher.long_polls import LongPolls, counted_error, model_step
+from dispatcher.loop_cpu import LoopCpu
 from dispatcher.nodes import node_summary
 from dispatcher.snapshot import build_snapshot
 from dispatcher.transport_setup import DataPlane
@@ -224,6 +225,7 @@ class StatsView:
     secret: bool  # whether requests carry dispatcher.secret
     run_dir: Path
     run_id: str
+    loop_cpu: LoopCpu
 
     def handle(self, request: messages.Request) -> messages.StatsReply:
         if not isinstance(request, messages.Stats):
@@ -236,5 +238,5 @@ class StatsView:
         return serving_snapshot(
             build_snapshot(core, time.monotonic()), run_dir=str(self.run_dir), run_id=self.run_id,
             pid=os.getpid(), transport=self.data_plane.view(), waiters=len(self.polls),
-            auth=self.auth.stats(secret=self.secret),
+            auth=self.auth.stats(secret=self.secret), loop_cpu_s=self.loop_cpu.seconds(),
             nodes=node_summary(core.pool, core.workers, core.counters.reads, home=self.data_plane.node))

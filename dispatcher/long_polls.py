@@ -20,6 +20,7 @@ from dispatcher.core import DispatcherCore
 from dispatcher.core_types import DONE, STEP_FULL, UnknownWorker
 from dispatcher.groups import GroupChanged
 from dispatcher.ledger import LedgerError
+from dispatcher.loop_cpu import LoopCpu
 
 MAX_WAIT_MS = 30_000
 
@@ -61,9 +62,11 @@ class LongPolls:
     rank for the life of its worker id, so a poll's queue is known when it is parked. Deadlines sit
     in a heap, so finding the next one and expiring the due ones cost nothing per parked poll."""
 
-    def __init__(self, core: DispatcherCore, send: Callable[[bytes, messages.Reply], None]):
+    def __init__(self, core: DispatcherCore, send: Callable[[bytes, messages.Reply], None], *,
+                 loop_cpu: LoopCpu | None = None):
         self.core = core
         self.send = send  # to the control socket
+        self.loop_cpu = loop_cpu  # a parked poll answered by serve(): its CPU is booked to its op
         self._lone_hs: dict[WaiterKey, Waiter] = {}
         self._others: dict[WaiterKey, Waiter] = {}
         self._deadlines: list[tuple[float, int, WaiterKey]] = []  # a heap; an entry whose waiter left is skipped
@@ -210,6 +213,8 @@ class LongPolls:
             return False
         self._remove(key)
         self.send(waiter.identity, reply)
+        if self.loop_cpu is not None:
+            self.loop_cpu.charge(messages.op_of(waiter.request))
         return True
 
     def expire(self, now: float) -> None:

@@ -34,6 +34,7 @@ from dispatcher.handlers import ControlHandlers, StatsView
 from dispatcher.journal import Journal, JournalFailed
 from dispatcher.liveness import ProcessWatch
 from dispatcher.long_polls import LongPolls, counted_error
+from dispatcher.loop_cpu import LoopCpu
 from dispatcher.metrics import MetricsServer
 from dispatcher.snapshot import progress_line
 
@@ -116,7 +117,7 @@ class DispatcherServer:
     def __init__(self, core: DispatcherCore, *, options: LoopOptions, context: zmq.Context, control: zmq.Socket,
                  stats: zmq.Socket, auth: CurveAuth, handlers: ControlHandlers, stats_view: StatsView,
                  polls: LongPolls, replies: DurableReplies, journal: Journal, liveness: ProcessWatch,
-                 metrics: MetricsServer | None, slot_bytes: int, release: Callable[[], None]):
+                 metrics: MetricsServer | None, slot_bytes: int, loop_cpu: LoopCpu, release: Callable[[], None]):
         self.core = core
         self.options = options
         self.control = control
@@ -130,6 +131,8 @@ class DispatcherServer:
         self.liveness = liveness
         self.metrics = metrics
         self.slot_bytes = slot_bytes  # for the journal's last line
+        self.loop_cpu = loop_cpu  # this thread's CPU by what it was spent on (dispatcher/loop_cpu.py)
+        self._op = "refused"  # the op of the control request being answered (what its CPU is booked to)
         self._context = context
         self._release = release  # what the composition root holds: files, the slot memory, the run-dir lock
         self._stop = False
@@ -156,24 +159,28 @@ class DispatcherServer:
             poller.register(process_ended_fd, zmq.POLLIN)
         next_sweep = time.monotonic() + SWEEP_INTERVAL_S
         self.exit_code = 0
+        charge = self.loop_cpu.charge
         try:
             while not self._stop:
                 now = time.monotonic()
                 wake = min(next_sweep, self.polls.next_deadline)
                 events = dict(poller.poll(max(0, int(1000 * (wake - now))) + 1))
+                charge("poll")
                 changed = False
                 if self.control in events:
                     changed |= self._drain(self.control, self._handle_control)
                 if self.stats in events:
-                    self._drain(self.stats, self._handle_stats)
+                    self._drain(self.stats, self._handle_stats, charge_as="stats")
                 for monitor in self.auth.handshakes:
                     if monitor.socket in events:
                         monitor.drain()
+                        charge("durable")
                 if self.journal.notify_fd in events:
                     self.journal.drain_notifications()
                     if self.journal.failed is not None:
                         raise JournalFailed(self.journal.path, self.journal.failed, action="writing the journal")
                     self.replies.release()
+                    charge("durable")
                 now = time.monotonic()
                 if process_ended_fd in events and self.liveness.collect():
                     next_sweep = now  # a worker's process ended: its jobs go back now
@@ -188,11 +195,14 @@ class DispatcherServer:
                     if self.metrics is not None and now >= self._next_metrics:
                         self.metrics.update(self.stats_view.snapshot())
                         self._next_metrics = now + METRICS_INTERVAL_S
+                    charge("sweep")
                     if self._finished(now):
                         break
                 if changed:
                     self.polls.serve(now)
+                charge("serve")
                 self.polls.expire(now)
+                charge("expire")
         except StorageFailed as exc:
             log.critical("%s. Stopping (fail closed): nothing that was not durable was acknowledged; workers keep "
                          "their state and register with the next dispatcher on this run directory.", exc)
@@ -220,8 +230,10 @@ class DispatcherServer:
         grace = 2 * self.options.worker_timeout_s
         return not self.core.workers or now - self._done_since > grace
 
-    def _drain(self, sock: zmq.Socket, handler) -> bool:
+    def _drain(self, sock: zmq.Socket, handler, *, charge_as: str | None = None) -> bool:
+        """Answer what waits on ``sock``; each message's CPU is booked to ``charge_as`` (None: its op)."""
         changed = False
+        charge = self.loop_cpu.charge
         for _ in range(256):  # bounded so the stats socket and sweeps are never starved
             try:
                 frames = sock.recv_multipart(_NOBLOCK)
@@ -232,6 +244,7 @@ class DispatcherServer:
             changed |= state_changed
             if reply is not None:
                 send_reply(sock, identity, reply)
+            charge(charge_as or self._op)
         return changed
 
     def _decode(self, payload: list[bytes]) -> messages.Request:
@@ -244,6 +257,7 @@ class DispatcherServer:
         return request
 
     def _handle_control(self, identity: bytes, payload: list[bytes]) -> tuple[Reply | None, bool]:
+        self._op = "refused"  # not decoded, or without the run's secret
         try:
             request = self._decode(payload)
         except ProtocolError as exc:
@@ -251,6 +265,7 @@ class DispatcherServer:
         except Exception as exc:  # a bug must not take the run down with it
             log.exception("internal error")
             return self._error(None, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"), False
+        self._op = messages.op_of(request)
         return self.handlers.handle(request, identity, time.monotonic())
 
     def _handle_stats(self, identity: bytes, payload: list[bytes]) -> tuple[Reply | None, bool]:

@@ -195,6 +195,9 @@ class Snapshot(CoreSnapshot, kw_only=True, omit_defaults=True):
     waiters: int  # long polls waiting for an answer
     auth: AuthView
     nodes: dict[str, NodeView]  # node -> its view
+    # the socket loop thread's CPU seconds by what they went to: a request's op, or poll, serve,
+    # expire, sweep, durable, stats (dispatcher/loop_cpu.py)
+    loop_cpu_s: dict[str, float] = {}
 
 
 def serving_snapshot(core: CoreSnapshot, **served: Any) -> Snapshot:
