@@ -19,8 +19,8 @@ After every worker registered and ``--warmup`` seconds, a window of ``--seconds`
   (what the targets' GPUs would produce);
 - ``dispatcher_cpu_us_per_item``: the dispatcher process's CPU time (every thread's time on a CPU,
   from its schedstat in nanoseconds; psutil's 10 ms ticks where the kernel keeps none) per item; ``loop_thread_cpu_us_per_item`` its socket loop's thread alone;
-  ``thread_cpu_us_per_item`` by thread (``loop``; ``python``: the other Python threads, the
-  journal's sync thread; ZeroMQ's ``ZMQbg/IO/0``);
+  ``thread_cpu_us_per_item`` by thread (``loop``; ``hsd-journal``: the journal's sync thread;
+  ZeroMQ's ``ZMQbg/IO/0``; ``python``: any other Python thread, which keeps the process's name);
   ``messages_per_item`` by op (the dispatcher's request counters);
   ``loop_cpu_us_per_item`` the loop thread's CPU per item by what it went to (the dispatcher's
   ``loop_cpu_s``: each op's requests whole, ``poll``, ``serve``, ``expire``, ``sweep``, ...;
@@ -240,8 +240,8 @@ def _host_sample() -> tuple[Any, float]:
 
 def cpu_ns_by_thread_name(pid: int) -> dict[str, int]:
     """Each thread's time on a CPU in nanoseconds, summed by the thread's name (``comm``): ``loop``
-    (the main thread: the socket loop), ``python`` (the other Python threads, which keep the
-    process's name: the journal's sync thread), ZeroMQ's I/O threads (``ZMQbg/IO/0``)."""
+    (the main thread: the socket loop), the journal's sync thread (``hsd-journal``), ZeroMQ's I/O
+    threads (``ZMQbg/IO/0``), ``python`` (any other Python thread: it keeps the process's name)."""
     names: dict[str, int] = {}
     try:
         with open(f"/proc/{pid}/comm") as f:

@@ -35,3 +35,4 @@ def test_another_threads_cpu_is_not_booked():
     other.join()
     cpu.charge("poll")
     assert cpu.seconds()["poll"] < 0.02
+
