@@ -37,6 +37,16 @@ After every worker registered and ``--warmup`` seconds, a window of ``--seconds`
   exceeds 90 %: then the workers, not the dispatcher, may set the pace. ``steal_pct`` and
   ``other_cpu_pct`` (the rest of the host's use, of all its cores) say how busy the host was.
 
+With ``--load L`` (a list, a step each for every ``--workers`` step) every simulated worker runs at
+L times the GPU model's rates: its jobs come L times as fast and its heartbeats are due L times as
+often (``dispatcher.heartbeat_s`` ÷ L), so it sends the requests of L workers through one connection
+and 1,024 connections carry the traffic of thousands of GPUs, which a 2-core box could not hold as
+processes. ``gpus_served`` counts the target GPUs of the stated model whose items the dispatcher
+handled (items/s ÷ items per GPU per second); ``projected_gpus_per_core`` counts them too. A
+dispatcher that idles between messages spends more per item than a busy one (its code and data go
+cold between wake-ups), so the CPU per item of a lightly loaded step overstates what a busier one
+costs: a load sweep measures it at the load it is projected to.
+
 The workers register as if from other nodes (``scale-node-K``), as a thousand GPUs' workers are:
 the dispatcher tells their liveness by heartbeats alone. With ``--same-host`` they name this host,
 and the dispatcher's sweep checks each one's process every 0.25 s, as for workers on its own node.
@@ -67,7 +77,7 @@ from benchmarks.scale_clients import ClientPlan, run_clients
 from benchmarks.scale_model import GpuModel, counter_delta, step_figures
 from benchmarks.scale_table import format_step, table_header
 from common.dataplane.shm_segment import list_segments, sweep_dead_segments
-from common.run.config import Config, load_config
+from common.run.config import Config, DispatcherSection, load_config
 from common.run.records.rundir import read_state_file
 from common.wire import messages
 from common.wire.client import DispatcherClient, run_id_for
@@ -92,14 +102,19 @@ class ScaleOptions:
     # each one's process, as it does for workers on its own node. By default they name hosts of their
     # own, as the workers of a thousand GPUs on other nodes do, whose liveness only heartbeats tell.
     same_host: bool = False
+    # Multiples of the GPU model's rates, a step each (for every --workers step): one simulated worker
+    # then stands for `load` workers (its jobs come `load` times as fast, its heartbeats are due `load`
+    # times as often), so the traffic of 3,000+ GPUs fits in the connections 2 client cores can hold.
+    loads: tuple[float, ...] = (1.0,)
 
 
 def _progress(message: str) -> None:
     print(f"[bench scale] {message}", file=sys.stderr, flush=True)
 
 
-def dispatcher_overrides(run_dir: Path, options: ScaleOptions, targets: int, drafters: int) -> list[str]:
-    model = options.model
+def dispatcher_overrides(run_dir: Path, options: ScaleOptions, targets: int, drafters: int,
+                         load: float = 1.0) -> list[str]:
+    model = options.model.scaled(load)
     offered = targets * model.target_jobs_per_s
     # Samples for every job the step can ask for (an epoch that ends starts the next one: 1000 of them).
     samples = max(2000, math.ceil(4 * offered * (options.seconds + options.warmup_s + START_TIMEOUT_S)))
@@ -110,8 +125,9 @@ def dispatcher_overrides(run_dir: Path, options: ScaleOptions, targets: int, dra
         "target.hidden_size=1", "target.num_capture_layers=1", f"target.count={targets}", f"drafter.count={drafters}",
         "pool.transport=shm", "pool.min_ready=0", f"pool.slots={targets * 2 + drafters * 2 + 4}",
         "dispatcher.exit_when_done=false"]
-    if options.heartbeat_s is not None:
-        overrides.append(f"dispatcher.heartbeat_s={options.heartbeat_s}")
+    heartbeat_s = options.heartbeat_s if options.heartbeat_s is not None else DispatcherSection().heartbeat_s
+    if options.heartbeat_s is not None or load != 1:
+        overrides.append(f"dispatcher.heartbeat_s={heartbeat_s / load:g}")
     return overrides
 
 
@@ -181,14 +197,14 @@ class Dispatcher:
 class Clients:
     """The client processes of one step, each holding its share of the workers."""
 
-    def __init__(self, config: Config, options: ScaleOptions, targets: int, drafters: int):
+    def __init__(self, config: Config, options: ScaleOptions, targets: int, drafters: int, model: GpuModel):
         ctx = multiprocessing.get_context("spawn")
         self.procs, self.pipes = [], []
         n = max(1, min(options.clients, targets + drafters))
         for k in range(n):
             plan = ClientPlan(endpoint=config.control_endpoint, secret=config.dispatcher.secret,
                               targets=[f"t{i}" for i in range(k, targets, n)],
-                              drafters=[f"d{i}" for i in range(k, drafters, n)], model=options.model,
+                              drafters=[f"d{i}" for i in range(k, drafters, n)], model=model,
                               target_credits=config.pool.target_credits, seed=options.seed * 1000 + k,
                               host=socket.gethostname() if options.same_host else f"scale-node-{k}")
             parent_end, child_end = ctx.Pipe()
@@ -285,16 +301,18 @@ def _host_figures(before: tuple[Any, float], after: tuple[Any, float], own_cpu_s
             "load_avg_1m": os.getloadavg()[0]}
 
 
-def run_step(options: ScaleOptions, workers: int, step_dir: Path) -> dict[str, Any]:
+def run_step(options: ScaleOptions, workers: int, step_dir: Path, load: float = 1.0) -> dict[str, Any]:
     targets, drafters = options.model.split(workers)
-    overrides = dispatcher_overrides(step_dir, options, targets, drafters)
+    overrides = dispatcher_overrides(step_dir, options, targets, drafters, load)
     config = load_config(None, overrides)
-    _progress(f"{workers} workers ({targets} targets, {drafters} drafters) in {options.clients} client processes")
+    at_load = f", each at {load:g}× the GPU model's rates" if load != 1 else ""
+    _progress(f"{workers} workers ({targets} targets, {drafters} drafters{at_load}) in {options.clients} client "
+              f"processes")
     dispatcher = Dispatcher(config, overrides)
     clients: Clients | None = None
     try:
         dispatcher.wait_started()
-        clients = Clients(config, options, targets, drafters)
+        clients = Clients(config, options, targets, drafters, options.model.scaled(load))
         clients.expect("registered", START_TIMEOUT_S + workers / 20)
         time.sleep(options.warmup_s)
         t0 = time.monotonic() + 0.3
@@ -333,7 +351,7 @@ def run_step(options: ScaleOptions, workers: int, step_dir: Path) -> dict[str, A
     client_cpu = [b - a for a, b in zip(client0, client1)]
     dispatcher_cpu, loop_cpu = cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]
     figures = step_figures(
-        model=options.model, targets=targets, drafters=drafters, window_s=window_s,
+        model=options.model, load=load, targets=targets, drafters=drafters, window_s=window_s,
         dispatcher_cpu_s=dispatcher_cpu, loop_thread_cpu_s=loop_cpu,
         items=_target_jobs(stats1) - _target_jobs(stats0),
         requests=counter_delta(stats0.requests, stats1.requests),
@@ -371,8 +389,9 @@ def run_scale_bench(options: ScaleOptions, *, as_json: bool) -> int:
     if not as_json:
         print(table_header(options.model), flush=True)
     try:
-        for index, workers in enumerate(options.workers):
-            figures = run_step(options, workers, work_dir / f"s{index}")
+        steps_to_run = [(workers, load) for workers in options.workers for load in options.loads]
+        for index, (workers, load) in enumerate(steps_to_run):
+            figures = run_step(options, workers, work_dir / f"s{index}", load)
             steps.append(figures)
             if not as_json:
                 print(format_step(figures), flush=True)
@@ -382,7 +401,7 @@ def run_scale_bench(options: ScaleOptions, *, as_json: bool) -> int:
     if as_json:
         print(json.dumps(json_safe({"model": {**asdict(options.model), "job_s": options.model.job_s,
                                     "target_jobs_per_s": options.model.target_jobs_per_s},
-                          "seconds": options.seconds, "warmup_s": options.warmup_s, "clients": options.clients,
+                          "loads": list(options.loads), "seconds": options.seconds, "warmup_s": options.warmup_s, "clients": options.clients,
                           "cpu_count": os.cpu_count(), "same_host": options.same_host, "steps": steps}), indent=2))
     return 1 if failed else 0
 

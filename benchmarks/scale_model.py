@@ -38,6 +38,12 @@ class GpuModel:
         """Items one target GPU produces a second: the load one GPU puts on the dispatcher."""
         return self.tokens_per_s / self.job_tokens
 
+    def scaled(self, load: float) -> "GpuModel":
+        """The model whose GPUs work ``load`` times as fast: one simulated worker of it sends the
+        requests of ``load`` workers of this one (``hsd bench scale --load``)."""
+        return GpuModel(tokens_per_s=self.tokens_per_s * load, job_tokens=self.job_tokens,
+                        drafter_batches_per_s=self.drafter_batches_per_s * load)
+
     def split(self, workers: int) -> tuple[int, int]:
         """``workers`` as (targets, drafters): as few drafters as consume what the targets produce with
         ``DRAFTER_HEADROOM`` to spare (rounded up), at least one of each. Drafters with exactly the
@@ -68,6 +74,17 @@ def parse_workers(text: str) -> list[int]:
     return steps
 
 
+def parse_loads(text: str) -> list[float]:
+    """``--load 1,2,4``: multiples of the GPU model's rates each step runs at, each positive."""
+    try:
+        loads = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--load must be comma-separated numbers, got {text!r}") from None
+    if not loads or not all(math.isfinite(load) and load > 0 for load in loads):
+        raise ValueError(f"--load needs positive multiples, got {text!r}")
+    return loads
+
+
 def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile, ``q`` in (0, 100] (the transport bench's)."""
     ordered = sorted(values)
@@ -91,7 +108,8 @@ def counter_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, in
             if after.get(key, 0) - before.get(key, 0)}
 
 
-def step_figures(*, model: GpuModel, targets: int, drafters: int, window_s: float, dispatcher_cpu_s: float,
+def step_figures(*, model: GpuModel, load: float = 1.0, targets: int, drafters: int, window_s: float,
+                 dispatcher_cpu_s: float,
                  loop_thread_cpu_s: float, items: int, requests: dict[str, int], given_back: dict[str, int],
                  journal_bytes: int, latencies_ms: dict[str, list[float]], heartbeat_lag_ms: list[float],
                  heartbeat_age_max_s: float, client_cpu_s: list[float], host: dict[str, float],
@@ -99,16 +117,18 @@ def step_figures(*, model: GpuModel, targets: int, drafters: int, window_s: floa
     """One sweep step's figures. ``items``: jobs the targets reported ready over the window;
     ``requests``/``given_back``: the dispatcher's counters over the window; ``dispatcher_cpu_s``:
     its process's CPU (every thread), ``loop_thread_cpu_s`` its socket loop's alone;
-    ``latencies_ms``: per op, requests the clients sent inside the window."""
+    ``latencies_ms``: per op, requests the clients sent inside the window. ``model`` is the stated
+    GPU model; the workers ran at ``load`` times its rates, and GPUs are counted in its GPUs."""
     cpu_per_item = dispatcher_cpu_s / items if items else math.nan
     loop_per_item = loop_thread_cpu_s / items if items else math.nan
     timed = [ms for op in REQUEST_OPS for ms in latencies_ms.get(op, [])]
     request = latency_figures(timed)
     client_pct = [100.0 * s / window_s for s in client_cpu_s]
     return {
-        "workers": targets + drafters, "targets": targets, "drafters": drafters, "window_s": window_s,
-        "offered_items_per_s": targets * model.target_jobs_per_s,
+        "workers": targets + drafters, "targets": targets, "drafters": drafters, "load": load,
+        "window_s": window_s, "offered_items_per_s": targets * model.target_jobs_per_s * load,
         "items": items, "items_per_s": items / window_s,
+        "gpus_served": items / window_s / model.target_jobs_per_s,
         "dispatcher_cpu_pct": 100.0 * dispatcher_cpu_s / window_s,
         "dispatcher_cpu_us_per_item": 1e6 * cpu_per_item,
         "loop_thread_cpu_us_per_item": 1e6 * loop_per_item,

@@ -15,7 +15,7 @@ def table_header(model: GpuModel) -> str:
     head = "".join(name.rjust(width) for name, width in COLUMNS)
     return (f"GPU model: a target GPU {model.tokens_per_s:,.0f} tokens/s in jobs of {model.job_tokens:,} tokens "
             f"({model.target_jobs_per_s:.2f} items/s), a drafter {model.drafter_batches_per_s:g} micro-batches/s\n"
-            f"columns: workers T+D; items/s done (offered); the dispatcher's CPU (% of a core); its CPU per item, "
+            f"columns: workers T+D (xL: each at L times the model's rates); items/s done (offered); the dispatcher's CPU (% of a core); its CPU per item, "
             f"all threads (loop thread); request p50/p99/max; heartbeat lag p99 ms; journal KB/s; target GPUs "
             f"one dispatcher core serves; each client process's CPU %; other use / steal % of the host\n{head}")
 
@@ -26,7 +26,7 @@ def _num(value: Any, spec: str) -> str:
 
 def format_step(s: dict[str, Any]) -> str:
     cells = (
-        f"{s['targets']}+{s['drafters']}",
+        f"{s['targets']}+{s['drafters']}" + (f"x{s['load']:g}" if s.get("load", 1) != 1 else ""),
         f"{_num(s['items_per_s'], '.0f')} ({_num(s['offered_items_per_s'], '.0f')})",
         f"{_num(s['dispatcher_cpu_pct'], '.0f')}%",
         f"{_num(s['dispatcher_cpu_us_per_item'], '.0f')} ({_num(s['loop_thread_cpu_us_per_item'], '.0f')})",
@@ -39,6 +39,9 @@ def format_step(s: dict[str, Any]) -> str:
     )
     row = "".join(cell.rjust(width) for cell, (_, width) in zip(cells, COLUMNS))
     notes = []
+    if s.get("load", 1) != 1:
+        notes.append(f"the traffic of {s['gpus_served']:,.0f} target GPUs of the stated model "
+                     f"({s['targets']} connections at {s['load']:g}x its rates)")
     by_thread = s.get("thread_cpu_us_per_item") or {}
     if by_thread:
         notes.append("us/item by thread: " + ", ".join(

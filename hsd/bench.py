@@ -32,11 +32,12 @@ def cmd_bench_dispatcher(args) -> int:
 
 def cmd_bench_scale(args) -> int:
     from benchmarks.scale import ScaleOptions, run_scale_bench
-    from benchmarks.scale_model import GpuModel, parse_workers
+    from benchmarks.scale_model import GpuModel, parse_loads, parse_workers
     try:
         model = GpuModel(tokens_per_s=args.tokens_per_s, job_tokens=args.job_tokens,
                          drafter_batches_per_s=args.drafter_rate)
         workers = parse_workers(args.workers)
+        loads = parse_loads(args.load)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if not (args.seconds > 0 and args.warmup >= 0 and args.clients >= 1):
@@ -45,7 +46,7 @@ def cmd_bench_scale(args) -> int:
         raise ConfigError("--heartbeat-s must be positive")
     options = ScaleOptions(workers=tuple(workers), seconds=args.seconds, warmup_s=args.warmup, clients=args.clients,
                            model=model, heartbeat_s=args.heartbeat_s, work_dir=args.dir, seed=args.seed,
-                           same_host=args.same_host)
+                           same_host=args.same_host, loads=tuple(loads))
     return run_scale_bench(options, as_json=args.json)
 
 
@@ -197,6 +198,9 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--job-tokens", type=int, default=16_384, help="tokens of a job (schedule.tokens_per_batch)")
     b.add_argument("--drafter-rate", type=float, default=5.0, help="micro-batches (jobs) a drafter GPU trains a second")
     b.add_argument("--heartbeat-s", type=float, help="dispatcher.heartbeat_s (default: the config's, 0.5)")
+    b.add_argument("--load", default="1", help="multiples of the GPU model's rates, a step each: a worker then "
+                   "sends the requests of that many (its jobs and heartbeats come that much more often), so "
+                   "the traffic of thousands of GPUs fits in the connections the clients hold")
     b.add_argument("--same-host", action="store_true", help="workers register from this host (the dispatcher then "
                    "checks each one's process every sweep) rather than from hosts of their own")
     b.add_argument("--seed", type=int, default=0)

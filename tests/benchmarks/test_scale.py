@@ -10,7 +10,7 @@ import math
 import pytest
 
 from benchmarks.scale import json_safe
-from benchmarks.scale_model import GpuModel, parse_workers, step_figures
+from benchmarks.scale_model import GpuModel, parse_loads, parse_workers, step_figures
 from benchmarks.scale_table import format_step, table_header
 from common.dataplane.shm_segment import list_segments
 from hsd_testing import assert_session_ended, hsd, run_hsd_in_session
@@ -25,14 +25,18 @@ STEP_KEYS = ("items_per_s", "offered_items_per_s", "dispatcher_cpu_us_per_item",
 
 
 def test_a_tiny_sweep_runs_every_step_exactly_once_and_leaves_nothing(tmp_path):
-    run = run_hsd_in_session("bench", "scale", "--workers", "4,16", "--seconds", "2", "--warmup", "0.5", "--json",
-                             "--dir", str(tmp_path), timeout=120)
+    run = run_hsd_in_session("bench", "scale", "--workers", "4,16", "--load", "1,2", "--seconds", "2", "--warmup",
+                             "0.5", "--json", "--dir", str(tmp_path), timeout=180)
     assert run.returncode == 0, run.stderr[-4000:]
     assert "warning" not in run.stderr, run.stderr[-4000:]
     result = json.loads(run.stdout, parse_constant=_refuse)  # one JSON object on stdout, strict (no NaN)
     assert result["model"]["tokens_per_s"] == 27_000 and result["model"]["job_tokens"] == 16_384
     steps = result["steps"]
-    assert [(s["workers"], s["targets"] + s["drafters"]) for s in steps] == [(4, 4), (16, 16)]
+    assert [(s["workers"], s["targets"] + s["drafters"], s["load"]) for s in steps] == \
+        [(4, 4, 1), (4, 4, 2), (16, 16, 1), (16, 16, 2)]
+    for s in steps:  # at load 2 a worker's jobs come twice as fast, and its heartbeats are due twice as often
+        assert s["offered_items_per_s"] == pytest.approx(s["targets"] * s["load"] * 27_000 / 16_384)
+        assert s["heartbeat_s"] == pytest.approx(0.5 / s["load"])
     for s in steps:
         for key in STEP_KEYS:
             assert s[key] is not None, (s["workers"], key)
@@ -62,6 +66,8 @@ def test_bad_sweep_is_refused_with_exit_2():
     proc = hsd("bench", "scale", "--workers", "16,1", check=False, timeout=60)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "--workers" in proc.stderr
+    proc = hsd("bench", "scale", "--workers", "16", "--load", "0", check=False, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "--load" in proc.stderr
 
 
 def test_the_gpu_model_splits_workers_into_as_few_drafters_as_keep_up():
@@ -83,6 +89,28 @@ def test_one_core_projects_to_gpus_at_the_stated_model():
     assert model.gpus_per_core(1.55e-3) == pytest.approx(391, abs=1)  # today's transport-bench figure
     assert model.gpus_per_core(150e-6) >= 3000  # the CPU per item that serves 3,000 GPUs from one core
     assert GpuModel(job_tokens=4096).gpus_per_core(1.55e-3) == pytest.approx(98, abs=1)
+
+
+def test_a_load_multiplies_the_rates_and_gpus_are_counted_in_the_stated_models():
+    model = GpuModel()
+    fast = model.scaled(4)
+    assert fast.target_jobs_per_s == pytest.approx(4 * model.target_jobs_per_s)
+    assert fast.drafter_batches_per_s == 20 and fast.job_tokens == model.job_tokens
+    assert fast.split(1024) == model.split(1024)  # the same targets and drafters, each sending four times as much
+    figures = step_figures(
+        model=model, load=4, targets=10, drafters=5, window_s=1.0, dispatcher_cpu_s=0.01, loop_thread_cpu_s=0.008,
+        items=66, requests={"get_job": 66}, given_back={}, journal_bytes=0, latencies_ms={}, heartbeat_lag_ms=[],
+        heartbeat_age_max_s=0.0, client_cpu_s=[0.1], host={"steal_pct": 0.0, "other_cpu_pct": 0.0}, committed=0,
+        duplicates=0, errors={}, late_wakeups=0)
+    assert figures["offered_items_per_s"] == pytest.approx(40 * model.target_jobs_per_s)
+    assert figures["gpus_served"] == pytest.approx(66 / model.target_jobs_per_s)
+    assert figures["projected_gpus_per_core"] == pytest.approx(model.gpus_per_core(0.01 / 66))
+    row = format_step(figures)
+    assert "10+5x4" in row and "the traffic of 40 target GPUs" in row
+    assert parse_loads("1, 2.5,4") == [1.0, 2.5, 4.0]
+    for bad in ("", "x", "0", "1,-2", "nan"):
+        with pytest.raises(ValueError, match="--load"):
+            parse_loads(bad)
 
 
 def test_parse_workers():
