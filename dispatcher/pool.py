@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import enum
 import random
+from bisect import bisect_left, insort
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any, Iterable, NamedTuple, get_args
@@ -147,6 +148,8 @@ class HSPool:
         self._num_free = 0  # over every owner
         self._credits: Counter = Counter()  # target -> slots it is writing
         self._ready: dict[int, dict[int, dict[int, ReadyJob]]] = defaultdict(lambda: defaultdict(dict))
+        # the same job ids, each bucket's in order: a pick draws one by its rank without sorting them
+        self._ready_ids: dict[int, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
         self._num_ready = 0
         self._ready_on: Counter = Counter()  # node -> its ready slots
         self._num_ready_on_nodes = 0  # ready slots that live on a node (not the dispatcher's arena)
@@ -311,8 +314,7 @@ class HSPool:
             bucket = choose_bucket(eligible, window=window, rng=self.rng, available=ready)
             if bucket is None:
                 return None
-            jobs = ready[bucket]
-            return jobs[self.rng.choice(sorted(jobs))]
+            return ready[bucket][self.rng.choice(self._ready_ids[epoch][bucket])]
         allowed = (lambda job: True) if servable is None else (lambda job: job.node in servable)
         candidates = {b: [j for j in self._ready[epoch].get(b, {}).values() if allowed(j)] for b in
                       (self._ready[epoch] if self.pull == "random" else eligible)}
@@ -371,7 +373,10 @@ class HSPool:
         self._free_slot(slot)
 
     def _index(self, slot: Slot, epoch: int, bucket: int) -> None:
-        self._ready[epoch][bucket][slot.job_id] = ReadyJob(slot.job_id, epoch, bucket, slot.id, slot.node)
+        jobs = self._ready[epoch][bucket]
+        if slot.job_id not in jobs:
+            insort(self._ready_ids[epoch][bucket], slot.job_id)
+        jobs[slot.job_id] = ReadyJob(slot.job_id, epoch, bucket, slot.id, slot.node)
         self._ready_at[slot.id] = (epoch, bucket)
         self._ready_in[epoch] += 1
         self._num_ready += 1
@@ -381,6 +386,8 @@ class HSPool:
     def _unindex(self, slot: Slot) -> None:
         where = self._ready_at.pop(slot.id, None)
         if where is not None and self._ready[where[0]][where[1]].pop(slot.job_id, None) is not None:
+            ids = self._ready_ids[where[0]][where[1]]
+            del ids[bisect_left(ids, slot.job_id)]
             self._ready_in[where[0]] -= 1
             self._num_ready -= 1
             self._ready_on[slot.node] -= 1
