@@ -33,6 +33,8 @@ After every worker registered and ``--warmup`` seconds, a window of ``--seconds`
 - ``journal_bytes_per_s``: growth of the run directory's journal segments;
 - ``projected_gpus_per_core``: target GPUs one dispatcher core serves at this GPU model,
   1 core ÷ CPU per item ÷ items per GPU per second;
+- ``gpus_served_within_p99_ms`` (the whole sweep): the most GPUs' traffic a step served with request
+  p99 within 10 ms and exactly once, measured where the projection above extrapolates;
 - ``client_cpu_pct``: each client process's CPU (of one core); ``client_saturated`` when one
   exceeds 90 %: then the workers, not the dispatcher, may set the pace. ``steal_pct`` and
   ``other_cpu_pct`` (the rest of the host's use, of all its cores) say how busy the host was.
@@ -74,7 +76,7 @@ from typing import Any
 import psutil
 
 from benchmarks.scale_clients import ClientPlan, run_clients
-from benchmarks.scale_model import GpuModel, counter_delta, step_figures
+from benchmarks.scale_model import REQUEST_P99_TARGET_MS, GpuModel, counter_delta, gpus_served_in_time, step_figures
 from benchmarks.scale_table import format_step, table_header
 from common.dataplane.shm_segment import list_segments, sweep_dead_segments
 from common.run.config import Config, DispatcherSection, load_config
@@ -398,11 +400,18 @@ def run_scale_bench(options: ScaleOptions, *, as_json: bool) -> int:
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
     failed = [s for s in steps if s["duplicates"] or s["dispatcher_exit_code"] != 0 or s["shm_left"]]
+    in_time = gpus_served_in_time(steps)
     if as_json:
         print(json.dumps(json_safe({"model": {**asdict(options.model), "job_s": options.model.job_s,
                                     "target_jobs_per_s": options.model.target_jobs_per_s},
                           "loads": list(options.loads), "seconds": options.seconds, "warmup_s": options.warmup_s, "clients": options.clients,
-                          "cpu_count": os.cpu_count(), "same_host": options.same_host, "steps": steps}), indent=2))
+                          "cpu_count": os.cpu_count(), "same_host": options.same_host,
+                          "gpus_served_within_p99_ms": {"p99_ms": REQUEST_P99_TARGET_MS, "gpus": in_time},
+                          "steps": steps}), indent=2))
+    else:
+        print(f"served within request p99 {REQUEST_P99_TARGET_MS:g} ms: " + (
+            f"the traffic of {in_time:,.0f} target GPUs of the stated model (the busiest such step)"
+            if in_time is not None else "no step"))
     return 1 if failed else 0
 
 

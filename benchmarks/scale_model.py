@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+REQUEST_P99_TARGET_MS = 10.0  # a step whose request p99 is above this serves its GPUs too late to count
 DRAFTER_HEADROOM = 1.25  # drafters train this much more than the targets produce
 CLIENT_SATURATED_PCT = 90.0  # a client process busier than this (of one core) may be the bottleneck
 
@@ -72,6 +73,14 @@ def parse_workers(text: str) -> list[int]:
     if not steps or min(steps) < 2:
         raise ValueError(f"--workers needs steps of at least 2 workers each, got {text!r}")
     return steps
+
+
+def gpus_served_in_time(steps: list[dict[str, Any]]) -> float | None:
+    """The most GPUs' traffic one step served with request p99 within REQUEST_P99_TARGET_MS, exactly
+    once (None: no step did): what one dispatcher serves on this host, measured rather than projected."""
+    served = [s["gpus_served"] for s in steps if s["items"] and not s["duplicates"]
+              and s["request_p99_ms"] <= REQUEST_P99_TARGET_MS]
+    return max(served) if served else None
 
 
 def parse_loads(text: str) -> list[float]:

@@ -10,7 +10,7 @@ import math
 import pytest
 
 from benchmarks.scale import json_safe
-from benchmarks.scale_model import GpuModel, parse_loads, parse_workers, step_figures
+from benchmarks.scale_model import GpuModel, gpus_served_in_time, parse_loads, parse_workers, step_figures
 from benchmarks.scale_table import format_step, table_header
 from common.dataplane.shm_segment import list_segments
 from hsd_testing import assert_session_ended, hsd, run_hsd_in_session
@@ -56,6 +56,9 @@ def test_a_tiny_sweep_runs_every_step_exactly_once_and_leaves_nothing(tmp_path):
         assert len(s["client_cpu_pct"]) == 2 and s["journal_bytes_per_s"] > 0
         assert s["dispatcher_exit_code"] == 0 and s["shm_left"] == 0
     assert sum(s["committed"] for s in steps) > 0  # a drafter commits every 4 micro-batches
+    in_time = result["gpus_served_within_p99_ms"]
+    assert in_time["p99_ms"] == 10 and (in_time["gpus"] is None or in_time["gpus"] == max(
+        s["gpus_served"] for s in steps if s["request_p99_ms"] <= 10))
     assert_session_ended(run.sid, grace_s=10)
     segments = [seg.name for seg in list_segments() if seg.pid in run.seen]
     assert not segments, f"shared-memory segments left: {segments}"
@@ -108,6 +111,9 @@ def test_a_load_multiplies_the_rates_and_gpus_are_counted_in_the_stated_models()
     row = format_step(figures)
     assert "10+5x4" in row and "the traffic of 40 target GPUs" in row
     assert parse_loads("1, 2.5,4") == [1.0, 2.5, 4.0]
+    in_time, late = {**figures, "request_p99_ms": 4.0}, {**figures, "gpus_served": 90.0, "request_p99_ms": 250.0}
+    assert gpus_served_in_time([in_time, late]) == figures["gpus_served"]
+    assert gpus_served_in_time([late, figures]) is None  # too late, or not timed at all
     for bad in ("", "x", "0", "1,-2", "nan"):
         with pytest.raises(ValueError, match="--load"):
             parse_loads(bad)
