@@ -17,7 +17,9 @@ destination, and is measured for ``--seconds`` after a short warm-up (GB/s, 1 GB
   The drafter reads with ``DrafterTransport.read`` and commits every ``drafter.accum_steps`` (4)
   items, as a drafter does; ``shm_copy`` is its copy alone and ``shm_control_ms`` its time in
   those calls per item; ``shm_dispatcher_cpu_ms`` the dispatcher's CPU time per item (on a host
-  with few cores it is taken from the two copies).
+  with few cores it is taken from the two copies), ``shm_dispatcher_loop_us_per_item`` its socket
+  loop's by op or phase (its ``loop_cpu_s``, docs/stats.md) and ``shm_dispatcher_messages_per_item``
+  the requests it answered, by op (both of the median round).
 - ``shm_piped``: the same arena and the same copies, with a pipe between the two processes in place
   of the dispatcher: the data plane's ceiling on this host, so ``shm_vs_shm_piped`` is what the
   control plane keeps of it.
@@ -58,7 +60,7 @@ import psutil
 import torch
 
 from common.wire import messages
-from common.wire.client import run_id_for
+from common.wire.client import DispatcherClient, run_id_for
 from common.run.config import Config, load_config
 from common.dataplane.cuda_ipc import cuda_ipc_available
 from common.dataplane.shm_arena import SHM_DIR, sweep_dead_segments
@@ -184,18 +186,29 @@ def _run_pair(ctx: Any, what: str, producer: Callable, producer_args: tuple, con
 class DispatcherCPU:
     """The dispatcher process's CPU time (user and system, every thread) while a pair of workers runs."""
 
-    def __init__(self, process: psutil.Process):
+    def __init__(self, process: psutil.Process, stats: DispatcherClient):
         self.process = process
+        self.stats = stats  # its stats socket: where its socket loop's CPU went (loop_cpu_s)
+        self.loop_cpu_s: dict[str, float] = {}  # over the last while_running(), by op or phase
+        self.requests: dict[str, int] = {}  # ... and its requests by op
 
     def seconds(self) -> float:
         times = self.process.cpu_times()
         return times.user + times.system
 
     def while_running(self, run: Callable[[], dict]) -> tuple[dict, float]:
-        """``run()``'s result and the dispatcher's CPU seconds meanwhile."""
+        """``run()``'s result and the dispatcher's CPU seconds meanwhile (and, in ``loop_cpu_s`` and
+        ``requests``, where its loop's went and the requests it answered)."""
+        before = self.stats.call(messages.Stats(), timeout_s=30.0).stats
         cpu = self.seconds()
         result = run()
-        return result, self.seconds() - cpu
+        cpu = self.seconds() - cpu
+        after = self.stats.call(messages.Stats(), timeout_s=30.0).stats
+        self.loop_cpu_s = {what: s - before.loop_cpu_s.get(what, 0.0) for what, s in after.loop_cpu_s.items()
+                           if what != "stats" and s > before.loop_cpu_s.get(what, 0.0)}
+        self.requests = {op: n - before.requests.get(op, 0) for op, n in after.requests.items()
+                         if op != "stats" and n > before.requests.get(op, 0)}
+        return result, cpu
 
 
 @contextmanager
@@ -212,7 +225,11 @@ def _dispatcher(ctx: Any, config: Config) -> Iterator[DispatcherCPU]:
             if time.monotonic() > deadline:
                 raise RuntimeError("the benchmark dispatcher did not start")
             time.sleep(0.05)
-        yield DispatcherCPU(psutil.Process(proc.pid))
+        stats = DispatcherClient(config.stats_endpoint, secret=config.dispatcher.secret)
+        try:
+            yield DispatcherCPU(psutil.Process(proc.pid), stats)
+        finally:
+            stats.close()
     finally:
         if proc.is_alive():
             proc.terminate()
@@ -284,12 +301,17 @@ def _measure_shm_round(ctx: Any, spec: BenchSpec, config: Config, dispatcher: Di
     target_stamps.unlink()
     item_mb = result["gbps"] * 1e3 * result["elapsed_s"] / result["items"]
     cpu_ms = 1e3 * cpu_s / result["items_run"]
+    items_run = result["items_run"]
+    loop_us = {what: 1e6 * s / items_run for what, s in sorted(dispatcher.loop_cpu_s.items(), key=lambda kv: -kv[1])}
+    messages_per_item = {op: n / items_run for op, n in sorted(dispatcher.requests.items())}
     _progress(f"memcpy {memcpy:.2f} GB/s, beside another copy {shared:.2f}; shm {result['gbps']:.2f} GB/s, "
               f"{result['items']} items of {item_mb:.1f} MB; the drafter copies at {result['copy_gbps']:.2f} GB/s and "
               f"spends {result['control_ms']:.2f} ms per item in get_hs/consumed/commit_step (a commit every "
               f"{config.drafter.accum_steps} items); the dispatcher's CPU {cpu_ms:.2f} ms per item")
     _progress(describe_timeline(timeline))
-    return {"memcpy_gbps": memcpy, "memcpy_shared_gbps": shared, "shm_gbps": result["gbps"],
+    _progress("the dispatcher's loop, us an item: " + ", ".join(f"{what} {us:.0f}" for what, us in loop_us.items())
+              + "; messages an item: " + ", ".join(f"{op} {n:.2f}" for op, n in messages_per_item.items()))
+    return {"shm_dispatcher_loop_us_per_item": loop_us, "shm_dispatcher_messages_per_item": messages_per_item,"memcpy_gbps": memcpy, "memcpy_shared_gbps": shared, "shm_gbps": result["gbps"],
             "shm_copy_gbps": result["copy_gbps"], "shm_control_ms": result["control_ms"],
             "shm_dispatcher_cpu_ms": cpu_ms,
             "shm_vs_memcpy": result["gbps"] / memcpy, "shm_vs_memcpy_shared": result["gbps"] / shared,
@@ -309,9 +331,11 @@ def _measure_protocol(ctx: Any, spec: BenchSpec, config: Config, *, rounds: int,
                 _progress(f"round {index + 1} of {rounds}")
             per_round.append(_measure_shm_round(ctx, spec, config, dispatcher, timeout_s))
         figures.update({key: statistics.median(r[key] for r in per_round) for key in per_round[0]
-                        if key != "shm_timeline"})
-        # the timeline of the round whose shm figure is the median (the upper one of an even count)
-        figures["shm_timeline"] = sorted(per_round, key=lambda r: r["shm_gbps"])[len(per_round) // 2]["shm_timeline"]
+                        if not isinstance(per_round[0][key], dict)})
+        # the timeline (and the dispatcher's loop by op) of the round whose shm figure is the median
+        # (the upper one of an even count)
+        median_round = sorted(per_round, key=lambda r: r["shm_gbps"])[len(per_round) // 2]
+        figures.update({key: value for key, value in median_round.items() if isinstance(value, dict)})
         figures["rounds"] = per_round
         result, cpu_s = dispatcher.while_running(lambda: _run_pair(
             ctx, "rtt", protocol_workers.shm_target, (config, spec, False, None),

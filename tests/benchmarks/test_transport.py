@@ -45,6 +45,9 @@ def test_bench_transport_json_and_clean_exit():
     assert 0 < offsets["write_end"] <= offsets["published"] <= offsets["reported"], offsets
     assert offsets["published"] <= offsets["granted"] <= offsets["read_start"] < offsets["read_end"], offsets
     assert 0 <= timeline["overlap"] <= 1 and timeline["target_cpu_ms"] > 0 and timeline["drafter_cpu_ms"] > 0
+    # where the dispatcher's loop went, per item, and the requests it answered: a drafter's get_hs per item
+    assert {"get_hs", "get_job", "poll"} <= set(figures["shm_dispatcher_loop_us_per_item"])
+    assert figures["shm_dispatcher_messages_per_item"]["get_hs"] >= 0.9
     table = format_table(figures)  # what the command prints without --json, from the same figures
     assert "memcpy over 6 buffers" in table and "shm arena, real protocol" in table
     assert "reads overlapping a write" in table
