@@ -203,6 +203,28 @@ def bottleneck_line(s: Snapshot, previous: Snapshot | None = None) -> str:
                                            tail=nothing_to_extract(s), done=s.done)
 
 
+LOOP_BUSY = 0.8  # the dispatcher's loop at this share of a core or more: requests start to queue behind each other
+LOOP_TOP = 5  # ops and phases named on the dispatcher line
+
+
+def dispatcher_line(s: Snapshot, previous: Snapshot | None = None) -> str | None:
+    """How much of a core the dispatcher's socket loop takes, and on what (its ``loop_cpu_s``): over
+    the interval since ``previous`` when it is the same dispatcher's, else since it started. None
+    when the snapshot carries no such figures (an older dispatcher)."""
+    before = previous.loop_cpu_s if previous is not None and previous.pid == s.pid else {}
+    wall = s.uptime_s - (previous.uptime_s if before else 0.0)
+    spent = {what: seconds - before.get(what, 0.0) for what, seconds in s.loop_cpu_s.items()}
+    spent = {what: seconds for what, seconds in spent.items() if seconds > 0}
+    if not spent or wall <= 0:
+        return None
+    busy = sum(spent.values()) / wall
+    top = sorted(spent.items(), key=lambda kv: -kv[1])[:LOOP_TOP]
+    line = f"dispatcher loop {busy:.0%} of a core: " + ", ".join(f"{what} {seconds / wall:.0%}" for what, seconds in top)
+    if busy >= LOOP_BUSY:
+        line += " — near one core: requests queue behind each other (docs/benchmarks.md, hsd bench scale --load)"
+    return line
+
+
 def format_stats(s: Snapshot, *, previous: Snapshot | None = None, rate: float | None = None) -> str:
     """The table ``hsd stats`` prints; ``previous`` (the last snapshot shown) and ``rate`` (committed
     jobs/s) make the idle shares and the ETA recent rather than averages since the start."""
@@ -243,6 +265,9 @@ def format_stats(s: Snapshot, *, previous: Snapshot | None = None, rate: float |
         lines.append(f"auth      curve: {auth.accepted} accepted, {auth.refused} keys refused, "
                      f"{auth.handshakes_failed} handshakes failed")
     lines.append(bottleneck_line(s, previous))
+    loop = dispatcher_line(s, previous)
+    if loop is not None:
+        lines.append(loop)
     lines.extend(waiting_lines(s.waiting_for))
     lines.append("")
     lines.append(f"{'worker':<12} {'id':<5} {'role':<8} {'state':<8} {'jobs':>6} {'tok/s':>10} {'idle':>6} "

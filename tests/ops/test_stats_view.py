@@ -8,8 +8,8 @@ from common.wire.stats_snapshot import AuthView, EpochView, RankView, Snapshot, 
 from core_harness import make_core, register
 from common.wire.stats_figures import format_q_hsb, pool_usage
 from dispatcher.snapshot import build_snapshot
-from ops.stats_view import (CommitRate, WAIT_THRESHOLD, bottleneck_line, eta_line, format_stats, name_bottleneck,
-                            remaining_jobs, stage_waits)
+from ops.stats_view import (CommitRate, WAIT_THRESHOLD, bottleneck_line, dispatcher_line, eta_line, format_stats,
+                            name_bottleneck, remaining_jobs, stage_waits)
 
 
 def worker(wid: str, role: str, *, alive_s: float, wait_s: float, state: str = "busy") -> WorkerView:
@@ -156,3 +156,22 @@ def test_samples_too_long_for_the_schedule_are_shown_and_survive_the_wire():
     assert ("dropped   7 sample(s) longer than the last bucket (256), in no epoch: sample 3, 9, 11, 12, 40, ..."
             in format_stats(s).splitlines())
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(s), type=Snapshot).dropped_samples == s.dropped_samples
+
+
+def test_the_dispatcher_line_says_how_much_of_a_core_its_loop_takes_and_on_what():
+    early = snapshot(t=100.0)
+    assert dispatcher_line(early) is None  # a dispatcher that sends no loop figures: no line
+    early.loop_cpu_s = {"get_hs": 10.0, "get_job": 8.0, "poll": 2.0}
+    assert dispatcher_line(early) == "dispatcher loop 20% of a core: get_hs 10%, get_job 8%, poll 2%"
+    assert "dispatcher loop 20% of a core" in format_stats(early)
+    # over the last 10 s the loop was busy 9 s of them: the recent share, and the warning
+    later = copy.deepcopy(early)
+    later.uptime_s += 10
+    later.loop_cpu_s = {"get_hs": 15.0, "get_job": 12.0, "poll": 2.5, "heartbeat": 0.5}
+    line = dispatcher_line(later, early)
+    assert line.startswith("dispatcher loop 100% of a core: get_hs 50%, get_job 40%, poll 5%, heartbeat 5%")
+    assert "near one core" in line
+    # a snapshot of another dispatcher (it restarted) is no baseline: since this one started
+    other = copy.deepcopy(early)
+    other.pid = 7
+    assert dispatcher_line(later, other).startswith("dispatcher loop 27% of a core")
