@@ -76,13 +76,14 @@ from typing import Any
 import psutil
 
 from benchmarks.scale_clients import ClientPlan, run_clients
-from benchmarks.scale_model import REQUEST_P99_TARGET_MS, GpuModel, counter_delta, gpus_served_in_time, step_figures
+from benchmarks.scale_model import REQUEST_P99_TARGET_MS, GpuModel, gpus_served_in_time, step_figures
 from benchmarks.scale_table import format_step, table_header
 from common.dataplane.shm_segment import list_segments, sweep_dead_segments
 from common.run.config import Config, DispatcherSection, load_config
 from common.run.records.rundir import read_state_file
 from common.wire import messages
 from common.wire.client import DispatcherClient, run_id_for
+from common.wire.stats_figures import counter_delta
 
 BUCKETS = (256, 512, 1024, 2048, 4096, 8192)  # the dispatcher bench's synthetic mix: ~3.3 samples a 16k job
 START_TIMEOUT_S = 60.0

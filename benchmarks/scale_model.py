@@ -112,11 +112,6 @@ def latency_figures(samples_ms: list[float]) -> dict[str, float | int]:
 REQUEST_OPS = ("get_job", "job_ready", "heartbeat", "commit_step")
 
 
-def counter_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
-    return {key: after.get(key, 0) - before.get(key, 0) for key in sorted(set(before) | set(after))
-            if after.get(key, 0) - before.get(key, 0)}
-
-
 def step_figures(*, model: GpuModel, load: float = 1.0, targets: int, drafters: int, window_s: float,
                  dispatcher_cpu_s: float,
                  loop_thread_cpu_s: float, items: int, requests: dict[str, int], given_back: dict[str, int],

@@ -61,6 +61,7 @@ import torch
 
 from common.wire import messages
 from common.wire.client import DispatcherClient, run_id_for
+from common.wire.stats_figures import counter_delta
 from common.run.config import Config, load_config
 from common.dataplane.cuda_ipc import cuda_ipc_available
 from common.dataplane.shm_arena import SHM_DIR, sweep_dead_segments
@@ -204,10 +205,10 @@ class DispatcherCPU:
         result = run()
         cpu = self.seconds() - cpu
         after = self.stats.call(messages.Stats(), timeout_s=30.0).stats
-        self.loop_cpu_s = {what: s - before.loop_cpu_s.get(what, 0.0) for what, s in after.loop_cpu_s.items()
-                           if what != "stats" and s > before.loop_cpu_s.get(what, 0.0)}
-        self.requests = {op: n - before.requests.get(op, 0) for op, n in after.requests.items()
-                         if op != "stats" and n > before.requests.get(op, 0)}
+        # the stats requests are the bench's own
+        self.loop_cpu_s = {what: s for what, s in counter_delta(before.loop_cpu_s, after.loop_cpu_s).items()
+                           if what != "stats"}
+        self.requests = {op: n for op, n in counter_delta(before.requests, after.requests).items() if op != "stats"}
         return result, cpu
 
 
@@ -300,8 +301,8 @@ def _measure_shm_round(ctx: Any, spec: BenchSpec, config: Config, dispatcher: Di
                                   since_ns=result.pop("window_start_ns"))
     target_stamps.unlink()
     item_mb = result["gbps"] * 1e3 * result["elapsed_s"] / result["items"]
-    cpu_ms = 1e3 * cpu_s / result["items_run"]
     items_run = result["items_run"]
+    cpu_ms = 1e3 * cpu_s / items_run
     loop_us = {what: 1e6 * s / items_run for what, s in sorted(dispatcher.loop_cpu_s.items(), key=lambda kv: -kv[1])}
     messages_per_item = {op: n / items_run for op, n in sorted(dispatcher.requests.items())}
     _progress(f"memcpy {memcpy:.2f} GB/s, beside another copy {shared:.2f}; shm {result['gbps']:.2f} GB/s, "
@@ -311,9 +312,10 @@ def _measure_shm_round(ctx: Any, spec: BenchSpec, config: Config, dispatcher: Di
     _progress(describe_timeline(timeline))
     _progress("the dispatcher's loop, us an item: " + ", ".join(f"{what} {us:.0f}" for what, us in loop_us.items())
               + "; messages an item: " + ", ".join(f"{op} {n:.2f}" for op, n in messages_per_item.items()))
-    return {"shm_dispatcher_loop_us_per_item": loop_us, "shm_dispatcher_messages_per_item": messages_per_item,"memcpy_gbps": memcpy, "memcpy_shared_gbps": shared, "shm_gbps": result["gbps"],
+    return {"memcpy_gbps": memcpy, "memcpy_shared_gbps": shared, "shm_gbps": result["gbps"],
             "shm_copy_gbps": result["copy_gbps"], "shm_control_ms": result["control_ms"],
-            "shm_dispatcher_cpu_ms": cpu_ms,
+            "shm_dispatcher_cpu_ms": cpu_ms, "shm_dispatcher_loop_us_per_item": loop_us,
+            "shm_dispatcher_messages_per_item": messages_per_item,
             "shm_vs_memcpy": result["gbps"] / memcpy, "shm_vs_memcpy_shared": result["gbps"] / shared,
             "memcpy_shared_vs_memcpy": shared / memcpy, "shm_timeline": timeline}
 

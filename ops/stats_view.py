@@ -17,7 +17,7 @@ from common.wire.stats_snapshot import Snapshot, WaitingFor, WorkerView, to_json
 from common.wire.client import DispatcherClient, DispatcherUnavailable
 from common.run.config import ConfigError, load_config, load_run_config
 from common.wire.curve import CurveClient, client_from_config, client_from_keys, handshake_refused
-from common.wire.stats_figures import format_nodes, format_q_hsb, pool_usage
+from common.wire.stats_figures import counter_delta, format_nodes, format_q_hsb, pool_usage
 from ops.report import dropped_line
 
 DEFAULT_RUN_DIR = "runs/demo"
@@ -140,10 +140,17 @@ def eta_line(s: Snapshot, rate: float) -> str:
 WAIT_THRESHOLD = 0.15
 
 
+def baseline(s: Snapshot, previous: Snapshot | None) -> Snapshot | None:
+    """``previous`` when it is the same dispatcher's (the figures since it are recent ones), else None:
+    a restarted dispatcher counts from zero."""
+    return previous if previous is not None and previous.pid == s.pid else None
+
+
 def stage_waits(s: Snapshot, previous: Snapshot | None = None) -> dict[str, float | None]:
     """Share of time each stage's workers waited: since the previous snapshot when there is one
     (workers present in both), else since each worker registered. None for a stage with no worker."""
-    old = {w.id: w for w in previous.workers} if previous is not None and previous.pid == s.pid else {}
+    base = baseline(s, previous)
+    old = {w.id: w for w in base.workers} if base is not None else {}
     waits: dict[str, float | None] = {}
     for role in ("target", "drafter"):
         workers = [w for w in s.workers if w.role == role]
@@ -211,10 +218,10 @@ def dispatcher_line(s: Snapshot, previous: Snapshot | None = None) -> str | None
     """How much of a core the dispatcher's socket loop takes, and on what (its ``loop_cpu_s``): over
     the interval since ``previous`` when it is the same dispatcher's, else since it started. None
     when the snapshot carries no such figures (an older dispatcher)."""
-    before = previous.loop_cpu_s if previous is not None and previous.pid == s.pid else {}
-    wall = s.uptime_s - (previous.uptime_s if before else 0.0)
-    spent = {what: seconds - before.get(what, 0.0) for what, seconds in s.loop_cpu_s.items()}
-    spent = {what: seconds for what, seconds in spent.items() if seconds > 0}
+    base = baseline(s, previous)
+    wall = s.uptime_s - (base.uptime_s if base is not None else 0.0)
+    spent = {what: seconds for what, seconds in
+             counter_delta(base.loop_cpu_s if base is not None else {}, s.loop_cpu_s).items() if seconds > 0}
     if not spent or wall <= 0:
         return None
     busy = sum(spent.values()) / wall

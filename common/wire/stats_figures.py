@@ -8,6 +8,13 @@ from __future__ import annotations
 from common.wire.stats_snapshot import NodeView, Snapshot
 
 
+def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What each of a snapshot's counters (``requests``, ``loop_cpu_s``, ...) grew by between two
+    snapshots of one dispatcher; those that did not move are left out."""
+    return {key: after.get(key, 0) - before.get(key, 0) for key in sorted(set(before) | set(after))
+            if after.get(key, 0) - before.get(key, 0)}
+
+
 def format_q_hsb(q_hsb: dict) -> str:
     """Ready slots per bucket as ``b0:1  b1:0  ...``: every bucket, empty ones as 0."""
     return "  ".join(f"b{b}:{n}" for b, n in q_hsb.items()) or "(no bucket)"
