@@ -71,7 +71,7 @@ from common.run.descriptors import TransportInfo
 from common.dataplane.slots import SlotLayout, format_bytes
 from benchmarks import protocol_workers, transport_workers as workers
 from benchmarks.transport_table import RTT_P99_TARGET_MS, TARGETS, format_table
-from benchmarks.transport_timeline import describe as describe_timeline, summarize as summarize_timeline
+from benchmarks.transport_timeline import cpus_busy, describe as describe_timeline, summarize as summarize_timeline
 from benchmarks.transport_workers import BenchSpec
 
 SLOT_TOKENS = 8192
@@ -300,9 +300,10 @@ def _measure_shm_round(ctx: Any, spec: BenchSpec, config: Config, dispatcher: Di
     timeline = summarize_timeline(json.loads(target_stamps.read_text()), result.pop("timeline"),
                                   since_ns=result.pop("window_start_ns"))
     target_stamps.unlink()
+    cpu_ms = 1e3 * cpu_s / result["items_run"]
+    timeline["cpus_busy"] = cpus_busy(timeline, cpu_ms, os.cpu_count() or 1)
     item_mb = result["gbps"] * 1e3 * result["elapsed_s"] / result["items"]
     items_run = result["items_run"]
-    cpu_ms = 1e3 * cpu_s / items_run
     loop_us = {what: 1e6 * s / items_run for what, s in sorted(dispatcher.loop_cpu_s.items(), key=lambda kv: -kv[1])}
     messages_per_item = {op: n / items_run for op, n in sorted(dispatcher.requests.items())}
     _progress(f"memcpy {memcpy:.2f} GB/s, beside another copy {shared:.2f}; shm {result['gbps']:.2f} GB/s, "

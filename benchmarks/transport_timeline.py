@@ -96,6 +96,8 @@ def summarize(target: dict[str, dict[str, int]], drafter: dict[str, dict[str, in
     def cpu_ms(key: str) -> float:
         """A process's CPU time per item, its copy and its control work (every thread) together."""
         return round((in_order[-1][key] - in_order[0][key]) / (len(in_order) - 1) / 1e6, 3)
+    pairs = list(zip(in_order, in_order[1:]))
+    mean_ms = lambda values: round(statistics.fmean(values) / 1e6, 3)  # noqa: E731
     return {
         "items": len(items),
         "offsets_ms": {e: round(median((i[e] - i["write_start"]) / 1e6 for i in items), 3) for e in OFFSET_EVENTS},
@@ -106,7 +108,24 @@ def summarize(target: dict[str, dict[str, int]], drafter: dict[str, dict[str, in
         "target_cpu_ms": cpu_ms("target_cpu"),
         "drafter_cpu_ms": cpu_ms("drafter_cpu"),
         "overlap": round(_intersection_ns(writes, _merge(reads)) / read_ns, 3) if read_ns else None,
+        # Means, which set the throughput (medians hide the slow tail): the drafter's time per item
+        # (one read start to the next), its idle gaps between reads, and the part of each gap spent
+        # before the next item was published (waiting for the target; the rest is the handoff:
+        # report, grant, and the loop's own work between two reads)
+        "cycle_ms": mean_ms([b["read_start"] - a["read_start"] for a, b in pairs]),
+        "drafter_idle_mean_ms": mean_ms([b["read_start"] - a["read_end"] for a, b in pairs]),
+        "idle_waiting_for_write_ms": mean_ms([min(b["read_start"] - a["read_end"], max(0, b["published"] - a["read_end"]))
+                                              for a, b in pairs]),
     }
+
+
+def cpus_busy(summary: dict[str, Any], dispatcher_cpu_ms: float, cpu_count: int) -> float | None:
+    """The share of the host's CPUs the target, the drafter and the dispatcher kept busy per item
+    (copies and control together): near 1, the control plane's CPU is taken from the copies."""
+    if "cycle_ms" not in summary or not summary["cycle_ms"]:
+        return None
+    used = summary["target_cpu_ms"] + summary["drafter_cpu_ms"] + dispatcher_cpu_ms
+    return round(used / (summary["cycle_ms"] * cpu_count), 3)
 
 
 def describe(summary: dict[str, Any]) -> str:
@@ -118,4 +137,7 @@ def describe(summary: dict[str, Any]) -> str:
             f"write {summary['write_ms']:.2f}, read {summary['read_ms']:.2f}, idle between copies: target "
             f"{summary['target_idle_ms'] or 0:.2f}, drafter {summary['drafter_idle_ms']:.2f}; reads overlapping a "
             f"write {summary['overlap']:.0%}; CPU per item: target {summary['target_cpu_ms']:.2f}, drafter "
-            f"{summary['drafter_cpu_ms']:.2f}")
+            f"{summary['drafter_cpu_ms']:.2f}; means per item: cycle {summary['cycle_ms']:.2f}, drafter idle "
+            f"{summary['drafter_idle_mean_ms']:.2f} ({summary['idle_waiting_for_write_ms']:.2f} of it before the item "
+            f"was published)" + (f"; the CPUs {summary['cpus_busy']:.0%} busy (copies and control together)"
+                                 if summary.get("cpus_busy") is not None else ""))

@@ -10,7 +10,7 @@ import math
 from common.dataplane.shm_arena import list_segments
 from benchmarks.transport import bench_layout
 from benchmarks.transport_table import format_table
-from benchmarks.transport_timeline import summarize
+from benchmarks.transport_timeline import cpus_busy, describe, summarize
 from benchmarks.transport_workers import BenchSpec, Meter, percentile
 from hsd_testing import assert_session_ended, run_hsd_in_session
 
@@ -105,4 +105,13 @@ def test_timeline_summary_measures_how_the_two_copies_overlap():
         assert summary["overlap"] == overlap and summary["drafter_idle_ms"] == idle
         assert summary["offsets_ms"]["read_start"] == 10 and summary["read_ms"] == summary["write_ms"] == 10
         assert summary["items"] == 5 and summary["target_cpu_ms"] == summary["drafter_cpu_ms"] == 10
+        # taking turns, every idle gap waits for the next write
+        assert summary["cycle_ms"] == 10 + idle and summary["drafter_idle_mean_ms"] == summary["idle_waiting_for_write_ms"] == idle
+        assert cpus_busy(summary, 2.0, 2) == round(22 / (2 * (10 + idle)), 3)
+    # Written as when overlapped, but each read starts 2 ms after the previous one ended, though the
+    # next item was published before: the gaps are all handoff, none of them waits for the target.
+    late = [_stamps((10 * k, 10 * k + 10), (12 * k + 10, 12 * k + 20), 10 * k) for k in range(5)]
+    summary = summarize({str(k): t for k, (t, _) in enumerate(late)}, {str(k): d for k, (_, d) in enumerate(late)})
+    assert summary["cycle_ms"] == 12 and summary["drafter_idle_mean_ms"] == 2 and summary["idle_waiting_for_write_ms"] == 0
+    assert "cycle 12.00, drafter idle 2.00 (0.00 of it before the item was published)" in describe(summary)
     assert summarize({}, {}) == {"items": 0}
