@@ -24,7 +24,9 @@ After every worker registered and ``--warmup`` seconds, a window of ``--seconds`
   ``messages_per_item`` by op (the dispatcher's request counters);
   ``loop_cpu_us_per_item`` the loop thread's CPU per item by what it went to (the dispatcher's
   ``loop_cpu_s``: each op's requests whole, ``poll``, ``serve``, ``expire``, ``sweep``, ...;
-  docs/stats.md) and ``loop_cpu_us_per_request`` each op's per request;
+  docs/stats.md) and ``loop_cpu_us_per_request`` each op's per request; ``loop_wakeups_per_item``
+  the loop's wake-ups per item and ``loop_cpu_us_per_wakeup`` its thread's CPU per wake-up (what a
+  message arriving alone costs: the messages that share a wake-up add little);
 - ``request_p50/p99/max_ms``: round trips the clients timed of get_job, job_ready (sent alone), heartbeat and
   commit_step (commit waits for the journal's fsync); ``latency_by_op`` each op's, get_hs too
   (a drafter's long poll: its time includes waiting for a ready slot);
@@ -370,6 +372,9 @@ def run_step(options: ScaleOptions, workers: int, step_dir: Path, load: float = 
                                        sorted(loop_cpu_s.items(), key=lambda kv: -kv[1])} if items else {}
     figures["loop_cpu_us_per_request"] = {op: 1e6 * loop_cpu_s[op] / n for op, n in figures["requests"].items()
                                           if n and op in loop_cpu_s}
+    wakeups = stats1.loop_wakeups - stats0.loop_wakeups
+    figures["loop_wakeups_per_item"] = wakeups / items if items else math.nan
+    figures["loop_cpu_us_per_wakeup"] = 1e6 * loop_cpu / wakeups if wakeups else math.nan
     figures["thread_cpu_us_per_item"] = {
         name: (ns - threads0.get(name, 0)) / 1e3 / items for name, ns in sorted(threads1.items())
         if items and ns > threads0.get(name, 0)}

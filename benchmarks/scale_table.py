@@ -53,6 +53,10 @@ def format_step(s: dict[str, Any]) -> str:
     per_request = s.get("loop_cpu_us_per_request") or {}
     if per_request:
         notes.append("loop us/request: " + ", ".join(f"{op} {us:.0f}" for op, us in sorted(per_request.items())))
+    wakeups = s.get("loop_wakeups_per_item")
+    if wakeups is not None and not math.isnan(wakeups):  # the loop woke in the window
+        notes.append(f"loop wake-ups/item {wakeups:.2f}, {s['loop_cpu_us_per_wakeup']:.0f} us of "
+                     f"the loop's CPU a wake-up")
     if s["duplicates"]:
         notes.append(f"EXACTLY-ONCE VIOLATED: {s['duplicates']} job(s) committed twice")
     if s["errors"]:

@@ -19,7 +19,8 @@ destination, and is measured for ``--seconds`` after a short warm-up (GB/s, 1 GB
   those calls per item; ``shm_dispatcher_cpu_ms`` the dispatcher's CPU time per item (on a host
   with few cores it is taken from the two copies), ``shm_dispatcher_loop_us_per_item`` its socket
   loop's by op or phase (its ``loop_cpu_s``, docs/stats.md) and ``shm_dispatcher_messages_per_item``
-  the requests it answered, by op (both of the median round).
+  the requests it answered, by op (both of the median round), ``shm_dispatcher_wakeups_per_item``
+  its loop's wake-ups (the median of the rounds).
 - ``shm_piped``: the same arena and the same copies, with a pipe between the two processes in place
   of the dispatcher: the data plane's ceiling on this host, so ``shm_vs_shm_piped`` is what the
   control plane keeps of it.
@@ -192,6 +193,7 @@ class DispatcherCPU:
         self.stats = stats  # its stats socket: where its socket loop's CPU went (loop_cpu_s)
         self.loop_cpu_s: dict[str, float] = {}  # over the last while_running(), by op or phase
         self.requests: dict[str, int] = {}  # ... and its requests by op
+        self.wakeups = 0  # ... and its loop's wake-ups
 
     def seconds(self) -> float:
         times = self.process.cpu_times()
@@ -209,6 +211,7 @@ class DispatcherCPU:
         self.loop_cpu_s = {what: s for what, s in counter_delta(before.loop_cpu_s, after.loop_cpu_s).items()
                            if what != "stats"}
         self.requests = {op: n for op, n in counter_delta(before.requests, after.requests).items() if op != "stats"}
+        self.wakeups = after.loop_wakeups - before.loop_wakeups
         return result, cpu
 
 
@@ -306,17 +309,19 @@ def _measure_shm_round(ctx: Any, spec: BenchSpec, config: Config, dispatcher: Di
     items_run = result["items_run"]
     loop_us = {what: 1e6 * s / items_run for what, s in sorted(dispatcher.loop_cpu_s.items(), key=lambda kv: -kv[1])}
     messages_per_item = {op: n / items_run for op, n in sorted(dispatcher.requests.items())}
+    wakeups_per_item = dispatcher.wakeups / items_run
     _progress(f"memcpy {memcpy:.2f} GB/s, beside another copy {shared:.2f}; shm {result['gbps']:.2f} GB/s, "
               f"{result['items']} items of {item_mb:.1f} MB; the drafter copies at {result['copy_gbps']:.2f} GB/s and "
               f"spends {result['control_ms']:.2f} ms per item in get_hs/consumed/commit_step (a commit every "
               f"{config.drafter.accum_steps} items); the dispatcher's CPU {cpu_ms:.2f} ms per item")
     _progress(describe_timeline(timeline))
     _progress("the dispatcher's loop, us an item: " + ", ".join(f"{what} {us:.0f}" for what, us in loop_us.items())
-              + "; messages an item: " + ", ".join(f"{op} {n:.2f}" for op, n in messages_per_item.items()))
+              + "; messages an item: " + ", ".join(f"{op} {n:.2f}" for op, n in messages_per_item.items())
+              + f"; wake-ups an item {wakeups_per_item:.2f}")
     return {"memcpy_gbps": memcpy, "memcpy_shared_gbps": shared, "shm_gbps": result["gbps"],
             "shm_copy_gbps": result["copy_gbps"], "shm_control_ms": result["control_ms"],
             "shm_dispatcher_cpu_ms": cpu_ms, "shm_dispatcher_loop_us_per_item": loop_us,
-            "shm_dispatcher_messages_per_item": messages_per_item,
+            "shm_dispatcher_messages_per_item": messages_per_item, "shm_dispatcher_wakeups_per_item": wakeups_per_item,
             "shm_vs_memcpy": result["gbps"] / memcpy, "shm_vs_memcpy_shared": result["gbps"] / shared,
             "memcpy_shared_vs_memcpy": shared / memcpy, "shm_timeline": timeline}
 

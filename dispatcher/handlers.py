@@ -239,4 +239,5 @@ class StatsView:
             build_snapshot(core, time.monotonic()), run_dir=str(self.run_dir), run_id=self.run_id,
             pid=os.getpid(), transport=self.data_plane.view(), waiters=len(self.polls),
             auth=self.auth.stats(secret=self.secret), loop_cpu_s=self.loop_cpu.seconds(),
+            loop_wakeups=self.loop_cpu.wakeups,
             nodes=node_summary(core.pool, core.workers, core.counters.reads, home=self.data_plane.node))

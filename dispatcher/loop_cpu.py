@@ -13,7 +13,11 @@ The loop reads its thread's CPU clock once per message it answers and a few time
 - ``durable``: replies released once the journal synced them, and handshake monitors;
 - ``stats``: the read-only stats socket.
 
-The totals reach ``hsd stats`` (``loop_cpu_s``) and ``/metrics``; ``hsd bench scale`` divides them by
+It also counts the loop's wake-ups (each return of its poller: messages waiting, a deadline, a
+timer), since a message that arrives alone pays for waking the loop, and one that shares a wake-up
+with others costs little more than its decode (docs/benchmarks.md).
+
+The totals reach ``hsd stats`` (``loop_cpu_s``, ``loop_wakeups``) and ``/metrics``; ``hsd bench scale`` divides them by
 items. A reading costs about half a microsecond (the thread CPU clock is a system call), one per
 message: about 1 % of what a message costs the loop. The loop's thread is the one that calls; the
 journal's sync thread and ZeroMQ's I/O thread are not in these figures.
@@ -30,7 +34,13 @@ _thread_ns = time.thread_time_ns  # looked up once: called for every message
 class LoopCpu:
     def __init__(self) -> None:
         self.ns: Counter[str] = Counter()
+        self.wakeups = 0
         self._mark = _thread_ns()
+
+    def woke(self) -> None:
+        """The poller returned: one more wake-up, its cost (the kernel's and ZeroMQ's) booked to ``poll``."""
+        self.wakeups += 1
+        self.charge("poll")
 
     def charge(self, what: str) -> None:
         """Book this thread's CPU time since the previous charge to ``what``."""

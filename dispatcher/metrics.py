@@ -120,6 +120,8 @@ def snapshot_families(s: Snapshot) -> Iterator[GaugeMetricFamily | CounterMetric
     if getattr(s, "loop_cpu_s", None):  # the serving dispatcher's (a core snapshot has none)
         yield _counter("hsd_loop_cpu_seconds", "The socket loop thread's CPU seconds, by the op or phase they went to.",
                        ("what",), _labelled(s.loop_cpu_s))
+        yield _counter("hsd_loop_wakeups", "The socket loop's wake-ups (its poller's returns).", (),
+                       [((), s.loop_wakeups)])
     yield _counter("hsd_errors", "Error replies by code.", ("code",), _labelled(s.errors))
     yield _counter("hsd_given_back", "Jobs given back by reason.", ("reason",), _labelled(s.given_back))
     yield _counter("hsd_lease_expiries", "Leases that expired (their jobs were given back).", (),

@@ -165,7 +165,7 @@ class DispatcherServer:
                 now = time.monotonic()
                 wake = min(next_sweep, self.polls.next_deadline)
                 events = dict(poller.poll(max(0, int(1000 * (wake - now))) + 1))
-                charge("poll")
+                self.loop_cpu.woke()
                 changed = False
                 if self.control in events:
                     changed |= self._drain(self.control, self._handle_control)

@@ -198,6 +198,7 @@ class Snapshot(CoreSnapshot, kw_only=True, omit_defaults=True):
     # the socket loop thread's CPU seconds by what they went to: a request's op, or poll, serve,
     # expire, sweep, durable, stats (dispatcher/loop_cpu.py)
     loop_cpu_s: dict[str, float] = {}
+    loop_wakeups: int = 0  # the socket loop's wake-ups (its poller's returns) since it started
 
 
 def serving_snapshot(core: CoreSnapshot, **served: Any) -> Snapshot:

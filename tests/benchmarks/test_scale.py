@@ -48,6 +48,7 @@ def test_a_tiny_sweep_runs_every_step_exactly_once_and_leaves_nothing(tmp_path):
         assert {"get_job", "get_hs", "poll"} <= set(s["loop_cpu_us_per_item"]), s["loop_cpu_us_per_item"]
         assert all(us >= 0 for us in s["loop_cpu_us_per_item"].values())
         assert s["loop_cpu_us_per_request"]["get_job"] > 0
+        assert s["loop_wakeups_per_item"] > 0 and s["loop_cpu_us_per_wakeup"] > 0
         assert s["duplicates"] == 0, "a job was committed twice"
         assert s["errors"] == {} and s["given_back"] == {}, (s["errors"], s.get("error_examples"))
         # a target reports a job ready on its next get_job unless one is in flight as the job ends

@@ -100,6 +100,8 @@ def test_bad_messages_get_typed_errors_and_the_dispatcher_keeps_serving(dispatch
     spent = snapshot["loop_cpu_s"]
     assert {"refused", "register", "get_job", "job_ready", "job_failed", "heartbeat", "deregister", "poll"} <= set(spent)
     assert all(seconds >= 0 for seconds in spent.values()) and sum(spent.values()) > 0
+    # each get_job above went out once the previous request was answered: each woke the loop
+    assert snapshot["loop_wakeups"] >= snapshot["requests"]["get_job"] > 0
 
 
 def test_a_drafters_registration_says_how_many_jobs_an_epoch_has(dispatcher, run_dir):
@@ -238,7 +240,7 @@ def test_prometheus_metrics_endpoint(run_dir, tmp_path):
         text = wait_for(scrape, 60, what="a /metrics scrape with a snapshot")
         assert 'hsd_jobs{state="pending"}' in text and "# TYPE hsd_steps_total counter" in text
         assert 'hsd_epoch_jobs{epoch="0"}' in text and "hsd_pool_bytes" in text
-        assert 'hsd_loop_cpu_seconds_total{what="poll"}' in text
+        assert 'hsd_loop_cpu_seconds_total{what="poll"}' in text and "hsd_loop_wakeups_total" in text
         os.kill(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     finally:
