@@ -196,6 +196,15 @@ class ControlChannel:
                                                None if interval_s is None else (interval_s, fields))))
         self._wake()
 
+    def forgotten(self) -> None:
+        """A reply said the dispatcher does not know this worker: beats stop, and every wait learns it
+        at once, as from a refused beat (a reply still pending, a collective's watch), until the
+        worker registers again (its next ``set_heartbeat`` clears it)."""
+        self.set_heartbeat(None)
+        with self._cond:
+            self.heartbeat_refused.set()
+            self._cond.notify_all()
+
     def beat_answer(self) -> tuple[int, int | None]:
         """(how many beats of the current heartbeat setting were answered, the membership the latest
         answer named: the version naming this worker then, 0 for none)."""

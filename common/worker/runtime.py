@@ -229,7 +229,10 @@ class WorkerSession:
             return self.channel.result(request_id, timeout_s=timeout_s)
         except ProtocolError as exc:
             if exc.code == ErrorCode.UNKNOWN_WORKER:
-                self.channel.set_heartbeat(None)
+                # every wait learns it, not only this one: a rank 0 whose commit was refused so (it was
+                # declared dead while paused) then waits in the outcome's broadcast for a peer that left
+                # the version, and would wait out drafter.collective_timeout_s with its beats stopped
+                self.channel.forgotten()
                 raise WorkerLost(exc.message) from None
             raise
         except DispatcherUnavailable as exc:
