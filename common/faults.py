@@ -5,7 +5,7 @@
     HSD_TEST_FAULTS="kill_at=drafter-0@committed:3,kill_at=drafter-1@committed:3,checkpoint_delay_s=0.5"
 
 Each fault is an entry of :data:`FAULTS` (what it does, where, and the value it takes; no value
-holds a comma); ``kill_at`` may be given several times, every other name once. The variable is parsed once per process (again
+holds a comma); ``kill_at`` and ``stop_at`` may be given several times, every other name once. The variable is parsed once per process (again
 only if it changes, as a test's monkeypatch does in-process), at import: an unknown name or a value
 that does not parse stops the process there, the message naming the entry. Production runs never
 set it, and each point below then costs one environment lookup.
@@ -32,7 +32,8 @@ log = logging.getLogger("hsd.faults")
 
 ENV = "HSD_TEST_FAULTS"
 EXIT_MID_WRITE = 3  # exit code of a process stopped by checkpoint_exit_at_step or drafter_exit_after_step
-KILL_POINTS = ("micro_batch", "backward", "allreduce", "committed")
+KILL_POINTS = ("micro_batch", "backward", "allreduce", "commit", "committed")
+ANY_DRAFTER = "*"  # stop_at's worker: whichever drafter reaches the point first
 
 
 class FaultSpecError(ValueError):
@@ -41,7 +42,8 @@ class FaultSpecError(ValueError):
 
 @dataclass(frozen=True)
 class KillAt:
-    """SIGKILL the drafter named ``worker`` at ``point`` of its first step numbered ``step`` or later."""
+    """SIGKILL (``kill_at``) or SIGSTOP (``stop_at``) the drafter named ``worker`` at ``point`` of its
+    first step numbered ``step`` or later."""
 
     worker: str
     point: str
@@ -130,9 +132,12 @@ FAULTS = {fault.name: fault for fault in (
           "as an uninterrupted one); each time it does"),
     Fault("kill_at", _kill_at, "drafter_worker.loop: <name>@<point>:<step> SIGKILLs the drafter named <name> at "
           "<point> (micro_batch: before its second micro-batch; backward: inside the backward of its second "
-          "micro-batch; allreduce: as it enters the gradient sum, its peers already in it; committed: rank 0 with "
+          "micro-batch; allreduce: as it enters the gradient sum, its peers already in it; commit: rank 0 before "
+          "it sends its commit, its peers waiting for the outcome; committed: rank 0 with "
           "its commit durable, before the outcome goes out to its peers) of its first step numbered <step> or "
           "later that it trains with peers; once per run directory", repeated=True),
+    Fault("stop_at", _kill_at, "drafter_worker.loop: as kill_at, but SIGSTOP (the test sends SIGCONT); <name> may "
+          "be * (whichever drafter reaches the point first); once per run directory", repeated=True),
     Fault("pending_outcome_delay_s", _seconds, "drafter_worker.commit: a group's rank 0 whose commit the restarted "
           "dispatcher could not answer waits this long before it shares that outcome, so its peers learn that the "
           "dispatcher forgot them from a refused heartbeat first"),
@@ -246,17 +251,27 @@ def exit_after_step(step: int, logger: logging.Logger, model_id: str) -> None:
 
 
 def kills_armed() -> bool:
-    """Whether any ``kill_at`` is set (a loop installs its backward hook only then)."""
-    return bool(active().get("kill_at"))
+    """Whether any ``kill_at`` or ``stop_at`` is set (a loop installs its backward hook only then)."""
+    faults = active()
+    return bool(faults.get("kill_at") or faults.get("stop_at"))
 
 
 def kill_at(worker: str, point: str, *, step: int, run_dir: str | os.PathLike) -> None:
-    """SIGKILL this process if a ``kill_at`` names ``worker`` at ``point`` of ``step`` or an earlier step."""
-    for kill in active().get("kill_at", ()):
+    """SIGKILL this process if a ``kill_at`` names ``worker`` at ``point`` of ``step`` or an earlier step
+    (SIGSTOP for a ``stop_at``, whose worker may be any)."""
+    faults = active()
+    for kill in faults.get("kill_at", ()):
         if ((kill.worker, kill.point) == (worker, point) and kill.step <= step
                 and fires_once(run_dir, f"kill-{worker}-{point}-{kill.step}")):
             log.error("%s: SIGKILL at %s of step %s (%s kill_at)", worker, point, kill.step, ENV)
             os.kill(os.getpid(), signal.SIGKILL)
+    for stop in faults.get("stop_at", ()):
+        if (stop.worker in (worker, ANY_DRAFTER) and stop.point == point and stop.step <= step
+                and fires_once(run_dir, f"stop-{stop.worker}-{point}-{stop.step}")):
+            log.error("%s: SIGSTOP at %s of step %s (%s stop_at)", worker, point, stop.step, ENV)
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def disk_full_after(place: str) -> int | None:

@@ -318,6 +318,8 @@ class DrafterLoop(WorkerLoop):
         if not job_ids:
             return self._round_end(RoundEnd(rounds, stepped=False, after=group.version))
         group.sync_gradients(self._all_reduce)
+        if group.rank == 0:
+            self._test_fault("commit")  # its peers wait for the outcome
         self.commits.send(job_ids, self.window, rounds, busy_s=busy_s, wait_s=time.perf_counter() - ready_at)
         self.window = []
         if not group.settles_now(no_job=no_job, flush=flush, done=done, answered=self.commits.answered):
@@ -373,6 +375,6 @@ class DrafterLoop(WorkerLoop):
         self.group.all_reduce(tensor)
 
     def _test_fault(self, point: str) -> None:
-        """``kill_at``: only in a step this rank trains with peers."""
+        """``kill_at``, ``stop_at``: only in a step this rank trains with peers."""
         if self._kill_at and self.group.world_size > 1:
             faults.kill_at(self.name, point, step=self.backend.step + 1, run_dir=self.run_dir)

@@ -14,6 +14,9 @@ import os
 import signal
 import time
 
+import psutil
+
+from common import faults
 from common.run.records.events import MembershipOpened
 from common.run.records.journal import read_journal
 from hsd_testing import assert_exactly_once, kill_tree, report, start_hsd, stats, wait_for
@@ -67,6 +70,44 @@ def test_a_stopped_rank_holds_its_group_no_longer_than_its_death_and_rejoins_whe
     launch_log = (tmp_path / "launch.log").read_text()
     assert "exited with code" not in launch_log, launch_log[-3000:]  # the paused rank never gave up
     # it came back as a new member: a 2-rank version opened after the survivor's version alone
+    memberships = [e for e in read_journal(run_dir) if isinstance(e, MembershipOpened)]
+    alone = next(m.version for m in memberships if len(m.ranks) == 1)
+    assert any(len(m.ranks) == 2 and m.version > alone for m in memberships), memberships
+
+
+def test_a_rank0_paused_before_its_commit_is_told_it_was_forgotten_and_rejoins_at_once(run_dir, tmp_path,
+                                                                                        monkeypatch):
+    """Rank 0 stops (SIGSTOP) with the step's gradients summed, before it sends the commit; declared
+    dead, the survivor goes on alone. Resumed, its commit is answered "unknown worker": it keeps the
+    step pending and registers again at once — it does not wait in the outcome's broadcast for a peer
+    that has left the version (which would hold it until that peer's process ends with the run)."""
+    monkeypatch.setenv(faults.ENV, f"stop_at={faults.ANY_DRAFTER}@commit:3")
+    launch = start_hsd("launch", *_args(run_dir), log_path=tmp_path / "launch.log")
+    stopped = None
+    try:
+        def a_stopped_drafter():
+            s = stats(run_dir)
+            for w in (s or {}).get("workers", []):
+                if w["role"] == "drafter" and psutil.pid_exists(w["pid"]) and \
+                        psutil.Process(w["pid"]).status() == psutil.STATUS_STOPPED:
+                    return w
+            return None
+        victim = wait_for(a_stopped_drafter, 180, interval=0.05, what="rank 0 stopped before its commit")
+        stopped = victim["pid"]
+        wait_for(lambda: (lambda s: s is not None and s["groups"]["drafter"]["world_size"] == 1
+                          and s["groups"]["drafter"]["steps_since_change"] >= 1)(stats(run_dir)), 60,
+                 what="the survivor committing alone")
+        os.kill(stopped, signal.SIGCONT)
+        stopped = None
+        assert launch.wait(timeout=240) == 0, (tmp_path / "launch.log").read_text()[-4000:]
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
+        kill_tree(launch)
+    assert_exactly_once(report(run_dir))
+    log_text = (run_dir / "logs" / f"{victim['name']}.log").read_text()
+    assert "SIGSTOP at commit" in log_text, log_text[-3000:]
+    assert "registering again" in log_text and log_text.count("registered as") == 2, log_text[-3000:]
     memberships = [e for e in read_journal(run_dir) if isinstance(e, MembershipOpened)]
     alone = next(m.version for m in memberships if len(m.ranks) == 1)
     assert any(len(m.ranks) == 2 and m.version > alone for m in memberships), memberships
