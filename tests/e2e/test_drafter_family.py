@@ -7,6 +7,7 @@ handed to its backend; its checkpoints' exports load as its proposer through the
 
 from __future__ import annotations
 
+import importlib
 import os
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import yaml
 
 from common.run.capture_contract import build_contract
 from common.run.config import ConfigError, load_config
+from common.run import drafter_family
 from common.run.drafter_family import ENV, family_of, load_families
 from common.run.witness import latest_checkpoint
 from drafter_worker.speculative_eval import as_proposer, load_proposer
@@ -27,7 +29,13 @@ MODULE = "toy_family"
 
 @pytest.fixture
 def toy(monkeypatch):
+    """The toy family registered for this test only: left in the table, it would put its section into
+    every config this test process writes afterwards, which a process started without
+    HSD_DRAFTER_FAMILIES refuses (another test's bench, run next by the same worker)."""
     load_families([MODULE])
+    family = importlib.import_module(MODULE).FAMILY  # registered at its first import only
+    drafter_family._FAMILIES.pop(family.objective, None)
+    monkeypatch.setitem(drafter_family._FAMILIES, family.objective, family)  # gone again after the test
     monkeypatch.setenv(ENV, MODULE)  # the launched processes import it
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
     return family_of("toy")
