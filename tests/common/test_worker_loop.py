@@ -18,10 +18,7 @@ import torch
 
 from common.worker import loop as worker_loop
 from drafter_worker import commit as drafter_commit
-from common.wire import messages
 from common.wire.client import run_id_for
-from common.worker.gpu_health import ReportingSession
-from common.worker.runtime import DispatcherAddress, WorkerLost
 from common.wire.messages import ModelClaim, PendingCommit
 from common.dataplane.slots import SlotView
 from drafter_worker.loop import DrafterLoop
@@ -110,27 +107,6 @@ def test_a_drafter_whose_compute_hides_a_round_trip_sends_its_consumed_on_the_ne
         commit = next(c for c in fake.ops("commit_step") if report.request.job_id in c.request.job_ids)
         assert _index(fake, report) < _index(fake, commit)
     assert loop.backend.step == 4 and list(loop.backend.trained) == [1, 2, 3, 4]
-
-
-def test_a_request_refused_as_unknown_ends_every_wait_of_the_session_until_it_registers_again(tmp_path, fake):
-    """A commit answered "unknown worker" (this worker was declared dead while paused): the poll
-    still parked ends at once, as after a refused heartbeat, and so does any wait that watches for
-    that refusal (a rank's collective), rather than at its own bound; registering again clears it."""
-    session = ReportingSession(DispatcherAddress(endpoint=fake.endpoint), "drafter", "drafter-0")
-    try:
-        session.register()
-        parked = session.submit(messages.GetHS(wait_ms=30_000))  # nothing ready: the fake parks it
-        fake.commit_faults.append("forget")
-        with pytest.raises(WorkerLost):
-            session.call(messages.CommitStep(model="drafter-0", step=1, job_ids=[], busy_s=0.0))
-        assert session.channel.heartbeat_refused.is_set()  # what a collective's watch reads
-        with pytest.raises(WorkerLost):  # not its empty answer, 30 s on
-            session.result(parked, timeout_s=60)
-        session.register()
-        assert not session.channel.heartbeat_refused.is_set()
-        assert isinstance(session.call(messages.Consumed(job_id=1)), messages.Ack)
-    finally:
-        session.close(deregister=False)
 
 
 def test_target_prefetches_its_second_job_and_lists_it_while_extracting(tmp_path, fake):

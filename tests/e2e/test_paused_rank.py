@@ -39,6 +39,19 @@ def _step(s: dict) -> int:
     return s["models"]["drafter"]["step"] if "drafter" in s["models"] else 0
 
 
+def _rejoined(run_dir, name: str) -> str:
+    """The run trained every job once, and ``name`` (declared dead while stopped) was told so once it
+    woke, registered again and came back as a new member: a 2-rank version opened after the
+    survivor's version alone. Its log."""
+    assert_exactly_once(report(run_dir))
+    log_text = (run_dir / "logs" / f"{name}.log").read_text()
+    assert "registering again" in log_text and log_text.count("registered as") == 2, log_text[-3000:]
+    memberships = [e for e in read_journal(run_dir) if isinstance(e, MembershipOpened)]
+    alone = next(m.version for m in memberships if len(m.ranks) == 1)
+    assert any(len(m.ranks) == 2 and m.version > alone for m in memberships), memberships
+    return log_text
+
+
 def test_a_stopped_rank_holds_its_group_no_longer_than_its_death_and_rejoins_when_resumed(run_dir, tmp_path):
     launch = start_hsd("launch", *_args(run_dir), log_path=tmp_path / "launch.log")
     stopped = None
@@ -62,17 +75,10 @@ def test_a_stopped_rank_holds_its_group_no_longer_than_its_death_and_rejoins_whe
         if stopped is not None:
             os.kill(pid, signal.SIGCONT)
         kill_tree(launch)
-    assert_exactly_once(report(run_dir))
-    log_text = (run_dir / "logs" / "drafter-1.log").read_text()
-    # declared dead while it was stopped: told so once it woke, it registered again
-    assert "registering again" in log_text and log_text.count("registered as") == 2, log_text[-3000:]
+    log_text = _rejoined(run_dir, "drafter-1")
     assert "DispatcherGone" not in log_text and "no dispatcher" not in log_text, log_text[-3000:]
     launch_log = (tmp_path / "launch.log").read_text()
     assert "exited with code" not in launch_log, launch_log[-3000:]  # the paused rank never gave up
-    # it came back as a new member: a 2-rank version opened after the survivor's version alone
-    memberships = [e for e in read_journal(run_dir) if isinstance(e, MembershipOpened)]
-    alone = next(m.version for m in memberships if len(m.ranks) == 1)
-    assert any(len(m.ranks) == 2 and m.version > alone for m in memberships), memberships
 
 
 def test_a_rank0_paused_before_its_commit_is_told_it_was_forgotten_and_rejoins_at_once(run_dir, tmp_path,
@@ -104,10 +110,5 @@ def test_a_rank0_paused_before_its_commit_is_told_it_was_forgotten_and_rejoins_a
         if stopped is not None:
             os.kill(stopped, signal.SIGCONT)
         kill_tree(launch)
-    assert_exactly_once(report(run_dir))
-    log_text = (run_dir / "logs" / f"{victim['name']}.log").read_text()
+    log_text = _rejoined(run_dir, victim["name"])
     assert "SIGSTOP at commit" in log_text, log_text[-3000:]
-    assert "registering again" in log_text and log_text.count("registered as") == 2, log_text[-3000:]
-    memberships = [e for e in read_journal(run_dir) if isinstance(e, MembershipOpened)]
-    alone = next(m.version for m in memberships if len(m.ranks) == 1)
-    assert any(len(m.ranks) == 2 and m.version > alone for m in memberships), memberships
