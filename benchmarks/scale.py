@@ -78,6 +78,7 @@ from typing import Any
 import psutil
 
 from benchmarks.scale_clients import ClientPlan, run_clients
+from benchmarks.scale_floor import FloorPlan, measure_floor
 from benchmarks.scale_model import REQUEST_P99_TARGET_MS, GpuModel, gpus_served_in_time, step_figures
 from benchmarks.scale_table import format_step, table_header
 from common.dataplane.shm_segment import list_segments, sweep_dead_segments
@@ -111,6 +112,9 @@ class ScaleOptions:
     # then stands for `load` workers (its jobs come `load` times as fast, its heartbeats are due `load`
     # times as often), so the traffic of 3,000+ GPUs fits in the connections 2 client cores can hold.
     loads: tuple[float, ...] = (1.0,)
+    # After each step, a bare ZeroMQ echo answers the step's connections at its request rate
+    # (benchmarks.scale_floor): what any Python loop over ZeroMQ pays a request on this host.
+    floor: bool = True
 
 
 def _progress(message: str) -> None:
@@ -382,7 +386,29 @@ def run_step(options: ScaleOptions, workers: int, step_dir: Path, load: float = 
                    lost_workers=sum(r["lost"] for r in results), dispatcher_exit_code=exit_code,
                    shm_left=len(left),
                    error_examples={code: text for r in results for code, text in r["error_examples"].items()})
+    if options.floor and items:
+        figures.update(floor_figures(figures, options, step_dir))
     return figures
+
+
+def floor_figures(figures: dict[str, Any], options: ScaleOptions, step_dir: Path) -> dict[str, Any]:
+    """The socket floor at this step's connections and request rate, and the step set against it:
+    ``dispatcher_cpu_us_per_request`` (every thread), ``floor_cpu_us_per_item`` (the floor a request
+    times the step's requests an item: the least an item costs at this message count) and
+    ``over_floor`` (the dispatcher's CPU a request ÷ the floor's)."""
+    requests = sum(figures["requests"].values())
+    rate = requests / figures["window_s"]
+    _progress(f"socket floor: a bare echo answering {figures['workers']} connections at {rate:,.0f} requests/s")
+    floor = measure_floor(FloorPlan(endpoint=f"ipc://{step_dir / 'floor.sock'}", connections=figures["workers"],
+                                    requests_per_s=rate, clients=options.clients,
+                                    warmup_s=min(options.warmup_s, 2.0), seconds=options.seconds,
+                                    seed=options.seed), cpu_ns_by_thread_name)
+    per_request = 1e6 * figures["dispatcher_cpu_pct"] / 100 / rate if rate else math.nan
+    floor_per_request = floor["floor_cpu_us_per_request"]
+    return {**floor, "requests_per_item": requests / figures["items"],
+            "dispatcher_cpu_us_per_request": per_request,
+            "floor_cpu_us_per_item": floor_per_request * requests / figures["items"],
+            "over_floor": per_request / floor_per_request if floor_per_request > 0 else math.nan}
 
 
 def _target_jobs(stats: messages.Snapshot) -> int:

@@ -57,6 +57,14 @@ def format_step(s: dict[str, Any]) -> str:
     if wakeups is not None and not math.isnan(wakeups):  # the loop woke in the window
         notes.append(f"loop wake-ups/item {wakeups:.2f}, {s['loop_cpu_us_per_wakeup']:.0f} us of "
                      f"the loop's CPU a wake-up")
+    if s.get("floor_cpu_us_per_request") is not None:
+        notes.append(
+            f"socket floor (a bare echo, {s['floor_connections']} connections at {s['floor_requests_per_s']:,.0f} "
+            f"requests/s): {_num(s['floor_cpu_us_per_request'], '.0f')} us a request (loop "
+            f"{_num(s['floor_loop_us_per_request'], '.0f')}, I/O {_num(s['floor_io_us_per_request'], '.0f')}), "
+            f"{_num(s['floor_requests_per_wakeup'], '.2f')} requests a wake-up; x {s['requests_per_item']:.2f} "
+            f"requests an item = {_num(s['floor_cpu_us_per_item'], '.0f')} us an item; the dispatcher "
+            f"{_num(s['dispatcher_cpu_us_per_request'], '.0f')} us a request, {_num(s['over_floor'], '.1f')}x the floor")
     if s["duplicates"]:
         notes.append(f"EXACTLY-ONCE VIOLATED: {s['duplicates']} job(s) committed twice")
     if s["errors"]:

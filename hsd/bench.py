@@ -46,7 +46,7 @@ def cmd_bench_scale(args) -> int:
         raise ConfigError("--heartbeat-s must be positive")
     options = ScaleOptions(workers=tuple(workers), seconds=args.seconds, warmup_s=args.warmup, clients=args.clients,
                            model=model, heartbeat_s=args.heartbeat_s, work_dir=args.dir, seed=args.seed,
-                           same_host=args.same_host, loads=tuple(loads))
+                           same_host=args.same_host, loads=tuple(loads), floor=not args.no_floor)
     return run_scale_bench(options, as_json=args.json)
 
 
@@ -203,6 +203,8 @@ def add_bench_parser(sub) -> None:
                    "the traffic of thousands of GPUs fits in the connections the clients hold")
     b.add_argument("--same-host", action="store_true", help="workers register from this host (the dispatcher then "
                    "checks each one's process every sweep) rather than from hosts of their own")
+    b.add_argument("--no-floor", action="store_true", help="skip the socket floor after each step (a bare ZeroMQ "
+                   "echo answering the step's connections at its request rate)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--dir", default="", help="where to create the temporary run directories")
     b.add_argument("--json", action="store_true")

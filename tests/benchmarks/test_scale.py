@@ -56,6 +56,14 @@ def test_a_tiny_sweep_runs_every_step_exactly_once_and_leaves_nothing(tmp_path):
         assert s["requests_timed"] > 0 and s["request_p50_ms"] <= s["request_p99_ms"] <= s["request_max_ms"]
         assert len(s["client_cpu_pct"]) == 2 and s["journal_bytes_per_s"] > 0
         assert s["dispatcher_exit_code"] == 0 and s["shm_left"] == 0
+        # the socket floor: a bare echo answered the step's connections at about its request rate
+        assert s["floor_connections"] == s["workers"] and s["floor_requests_per_s"] > 0
+        if s["thread_cpu_us_per_item"]:  # each thread's schedstat is kept: the echo's threads are timed too
+            assert s["floor_cpu_us_per_request"] >= s["floor_loop_us_per_request"] > 0
+        assert s["floor_requests_per_wakeup"] > 0
+        assert s["requests_per_item"] == pytest.approx(sum(s["messages_per_item"].values()))
+        assert s["floor_cpu_us_per_item"] == pytest.approx(s["floor_cpu_us_per_request"] * s["requests_per_item"])
+        assert s["over_floor"] == pytest.approx(s["dispatcher_cpu_us_per_request"] / s["floor_cpu_us_per_request"])
     assert sum(s["committed"] for s in steps) > 0  # a drafter commits every 4 micro-batches
     in_time = result["gpus_served_within_p99_ms"]
     assert in_time["p99_ms"] == 10 and (in_time["gpus"] is None or in_time["gpus"] == max(
@@ -143,7 +151,14 @@ def test_step_figures_and_the_table_row():
     assert figures["client_cpu_pct"] == [5.0, 95.0] and figures["client_saturated"]
     assert figures["journal_bytes_per_item"] == 400
     row = format_step(figures)
-    assert "3+1" in row and "saturated" in row
+    assert "3+1" in row and "saturated" in row and "socket floor" not in row  # a step run without the floor
+    floor = {"floor_connections": 4, "floor_requests_per_s": 20.5, "floor_cpu_us_per_request": 60.0,
+             "floor_loop_us_per_request": 35.0, "floor_io_us_per_request": 25.0, "floor_requests_per_wakeup": 1.5,
+             "requests_per_item": 4.1, "dispatcher_cpu_us_per_request": 240.0, "floor_cpu_us_per_item": 246.0,
+             "over_floor": 4.0}
+    assert ("socket floor (a bare echo, 4 connections at 20 requests/s): 60 us a request (loop 35, I/O 25), "
+            "1.50 requests a wake-up; x 4.10 requests an item = 246 us an item; the dispatcher 240 us a request, "
+            "4.0x the floor") in format_step({**figures, **floor})
     assert "27,000 tokens/s" in table_header(GpuModel())
     empty = step_figures(
         model=GpuModel(), targets=1, drafters=1, window_s=1.0, dispatcher_cpu_s=0.01, loop_thread_cpu_s=0.01,
