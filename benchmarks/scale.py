@@ -40,6 +40,11 @@ After every worker registered and ``--warmup`` seconds, a window of ``--seconds`
 - ``client_cpu_pct``: each client process's CPU (of one core); ``client_saturated`` when one
   exceeds 90 %: then the workers, not the dispatcher, may set the pace. ``steal_pct`` and
   ``other_cpu_pct`` (the rest of the host's use, of all its cores) say how busy the host was.
+- the socket floor (:mod:`benchmarks.scale_floor`, after the step; ``--no-floor`` skips it): a bare
+  ZeroMQ echo answering the step's connections at its request rate, ``floor_cpu_us_per_request``
+  (``floor_loop_us_per_request``, ``floor_io_us_per_request``) and ``floor_requests_per_wakeup``;
+  ``floor_cpu_us_per_item`` is the floor times the step's ``requests_per_item`` (what the sockets
+  alone cost an item), ``over_floor`` the dispatcher's ``dispatcher_cpu_us_per_request`` ÷ the floor's.
 
 With ``--load L`` (a list, a step each for every ``--workers`` step) every simulated worker runs at
 L times the GPU model's rates: its jobs come L times as fast and its heartbeats are due L times as
