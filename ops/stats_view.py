@@ -215,7 +215,8 @@ LOOP_TOP = 5  # ops and phases named on the dispatcher line
 
 
 def dispatcher_line(s: Snapshot, previous: Snapshot | None = None) -> str | None:
-    """How much of a core the dispatcher's socket loop takes, and on what (its ``loop_cpu_s``): over
+    """How much of a core the dispatcher's socket loop takes, how often it wakes and for how many
+    requests a wake-up, and on what (its ``loop_cpu_s``): over
     the interval since ``previous`` when it is the same dispatcher's, else since it started. None
     when the snapshot carries no such figures (an older dispatcher)."""
     base = baseline(s, previous)
@@ -226,7 +227,12 @@ def dispatcher_line(s: Snapshot, previous: Snapshot | None = None) -> str | None
         return None
     busy = sum(spent.values()) / wall
     top = sorted(spent.items(), key=lambda kv: -kv[1])[:LOOP_TOP]
-    line = f"dispatcher loop {busy:.0%} of a core: " + ", ".join(f"{what} {seconds / wall:.0%}" for what, seconds in top)
+    line = f"dispatcher loop {busy:.0%} of a core"
+    wakeups = s.loop_wakeups - (base.loop_wakeups if base is not None else 0)
+    if wakeups > 0:  # a message that wakes the loop alone costs it most (docs/benchmarks.md)
+        requests = sum(counter_delta(base.requests if base is not None else {}, s.requests).values())
+        line += f", {wakeups / wall:,.0f} wake-ups/s ({requests / wakeups:.1f} requests each)"
+    line += ": " + ", ".join(f"{what} {seconds / wall:.0%}" for what, seconds in top)
     if busy >= LOOP_BUSY:
         line += " — near one core: requests queue behind each other (docs/benchmarks.md, hsd bench scale --load)"
     return line

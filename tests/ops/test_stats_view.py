@@ -171,6 +171,11 @@ def test_the_dispatcher_line_says_how_much_of_a_core_its_loop_takes_and_on_what(
     line = dispatcher_line(later, early)
     assert line.startswith("dispatcher loop 100% of a core: get_hs 50%, get_job 40%, heartbeat 5%, poll 5%")  # ties by name
     assert "near one core" in line
+    # and how often it woke: a loop that wakes for every request pays most for each
+    later.loop_wakeups, later.requests = 5_000, {**early.requests, "get_hs": early.requests.get("get_hs", 0) + 12_000}
+    early.loop_wakeups = 1_000
+    assert dispatcher_line(later, early).startswith(
+        "dispatcher loop 100% of a core, 400 wake-ups/s (3.0 requests each): get_hs 50%")
     # a snapshot of another dispatcher (it restarted) is no baseline: since this one started
     other = copy.deepcopy(early)
     other.pid = 7
