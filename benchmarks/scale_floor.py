@@ -100,8 +100,9 @@ def echo_server(endpoint: str, reply: bytes, counts: Any, ready: Any, stop: Any)
         ctx.term()
 
 
-def echo_clients(plan: FloorPlan, index: int, request: bytes, stop: Any) -> None:
-    """This process's share of the connections, each sending ``request`` at its rate, one in flight."""
+def echo_clients(plan: FloorPlan, index: int, request: bytes, started: Any, stop: Any) -> None:
+    """This process's share of the connections, each sending ``request`` at its rate, one in flight;
+    ``started`` is set once every connection of it is open."""
     rng = random.Random(plan.seed * 1000 + index)
     mine = range(index, plan.connections, plan.clients)
     period = len(mine) / (plan.requests_per_s * len(mine) / plan.connections) if mine else 1.0
@@ -120,6 +121,7 @@ def echo_clients(plan: FloorPlan, index: int, request: bytes, stop: Any) -> None
         in_flight.append(False)
         due.append((now + rng.random() * period, k))
     heapq.heapify(due)
+    started.set()
 
     def drain(k: int) -> None:
         sock = socks[k]
@@ -170,11 +172,19 @@ def measure_floor(plan: FloorPlan, thread_ns: Any) -> dict[str, float]:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the floor's echo did not start within {START_TIMEOUT_S:.0f}s")
         request = request_bytes()
+        started = []
         for k in range(max(1, min(plan.clients, plan.connections))):
-            proc = ctx.Process(target=echo_clients, args=(plan, k, request, stop),
+            started.append(ctx.Event())
+            proc = ctx.Process(target=echo_clients, args=(plan, k, request, started[-1], stop),
                                name=f"hsd-bench-scale-floor-client-{k}")
             proc.start()
             clients.append(proc)
+        for proc, event in zip(clients, started):  # the warm-up counts from every connection open
+            while not event.wait(0.2):
+                if not proc.is_alive():
+                    raise RuntimeError(f"{proc.name} exited with code {proc.exitcode} while starting")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{proc.name} did not start within {START_TIMEOUT_S:.0f}s")
         time.sleep(plan.warmup_s)
         threads0, counts0, t0 = thread_ns(server.pid), tuple(counts), time.monotonic()
         time.sleep(plan.seconds)
