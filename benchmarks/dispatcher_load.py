@@ -32,6 +32,7 @@ import psutil
 
 from benchmarks.latency import LatencyHistogram
 from benchmarks.load_clients import SimDrafter, SimModel, SimTarget, mix64_array
+from benchmarks.pool_pick import pick_section
 from common.mix import MASK64
 from common.run.config import opt
 from common.run.records.job_ids import make_job_id
@@ -392,6 +393,12 @@ def format_result(result: dict[str, Any]) -> str:
     lines.append(f"{'op':<16} {'calls':>10} {'p99_ms':>9} {'max_ms':>9}")
     for kind, stats in result["per_op"].items():
         lines.append(f"{kind:<16} {stats['calls']:>10} {stats['p99_ms']:>9.3f} {stats['max_ms']:>9.2f}")
+    picks = result.get("pick_across_nodes") or []
+    if picks:
+        lines.append("")
+        lines.append("pick across nodes (pool.transport=nixl: the reservoir per node, locality=prefer), mean of pick alone:")
+        lines.extend(f"  {p['nodes']:>4} nodes, {p['ready']:>5} ready slots: {p['pick_us']:>7.1f} us a pick "
+                     f"({p['served']} of {p['picks']} served)" for p in picks)
     return "\n".join(lines)
 
 
@@ -402,11 +409,16 @@ def run_dispatcher_load(options: DispatcherLoadOptions, *, as_json: bool) -> int
         raise ValueError(f"--dir {parent} is not a directory")
     run_dir = tempfile.mkdtemp(prefix="hsd-bench-dispatcher-", dir=parent)
     pin_mmap_threshold()  # as the dispatcher process does
-    load = DispatcherLoad(options, run_dir, log=lambda text: print(text, file=sys.stderr, flush=True))
+    def log(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    load = DispatcherLoad(options, run_dir, log=log)
     try:
         result = load.run()
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+    log("timing the pick across nodes (pool.transport=nixl's path)")
+    result["pick_across_nodes"] = pick_section()
     result["load_avg"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(result) if as_json else format_result(result))
     return 0 if result["exactly_once"] else 1

@@ -29,6 +29,8 @@ import random
 from bisect import bisect_left, insort
 from collections import Counter, defaultdict
 from dataclasses import dataclass
+from heapq import merge
+from itertools import chain
 from typing import Any, Iterable, NamedTuple, get_args
 
 from common.run.config import Locality, Pull
@@ -150,6 +152,12 @@ class HSPool:
         self._ready: dict[int, dict[int, dict[int, ReadyJob]]] = defaultdict(lambda: defaultdict(dict))
         # the same job ids, each bucket's in order: a pick draws one by its rank without sorting them
         self._ready_ids: dict[int, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
+        # ... and each bucket's by node for the slots that live on one (not the arena's), in order, no
+        # empty list kept: a pick restricted to some nodes (servable, local) merges their lists
+        # instead of walking every ready slot
+        self._ready_ids_on: dict[int, dict[int, dict[str | None, list[int]]]] = defaultdict(
+            lambda: defaultdict(dict))
+        self._num_ids_on: Counter = Counter()  # (epoch, bucket) -> the ids listed in _ready_ids_on
         self._num_ready = 0
         self._ready_on: Counter = Counter()  # node -> its ready slots
         self._num_ready_on_nodes = 0  # ready slots that live on a node (not the dispatcher's arena)
@@ -272,6 +280,10 @@ class HSPool:
     def has_ready(self, epoch: int) -> bool:
         return self._ready_in.get(epoch, 0) > 0
 
+    def ready_on(self, node: str | None) -> int:
+        """Ready slots living on ``node`` (None: the dispatcher's arena)."""
+        return self._ready_on[node]
+
     @property
     def effective_min_ready(self) -> int:
         """min_ready, capped by what the slots that exist can hold ready while a target writes the next
@@ -315,15 +327,17 @@ class HSPool:
             if bucket is None:
                 return None
             return ready[bucket][self.rng.choice(self._ready_ids[epoch][bucket])]
-        allowed = (lambda job: True) if servable is None else (lambda job: job.node in servable)
-        candidates = {b: [j for j in self._ready[epoch].get(b, {}).values() if allowed(j)] for b in
-                      (self._ready[epoch] if self.pull == "random" else eligible)}
-        candidates = {b: jobs for b, jobs in candidates.items() if jobs}
+        # Candidates are job ids in order, per bucket: those on servable nodes, then those local to the
+        # drafter; a draw takes one by its rank (as sorting the slots would order them).
+        ready = self._ready[epoch]
+        blocked = frozenset() if servable is None else frozenset(
+            n for n, count in self._ready_on.items() if count and n not in servable)
+        candidates = {b: ids for b in (ready if self.pull == "random" else eligible)
+                      if (ids := self._ids_on(epoch, b, blocked))}
         if not candidates:
             return None
         if self.locality == "prefer" and node is not None:
-            local = {b: [j for j in jobs if j.local_to(node)] for b, jobs in candidates.items()}
-            local = {b: jobs for b, jobs in local.items() if jobs}
+            local = {b: ids for b in candidates if (ids := self._ids_on(epoch, b, blocked, near=node))}
             if not local and waited_s < self.remote_after_s:
                 return None
             if self.pull == "deficit":
@@ -335,15 +349,36 @@ class HSPool:
                             and (b not in window or bucket in window)}
                     if near:
                         bucket = choose_bucket(near, window=window, rng=self.rng)
-                jobs = local.get(bucket) or candidates[bucket]
-                return self.rng.choice(sorted(jobs, key=lambda j: j.job_id))
+                return ready[bucket][self.rng.choice(local.get(bucket) or candidates[bucket])]
             if local:
                 candidates = local
         if self.pull == "random":
-            choices = [job for jobs in candidates.values() for job in jobs]
-            return self.rng.choice(sorted(choices, key=lambda j: j.job_id))
-        jobs = candidates[choose_bucket(eligible, window=window, rng=self.rng, available=candidates)]
-        return self.rng.choice(sorted(jobs, key=lambda j: j.job_id))
+            where = {job_id: b for b, ids in candidates.items() for job_id in ids}
+            job_id = self.rng.choice(sorted(where))
+            return ready[where[job_id]][job_id]
+        bucket = choose_bucket(eligible, window=window, rng=self.rng, available=candidates)
+        return ready[bucket][self.rng.choice(candidates[bucket])]
+
+    def _ids_on(self, epoch: int, bucket: int, blocked: frozenset, *, near: str | None = None) -> list[int]:
+        """The ready job ids of ``bucket`` in order, on nodes not ``blocked`` (below their reservoir);
+        with ``near``, only those local to a drafter of that node (its own and the arena's). The list
+        may be the index's own: read it, never change it."""
+        every = self._ready_ids[epoch].get(bucket)
+        if not every:
+            return []
+        per_node = self._ready_ids_on[epoch].get(bucket) or {}
+        if self._num_ids_on[epoch, bucket] < len(every):  # some are the arena's: listed under None
+            on_nodes = set(chain.from_iterable(per_node.values()))
+            per_node = {**per_node, None: [job_id for job_id in every if job_id not in on_nodes]}
+        if near is None:
+            if blocked.isdisjoint(per_node):
+                return every
+            lists = [ids for n, ids in per_node.items() if n not in blocked]
+        else:
+            lists = [ids for n in (near, None) if n not in blocked and (ids := per_node.get(n))]
+        if len(lists) <= 1:
+            return lists[0] if lists else []
+        return list(merge(*lists))
 
     def begin_read(self, ready: ReadyJob) -> None:
         slot = self.slots[ready.slot]
@@ -376,6 +411,9 @@ class HSPool:
         jobs = self._ready[epoch][bucket]
         if slot.job_id not in jobs:
             insort(self._ready_ids[epoch][bucket], slot.job_id)
+            if slot.node is not None:
+                insort(self._ready_ids_on[epoch][bucket].setdefault(slot.node, []), slot.job_id)
+                self._num_ids_on[epoch, bucket] += 1
         jobs[slot.job_id] = ReadyJob(slot.job_id, epoch, bucket, slot.id, slot.node)
         self._ready_at[slot.id] = (epoch, bucket)
         self._ready_in[epoch] += 1
@@ -388,6 +426,13 @@ class HSPool:
         if where is not None and self._ready[where[0]][where[1]].pop(slot.job_id, None) is not None:
             ids = self._ready_ids[where[0]][where[1]]
             del ids[bisect_left(ids, slot.job_id)]
+            if slot.node is not None:
+                per_node = self._ready_ids_on[where[0]][where[1]]
+                ids = per_node[slot.node]
+                del ids[bisect_left(ids, slot.job_id)]
+                if not ids:
+                    del per_node[slot.node]
+                self._num_ids_on[where] -= 1
             self._ready_in[where[0]] -= 1
             self._num_ready -= 1
             self._ready_on[slot.node] -= 1

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 from benchmarks.dispatcher_load import DispatcherLoad, samples_for_jobs
 from benchmarks.load_clients import SimDrafter, SimModel
+from benchmarks.pool_pick import SIZES
 from common.run.records.job_ids import make_job_id
 from hsd_testing import hsd
 
@@ -34,6 +35,10 @@ def test_small_run_commits_every_job_exactly_once_by_the_models_witness(tmp_path
     assert result["duplicates"] == 0 and result["missing"] == 0 and result["exactly_once"] is True
     assert result["restart_answer"] == "done" and result["restart_s"] > 0
     assert os.listdir(tmp_path) == []          # the temporary run directory is gone (no slot memory exists)
+    # the pick across nodes, timed: every drafter of every node was served, each node kept topped up
+    picks = result["pick_across_nodes"]
+    assert [(p["nodes"], p["ready"]) for p in picks] == [(n, n * r) for n, r in SIZES]
+    assert all(p["served"] == p["picks"] and p["pick_us"] > 0 for p in picks)
 
 
 def test_witness_check_catches_a_job_trained_twice_or_never():

@@ -13,7 +13,7 @@ from core_harness import Sim, make_core, small_lengths
 from common.run.descriptors import NixlExport
 from common.wire.stats_figures import format_nodes
 from dispatcher.nodes import node_summary
-from dispatcher.pool import LOCAL_SLACK, HSPool
+from dispatcher.pool import LOCAL_SLACK, HSPool, choose_bucket
 from ops.report import build_report
 
 
@@ -119,3 +119,89 @@ def test_targets_on_one_node_drafters_on_another(tmp_path):
     core, report = _two_node_run(tmp_path, drafter_nodes=["b", "b"], target_nodes=["a"])
     assert report["reads"]["local"] == 0 and report["reads"]["remote"] == report["jobs_total"]
     assert (report["committed"], report["duplicates"], report["lost"]) == (report["jobs_total"], 0, 0)
+
+
+def _walking_pick(pool: HSPool, ready: dict[int, tuple[int, int, str | None]], *, eligible: dict[int, float],
+                  window: set[int], node: str | None, servable: set[str | None], waited_s: float):
+    """What a pick draws when it walks every ready slot and sorts the candidates by job id (the
+    reference the indexed pick must match draw for draw). ``ready``: job id -> (bucket, slot, node)."""
+    rng = pool.rng
+    by_bucket: dict[int, list[int]] = {}
+    for job_id, (bucket, _, slot_node) in ready.items():
+        if slot_node in servable:
+            by_bucket.setdefault(bucket, []).append(job_id)
+    buckets = sorted({b for b, _, _ in ready.values()}) if pool.pull == "random" else list(eligible)
+    candidates = {b: sorted(by_bucket[b]) for b in buckets if by_bucket.get(b)}
+    if not candidates:
+        return None
+    if pool.locality == "prefer" and node is not None:
+        local = {b: [j for j in ids if ready[j][2] in (None, node)] for b, ids in candidates.items()}
+        local = {b: ids for b, ids in local.items() if ids}
+        if not local and waited_s < pool.remote_after_s:
+            return None
+        if pool.pull == "deficit":
+            bucket = choose_bucket(eligible, window=window, rng=rng, available=candidates)
+            if bucket not in local:
+                near = {b: eligible[b] for b in local if eligible[b] >= eligible[bucket] - LOCAL_SLACK
+                        and (b not in window or bucket in window)}
+                if near:
+                    bucket = choose_bucket(near, window=window, rng=rng)
+            return rng.choice(local.get(bucket) or candidates[bucket])
+        if local:
+            candidates = local
+    if pool.pull == "random":
+        return rng.choice(sorted(j for ids in candidates.values() for j in ids))
+    return rng.choice(candidates[choose_bucket(eligible, window=window, rng=rng, available=candidates)])
+
+
+@pytest.mark.parametrize("pull,locality", [("deficit", "prefer"), ("random", "prefer"), ("deficit", "any")])
+def test_the_indexed_multi_node_pick_draws_what_walking_every_ready_slot_draws(pull, locality):
+    """Across nodes a pick looks only at the ready ids of the servable nodes (and of the drafter's own
+    node and the arena), kept in order per node: it must draw the same job, with the same random
+    numbers, as walking every ready slot. Three nodes and the arena, reservoirs that block some of
+    them, drafters of every node, ids published in no order, readers that die and put a slot back."""
+    rng = random.Random(11)
+    pool = HSPool(min_ready=3, target_credits=100, pull=pull, seed=5, locality=locality, remote_after_s=1.0)
+    twin = HSPool(min_ready=3, target_credits=100, pull=pull, seed=5, locality=locality, remote_after_s=1.0)
+    owners = {"a": "ta", "b": "tb", "c": "tc", None: None}
+    for p in (pool, twin):
+        for k, node in enumerate(owners):
+            p.add_slots(range(10 * k, 10 * k + 8), owner=owners[node], node=node)
+    totals, taken = {0: 40, 1: 25, 2: 20, 3: 15}, Counter()
+    ready: dict[int, tuple[int, int, str | None]] = {}
+    job_ids = iter(rng.sample(range(10**9), 3000))
+    picked = 0
+    for _ in range(600):
+        for node, owner in owners.items():
+            slot = pool.writable_slot(owner or "arena-writer")
+            if slot is not None and pool.slots[slot].node == node and rng.random() < 0.5:
+                job_id, bucket = next(job_ids), rng.choice(list(totals))
+                for p in (pool, twin):
+                    p.begin_write(slot, owner or "arena-writer", job_id)
+                    p.publish(slot, epoch=0, bucket=bucket)
+                ready[job_id] = (bucket, slot, node)
+        servable = pool.servable_nodes(draining=rng.random() < 0.2)
+        eligible = pool.eligible(0, totals=totals, taken=taken)
+        window = set(rng.sample(list(totals), rng.randint(0, 3)))
+        node, waited_s = rng.choice(list(owners)), rng.choice([0.0, 5.0])
+        got = pool.pick(0, eligible=eligible, window=window, node=node, servable=servable, waited_s=waited_s)
+        want = _walking_pick(twin, ready, eligible=eligible, window=window, node=node, servable=servable,
+                             waited_s=waited_s)
+        assert (got.job_id if got else None) == want
+        if got is None:
+            continue
+        assert (got.bucket, got.slot, got.node) == ready[got.job_id]
+        died = rng.random() < 0.2  # the reader died before its copy: the slot is ready again
+        for p in (pool, twin):
+            p.begin_read(got)
+            if died:
+                p.unread(got.slot, epoch=0, bucket=got.bucket)
+            else:
+                p.release(got.slot)
+        if died:
+            continue
+        del ready[got.job_id]
+        taken[got.bucket] += 1
+        picked += 1
+    assert pool.rng.random() == twin.rng.random()
+    assert picked > 200 and pool.num_ready == len(ready)
