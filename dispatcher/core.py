@@ -254,6 +254,15 @@ class DispatcherCore:
             return DONE
         return self.jobs.take_pending(worker, now)
 
+    def targets_wait(self) -> str | None:
+        """Why every target's get_job finds nothing now (``starved``, ``blocked``), asked once for all
+        of them; None when the run is done or some target may be served."""
+        return None if self.done else self.jobs.why_no_target_is_served()
+
+    def target_waits(self, worker_id: str, reason: str, now: float) -> None:
+        """What a target's get_job that found nothing for ``reason`` leaves."""
+        self.registry.wait(self.worker(worker_id, now), reason, now)
+
     def job_ready(self, worker_id: str, job_id: int, generation: int, busy_s: float, now: float) -> None:
         self.jobs.job_ready(self.worker(worker_id, now), job_id, generation, busy_s)
 

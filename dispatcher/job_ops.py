@@ -158,6 +158,17 @@ class JobOps:
         self.registry.end_wait(worker, now)
         return self.grant(job, slot_id)
 
+    def why_no_target_is_served(self) -> str | None:
+        """What every target's get_job finds now, asked once for all of them: ``starved`` (no job
+        pending, nor an epoch to start), ``blocked`` (no free slot anywhere: each target's own and the
+        arena's are all taken), or None when some target may be served (a free slot, a pending job)."""
+        self.store.maybe_start_next()  # as take_pending does first
+        if not self.ledger.num_pending:
+            return "starved"
+        if not self.pool.has_free_slot():
+            return "blocked"
+        return None
+
     def job_ready(self, worker: Worker, job_id: int, generation: int, busy_s: float) -> None:
         job = self.ledger.mark_ready(job_id, worker.id, generation)
         self.pool.publish(job.slot, epoch=job.epoch, bucket=job.bucket)

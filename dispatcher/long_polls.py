@@ -56,11 +56,13 @@ WaiterKey = tuple[str, type]
 
 
 class LongPolls:
-    """The parked polls, in the order they were parked, kept in two queues: lone drafters' ``get_hs``
+    """The parked polls, in the order they were parked, kept in three queues: lone drafters' ``get_hs``
     (all of them find nothing while no ready slot may be handed out, which is asked once for the
-    whole queue) and the rest (``get_job``, a group rank's ``get_hs``, ``join_group``). A rank stays a
-    rank for the life of its worker id, so a poll's queue is known when it is parked. Deadlines sit
-    in a heap, so finding the next one and expiring the due ones cost nothing per parked poll."""
+    whole queue), targets' ``get_job`` (all of them find nothing while no job is pending or no slot
+    is free, asked once likewise) and the rest (a group rank's ``get_hs``, ``join_group``). A rank
+    stays a rank for the life of its worker id, so a poll's queue is known when it is parked.
+    Deadlines sit in a heap, so finding the next one and expiring the due ones cost nothing per
+    parked poll."""
 
     def __init__(self, core: DispatcherCore, send: Callable[[bytes, messages.Reply], None], *,
                  loop_cpu: LoopCpu | None = None):
@@ -68,18 +70,21 @@ class LongPolls:
         self.send = send  # to the control socket
         self.loop_cpu = loop_cpu  # a parked poll answered by serve(): its CPU is booked to its op
         self._lone_hs: dict[WaiterKey, Waiter] = {}
+        self._targets: dict[WaiterKey, Waiter] = {}
         self._others: dict[WaiterKey, Waiter] = {}
         self._deadlines: list[tuple[float, int, WaiterKey]] = []  # a heap; an entry whose waiter left is skipped
         self._unmarked: set[WaiterKey] = set()  # lone get_hs waiters not yet counted starved since last tried
+        self._unmarked_targets: set[WaiterKey] = set()  # get_job waiters not yet counted waiting since last tried
+        self._targets_wait_reason: str | None = None  # what the get_job waiters not tried since were last counted waiting for
         self._seq = 0
 
     @property
     def waiters(self) -> list[Waiter]:
-        """Every parked poll (the others first, then the lone drafters' get_hs)."""
-        return [*self._others.values(), *self._lone_hs.values()]
+        """Every parked poll (the others first, then the targets' get_job, then the lone drafters' get_hs)."""
+        return [*self._others.values(), *self._targets.values(), *self._lone_hs.values()]
 
     def __len__(self) -> int:
-        return len(self._others) + len(self._lone_hs)
+        return len(self._others) + len(self._targets) + len(self._lone_hs)
 
     @property
     def next_deadline(self) -> float:
@@ -92,13 +97,15 @@ class LongPolls:
     def _parked(self, entry: tuple[float, int, WaiterKey]) -> Waiter | None:
         """The waiter a heap entry stands for, if it is still parked (not answered or replaced)."""
         key = entry[2]
-        waiter = self._lone_hs.get(key) or self._others.get(key)
+        waiter = self._lone_hs.get(key) or self._targets.get(key) or self._others.get(key)
         return waiter if waiter is not None and waiter.seq == entry[1] else None
 
     def _remove(self, key: WaiterKey) -> None:
         self._lone_hs.pop(key, None)
+        self._targets.pop(key, None)
         self._others.pop(key, None)
         self._unmarked.discard(key)
+        self._unmarked_targets.discard(key)
 
     def poll(self, identity: bytes, request: Poll, now: float) -> tuple[PollReply | None, bool]:
         """(the answer now, whether the pool changed: it handed something out or freed a slot): the
@@ -128,6 +135,9 @@ class LongPolls:
         if isinstance(request, messages.GetHS) and self.core.is_lone_drafter(request.worker_id):
             self._lone_hs[key] = waiter
             self._unmarked.add(key)
+        elif isinstance(request, messages.GetJob):
+            self._targets[key] = waiter
+            self._unmarked_targets.add(key)
         else:
             self._others[key] = waiter
         heapq.heappush(self._deadlines, (waiter.deadline, waiter.seq, key))
@@ -174,9 +184,14 @@ class LongPolls:
         While no ready slot may be handed out, every lone drafter's get_hs finds nothing, and finding
         nothing changes nothing: that is asked once (``lone_drafters_starved``) for the whole queue,
         which then waits without a look at each poll (one that was not counted starved since it was
-        last tried is counted once). It is asked again after a poll was answered."""
+        last tried is counted once). It is asked again after a poll was answered. Targets' get_job
+        likewise: while no job is pending or no slot is free (``targets_wait``) none is tried, and
+        after each one answered it is asked again, so a freed slot costs one try, not one for each
+        parked target."""
         for key, waiter in list(self._others.items()):
             self._try_again(key, waiter, now)
+        if self._targets:
+            self._serve_targets(now)
         if not self._lone_hs:
             return
         core = self.core
@@ -195,6 +210,22 @@ class LongPolls:
                     core.starved(unmarked[0], now)
             self._unmarked.clear()
 
+    def _serve_targets(self, now: float) -> None:
+        core = self.core
+        waits = core.targets_wait()
+        if waits is None:
+            for key, waiter in list(self._targets.items()):
+                if self._try_again(key, waiter, now) and (waits := core.targets_wait()) is not None:
+                    break
+        if waits is not None:  # the polls not tried find nothing: each waits for that reason
+            # the ones not tried since they were counted waiting for it already are
+            recount = self._targets if waits != self._targets_wait_reason else self._unmarked_targets
+            for key in recount:
+                if key[0] in core.workers:
+                    core.target_waits(key[0], waits, now)
+            self._unmarked_targets.clear()
+            self._targets_wait_reason = waits
+
     def _try_again(self, key: WaiterKey, waiter: Waiter, now: float) -> bool:
         """Whether the parked poll was answered (and left its queue)."""
         request_id = waiter.request.id
@@ -210,6 +241,8 @@ class LongPolls:
         if reply is None:
             if key in self._lone_hs:
                 self._unmarked.add(key)  # what it found nothing for may not be the starved pool's
+            elif key in self._targets:
+                self._unmarked_targets.add(key)
             return False
         self._remove(key)
         self.send(waiter.identity, reply)
@@ -243,4 +276,5 @@ class LongPolls:
         for waiter in self.waiters:
             self.send(waiter.identity, counted_error(self.core, waiter.request.id, ErrorCode.UNKNOWN_WORKER,
                                                      "the dispatcher is stopping"))
-        self._lone_hs, self._others, self._deadlines, self._unmarked = {}, {}, [], set()
+        self._lone_hs, self._targets, self._others, self._deadlines = {}, {}, {}, []
+        self._unmarked, self._unmarked_targets, self._targets_wait_reason = set(), set(), None

@@ -70,3 +70,37 @@ def test_a_poll_answered_at_once_takes_its_parked_predecessor_with_it(tmp_path):
     polls.serve(0.2)
     polls.expire(5.0)
     assert sent == []  # the worker gave up on id 1: it is neither served nor answered empty
+
+
+def test_parked_targets_cost_one_look_while_no_slot_is_free_and_a_freed_slot_one_try(tmp_path):
+    """Drafters slower than targets fill the pool, and every target's get_job parks: a state change
+    must not try each of them (hundreds, at every consumed slot), only ask once whether any may be
+    served, and a freed slot must cost one try, not one per parked target."""
+    core = make_core(tmp_path, shared_slots=4, min_ready=1, credits=2)
+    targets = register(core, "target", 32)
+    writers, parked = targets[:2], targets[2:]
+    (drafter,) = register(core, "drafter", 1)
+    grants = [core.get_job(w, 1.0) for w in writers for _ in range(2)]  # 2 targets x 2 credits: every slot taken
+    assert all(g.job is not None for g in grants) and not core.pool.has_free_slot()
+    sent: list[tuple[bytes, messages.Reply]] = []
+    polls = LongPolls(core, lambda identity, reply: sent.append((identity, reply)))
+    for k, target in enumerate(parked):
+        reply, _ = polls.poll(target.encode(), messages.GetJob(id=k, worker_id=target, wait_ms=10_000), 1.0)
+        assert reply is None  # no free slot: parked
+    tries = []
+    take_pending = core.jobs.take_pending
+    core.jobs.take_pending = lambda worker, now: tries.append(worker.id) or take_pending(worker, now)
+
+    polls.serve(2.0)  # a state change that freed nothing
+    assert sent == [] and tries == []
+    assert all(core.workers[t].wait_reason == "blocked" and core.workers[t].waiting_since == 1.0 for t in parked)
+
+    for grant in grants[:2]:  # two slots written, read and copied out: two free
+        core.job_ready(writers[0], grant.job.job_id, grant.job.generation, 0.1, 3.0)
+        taken, _ = core.get_hs(drafter, 3.0)
+        core.consumed(drafter, taken.job.job_id, 3.0)
+    polls.serve(3.0)
+    assert [identity for identity, _ in sent] == [parked[0].encode(), parked[1].encode()]  # first parked, first served
+    assert all(reply.job is not None for _, reply in sent) and tries == parked[:2]  # not 30 tries
+    assert len(polls.waiters) == 28 and not core.pool.has_free_slot()
+    assert all(core.workers[t].wait_reason == "blocked" for t in parked[2:])
