@@ -120,6 +120,9 @@ class ScaleOptions:
     # After each step, a bare ZeroMQ echo answers the step's connections at its request rate
     # (benchmarks.scale_floor): what any Python loop over ZeroMQ pays a request on this host.
     floor: bool = True
+    # The drafters as a fraction of what keeps up with the targets (GpuModel.split): below 1 a
+    # drafter-bound run, the pool full and every target's get_job waiting for a slot.
+    drafter_fraction: float = 1.0
 
 
 def _progress(message: str) -> None:
@@ -316,7 +319,7 @@ def _host_figures(before: tuple[Any, float], after: tuple[Any, float], own_cpu_s
 
 
 def run_step(options: ScaleOptions, workers: int, step_dir: Path, load: float = 1.0) -> dict[str, Any]:
-    targets, drafters = options.model.split(workers)
+    targets, drafters = options.model.split(workers, options.drafter_fraction)
     overrides = dispatcher_overrides(step_dir, options, targets, drafters, load)
     config = load_config(None, overrides)
     at_load = f", each at {load:g}× the GPU model's rates" if load != 1 else ""
@@ -443,6 +446,7 @@ def run_scale_bench(options: ScaleOptions, *, as_json: bool) -> int:
                                     "target_jobs_per_s": options.model.target_jobs_per_s},
                           "loads": list(options.loads), "seconds": options.seconds, "warmup_s": options.warmup_s, "clients": options.clients,
                           "cpu_count": os.cpu_count(), "same_host": options.same_host,
+                          "drafter_fraction": options.drafter_fraction,
                           "gpus_served_within_p99_ms": {"p99_ms": REQUEST_P99_TARGET_MS, "gpus": in_time},
                           "steps": steps}), indent=2))
     else:

@@ -45,16 +45,21 @@ class GpuModel:
         return GpuModel(tokens_per_s=self.tokens_per_s * load, job_tokens=self.job_tokens,
                         drafter_batches_per_s=self.drafter_batches_per_s * load)
 
-    def split(self, workers: int) -> tuple[int, int]:
+    def split(self, workers: int, drafter_fraction: float = 1.0) -> tuple[int, int]:
         """``workers`` as (targets, drafters): as few drafters as consume what the targets produce with
         ``DRAFTER_HEADROOM`` to spare (rounded up), at least one of each. Drafters with exactly the
         targets' rate would be a queue at full load: ready slots would pile up until the pool is full
-        and every get_job waited for a slot, whatever the dispatcher's own speed."""
+        and every get_job waited for a slot, whatever the dispatcher's own speed. ``drafter_fraction``
+        scales that many drafters (the rest are targets): below 1 the drafters are the bottleneck, the
+        pool fills and the targets wait for free slots, as in a run whose drafters train slower than
+        its targets capture."""
         if workers < 2:
             raise ValueError(f"a sweep step needs at least 2 workers (a target and a drafter), got {workers}")
         produced = self.target_jobs_per_s * DRAFTER_HEADROOM
         share = produced / (produced + self.drafter_batches_per_s)
         drafters = min(workers - 1, max(1, math.ceil(workers * share)))
+        if drafter_fraction != 1.0:
+            drafters = min(workers - 1, max(1, round(drafters * drafter_fraction)))
         return workers - drafters, drafters
 
     def gpus_per_core(self, cpu_s_per_item: float) -> float:

@@ -44,9 +44,12 @@ def cmd_bench_scale(args) -> int:
         raise ConfigError("--seconds must be positive, --warmup not negative and --clients at least 1")
     if args.heartbeat_s is not None and not args.heartbeat_s > 0:
         raise ConfigError("--heartbeat-s must be positive")
+    if not args.drafter_fraction > 0:
+        raise ConfigError("--drafter-fraction must be positive")
     options = ScaleOptions(workers=tuple(workers), seconds=args.seconds, warmup_s=args.warmup, clients=args.clients,
                            model=model, heartbeat_s=args.heartbeat_s, work_dir=args.dir, seed=args.seed,
-                           same_host=args.same_host, loads=tuple(loads), floor=not args.no_floor)
+                           same_host=args.same_host, loads=tuple(loads), floor=not args.no_floor,
+                           drafter_fraction=args.drafter_fraction)
     return run_scale_bench(options, as_json=args.json)
 
 
@@ -203,6 +206,8 @@ def add_bench_parser(sub) -> None:
                    "the traffic of thousands of GPUs fits in the connections the clients hold")
     b.add_argument("--same-host", action="store_true", help="workers register from this host (the dispatcher then "
                    "checks each one's process every sweep) rather than from hosts of their own")
+    b.add_argument("--drafter-fraction", type=float, default=1.0, help="drafters as a fraction of what keeps up "
+                   "with the targets (below 1: a drafter-bound run, the pool full, every target waiting for a slot)")
     b.add_argument("--no-floor", action="store_true", help="skip the socket floor after each step (a bare ZeroMQ "
                    "echo answering the step's connections at its request rate)")
     b.add_argument("--seed", type=int, default=0)

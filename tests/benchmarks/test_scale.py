@@ -80,6 +80,8 @@ def test_bad_sweep_is_refused_with_exit_2():
     assert "--workers" in proc.stderr
     proc = hsd("bench", "scale", "--workers", "16", "--load", "0", check=False, timeout=60)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "--load" in proc.stderr
+    proc = hsd("bench", "scale", "--workers", "16", "--drafter-fraction", "0", check=False, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "--drafter-fraction" in proc.stderr
 
 
 def test_the_gpu_model_splits_workers_into_as_few_drafters_as_keep_up():
@@ -92,6 +94,8 @@ def test_the_gpu_model_splits_workers_into_as_few_drafters_as_keep_up():
             assert drafters * model.drafter_batches_per_s >= 1.25 * targets * model.target_jobs_per_s
             assert (drafters - 1) * model.drafter_batches_per_s < 1.25 * (targets + 1) * model.target_jobs_per_s
     assert model.split(1024) == (725, 299)
+    assert model.split(1024, 0.7) == (815, 209) and model.split(1024, 2.0) == (426, 598)  # drafter-bound, then spare
+    assert model.split(2, 0.1) == (1, 1) and model.split(4, 100.0) == (1, 3)  # one of each, always
     with pytest.raises(ValueError, match="job_tokens"):
         GpuModel(job_tokens=0)
 
