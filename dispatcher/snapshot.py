@@ -1,7 +1,8 @@
 """The stats snapshot: what ``hsd stats``, the stats socket and /metrics show of a running dispatcher.
 
 Built on the dispatcher's loop thread from the core's state; every figure is kept current by the
-core and ledger, so a snapshot costs O(workers + buckets), not O(jobs).
+core and ledger, so a snapshot costs O(workers + models + buckets), not O(jobs): each worker's
+held jobs are looked up once, and the drafters of each model gathered in one pass.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from dispatcher.ledger import JobState
 from dispatcher.step_balance import FEATURES
 
 
-def worker_state(core: DispatcherCore, worker: Worker) -> str:
-    """busy, idle, starved (waiting with nothing to do) or blocked (a target waiting for a free slot)."""
+def worker_state(core: DispatcherCore, worker: Worker, holds: bool | None = None) -> str:
+    """busy, idle, starved (waiting with nothing to do) or blocked (a target waiting for a free slot).
+    ``holds``: whether it holds a job, when the caller looked already."""
     if worker.waiting_since is not None:
         return worker.wait_reason or "idle"
     if core.done:
         return "idle"
-    if core.ledger.held_by(worker.id) or worker.role == "drafter":
+    if worker.role == "drafter" or (holds if holds is not None else bool(core.ledger.held_by(worker.id))):
         return "busy"
     return "idle"
 
@@ -37,17 +39,20 @@ def build_snapshot(core: DispatcherCore, now: float) -> CoreSnapshot:
                                 taken=sum(progress.taken.values()),
                                 schedule_prefix_deviation=round(float(core.store.deviation[epoch]), 3),
                                 consumed_prefix_deviation=round(progress.consumed_deviation.value, 3)))
-    workers = []
+    workers, holders = [], set()
     for w in core.workers.values():
         alive_s = max(now - w.registered_at, 1e-9)
         waiting = w.total_wait_s + (now - w.waiting_since if w.waiting_since is not None else 0.0)
+        held = [j.job_id for j in core.ledger.held_by(w.id)]
+        if held:
+            holders.add(w.name)
         workers.append(WorkerView(id=w.id, name=w.name, role=w.role, pid=w.pid, host=w.host, gpu=w.gpu,
-                                  state=worker_state(core, w), jobs=w.num_jobs,
+                                  state=worker_state(core, w, bool(held)), jobs=w.num_jobs,
                                   tokens_per_s=round(w.num_tokens / alive_s, 1),
                                   idle_ratio=round(min(1.0, waiting / alive_s), 3),
                                   heartbeat_age_s=round(now - w.last_seen, 3),
                                   alive_s=round(alive_s, 3), wait_s=round(waiting, 3),
-                                  held=[j.job_id for j in core.ledger.held_by(w.id)],
+                                  held=held,
                                   metrics=dict(w.metrics) if w.metrics else None,
                                   gpu_health=w.gpu_health, slot_copies=w.slot_copies,
                                   rank=w.group.rank if w.group else None,
@@ -62,7 +67,7 @@ def build_snapshot(core: DispatcherCore, now: float) -> CoreSnapshot:
         groups={m: group_view(core, g) for m, g in core.groups.groups.items()},
         membership_version=max(core.groups.versions().values()) if core.groups.groups else None,
         given_back=dict(core.counters.given_back), requests=dict(core.counters.requests),
-        errors=dict(core.counters.errors), waiting_for=None if core.done else waiting_for(core),
+        errors=dict(core.counters.errors), waiting_for=None if core.done else waiting_for(core, holders),
         step_mix=round(c.mixed_steps / c.steps, 4) if (c := core.counters).steps else None,
         dropped_samples=dropped_samples(core))
 
@@ -74,11 +79,12 @@ def dropped_samples(core: DispatcherCore) -> DroppedSamples | None:
                           longer_than=core.options.buckets[-1])
 
 
-def waiting_for(core: DispatcherCore) -> WaitingFor:
+def waiting_for(core: DispatcherCore, holders: set[str] | None = None) -> WaitingFor:
     """What a run that is not done waits for: each open epoch's jobs by state (and who holds them),
     each model whose known checkpoint is behind its step (and whether a live drafter trains it),
-    and one line a person reads for each."""
-    epochs, reasons, holders = {}, [], set()
+    and one line a person reads for each. ``holders``: the names of the workers holding a job, when
+    the caller gathered them already."""
+    epochs, reasons = {}, []
     for epoch in sorted(core.epoch_jobs):
         if core.ledger.epoch_complete(epoch):
             continue
@@ -86,17 +92,22 @@ def waiting_for(core: DispatcherCore) -> WaitingFor:
         epochs[str(epoch)] = {k: v for k, v in states.items() if v}
         reasons.append(f"epoch {epoch + 1}: " + ", ".join(f"{v} {k}" for k, v in epochs[str(epoch)].items()
                                                             if k != "committed"))
-    for worker in core.workers.values():
-        if core.ledger.held_by(worker.id):
-            holders.add(worker.name)
+    if holders is None:
+        holders = {worker.name for worker in core.workers.values() if core.ledger.held_by(worker.id)}
+    else:
+        holders = set(holders)
     if not epochs and len(core.epoch_jobs) < core.options.epochs:
         reasons.append(f"epoch {len(core.epoch_jobs) + 1} to be built")
     models = {}
+    training: dict[str, list[str]] = {}  # model -> the live drafters training it, gathered in one pass
+    for w in core.workers.values():
+        if w.model:
+            training.setdefault(w.model, []).append(w.name)
     for model, step in sorted(core.ledger.model_step.items()):
         checkpoint = core.checkpoints.get(model, 0)
         if checkpoint >= step:
             continue
-        live = sorted(w.name for w in core.workers.values() if w.model == model)
+        live = sorted(training.get(model, ()))
         models[model] = WaitingModel(step=step, checkpoint=checkpoint, drafters=live)
         reasons.append(f"model {model} at step {step}, its known checkpoint at step {checkpoint}: "
                        + (f"waiting for {', '.join(live)} to checkpoint it" if live
