@@ -86,6 +86,7 @@ from benchmarks.scale_clients import ClientPlan, run_clients
 from benchmarks.scale_floor import FloorPlan, measure_floor
 from benchmarks.scale_model import REQUEST_P99_TARGET_MS, GpuModel, gpus_served_in_time, step_figures
 from benchmarks.scale_table import format_step, table_header
+from benchmarks.thread_cpu import cpu_ns_by_thread_name, thread_cpu_ns
 from common.dataplane.shm_segment import list_segments, sweep_dead_segments
 from common.run.config import Config, DispatcherSection, load_config
 from common.run.records.rundir import read_state_file
@@ -271,44 +272,6 @@ def _host_sample() -> tuple[Any, float]:
     return psutil.cpu_times(), time.monotonic()
 
 
-def cpu_ns_by_thread_name(pid: int) -> dict[str, int]:
-    """Each thread's time on a CPU in nanoseconds, summed by the thread's name (``comm``): ``loop``
-    (the main thread: the socket loop), the journal's sync thread (``hsd-journal``), ZeroMQ's I/O
-    threads (``ZMQbg/IO/0``), ``python`` (any other Python thread: it keeps the process's name)."""
-    names: dict[str, int] = {}
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            process_name = f.read().strip()
-    except OSError:
-        return names
-    for tid, ns in thread_cpu_ns(pid).items():
-        try:
-            with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                comm = f.read().strip()
-        except OSError:
-            continue
-        name = "loop" if tid == pid else "python" if comm == process_name else comm
-        names[name] = names.get(name, 0) + ns
-    return names
-
-
-def thread_cpu_ns(pid: int) -> dict[int, int]:
-    """Each live thread's time on a CPU in nanoseconds (``/proc/PID/task/TID/schedstat``); empty where
-    the kernel does not keep it."""
-    times = {}
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return {}
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                times[int(tid)] = int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            continue  # the thread ended meanwhile
-    return times
-
-
 def _host_figures(before: tuple[Any, float], after: tuple[Any, float], own_cpu_s: float) -> dict[str, float]:
     (t0, m0), (t1, m1) = before, after
     capacity = (m1 - m0) * (os.cpu_count() or 1)
@@ -410,12 +373,12 @@ def floor_figures(figures: dict[str, Any], options: ScaleOptions, step_dir: Path
     floor = measure_floor(FloorPlan(endpoint=f"ipc://{step_dir / 'floor.sock'}", connections=figures["workers"],
                                     requests_per_s=rate, clients=options.clients,
                                     warmup_s=min(options.warmup_s, 2.0), seconds=options.seconds,
-                                    seed=options.seed), cpu_ns_by_thread_name)
-    per_request = 1e6 * figures["dispatcher_cpu_pct"] / 100 / rate if rate else math.nan
+                                    seed=options.seed))
+    requests_per_item = requests / figures["items"]
+    per_request = figures["dispatcher_cpu_us_per_item"] / requests_per_item if requests else math.nan
     floor_per_request = floor["floor_cpu_us_per_request"]
-    return {**floor, "requests_per_item": requests / figures["items"],
-            "dispatcher_cpu_us_per_request": per_request,
-            "floor_cpu_us_per_item": floor_per_request * requests / figures["items"],
+    return {**floor, "requests_per_item": requests_per_item, "dispatcher_cpu_us_per_request": per_request,
+            "floor_cpu_us_per_item": floor_per_request * requests_per_item,
             "over_floor": per_request / floor_per_request if floor_per_request > 0 else math.nan}
 
 

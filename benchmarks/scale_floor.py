@@ -35,6 +35,7 @@ from typing import Any
 
 import zmq
 
+from benchmarks.thread_cpu import cpu_ns_by_thread_name
 from common.wire import messages
 
 DRAIN_MAX = 256  # the dispatcher's bound per wake-up (dispatcher.server)
@@ -154,9 +155,9 @@ def echo_clients(plan: FloorPlan, index: int, request: bytes, started: Any, stop
         ctx.term()
 
 
-def measure_floor(plan: FloorPlan, thread_ns: Any) -> dict[str, float]:
-    """Run the echo and its clients, and the echo's CPU per request over the window.
-    ``thread_ns(pid)``: that process's CPU nanoseconds by thread name (``loop``, ``ZMQbg/IO/0``, ...)."""
+def measure_floor(plan: FloorPlan) -> dict[str, float]:
+    """Run the echo and its clients, and the echo's CPU per request over the window (by thread name:
+    ``loop``, ``ZMQbg/IO/0``, ...)."""
     ctx = multiprocessing.get_context("spawn")
     counts = ctx.Array("q", 2, lock=False)
     ready, stop = ctx.Event(), ctx.Event()
@@ -186,9 +187,9 @@ def measure_floor(plan: FloorPlan, thread_ns: Any) -> dict[str, float]:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{proc.name} did not start within {START_TIMEOUT_S:.0f}s")
         time.sleep(plan.warmup_s)
-        threads0, counts0, t0 = thread_ns(server.pid), tuple(counts), time.monotonic()
+        threads0, counts0, t0 = cpu_ns_by_thread_name(server.pid), tuple(counts), time.monotonic()
         time.sleep(plan.seconds)
-        threads1, counts1, t1 = thread_ns(server.pid), tuple(counts), time.monotonic()
+        threads1, counts1, t1 = cpu_ns_by_thread_name(server.pid), tuple(counts), time.monotonic()
     finally:
         stop.set()
         for proc in [*clients, server]:

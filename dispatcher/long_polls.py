@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Union
 
 from common.wire import messages
@@ -55,12 +55,42 @@ class Waiter:
 WaiterKey = tuple[str, type]
 
 
+@dataclass
+class SharedWait:
+    """A queue of parked polls that all find nothing for one reason while it holds: ``why()`` (asked
+    once for the whole queue; None when some of them may be served) and ``note(worker_id, reason,
+    now)`` (what a poll that waits for that reason leaves on its worker). A poll is noted when it
+    is parked or tried in vain, and all of them again when the reason changes."""
+
+    why: Callable[[], str | None]
+    note: Callable[[str, str, float], None]
+    waiters: dict[WaiterKey, Waiter] = field(default_factory=dict)
+    unnoted: set[WaiterKey] = field(default_factory=set)  # parked or tried since the queue was last noted
+    noted_for: str | None = None  # the reason the polls not tried since were last noted with
+
+    def add(self, key: WaiterKey, waiter: Waiter) -> None:
+        self.waiters[key] = waiter
+        self.unnoted.add(key)
+
+    def discard(self, key: WaiterKey) -> None:
+        self.waiters.pop(key, None)
+        self.unnoted.discard(key)
+
+    def noted(self, reason: str, workers: dict, now: float) -> None:
+        """The polls not tried find nothing: each waits for ``reason``."""
+        for key in (self.waiters if reason != self.noted_for else self.unnoted):
+            if key[0] in workers:
+                self.note(key[0], reason, now)
+        self.unnoted.clear()
+        self.noted_for = reason
+
+
 class LongPolls:
     """The parked polls, in the order they were parked, kept in three queues: lone drafters' ``get_hs``
-    (all of them find nothing while no ready slot may be handed out, which is asked once for the
-    whole queue), targets' ``get_job`` (all of them find nothing while no job is pending or no slot
-    is free, asked once likewise) and the rest (a group rank's ``get_hs``, ``join_group``). A rank
-    stays a rank for the life of its worker id, so a poll's queue is known when it is parked.
+    (all of them find nothing while no ready slot may be handed out) and targets' ``get_job`` (all of
+    them find nothing while no job is pending or no slot is free), each a :class:`SharedWait` asked
+    once for the whole queue, and the rest (a group rank's ``get_hs``, ``join_group``), each tried.
+    A rank stays a rank for the life of its worker id, so a poll's queue is known when it is parked.
     Deadlines sit in a heap, so finding the next one and expiring the due ones cost nothing per
     parked poll."""
 
@@ -69,22 +99,20 @@ class LongPolls:
         self.core = core
         self.send = send  # to the control socket
         self.loop_cpu = loop_cpu  # a parked poll answered by serve(): its CPU is booked to its op
-        self._lone_hs: dict[WaiterKey, Waiter] = {}
-        self._targets: dict[WaiterKey, Waiter] = {}
+        self._lone_hs = SharedWait(why=lambda: "starved" if core.lone_drafters_starved() else None,
+                                   note=lambda worker_id, _, now: core.starved(worker_id, now))
+        self._targets = SharedWait(why=core.targets_wait, note=core.target_waits)
         self._others: dict[WaiterKey, Waiter] = {}
         self._deadlines: list[tuple[float, int, WaiterKey]] = []  # a heap; an entry whose waiter left is skipped
-        self._unmarked: set[WaiterKey] = set()  # lone get_hs waiters not yet counted starved since last tried
-        self._unmarked_targets: set[WaiterKey] = set()  # get_job waiters not yet counted waiting since last tried
-        self._targets_wait_reason: str | None = None  # what the get_job waiters not tried since were last counted waiting for
         self._seq = 0
 
     @property
     def waiters(self) -> list[Waiter]:
         """Every parked poll (the others first, then the targets' get_job, then the lone drafters' get_hs)."""
-        return [*self._others.values(), *self._targets.values(), *self._lone_hs.values()]
+        return [*self._others.values(), *self._targets.waiters.values(), *self._lone_hs.waiters.values()]
 
     def __len__(self) -> int:
-        return len(self._others) + len(self._targets) + len(self._lone_hs)
+        return len(self._others) + len(self._targets.waiters) + len(self._lone_hs.waiters)
 
     @property
     def next_deadline(self) -> float:
@@ -97,15 +125,13 @@ class LongPolls:
     def _parked(self, entry: tuple[float, int, WaiterKey]) -> Waiter | None:
         """The waiter a heap entry stands for, if it is still parked (not answered or replaced)."""
         key = entry[2]
-        waiter = self._lone_hs.get(key) or self._targets.get(key) or self._others.get(key)
+        waiter = self._lone_hs.waiters.get(key) or self._targets.waiters.get(key) or self._others.get(key)
         return waiter if waiter is not None and waiter.seq == entry[1] else None
 
     def _remove(self, key: WaiterKey) -> None:
-        self._lone_hs.pop(key, None)
-        self._targets.pop(key, None)
+        self._lone_hs.discard(key)
+        self._targets.discard(key)
         self._others.pop(key, None)
-        self._unmarked.discard(key)
-        self._unmarked_targets.discard(key)
 
     def poll(self, identity: bytes, request: Poll, now: float) -> tuple[PollReply | None, bool]:
         """(the answer now, whether the pool changed: it handed something out or freed a slot): the
@@ -133,11 +159,9 @@ class LongPolls:
         self._seq += 1
         waiter = Waiter(identity, request, now + wait_ms / 1000, self._seq)
         if isinstance(request, messages.GetHS) and self.core.is_lone_drafter(request.worker_id):
-            self._lone_hs[key] = waiter
-            self._unmarked.add(key)
+            self._lone_hs.add(key, waiter)
         elif isinstance(request, messages.GetJob):
-            self._targets[key] = waiter
-            self._unmarked_targets.add(key)
+            self._targets.add(key, waiter)
         else:
             self._others[key] = waiter
         heapq.heappush(self._deadlines, (waiter.deadline, waiter.seq, key))
@@ -182,49 +206,24 @@ class LongPolls:
         """Try the parked polls again (after a state change), each queue in the order it was parked.
 
         While no ready slot may be handed out, every lone drafter's get_hs finds nothing, and finding
-        nothing changes nothing: that is asked once (``lone_drafters_starved``) for the whole queue,
-        which then waits without a look at each poll (one that was not counted starved since it was
-        last tried is counted once). It is asked again after a poll was answered. Targets' get_job
-        likewise: while no job is pending or no slot is free (``targets_wait``) none is tried, and
-        after each one answered it is asked again, so a freed slot costs one try, not one for each
-        parked target."""
+        nothing changes nothing; while no job is pending or no slot is free, every target's get_job
+        does. Each of those queues asks that once (:class:`SharedWait`) and then waits without a look
+        at each poll; it is asked again after each poll answered, so a slot freed or readied costs one
+        try, not one for each parked poll."""
         for key, waiter in list(self._others.items()):
             self._try_again(key, waiter, now)
-        if self._targets:
-            self._serve_targets(now)
-        if not self._lone_hs:
-            return
-        core = self.core
-        starved = core.lone_drafters_starved()  # asked before the queue is copied: it usually waits whole
-        if not starved:
-            for key, waiter in list(self._lone_hs.items()):
-                if starved is None:  # not asked since a poll was answered
-                    starved = core.lone_drafters_starved()
-                    if starved:
-                        break
-                if self._try_again(key, waiter, now):
-                    starved = None
-        if starved:  # the polls not tried find nothing
-            for unmarked in self._unmarked:
-                if unmarked[0] in core.workers:
-                    core.starved(unmarked[0], now)
-            self._unmarked.clear()
+        for queue in (self._targets, self._lone_hs):
+            if queue.waiters:
+                self._serve_shared(queue, now)
 
-    def _serve_targets(self, now: float) -> None:
-        core = self.core
-        waits = core.targets_wait()
-        if waits is None:
-            for key, waiter in list(self._targets.items()):
-                if self._try_again(key, waiter, now) and (waits := core.targets_wait()) is not None:
+    def _serve_shared(self, queue: SharedWait, now: float) -> None:
+        why = queue.why()  # asked before the queue is copied: it usually waits whole
+        if why is None:
+            for key, waiter in list(queue.waiters.items()):
+                if self._try_again(key, waiter, now) and (why := queue.why()) is not None:
                     break
-        if waits is not None:  # the polls not tried find nothing: each waits for that reason
-            # the ones not tried since they were counted waiting for it already are
-            recount = self._targets if waits != self._targets_wait_reason else self._unmarked_targets
-            for key in recount:
-                if key[0] in core.workers:
-                    core.target_waits(key[0], waits, now)
-            self._unmarked_targets.clear()
-            self._targets_wait_reason = waits
+        if why is not None:
+            queue.noted(why, self.core.workers, now)
 
     def _try_again(self, key: WaiterKey, waiter: Waiter, now: float) -> bool:
         """Whether the parked poll was answered (and left its queue)."""
@@ -239,10 +238,9 @@ class LongPolls:
         except LedgerError as exc:
             reply = counted_error(self.core, request_id, ErrorCode.BAD_STATE, str(exc))
         if reply is None:
-            if key in self._lone_hs:
-                self._unmarked.add(key)  # what it found nothing for may not be the starved pool's
-            elif key in self._targets:
-                self._unmarked_targets.add(key)
+            for queue in (self._lone_hs, self._targets):
+                if key in queue.waiters:  # what it found nothing for may not be the queue's shared reason
+                    queue.unnoted.add(key)
             return False
         self._remove(key)
         self.send(waiter.identity, reply)
@@ -276,5 +274,6 @@ class LongPolls:
         for waiter in self.waiters:
             self.send(waiter.identity, counted_error(self.core, waiter.request.id, ErrorCode.UNKNOWN_WORKER,
                                                      "the dispatcher is stopping"))
-        self._lone_hs, self._targets, self._others, self._deadlines = {}, {}, {}, []
-        self._unmarked, self._unmarked_targets, self._targets_wait_reason = set(), set(), None
+        for queue in (self._lone_hs, self._targets):
+            queue.waiters, queue.unnoted, queue.noted_for = {}, set(), None
+        self._others, self._deadlines = {}, []
