@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Union
@@ -18,7 +19,7 @@ from common.wire import messages
 from common.wire.messages import ErrorCode
 from dispatcher.core import DispatcherCore
 from dispatcher.core_types import DONE, STEP_FULL, UnknownWorker
-from dispatcher.groups import GroupChanged
+from dispatcher.groups import DrafterGroup, GroupChanged
 from dispatcher.ledger import LedgerError
 from dispatcher.loop_cpu import LoopCpu
 
@@ -85,14 +86,51 @@ class SharedWait:
         self.noted_for = reason
 
 
+@dataclass
+class RankWait(SharedWait):
+    """The parked ``get_hs`` of ranks of data-parallel groups balanced by count. Like a lone drafter's,
+    a rank's poll finds nothing while no ready slot may be handed out, but only while its group stands
+    as it stood when the poll was last tried: a try also opens the next version at a step boundary
+    when ranks wait to join, and tells a rank whose version ended (GroupChanged). So a group with a
+    rank waiting, or at another version than its ranks' polls were last tried at, is *stale*: its
+    parked polls are each tried (:meth:`LongPolls.serve`), the others share the queue's one look."""
+
+    model_of: dict[WaiterKey, str] = field(default_factory=dict)  # a parked poll -> its rank's group's model
+    parked: Counter[str] = field(default_factory=Counter)  # model -> its ranks' parked polls
+    tried_at: dict[str, int] = field(default_factory=dict)  # model -> the version its parked polls were tried at
+
+    def add_rank(self, key: WaiterKey, waiter: Waiter, group: DrafterGroup) -> None:
+        """Park a rank's poll, just tried at its group's current version."""
+        self.discard(key)
+        self.add(key, waiter)
+        self.model_of[key] = group.model
+        self.parked[group.model] += 1
+        if self.parked[group.model] == 1:  # the group's only parked poll: tried now, at this version
+            self.tried_at[group.model] = group.version
+
+    def discard(self, key: WaiterKey) -> None:
+        super().discard(key)
+        model = self.model_of.pop(key, None)
+        if model is not None:
+            self.parked[model] -= 1
+            if not self.parked[model]:
+                del self.parked[model]
+
+    def stale(self, groups: dict[str, DrafterGroup]) -> list[DrafterGroup]:
+        """The groups of parked polls whose polls must each be tried (asked once per group)."""
+        return [group for model in self.parked if (group := groups.get(model)) is not None
+                and (group.waiting or self.tried_at.get(model) != group.version)]
+
+
 class LongPolls:
-    """The parked polls, in the order they were parked, kept in three queues: lone drafters' ``get_hs``
-    (all of them find nothing while no ready slot may be handed out) and targets' ``get_job`` (all of
-    them find nothing while no job is pending or no slot is free), each a :class:`SharedWait` asked
-    once for the whole queue, and the rest (a group rank's ``get_hs``, ``join_group``), each tried.
-    A rank stays a rank for the life of its worker id, so a poll's queue is known when it is parked.
-    Deadlines sit in a heap, so finding the next one and expiring the due ones cost nothing per
-    parked poll."""
+    """The parked polls, in the order they were parked, kept in four queues: lone drafters' ``get_hs``
+    (all of them find nothing while no ready slot may be handed out), count-balanced group ranks'
+    ``get_hs`` (the same, while their groups stand: :class:`RankWait`) and targets' ``get_job`` (all
+    of them find nothing while no job is pending or no slot is free), each a :class:`SharedWait`
+    asked once for the whole queue, and the rest (a cost-balanced rank's ``get_hs``, ``join_group``),
+    each tried. A rank stays a rank of one group for the life of its worker id, so a poll's queue is
+    known when it is parked. Deadlines sit in a heap, so finding the next one and expiring the due
+    ones cost nothing per parked poll."""
 
     def __init__(self, core: DispatcherCore, send: Callable[[bytes, messages.Reply], None], *,
                  loop_cpu: LoopCpu | None = None):
@@ -101,18 +139,21 @@ class LongPolls:
         self.loop_cpu = loop_cpu  # a parked poll answered by serve(): its CPU is booked to its op
         self._lone_hs = SharedWait(why=lambda: "starved" if core.lone_drafters_starved() else None,
                                    note=lambda worker_id, _, now: core.starved(worker_id, now))
+        self._ranks = RankWait(why=self._lone_hs.why, note=self._lone_hs.note)
         self._targets = SharedWait(why=core.targets_wait, note=core.target_waits)
+        self._shared = (self._ranks, self._targets, self._lone_hs)  # served in this order, as parked within each
         self._others: dict[WaiterKey, Waiter] = {}
         self._deadlines: list[tuple[float, int, WaiterKey]] = []  # a heap; an entry whose waiter left is skipped
         self._seq = 0
 
     @property
     def waiters(self) -> list[Waiter]:
-        """Every parked poll (the others first, then the targets' get_job, then the lone drafters' get_hs)."""
-        return [*self._others.values(), *self._targets.waiters.values(), *self._lone_hs.waiters.values()]
+        """Every parked poll (the others first, then the ranks' get_hs, the targets' get_job and the lone
+        drafters' get_hs)."""
+        return [*self._others.values(), *(waiter for queue in self._shared for waiter in queue.waiters.values())]
 
     def __len__(self) -> int:
-        return len(self._others) + len(self._targets.waiters) + len(self._lone_hs.waiters)
+        return len(self._others) + sum(len(queue.waiters) for queue in self._shared)
 
     @property
     def next_deadline(self) -> float:
@@ -125,12 +166,14 @@ class LongPolls:
     def _parked(self, entry: tuple[float, int, WaiterKey]) -> Waiter | None:
         """The waiter a heap entry stands for, if it is still parked (not answered or replaced)."""
         key = entry[2]
-        waiter = self._lone_hs.waiters.get(key) or self._targets.waiters.get(key) or self._others.get(key)
+        waiter = self._others.get(key)
+        for queue in self._shared:
+            waiter = waiter or queue.waiters.get(key)
         return waiter if waiter is not None and waiter.seq == entry[1] else None
 
     def _remove(self, key: WaiterKey) -> None:
-        self._lone_hs.discard(key)
-        self._targets.discard(key)
+        for queue in self._shared:
+            queue.discard(key)
         self._others.pop(key, None)
 
     def poll(self, identity: bytes, request: Poll, now: float) -> tuple[PollReply | None, bool]:
@@ -158,8 +201,11 @@ class LongPolls:
             return self._empty_reply(request)
         self._seq += 1
         waiter = Waiter(identity, request, now + wait_ms / 1000, self._seq)
+        group = self.core.groups.group_of_rank(request.worker_id) if isinstance(request, messages.GetHS) else None
         if isinstance(request, messages.GetHS) and self.core.is_lone_drafter(request.worker_id):
             self._lone_hs.add(key, waiter)
+        elif group is not None and group.spec.balance == "count":
+            self._ranks.add_rank(key, waiter, group)
         elif isinstance(request, messages.GetJob):
             self._targets.add(key, waiter)
         else:
@@ -209,10 +255,20 @@ class LongPolls:
         nothing changes nothing; while no job is pending or no slot is free, every target's get_job
         does. Each of those queues asks that once (:class:`SharedWait`) and then waits without a look
         at each poll; it is asked again after each poll answered, so a slot freed or readied costs one
-        try, not one for each parked poll."""
+        try, not one for each parked poll. A group rank's get_hs shares its queue's look only while its
+        group stands as it did at the poll's last try (:class:`RankWait`); a stale group's are each
+        tried first."""
         for key, waiter in list(self._others.items()):
             self._try_again(key, waiter, now)
-        for queue in (self._targets, self._lone_hs):
+        ranks = self._ranks
+        if stale := ranks.stale(self.core.groups.groups):
+            for group in stale:  # before the tries: a change one of them makes is seen at the next serve
+                ranks.tried_at[group.model] = group.version
+            models = {group.model for group in stale}
+            for key, waiter in list(ranks.waiters.items()):
+                if ranks.model_of.get(key) in models:
+                    self._try_again(key, waiter, now)
+        for queue in self._shared:
             if queue.waiters:
                 self._serve_shared(queue, now)
 
@@ -238,7 +294,7 @@ class LongPolls:
         except LedgerError as exc:
             reply = counted_error(self.core, request_id, ErrorCode.BAD_STATE, str(exc))
         if reply is None:
-            for queue in (self._lone_hs, self._targets):
+            for queue in self._shared:
                 if key in queue.waiters:  # what it found nothing for may not be the queue's shared reason
                     queue.unnoted.add(key)
             return False
@@ -274,6 +330,7 @@ class LongPolls:
         for waiter in self.waiters:
             self.send(waiter.identity, counted_error(self.core, waiter.request.id, ErrorCode.UNKNOWN_WORKER,
                                                      "the dispatcher is stopping"))
-        for queue in (self._lone_hs, self._targets):
+        for queue in self._shared:
             queue.waiters, queue.unnoted, queue.noted_for = {}, set(), None
+        self._ranks.model_of, self._ranks.parked, self._ranks.tried_at = {}, Counter(), {}
         self._others, self._deadlines = {}, []

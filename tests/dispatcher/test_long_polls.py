@@ -104,3 +104,53 @@ def test_parked_targets_cost_one_look_while_no_slot_is_free_and_a_freed_slot_one
     assert all(reply.job is not None for _, reply in sent) and tries == parked[:2]  # not 30 tries
     assert len(polls.waiters) == 28 and not core.pool.has_free_slot()
     assert all(core.workers[t].wait_reason == "blocked" for t in parked[2:])
+
+
+def test_parked_ranks_share_one_look_while_their_group_stands_and_are_each_told_when_it_changes(tmp_path):
+    """A data-parallel group of 24 ranks waits on a slow target: a state change that readies nothing
+    must not try every rank's get_hs (each try costs what a lone drafter's does), a readied slot
+    costs one try; while a rank waits to join, each is tried (a try opens the next version at a step
+    boundary); once a member dies and its version ends, every parked rank is told at once."""
+    core = make_core(tmp_path, shared_slots=8, credits=8, min_ready=0)
+    (target,) = register(core, "target", 1)
+    claim = messages.GroupClaim(size=24, min_ranks=1)
+    ranks = [core.register(role="drafter", name=f"r{i}", pid=3000 + i, host="h", gpu=None, now=0.0,
+                           model=messages.ModelClaim(id="m", step=0, group=claim)).id for i in range(24)]
+    for rank in ranks:
+        core.join_group(rank, 0.5, after=0, step=0)
+    version = core.groups.groups["m"].version
+    assert version == 1 and len(core.groups.groups["m"].members) == 24
+    sent: list[tuple[bytes, messages.Reply]] = []
+    polls = LongPolls(core, lambda identity, reply: sent.append((identity, reply)))
+    for k, rank in enumerate(ranks):
+        reply, _ = polls.poll(rank.encode(), messages.GetHS(id=k, worker_id=rank, wait_ms=10_000, membership=version), 1.0)
+        assert reply is None  # nothing ready: parked
+    tries = []
+    get_hs = core.get_hs
+    core.get_hs = lambda worker_id, now, **kw: tries.append(worker_id) or get_hs(worker_id, now, **kw)
+
+    polls.serve(2.0)  # a state change that readied nothing
+    assert sent == [] and tries == []
+    assert all(core.workers[r].wait_reason == "starved" for r in ranks)
+
+    for _ in range(2):  # two slots published: two tries, the first two parked ranks served
+        grant = core.get_job(target, 3.0)
+        core.job_ready(target, grant.job.job_id, grant.job.generation, 0.1, 3.0)
+    polls.serve(3.0)
+    assert [identity for identity, _ in sent] == [ranks[0].encode(), ranks[1].encode()] and tries == ranks[:2]
+    assert all(reply.job is not None for _, reply in sent)
+
+    sent.clear(), tries.clear()
+    late = core.register(role="drafter", name="late", pid=3100, host="h", gpu=None, now=3.5,
+                         model=messages.ModelClaim(id="m", step=0, group=claim)).id
+    assert core.join_group(late, 3.5, after=0, step=0) is None  # it waits for the step boundary
+    polls.serve(3.5)  # a rank waits to join: each parked get_hs is tried (it may open the next version)
+    assert sorted(tries) == sorted(ranks[2:]) and sent == [] and core.groups.groups["m"].version == version
+
+    tries.clear()
+    core.deregister(ranks[23], 4.0, reason="dead")  # the version ends: a parked get_hs of it is void
+    polls.drop(ranks[23])
+    polls.serve(4.0)
+    assert sorted(tries) == sorted(ranks[2:23]) and len(polls) == 0
+    assert [identity for identity, _ in sent] == [r.encode() for r in ranks[2:23]]
+    assert all(reply.error.code == messages.ErrorCode.GROUP_CHANGED for _, reply in sent)
