@@ -249,8 +249,10 @@ class Clients:
 
     def send(self, *message: Any) -> None:
         for proc, pipe in zip(self.procs, self.pipes):
-            if proc.is_alive():
+            try:
                 pipe.send(message)
+            except (BrokenPipeError, ConnectionResetError):  # the process already ended (sent its result, or failed)
+                pass
 
     def cpu(self) -> list[float]:
         return [sum(p.cpu_times()[:2]) for p in self.ps]
@@ -311,10 +313,12 @@ def run_step(options: ScaleOptions, workers: int, step_dir: Path, load: float = 
         clients.send("stop")
         results = clients.expect("result", STOP_TIMEOUT_S)
     finally:
-        if clients is not None:
-            clients.send("stop")
-            clients.stop()
-        exit_code = dispatcher.stop()
+        try:
+            if clients is not None:
+                clients.send("stop")
+                clients.stop()
+        finally:
+            exit_code = dispatcher.stop()  # whatever the clients did: no dispatcher outlives its step
     left = [s.name for s in list_segments(run_id_for(config.run_dir))]
     if left:
         sweep_dead_segments(run_id_for(config.run_dir))
