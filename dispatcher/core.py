@@ -181,7 +181,7 @@ class DispatcherCore:
                 self.groups.join(model_id, spec, worker_id, model_step, store_address=registered.store_address)
             except ValueError as exc:
                 raise LedgerError(str(exc)) from None
-        self.workers[worker_id] = worker
+        self.registry.add(worker)
         if role == "target" and self.options.num_target_queues:
             worker.queue = self.registry.free_queue(self.options.num_target_queues)
         self.journal.record(WorkerJoined(w=worker_id, role=role, name=name, pid=pid, host=host, node=worker.node,
@@ -227,7 +227,7 @@ class DispatcherCore:
         worker = self.worker(worker_id, now)
         self.registry.end_wait(worker, now)
         self.jobs.end_session(worker, reason)
-        del self.workers[worker_id]
+        self.registry.remove(worker_id)
         self.journal.record(WorkerLeft(w=worker_id, reason=reason))
         if worker.model is not None:
             self.group_ops.rank_left(worker_id, now)

@@ -344,6 +344,8 @@ class JobLedger:
         index_of_model = self._model(model)
         if step > self.model_step[model]:
             raise LedgerError(f"model {model} is at step {step}, ahead of the ledger's {self.model_step[model]}")
+        if step == self.model_step[model]:  # no commit of a model is past its step: nothing to scan for
+            return []  # (every drafter of a new model registers at step 0)
         reverted = []
         for epoch in sorted(self.epochs):
             progress = self.epochs[epoch]

@@ -49,11 +49,10 @@ class ModelOps:
         """The model restarts from ``step``: its later commits go back to pending, and what another
         session of it consumed and did not commit is void. ``cause``: "restart" (a drafter registered
         from that checkpoint) or "abandoned" (:meth:`find_unreported_checkpoints`)."""
-        for worker in self.registry.workers.values():
-            if worker.model == model:
-                for job in self.ledger.held_by(worker.id):
-                    if job.state is JobState.CONSUMED:
-                        self.jobs.give_back(job, "model_rolled_back")
+        for worker in self.registry.of_model(model):
+            for job in self.ledger.held_by(worker.id):
+                if job.state is JobState.CONSUMED:
+                    self.jobs.give_back(job, "model_rolled_back")
         if self.ledger.model_step.get(model, 0) == step and model in self.ledger.model_index:
             return
         reverted = self.ledger.rollback(model, step)
@@ -143,7 +142,7 @@ class ModelOps:
         :meth:`restart_step` and the jobs of the later steps to pending, for the live drafters to
         train; a drafter of it that does come back later registers from that checkpoint as after
         any restart. A model lost before its first checkpoint goes back to step 0 the same way."""
-        live = {w.model for w in self.registry.workers.values() if w.model is not None}
+        live = self.registry.models()
         for model in live:
             self.last_live[model] = now
         if not self.store.all_committed:

@@ -17,8 +17,28 @@ from dispatcher.core_types import Unauthorized, UnknownWorker, Worker
 class WorkerRegistry:
     def __init__(self, incarnation: int):
         self.incarnation = incarnation
-        self.workers: dict[str, Worker] = {}
+        self.workers: dict[str, Worker] = {}  # changed only by add() and remove(), which keep the indexes below
         self._next_number: Counter[str] = Counter()
+        # the live sessions by (name, role, host) and by model, each in registration order: a worker that
+        # registers looks its earlier sessions and its model's other drafters up without a walk of all
+        self._sessions: dict[tuple[str, str, str], dict[str, Worker]] = {}
+        self._by_model: dict[str, dict[str, Worker]] = {}
+
+    def add(self, worker: Worker) -> None:
+        self.workers[worker.id] = worker
+        self._sessions.setdefault((worker.name, worker.role, worker.host), {})[worker.id] = worker
+        if worker.model is not None:
+            self._by_model.setdefault(worker.model, {})[worker.id] = worker
+
+    def remove(self, worker_id: str) -> Worker:
+        worker = self.workers.pop(worker_id)
+        for index, key in ((self._sessions, (worker.name, worker.role, worker.host)), (self._by_model, worker.model)):
+            same = index.get(key)
+            if same is not None:
+                same.pop(worker_id, None)
+                if not same:
+                    del index[key]
+        return worker
 
     def new_id(self, role: str) -> str:
         worker_id = f"{role[0]}{self._next_number[role]}.{self.incarnation}"
@@ -31,7 +51,15 @@ class WorkerRegistry:
 
     def sessions_of(self, name: str, role: str, host: str) -> list[Worker]:
         """The live sessions of one worker process's name (it registers again: they are replaced)."""
-        return [w for w in self.workers.values() if w.name == name and w.role == role and w.host == host]
+        return list(self._sessions.get((name, role, host), {}).values())
+
+    def models(self) -> set[str]:
+        """The models some live drafter trains."""
+        return set(self._by_model)
+
+    def of_model(self, model: str) -> list[Worker]:
+        """The live drafters of ``model``, in the order they registered."""
+        return list(self._by_model.get(model, {}).values())
 
     def get(self, worker_id: str, now: float, *, touch: bool = True) -> Worker:
         worker = self.workers.get(worker_id)
