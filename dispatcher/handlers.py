@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ from common.run.config import DispatcherSection, DrafterSection, RunSection, Sch
 from common.run.durable import StorageFailed
 from common.wire import messages
 from common.wire.messages import ErrorCode, ProtocolError
-from common.wire.stats_snapshot import Snapshot, serving_snapshot
+from common.wire.stats_snapshot import CoreSnapshot, Snapshot, serving_snapshot
 from dispatcher.auth import CurveAuth
 from dispatcher.core import DispatcherCore
 from dispatcher.core_types import Incompatible, Unauthorized, UnknownWorker
@@ -33,7 +33,7 @@ from dispatcher.liveness import ProcessWatch
 from dispatcher.long_polls import LongPolls, counted_error, model_step
 from dispatcher.loop_cpu import LoopCpu
 from dispatcher.nodes import node_summary
-from dispatcher.snapshot import build_snapshot
+from dispatcher.snapshot import build_snapshot, snapshot_steps
 from dispatcher.transport_setup import DataPlane
 
 log = logging.getLogger("hsd.dispatcher")
@@ -234,10 +234,21 @@ class StatsView:
         return messages.StatsReply(id=request.id, stats=self.snapshot())
 
     def snapshot(self) -> Snapshot:
+        return self._serving(build_snapshot(self.core, time.monotonic()))
+
+    def snapshot_steps(self, *, workers_a_step: int) -> Generator[None, None, Snapshot]:
+        """The snapshot in steps (:func:`dispatcher.snapshot.snapshot_steps`), the loop serving
+        requests between them: it yields after each ``workers_a_step`` workers and before the parts
+        that walk every worker or slot again."""
+        core_snapshot = yield from snapshot_steps(self.core, workers_a_step=workers_a_step)
+        yield
+        return self._serving(core_snapshot)
+
+    def _serving(self, core_snapshot: CoreSnapshot) -> Snapshot:
         core = self.core
         return serving_snapshot(
-            build_snapshot(core, time.monotonic()), run_dir=str(self.run_dir), run_id=self.run_id,
+            core_snapshot, run_dir=str(self.run_dir), run_id=self.run_id,
             pid=os.getpid(), transport=self.data_plane.view(), waiters=len(self.polls),
             auth=self.auth.stats(secret=self.secret), loop_cpu_s=self.loop_cpu.seconds(),
             loop_wakeups=self.loop_cpu.wakeups,
-            nodes=node_summary(core.pool, core.workers, core.counters.reads, home=self.data_plane.node))
+            nodes=node_summary(core.pool, core.registry.on_node, core.counters.reads, home=self.data_plane.node))

@@ -10,10 +10,11 @@ from typing import Any
 from common.wire.stats_snapshot import NodeView
 
 
-def node_summary(pool: Any, workers: dict[str, Any], reads: Counter, *, home: str) -> dict[str, NodeView]:
+def node_summary(pool: Any, on_node: Counter, reads: Counter, *, home: str) -> dict[str, NodeView]:
     """node -> its slots by state, reserve (min_ready), targets, drafters and reads (local, remote).
 
-    ``home`` names the dispatcher's node, where its own arena's slots (node None) live.
+    ``on_node`` counts the live workers by (node, role); ``home`` names the dispatcher's node, where
+    its own arena's slots (node None) live.
     """
     out: dict[str, NodeView] = {}
 
@@ -26,12 +27,12 @@ def node_summary(pool: Any, workers: dict[str, Any], reads: Counter, *, home: st
     for node, counts in pool.node_counts().items():
         e = entry(node)
         e.slots, e.min_ready = counts, pool.node_min_ready(node)
-    for worker in workers.values():
-        e = entry(worker.node)
-        if worker.role == "target":
-            e.targets += 1
+    for (node, role), n in on_node.items():
+        e = entry(node)
+        if role == "target":
+            e.targets += n
         else:
-            e.drafters += 1
+            e.drafters += n
     for (node, kind), n in reads.items():
         e = entry(node)
         if kind == "local":

@@ -23,15 +23,20 @@ class WorkerRegistry:
         # registers looks its earlier sessions and its model's other drafters up without a walk of all
         self._sessions: dict[tuple[str, str, str], dict[str, Worker]] = {}
         self._by_model: dict[str, dict[str, Worker]] = {}
+        self.on_node: Counter[tuple[str, str]] = Counter()  # (node, role) -> live workers (the stats' node view)
 
     def add(self, worker: Worker) -> None:
         self.workers[worker.id] = worker
         self._sessions.setdefault((worker.name, worker.role, worker.host), {})[worker.id] = worker
         if worker.model is not None:
             self._by_model.setdefault(worker.model, {})[worker.id] = worker
+        self.on_node[worker.node, worker.role] += 1
 
     def remove(self, worker_id: str) -> Worker:
         worker = self.workers.pop(worker_id)
+        self.on_node[worker.node, worker.role] -= 1
+        if not self.on_node[worker.node, worker.role]:
+            del self.on_node[worker.node, worker.role]
         for index, key in ((self._sessions, (worker.name, worker.role, worker.host)), (self._by_model, worker.model)):
             same = index.get(key)
             if same is not None:

@@ -16,7 +16,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,7 @@ from common.run.durable import STORAGE_FAILED_EXIT_CODE, StorageFailed
 from common.run.records.events import DispatcherStopped
 from common.wire import messages
 from common.wire.messages import ErrorCode, ProtocolError
+from common.wire.stats_snapshot import Snapshot
 from dispatcher.auth import CurveAuth
 from dispatcher.core import DispatcherCore
 from dispatcher.handlers import ControlHandlers, StatsView
@@ -43,6 +44,7 @@ log = logging.getLogger("hsd.dispatcher")
 SWEEP_INTERVAL_S = 0.25
 PROGRESS_INTERVAL_S = 5.0
 METRICS_INTERVAL_S = 1.0
+METRICS_WORKERS_A_STEP = 256  # the /metrics snapshot's workers built between two turns of the loop (~1-2 ms)
 FAIL_CLOSED_EXIT_CODE = STORAGE_FAILED_EXIT_CODE  # the journal or a snapshot failed: stopped, having acknowledged nothing that was not durable
 _NOBLOCK, _SNDMORE_NOBLOCK = int(zmq.NOBLOCK), int(zmq.SNDMORE | zmq.NOBLOCK)
 
@@ -140,6 +142,7 @@ class DispatcherServer:
         self._next_progress = time.monotonic() + PROGRESS_INTERVAL_S
         self._last_progress_marker: tuple[int, int] | None = None
         self._next_metrics = 0.0
+        self._metrics_steps: Generator[None, None, Snapshot] | None = None  # a /metrics snapshot being built
 
     # -- loop ---------------------------------------------------------------------------------
     def request_stop(self, *_: Any) -> None:
@@ -163,7 +166,7 @@ class DispatcherServer:
         try:
             while not self._stop:
                 now = time.monotonic()
-                wake = min(next_sweep, self.polls.next_deadline)
+                wake = min(next_sweep, self.polls.next_deadline) if self._metrics_steps is None else now
                 events = dict(poller.poll(max(0, int(1000 * (wake - now))) + 1))
                 self.loop_cpu.woke()
                 changed = False
@@ -192,12 +195,15 @@ class DispatcherServer:
                     changed = True  # a sweep may have freed slots, started an epoch or finished a build
                     if now >= self._next_progress:
                         self._log_progress(now)
-                    if self.metrics is not None and now >= self._next_metrics:
-                        self.metrics.update(self.stats_view.snapshot())
+                    if self.metrics is not None and now >= self._next_metrics and self._metrics_steps is None:
+                        self._metrics_steps = self.stats_view.snapshot_steps(workers_a_step=METRICS_WORKERS_A_STEP)
                         self._next_metrics = now + METRICS_INTERVAL_S
                     charge("sweep")
                     if self._finished(now):
                         break
+                if self._metrics_steps is not None:
+                    self._metrics_step()
+                    charge("sweep")
                 if changed:
                     self.polls.serve(now)
                 charge("serve")
@@ -210,6 +216,18 @@ class DispatcherServer:
         finally:
             self.close()
         return self.exit_code
+
+    def _metrics_step(self) -> None:
+        """One step of the /metrics snapshot being built; the last hands it to the HTTP thread."""
+        assert self._metrics_steps is not None and self.metrics is not None
+        try:
+            next(self._metrics_steps)
+        except StopIteration as built:
+            self._metrics_steps = None
+            self.metrics.update(built.value)
+        except Exception:  # a bug in the snapshot must not take the run down with it
+            self._metrics_steps = None
+            log.exception("internal error building the /metrics snapshot")
 
     def _log_progress(self, now: float) -> None:
         """One line every few seconds while work moves, so a long run shows where it is."""

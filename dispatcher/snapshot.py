@@ -2,12 +2,15 @@
 
 Built on the dispatcher's loop thread from the core's state; every figure is kept current by the
 core and ledger, so a snapshot costs O(workers + models + buckets), not O(jobs): each worker's
-held jobs are looked up once, and the drafters of each model gathered in one pass.
+held jobs are looked up once, and the drafters of a model found in the registry's index. The
+``/metrics`` update builds it in steps (:func:`snapshot_steps`) between which the loop serves
+requests: at thousands of workers, a snapshot at once would hold every request up for tens of ms.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Generator
 
 from common.run.records.lengths import NAMED_TOO_LONG
 from common.wire.stats_figures import format_q_hsb
@@ -31,7 +34,51 @@ def worker_state(core: DispatcherCore, worker: Worker, holds: bool | None = None
     return "idle"
 
 
+def worker_view(core: DispatcherCore, w: Worker, now: float, holders: set[str]) -> WorkerView:
+    """One worker as the snapshot shows it (its name goes into ``holders`` when it holds a job)."""
+    alive_s = max(now - w.registered_at, 1e-9)
+    waiting = w.total_wait_s + (now - w.waiting_since if w.waiting_since is not None else 0.0)
+    held = [j.job_id for j in core.ledger.held_by(w.id)]
+    if held:
+        holders.add(w.name)
+    return WorkerView(id=w.id, name=w.name, role=w.role, pid=w.pid, host=w.host, gpu=w.gpu,
+                      state=worker_state(core, w, bool(held)), jobs=w.num_jobs,
+                      tokens_per_s=round(w.num_tokens / alive_s, 1),
+                      idle_ratio=round(min(1.0, waiting / alive_s), 3),
+                      heartbeat_age_s=round(now - w.last_seen, 3),
+                      alive_s=round(alive_s, 3), wait_s=round(waiting, 3),
+                      held=held,
+                      metrics=dict(w.metrics) if w.metrics else None,
+                      gpu_health=w.gpu_health, slot_copies=w.slot_copies,
+                      rank=w.group.rank if w.group else None,
+                      membership=w.group.version if w.group else None,
+                      tp_ranks=[RankView(rank=r, pid=pid, gpu=gpu) for r, pid, gpu in w.tp_ranks] or None)
+
+
 def build_snapshot(core: DispatcherCore, now: float) -> CoreSnapshot:
+    """The whole snapshot at once, as of ``now``."""
+    holders: set[str] = set()
+    workers = [worker_view(core, w, now, holders) for w in core.workers.values()]
+    return assemble_snapshot(core, now, workers, holders)
+
+
+def snapshot_steps(core: DispatcherCore, *, workers_a_step: int) -> Generator[None, None, CoreSnapshot]:
+    """The snapshot built in steps, for a caller that serves requests between them (the loop's
+    ``/metrics`` update): it yields after each ``workers_a_step`` workers' views, each group taken
+    as of its own step, and returns the snapshot (the rest of it built in one more step). A worker that left meanwhile is still shown once;
+    one that registered meanwhile is shown next time."""
+    live = list(core.workers.values())
+    holders: set[str] = set()
+    workers: list[WorkerView] = []
+    for start in range(0, len(live), workers_a_step):
+        now = time.monotonic()
+        workers += [worker_view(core, w, now, holders) for w in live[start:start + workers_a_step]]
+        yield
+    return assemble_snapshot(core, time.monotonic(), workers, holders)
+
+
+def assemble_snapshot(core: DispatcherCore, now: float, workers: list[WorkerView], holders: set[str]) -> CoreSnapshot:
+    """The snapshot around its workers' views: epochs, pool, models, groups, counters, waits."""
     epochs = []
     for epoch in sorted(core.ledger.epochs):
         progress = core.ledger.epochs[epoch]
@@ -39,25 +86,6 @@ def build_snapshot(core: DispatcherCore, now: float) -> CoreSnapshot:
                                 taken=sum(progress.taken.values()),
                                 schedule_prefix_deviation=round(float(core.store.deviation[epoch]), 3),
                                 consumed_prefix_deviation=round(progress.consumed_deviation.value, 3)))
-    workers, holders = [], set()
-    for w in core.workers.values():
-        alive_s = max(now - w.registered_at, 1e-9)
-        waiting = w.total_wait_s + (now - w.waiting_since if w.waiting_since is not None else 0.0)
-        held = [j.job_id for j in core.ledger.held_by(w.id)]
-        if held:
-            holders.add(w.name)
-        workers.append(WorkerView(id=w.id, name=w.name, role=w.role, pid=w.pid, host=w.host, gpu=w.gpu,
-                                  state=worker_state(core, w, bool(held)), jobs=w.num_jobs,
-                                  tokens_per_s=round(w.num_tokens / alive_s, 1),
-                                  idle_ratio=round(min(1.0, waiting / alive_s), 3),
-                                  heartbeat_age_s=round(now - w.last_seen, 3),
-                                  alive_s=round(alive_s, 3), wait_s=round(waiting, 3),
-                                  held=held,
-                                  metrics=dict(w.metrics) if w.metrics else None,
-                                  gpu_health=w.gpu_health, slot_copies=w.slot_copies,
-                                  rank=w.group.rank if w.group else None,
-                                  membership=w.group.version if w.group else None,
-                                  tp_ranks=[RankView(rank=r, pid=pid, gpu=gpu) for r, pid, gpu in w.tp_ranks] or None))
     return CoreSnapshot(
         time=time.time(), uptime_s=round(now - core.started_at, 3), done=core.done,
         epochs_total=core.options.epochs, epochs=epochs, jobs_by_state=core.ledger.counts_by_state(),
@@ -99,15 +127,11 @@ def waiting_for(core: DispatcherCore, holders: set[str] | None = None) -> Waitin
     if not epochs and len(core.epoch_jobs) < core.options.epochs:
         reasons.append(f"epoch {len(core.epoch_jobs) + 1} to be built")
     models = {}
-    training: dict[str, list[str]] = {}  # model -> the live drafters training it, gathered in one pass
-    for w in core.workers.values():
-        if w.model:
-            training.setdefault(w.model, []).append(w.name)
     for model, step in sorted(core.ledger.model_step.items()):
         checkpoint = core.checkpoints.get(model, 0)
         if checkpoint >= step:
             continue
-        live = sorted(training.get(model, ()))
+        live = sorted(w.name for w in core.registry.of_model(model))
         models[model] = WaitingModel(step=step, checkpoint=checkpoint, drafters=live)
         reasons.append(f"model {model} at step {step}, its known checkpoint at step {checkpoint}: "
                        + (f"waiting for {', '.join(live)} to checkpoint it" if live

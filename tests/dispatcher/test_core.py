@@ -15,7 +15,7 @@ from common.run.records.journal import read_journal
 from common.run.records.schedule import load_schedule
 from dispatcher.core_types import DONE, Incompatible, UnknownWorker
 from dispatcher.ledger import JobState, LedgerError
-from dispatcher.snapshot import build_snapshot, worker_state
+from dispatcher.snapshot import build_snapshot, snapshot_steps, worker_state
 
 def test_two_targets_two_drafters_two_epochs(tmp_path):
     core = make_core(tmp_path)
@@ -440,8 +440,9 @@ def test_samples_too_long_for_the_schedule_are_counted_in_the_log_stats_and_repo
 
 def test_the_registry_finds_a_names_sessions_and_a_models_drafters_as_a_walk_of_every_worker_would(tmp_path):
     """Registering looks up the name's earlier sessions and the model's other drafters in indexes
-    (a walk of every worker per registration made a thousand GPUs re-registering quadratic): after
-    registrations, replacements and departures they agree with the walk, in registration order."""
+    (a walk of every worker per registration made a thousand GPUs re-registering quadratic), and the
+    stats count each node's workers from a third: after registrations, replacements and departures
+    they agree with the walk, in registration order."""
     core = make_core(tmp_path)
     rng = random.Random(5)
     for step in range(300):
@@ -460,4 +461,46 @@ def test_the_registry_finds_a_names_sessions_and_a_models_drafters_as_a_walk_of_
     for model in {f"m{k}" for k in range(4)}:
         assert core.registry.of_model(model) == [w for w in workers if w.model == model]
     assert core.registry.models() == {w.model for w in workers if w.model}
+    assert core.registry.on_node == Counter((w.node, w.role) for w in workers)
     assert core.registry.sessions_of("nobody", "target", "h0") == [] and core.registry.of_model("m9") == []
+
+
+def test_the_snapshot_built_in_steps_shows_what_the_whole_one_shows(tmp_path):
+    """/metrics builds its snapshot a few hundred workers at a time, the loop serving requests in
+    between: the result is the snapshot built at once (times aside), and a worker that leaves
+    between two steps does not break it."""
+    core = make_core(tmp_path)
+    targets, drafters = register(core, "target", 6), register(core, "drafter", 4)
+    Sim(core, targets, drafters).run(max_rounds=6)  # jobs held, ready, committed
+    whole = build_snapshot(core, 1.0)
+    assert any(w.held for w in whole.workers) and whole.steps > 0
+    steps = snapshot_steps(core, workers_a_step=3)
+    yields = 0
+    try:
+        while True:
+            next(steps)
+            yields += 1
+    except StopIteration as built:
+        stepped = built.value
+    assert yields == 4  # 10 workers, 3 a step: 4 steps, then the rest
+
+    def without_times(snapshot):
+        out = msgspec.to_builtins(snapshot)
+        for key in ("time", "uptime_s"):
+            out.pop(key)
+        for w in out["workers"]:
+            for key in ("heartbeat_age_s", "alive_s", "wait_s", "idle_ratio", "tokens_per_s"):
+                w.pop(key, None)
+        return out
+
+    assert without_times(stepped) == without_times(whole) and len(stepped.workers) == 10
+
+    steps = snapshot_steps(core, workers_a_step=4)
+    next(steps)
+    core.deregister(targets[5], 2.0)  # in the second step's share: shown once more, holding nothing
+    next(steps), next(steps)
+    with pytest.raises(StopIteration) as built:
+        next(steps)
+    left = [w for w in built.value.value.workers if w.id == targets[5]]
+    assert len(built.value.value.workers) == 10 and len(left) == 1 and not left[0].held
+    assert len(build_snapshot(core, 2.0).workers) == 9

@@ -108,7 +108,7 @@ def test_two_node_run_reads_mostly_locally_and_stays_fair(tmp_path):
         assert two[key]["consumed"] <= one[key]["consumed"] + LOCAL_SLACK, (key, one[key], two[key])
     assert two["step_mix"] >= one["step_mix"] - 0.05
     assert (two["duplicates"], two["lost"]) == (0, 0)
-    nodes = node_summary(core.pool, core.workers, core.counters.reads, home="a")
+    nodes = node_summary(core.pool, core.registry.on_node, core.counters.reads, home="a")
     assert set(nodes) == {"a", "b"} and nodes["b"].targets == nodes["b"].drafters == 1
     assert sum(nodes["b"].slots.values()) == 4 and sum(nodes["a"].slots.values()) == 8
     lines = format_nodes(nodes, slot_bytes=2**20)
