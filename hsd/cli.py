@@ -141,7 +141,7 @@ def cmd_stats(args) -> int:
         raise ConfigError(f"hsd stats: overrides ({' '.join(args.overrides)}) go with --config")
     return run_stats(endpoint=args.endpoint, run_dir=args.run_dir, as_json=args.json, watch_s=args.watch,
                      config_path=args.config, overrides=args.overrides, keys_dir=args.keys, client=args.client,
-                     secret=args.secret)
+                     secret=args.secret, rows=args.rows)
 
 
 def cmd_report(args) -> int:
@@ -302,6 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--secret", default="", help="with --endpoint: the run's dispatcher.secret")
     p.add_argument("--json", action="store_true")
     p.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until interrupted")
+    p.add_argument("--rows", type=int, default=64, metavar="N",
+                   help="worker rows in the table (default 64); with more workers, a summary a role and the N "
+                        "that most need a look (silent, then most idle); 0 shows every worker")
     p.set_defaults(func=cmd_stats)
 
     p = sub.add_parser("report", help="run report from the journal: exactly-once, fairness, utilization")

@@ -21,6 +21,9 @@ from common.wire.stats_figures import counter_delta, format_nodes, format_q_hsb,
 from ops.report import dropped_line
 
 DEFAULT_RUN_DIR = "runs/demo"
+DEFAULT_ROWS = 64  # worker rows the table shows; past that, a summary a role and the workers that most need a look
+SILENT_S = 5.0  # a heartbeat age from which a worker is shown first (ten heartbeats at the default 0.5 s)
+NAMES_SHOWN = 12  # names on the "waiting ... on" line
 
 
 def resolve_stats_endpoint(endpoint: str | None, run_dir: str | None, *, config_path: str | None = None,
@@ -238,9 +241,11 @@ def dispatcher_line(s: Snapshot, previous: Snapshot | None = None) -> str | None
     return line
 
 
-def format_stats(s: Snapshot, *, previous: Snapshot | None = None, rate: float | None = None) -> str:
+def format_stats(s: Snapshot, *, previous: Snapshot | None = None, rate: float | None = None,
+                 rows: int = DEFAULT_ROWS) -> str:
     """The table ``hsd stats`` prints; ``previous`` (the last snapshot shown) and ``rate`` (committed
-    jobs/s) make the idle shares and the ETA recent rather than averages since the start."""
+    jobs/s) make the idle shares and the ETA recent rather than averages since the start. ``rows``
+    bounds the worker table (0: every worker; see :func:`worker_rows`)."""
     t = s.transport
     lines = [f"run {s.run_dir}  (run id {s.run_id}, dispatcher pid {s.pid}, up {s.uptime_s:.0f}s)"
              + ("  DONE" if s.done else "")]
@@ -283,9 +288,14 @@ def format_stats(s: Snapshot, *, previous: Snapshot | None = None, rate: float |
         lines.append(loop)
     lines.extend(waiting_lines(s.waiting_for))
     lines.append("")
+    shown = worker_rows(s.workers, rows)
+    if len(shown) < len(s.workers):
+        lines += role_summary_lines(s.workers)
+        lines.append(f"the {len(shown)} workers that most need a look (silent {SILENT_S:g} s or more first, then the "
+                     f"most idle); {len(s.workers) - len(shown):,} more not shown (--rows 0 shows every one)")
     lines.append(f"{'worker':<12} {'id':<5} {'role':<8} {'state':<8} {'jobs':>6} {'tok/s':>10} {'idle':>6} "
                  f"{'hb age':>7}  pid@host")
-    for w in sorted(s.workers, key=lambda w: (w.role, w.name)):
+    for w in shown:
         lines.append(f"{w.name:<12} {w.id:<5} {w.role:<8} {w.state:<8} {w.jobs:>6} "
                      f"{w.tokens_per_s:>10,.0f} {w.idle_ratio:>6.1%} {w.heartbeat_age_s:>6.1f}s  "
                      f"{w.pid}@{w.host}")
@@ -295,9 +305,35 @@ def format_stats(s: Snapshot, *, previous: Snapshot | None = None, rate: float |
             lines.append(f"{'':<12} {'':<5} tensor-parallel, {len(w.tp_ranks)} ranks: {ranks}")
     if not s.workers:
         lines.append("(no worker registered)")
-    lines += step_metric_lines(s.workers)
-    lines += gpu_health_lines(s.workers)
+    lines += step_metric_lines(shown)
+    lines += gpu_health_lines(shown)
     return "\n".join(lines)
+
+
+def worker_rows(workers: list[WorkerView], rows: int) -> list[WorkerView]:
+    """The workers the table shows: every one by role and name when they fit in ``rows`` (or
+    ``rows`` is 0); else the ``rows`` that most need a look, in that order: silent for ``SILENT_S``
+    or more (longest first), then the most idle."""
+    if not rows or len(workers) <= rows:
+        return sorted(workers, key=lambda w: (w.role, w.name))
+    ranked = sorted(workers, key=lambda w: (w.heartbeat_age_s < SILENT_S, -w.heartbeat_age_s
+                                            if w.heartbeat_age_s >= SILENT_S else -w.idle_ratio, w.role, w.name))
+    return ranked[:rows]
+
+
+def role_summary_lines(workers: list[WorkerView]) -> list[str]:
+    """A line a role: how many, by state, their tokens/s, mean idle share and the oldest heartbeat."""
+    lines = []
+    for role in sorted({w.role for w in workers}):
+        group = [w for w in workers if w.role == role]
+        states: dict[str, int] = {}
+        for w in group:
+            states[w.state] = states.get(w.state, 0) + 1
+        by_state = "  ".join(f"{state} {n:,}" for state, n in sorted(states.items(), key=lambda kv: -kv[1]))
+        lines.append(f"{role + 's':<12} {len(group):,}: {by_state}; {sum(w.tokens_per_s for w in group):,.0f} tok/s, "
+                     f"idle {sum(w.idle_ratio for w in group) / len(group):.1%} mean, "
+                     f"heartbeat age max {max(w.heartbeat_age_s for w in group):.1f}s")
+    return lines
 
 
 def waiting_lines(waiting: WaitingFor | None) -> list[str]:
@@ -306,7 +342,8 @@ def waiting_lines(waiting: WaitingFor | None) -> list[str]:
         return []
     lines = [f"waiting   {reason}" for reason in waiting.reasons]
     if waiting.workers:
-        lines.append(f"          on {', '.join(waiting.workers)}")
+        names, more = waiting.workers[:NAMES_SHOWN], len(waiting.workers) - NAMES_SHOWN
+        lines.append(f"          on {', '.join(names)}" + (f" and {more:,} more" if more > 0 else ""))
     return lines
 
 
@@ -338,7 +375,9 @@ def gpu_health_lines(workers: list[WorkerView]) -> list[str]:
 
 def run_stats(*, endpoint: str | None, run_dir: str | None, as_json: bool, watch_s: float | None,
               config_path: str | None = None, overrides: list[str] | None = None, keys_dir: str | None = None,
-              client: str | None = None, secret: str = "") -> int:
+              client: str | None = None, secret: str = "", rows: int = DEFAULT_ROWS) -> int:
+    if rows < 0:
+        raise ConfigError(f"hsd stats: --rows must be 0 (every worker) or more, got {rows}")
     endpoint, secret, curve = resolve_stats_endpoint(endpoint, run_dir, config_path=config_path, overrides=overrides,
                                                      keys_dir=keys_dir, client=client, secret=secret)
     commit_rate, previous = CommitRate(), None
@@ -366,7 +405,7 @@ def run_stats(*, endpoint: str | None, run_dir: str | None, as_json: bool, watch
                 commit_rate.add(stats)
                 if watch_s:
                     print("\033[2J\033[H", end="")
-                print(format_stats(stats, previous=previous, rate=commit_rate.rate(stats)), flush=True)
+                print(format_stats(stats, previous=previous, rate=commit_rate.rate(stats), rows=rows), flush=True)
                 previous = stats
         if not watch_s:
             return 0

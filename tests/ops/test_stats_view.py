@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 
-from common.wire.stats_snapshot import AuthView, EpochView, RankView, Snapshot, TransportView, WorkerView
+from common.wire.stats_snapshot import AuthView, EpochView, RankView, Snapshot, TransportView, WaitingFor, WorkerView
 from core_harness import make_core, register
 from common.wire.stats_figures import format_q_hsb, pool_usage
 from dispatcher.snapshot import build_snapshot
@@ -180,3 +180,33 @@ def test_the_dispatcher_line_says_how_much_of_a_core_its_loop_takes_and_on_what(
     other = copy.deepcopy(early)
     other.pid = 7
     assert dispatcher_line(later, other).startswith("dispatcher loop 27% of a core")
+
+
+def test_a_run_of_thousands_of_workers_shows_a_summary_and_the_workers_that_most_need_a_look():
+    """2,000 workers would be 2,000 rows: past --rows the table says each role's states and shows the
+    workers silent longest, then the most idle; --rows 0 shows every one."""
+    s = snapshot()
+    s.workers = [worker(str(i), "target" if i % 3 else "drafter", alive_s=100.0, wait_s=(i % 50) / 10)
+                 for i in range(2000)]
+    s.workers[700].heartbeat_age_s, s.workers[900].heartbeat_age_s = 9.0, 30.0  # silent
+    s.workers[1200].state = "starved"
+    s.workers[1300].metrics = {"loss": 1.5}
+    s.waiting_for = WaitingFor(epochs={}, models={}, workers=[w.name for w in s.workers[:40]], reasons=["epoch 1: x"])
+    lines = format_stats(s, rows=10).splitlines()
+    rows = [line for line in lines if line.split() and line.split()[0].startswith(("target-", "drafter-"))
+            and len(line.split()) > 6]
+    assert len(rows) == 10
+    assert rows[0].startswith("drafter-900 ") and rows[1].startswith("target-700 ")  # silent longest first
+    assert all(line.split()[6] == "4.9%" for line in rows[2:])  # then the most idle
+    mean = {role: sum(w.idle_ratio for w in s.workers if w.role == role) / n for role, n in (("target", 1333), ("drafter", 667))}
+    assert f"targets      1,333: busy 1,333; 1,333,000 tok/s, idle {mean['target']:.1%} mean, heartbeat age max 9.0s" in lines
+    assert f"drafters     667: busy 666  starved 1; 667,000 tok/s, idle {mean['drafter']:.1%} mean, heartbeat age max 30.0s" in lines
+    assert any("1,990 more not shown (--rows 0 shows every one)" in line for line in lines)
+    assert not any("last step" in line for line in lines)  # target-1300 is not among the ten shown
+    on = next(line for line in lines if line.lstrip().startswith("on "))
+    assert on.count(",") == 11 and on.endswith("and 28 more")
+    every = format_stats(s, rows=0).splitlines()
+    assert sum(1 for line in every if line.startswith(("target-", "drafter-")) and "last step" not in line) == 2000
+    assert not any("more not shown" in line for line in every) and "target-1300  last step: loss 1.5" in every
+    small = snapshot()
+    assert not any("need a look" in line for line in format_stats(small, rows=3).splitlines())  # 3 workers fit
