@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +32,7 @@ from dispatcher.liveness import ProcessWatch
 from dispatcher.long_polls import LongPolls, counted_error, model_step
 from dispatcher.loop_cpu import LoopCpu
 from dispatcher.nodes import node_summary
-from dispatcher.snapshot import build_snapshot, snapshot_steps
+from dispatcher.snapshot import snapshot_steps
 from dispatcher.transport_setup import DataPlane
 
 log = logging.getLogger("hsd.dispatcher")
@@ -216,7 +215,7 @@ class ControlHandlers:
 
 @dataclass(frozen=True)
 class StatsView:
-    """The stats socket's one op, and the snapshot the metrics endpoint publishes."""
+    """The stats socket's one op, and the snapshot it and the metrics endpoint send, built in steps."""
 
     core: DispatcherCore
     data_plane: DataPlane
@@ -227,14 +226,12 @@ class StatsView:
     run_id: str
     loop_cpu: LoopCpu
 
-    def handle(self, request: messages.Request) -> messages.StatsReply:
+    @staticmethod
+    def check(request: messages.Request) -> None:
+        """Raise READ_ONLY for anything but ``stats`` (the loop builds its snapshot in steps)."""
         if not isinstance(request, messages.Stats):
             raise ProtocolError(ErrorCode.READ_ONLY,
                                 f"the stats socket serves only 'stats', not {messages.op_of(request)!r}")
-        return messages.StatsReply(id=request.id, stats=self.snapshot())
-
-    def snapshot(self) -> Snapshot:
-        return self._serving(build_snapshot(self.core, time.monotonic()))
 
     def snapshot_steps(self, *, workers_a_step: int) -> Generator[None, None, Snapshot]:
         """The snapshot in steps (:func:`dispatcher.snapshot.snapshot_steps`), the loop serving

@@ -9,9 +9,10 @@ The loop reads its thread's CPU clock once per message it answers and a few time
 - ``poll``: the poller's wait (the kernel's and ZeroMQ's work as the loop wakes up);
 - ``serve``: trying parked polls again after a state change, less the polls it answered;
 - ``expire``: polls answered empty at their deadline;
-- ``sweep``: sweeps, journal flushes, snapshots, progress lines and metrics;
+- ``sweep``: sweeps, journal flushes, the core's snapshots (its state on disk) and progress lines;
 - ``durable``: replies released once the journal synced them, and handshake monitors;
-- ``stats``: the read-only stats socket.
+- ``stats``: the read-only stats socket, and the stats snapshots it and ``/metrics`` are sent,
+  built a step a turn of the loop.
 
 It also counts the loop's wake-ups (each return of its poller: messages waiting, a deadline, a
 timer), since a message that arrives alone pays for waking the loop, and one that shares a wake-up

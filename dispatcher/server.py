@@ -44,7 +44,7 @@ log = logging.getLogger("hsd.dispatcher")
 SWEEP_INTERVAL_S = 0.25
 PROGRESS_INTERVAL_S = 5.0
 METRICS_INTERVAL_S = 1.0
-METRICS_WORKERS_A_STEP = 256  # the /metrics snapshot's workers built between two turns of the loop (~1-2 ms)
+SNAPSHOT_WORKERS_A_STEP = 256  # a snapshot's workers built between two turns of the loop (~1-2 ms)
 FAIL_CLOSED_EXIT_CODE = STORAGE_FAILED_EXIT_CODE  # the journal or a snapshot failed: stopped, having acknowledged nothing that was not durable
 _NOBLOCK, _SNDMORE_NOBLOCK = int(zmq.NOBLOCK), int(zmq.SNDMORE | zmq.NOBLOCK)
 
@@ -101,6 +101,17 @@ class DurableReplies:
 
 
 @dataclass(frozen=True)
+class SnapshotBuild:
+    """A stats snapshot the loop builds a step a turn (:meth:`StatsView.snapshot_steps`), serving
+    requests in between, and what it is for: ``done`` takes the snapshot, ``failed`` the error a
+    bug in building it raised."""
+
+    steps: Generator[None, None, Snapshot]
+    done: Callable[[Snapshot], None]
+    failed: Callable[[Exception], None]
+
+
+@dataclass(frozen=True)
 class LoopOptions:
     max_message_bytes: int
     secret: str  # dispatcher.secret: every request must carry it (empty: none)
@@ -142,7 +153,8 @@ class DispatcherServer:
         self._next_progress = time.monotonic() + PROGRESS_INTERVAL_S
         self._last_progress_marker: tuple[int, int] | None = None
         self._next_metrics = 0.0
-        self._metrics_steps: Generator[None, None, Snapshot] | None = None  # a /metrics snapshot being built
+        self._builds: list[SnapshotBuild] = []  # snapshots being built: each stats request's, /metrics'
+        self._metrics_building = False
 
     # -- loop ---------------------------------------------------------------------------------
     def request_stop(self, *_: Any) -> None:
@@ -166,7 +178,7 @@ class DispatcherServer:
         try:
             while not self._stop:
                 now = time.monotonic()
-                wake = min(next_sweep, self.polls.next_deadline) if self._metrics_steps is None else now
+                wake = min(next_sweep, self.polls.next_deadline) if not self._builds else now
                 events = dict(poller.poll(max(0, int(1000 * (wake - now))) + 1))
                 self.loop_cpu.woke()
                 changed = False
@@ -195,15 +207,15 @@ class DispatcherServer:
                     changed = True  # a sweep may have freed slots, started an epoch or finished a build
                     if now >= self._next_progress:
                         self._log_progress(now)
-                    if self.metrics is not None and now >= self._next_metrics and self._metrics_steps is None:
-                        self._metrics_steps = self.stats_view.snapshot_steps(workers_a_step=METRICS_WORKERS_A_STEP)
+                    if self.metrics is not None and now >= self._next_metrics and not self._metrics_building:
+                        self._start_metrics()
                         self._next_metrics = now + METRICS_INTERVAL_S
                     charge("sweep")
                     if self._finished(now):
                         break
-                if self._metrics_steps is not None:
-                    self._metrics_step()
-                    charge("sweep")
+                if self._builds:
+                    self._build_step()
+                    charge("stats")
                 if changed:
                     self.polls.serve(now)
                 charge("serve")
@@ -217,17 +229,34 @@ class DispatcherServer:
             self.close()
         return self.exit_code
 
-    def _metrics_step(self) -> None:
-        """One step of the /metrics snapshot being built; the last hands it to the HTTP thread."""
-        assert self._metrics_steps is not None and self.metrics is not None
-        try:
-            next(self._metrics_steps)
-        except StopIteration as built:
-            self._metrics_steps = None
-            self.metrics.update(built.value)
-        except Exception:  # a bug in the snapshot must not take the run down with it
-            self._metrics_steps = None
-            log.exception("internal error building the /metrics snapshot")
+    def _build_step(self) -> None:
+        """One step of each snapshot being built; a finished one goes where it was asked for."""
+        for build in list(self._builds):
+            try:
+                next(build.steps)
+            except StopIteration as built:
+                self._builds.remove(build)
+                build.done(built.value)
+            except Exception as exc:  # a bug in the snapshot must not take the run down with it
+                self._builds.remove(build)
+                log.exception("internal error building a stats snapshot")
+                build.failed(exc)
+
+    def _start_metrics(self) -> None:
+        """Build the /metrics snapshot in steps; the last hands it to the HTTP thread."""
+        assert self.metrics is not None
+        self._metrics_building = True
+
+        def done(snapshot: Snapshot) -> None:
+            self._metrics_building = False
+            self.metrics.update(snapshot)
+
+        def failed(_: Exception) -> None:
+            self._metrics_building = False
+        self._builds.append(SnapshotBuild(self._snapshot_steps(), done, failed))
+
+    def _snapshot_steps(self) -> Generator[None, None, Snapshot]:
+        return self.stats_view.snapshot_steps(workers_a_step=SNAPSHOT_WORKERS_A_STEP)
 
     def _log_progress(self, now: float) -> None:
         """One line every few seconds while work moves, so a long run shows where it is."""
@@ -287,11 +316,19 @@ class DispatcherServer:
         return self.handlers.handle(request, identity, time.monotonic())
 
     def _handle_stats(self, identity: bytes, payload: list[bytes]) -> tuple[Reply | None, bool]:
+        """A stats request's error at once, or None: its snapshot is built in steps and sent when done."""
         request_id = None
         try:
             request = self._decode(payload)
             request_id = request.id
-            return self.stats_view.handle(request), False
+            self.stats_view.check(request)
+            self._builds.append(SnapshotBuild(
+                self._snapshot_steps(),
+                done=lambda snapshot: send_reply(self.stats, identity, messages.StatsReply(id=request_id,
+                                                                                           stats=snapshot)),
+                failed=lambda exc: send_reply(self.stats, identity, self._error(
+                    request_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))))
+            return None, False
         except ProtocolError as exc:
             return self._error(exc.request_id if exc.request_id is not None else request_id, exc.code, exc.message), False
         except Exception as exc:  # a bug in the snapshot must not take the run down with it
@@ -302,6 +339,9 @@ class DispatcherServer:
         return counted_error(self.core, request_id, code, message)
 
     def close(self) -> None:
+        for build in self._builds:  # a stats request waiting for its snapshot is told, /metrics is not
+            build.failed(RuntimeError("the dispatcher is stopping"))
+        self._builds = []
         self.polls.close()
         if self.journal.failed is None:
             self.journal.record(DispatcherStopped(done=self.core.done, peak_slots=self.core.pool.peak_in_use,

@@ -2,9 +2,9 @@
 
 Built on the dispatcher's loop thread from the core's state; every figure is kept current by the
 core and ledger, so a snapshot costs O(workers + models + buckets), not O(jobs): each worker's
-held jobs are looked up once, and the drafters of a model found in the registry's index. The
-``/metrics`` update builds it in steps (:func:`snapshot_steps`) between which the loop serves
-requests: at thousands of workers, a snapshot at once would hold every request up for tens of ms.
+held jobs are looked up once, and the drafters of a model found in the registry's index. The loop
+builds it in steps (:func:`snapshot_steps`) for the stats socket and ``/metrics``, serving requests
+between them: at thousands of workers, a snapshot at once would hold every request up for tens of ms.
 """
 
 from __future__ import annotations
