@@ -294,10 +294,6 @@ class DispatcherCore:
                 return STEP_FULL, False
         return self.jobs.take_ready(worker, group, now)
 
-    def is_lone_drafter(self, worker_id: str) -> bool:
-        """A registered worker that is no rank of a data-parallel group (its get_hs changes nothing it finds nothing for)."""
-        return worker_id in self.workers and self.groups.group_of_rank(worker_id) is None
-
     def lone_drafters_starved(self) -> bool:
         """Whether get_hs finds nothing now for every lone drafter: the run is not done and no ready
         slot may be handed out (what get_hs would find for each of them, asked once)."""

@@ -77,6 +77,9 @@ class SharedWait:
         self.waiters.pop(key, None)
         self.unnoted.discard(key)
 
+    def clear(self) -> None:
+        self.waiters, self.unnoted, self.noted_for = {}, set(), None
+
     def noted(self, reason: str, workers: dict, now: float) -> None:
         """The polls not tried find nothing: each waits for ``reason``."""
         for key in (self.waiters if reason != self.noted_for else self.unnoted):
@@ -100,8 +103,7 @@ class RankWait(SharedWait):
     tried_at: dict[str, int] = field(default_factory=dict)  # model -> the version its parked polls were tried at
 
     def add_rank(self, key: WaiterKey, waiter: Waiter, group: DrafterGroup) -> None:
-        """Park a rank's poll, just tried at its group's current version."""
-        self.discard(key)
+        """Park a rank's poll (its key not parked), just tried at its group's current version."""
         self.add(key, waiter)
         self.model_of[key] = group.model
         self.parked[group.model] += 1
@@ -116,10 +118,20 @@ class RankWait(SharedWait):
             if not self.parked[model]:
                 del self.parked[model]
 
-    def stale(self, groups: dict[str, DrafterGroup]) -> list[DrafterGroup]:
-        """The groups of parked polls whose polls must each be tried (asked once per group)."""
-        return [group for model in self.parked if (group := groups.get(model)) is not None
-                and (group.waiting or self.tried_at.get(model) != group.version)]
+    def clear(self) -> None:
+        super().clear()
+        self.model_of, self.parked, self.tried_at = {}, Counter(), {}
+
+    def take_stale(self, groups: dict[str, DrafterGroup]) -> list[tuple[WaiterKey, Waiter]]:
+        """The parked polls to try each, in the order they were parked: those of the groups that are
+        stale (asked once a group), whose versions are noted as tried at (before the tries: a change
+        one of them makes is seen at the next serve)."""
+        stale = {model: group.version for model in self.parked if (group := groups.get(model)) is not None
+                 and (group.waiting or self.tried_at.get(model) != group.version)}
+        if not stale:
+            return []
+        self.tried_at.update(stale)
+        return [(key, waiter) for key, waiter in self.waiters.items() if self.model_of.get(key) in stale]
 
 
 class LongPolls:
@@ -201,11 +213,14 @@ class LongPolls:
             return self._empty_reply(request)
         self._seq += 1
         waiter = Waiter(identity, request, now + wait_ms / 1000, self._seq)
-        group = self.core.groups.group_of_rank(request.worker_id) if isinstance(request, messages.GetHS) else None
-        if isinstance(request, messages.GetHS) and self.core.is_lone_drafter(request.worker_id):
-            self._lone_hs.add(key, waiter)
-        elif group is not None and group.spec.balance == "count":
-            self._ranks.add_rank(key, waiter, group)
+        if isinstance(request, messages.GetHS):
+            group = self.core.groups.group_of_rank(request.worker_id)
+            if group is None and request.worker_id in self.core.workers:  # a lone drafter
+                self._lone_hs.add(key, waiter)
+            elif group is not None and group.spec.balance == "count":
+                self._ranks.add_rank(key, waiter, group)
+            else:
+                self._others[key] = waiter
         elif isinstance(request, messages.GetJob):
             self._targets.add(key, waiter)
         else:
@@ -260,14 +275,8 @@ class LongPolls:
         tried first."""
         for key, waiter in list(self._others.items()):
             self._try_again(key, waiter, now)
-        ranks = self._ranks
-        if stale := ranks.stale(self.core.groups.groups):
-            for group in stale:  # before the tries: a change one of them makes is seen at the next serve
-                ranks.tried_at[group.model] = group.version
-            models = {group.model for group in stale}
-            for key, waiter in list(ranks.waiters.items()):
-                if ranks.model_of.get(key) in models:
-                    self._try_again(key, waiter, now)
+        for key, waiter in self._ranks.take_stale(self.core.groups.groups):
+            self._try_again(key, waiter, now)
         for queue in self._shared:
             if queue.waiters:
                 self._serve_shared(queue, now)
@@ -331,6 +340,5 @@ class LongPolls:
             self.send(waiter.identity, counted_error(self.core, waiter.request.id, ErrorCode.UNKNOWN_WORKER,
                                                      "the dispatcher is stopping"))
         for queue in self._shared:
-            queue.waiters, queue.unnoted, queue.noted_for = {}, set(), None
-        self._ranks.model_of, self._ranks.parked, self._ranks.tried_at = {}, Counter(), {}
+            queue.clear()
         self._others, self._deadlines = {}, []

@@ -100,7 +100,7 @@ class DurableReplies:
         self.held = []
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class SnapshotBuild:
     """A stats snapshot the loop builds a step a turn (:meth:`StatsView.snapshot_steps`), serving
     requests in between, and what it is for: ``done`` takes the snapshot, ``failed`` the error a
@@ -154,7 +154,7 @@ class DispatcherServer:
         self._last_progress_marker: tuple[int, int] | None = None
         self._next_metrics = 0.0
         self._builds: list[SnapshotBuild] = []  # snapshots being built: each stats request's, /metrics'
-        self._metrics_building = False
+        self._metrics_build: SnapshotBuild | None = None  # the last /metrics build (in _builds until done)
 
     # -- loop ---------------------------------------------------------------------------------
     def request_stop(self, *_: Any) -> None:
@@ -207,7 +207,8 @@ class DispatcherServer:
                     changed = True  # a sweep may have freed slots, started an epoch or finished a build
                     if now >= self._next_progress:
                         self._log_progress(now)
-                    if self.metrics is not None and now >= self._next_metrics and not self._metrics_building:
+                    if (self.metrics is not None and now >= self._next_metrics
+                            and self._metrics_build not in self._builds):  # one /metrics build at a time
                         self._start_metrics()
                         self._next_metrics = now + METRICS_INTERVAL_S
                     charge("sweep")
@@ -245,15 +246,8 @@ class DispatcherServer:
     def _start_metrics(self) -> None:
         """Build the /metrics snapshot in steps; the last hands it to the HTTP thread."""
         assert self.metrics is not None
-        self._metrics_building = True
-
-        def done(snapshot: Snapshot) -> None:
-            self._metrics_building = False
-            self.metrics.update(snapshot)
-
-        def failed(_: Exception) -> None:
-            self._metrics_building = False
-        self._builds.append(SnapshotBuild(self._snapshot_steps(), done, failed))
+        self._metrics_build = SnapshotBuild(self._snapshot_steps(), done=self.metrics.update, failed=lambda _: None)
+        self._builds.append(self._metrics_build)
 
     def _snapshot_steps(self) -> Generator[None, None, Snapshot]:
         return self.stats_view.snapshot_steps(workers_a_step=SNAPSHOT_WORKERS_A_STEP)

@@ -1,13 +1,11 @@
 """dispatcher/core.py: the dispatcher's decisions driven by hand, no sockets."""
 
-import random
 from collections import Counter
 
 import msgspec
 import pytest
 
 from common.run.capture_contract import CaptureContract
-from common.wire.messages import ModelClaim
 from core_harness import Sim, all_job_ids, make_core, register, small_lengths
 from common.run.records.events import EpochCommitted, JobGivenBack, StepCommitted
 from common.run.records.job_ids import make_job_id
@@ -15,7 +13,7 @@ from common.run.records.journal import read_journal
 from common.run.records.schedule import load_schedule
 from dispatcher.core_types import DONE, Incompatible, UnknownWorker
 from dispatcher.ledger import JobState, LedgerError
-from dispatcher.snapshot import build_snapshot, snapshot_steps, worker_state
+from dispatcher.snapshot import build_snapshot, worker_state
 
 def test_two_targets_two_drafters_two_epochs(tmp_path):
     core = make_core(tmp_path)
@@ -436,71 +434,3 @@ def test_samples_too_long_for_the_schedule_are_counted_in_the_log_stats_and_repo
     fits = make_core(tmp_path / "fits", epochs=1)
     assert fits.too_long.tolist() == [] and build_snapshot(fits, 0.0).dropped_samples is None
     fits.close()
-
-
-def test_the_registry_finds_a_names_sessions_and_a_models_drafters_as_a_walk_of_every_worker_would(tmp_path):
-    """Registering looks up the name's earlier sessions and the model's other drafters in indexes
-    (a walk of every worker per registration made a thousand GPUs re-registering quadratic), and the
-    stats count each node's workers from a third: after registrations, replacements and departures
-    they agree with the walk, in registration order."""
-    core = make_core(tmp_path)
-    rng = random.Random(5)
-    for step in range(300):
-        live = list(core.workers)
-        if live and rng.random() < 0.3:
-            core.deregister(rng.choice(live), float(step), reason="left")
-            continue
-        role = rng.choice(["target", "drafter"])
-        model = ModelClaim(id=f"m{rng.randrange(4)}", step=0) if role == "drafter" else None
-        core.register(role=role, name=f"{role}{rng.randrange(6)}", pid=step, host=f"h{rng.randrange(2)}", gpu=None,
-                      now=float(step), model=model)  # a name already registered on its host is replaced
-    workers = list(core.workers.values())
-    assert len(workers) > 10 and any(w.model for w in workers)
-    for w in workers:
-        assert core.registry.sessions_of(w.name, w.role, w.host) == [w]  # one live session a name
-    for model in {f"m{k}" for k in range(4)}:
-        assert core.registry.of_model(model) == [w for w in workers if w.model == model]
-    assert core.registry.models() == {w.model for w in workers if w.model}
-    assert core.registry.on_node == Counter((w.node, w.role) for w in workers)
-    assert core.registry.sessions_of("nobody", "target", "h0") == [] and core.registry.of_model("m9") == []
-
-
-def test_the_snapshot_built_in_steps_shows_what_the_whole_one_shows(tmp_path):
-    """/metrics builds its snapshot a few hundred workers at a time, the loop serving requests in
-    between: the result is the snapshot built at once (times aside), and a worker that leaves
-    between two steps does not break it."""
-    core = make_core(tmp_path)
-    targets, drafters = register(core, "target", 6), register(core, "drafter", 4)
-    Sim(core, targets, drafters).run(max_rounds=6)  # jobs held, ready, committed
-    whole = build_snapshot(core, 1.0)
-    assert any(w.held for w in whole.workers) and whole.steps > 0
-    steps = snapshot_steps(core, workers_a_step=3)
-    yields = 0
-    try:
-        while True:
-            next(steps)
-            yields += 1
-    except StopIteration as built:
-        stepped = built.value
-    assert yields == 4  # 10 workers, 3 a step: 4 steps, then the rest
-
-    def without_times(snapshot):
-        out = msgspec.to_builtins(snapshot)
-        for key in ("time", "uptime_s"):
-            out.pop(key)
-        for w in out["workers"]:
-            for key in ("heartbeat_age_s", "alive_s", "wait_s", "idle_ratio", "tokens_per_s"):
-                w.pop(key, None)
-        return out
-
-    assert without_times(stepped) == without_times(whole) and len(stepped.workers) == 10
-
-    steps = snapshot_steps(core, workers_a_step=4)
-    next(steps)
-    core.deregister(targets[5], 2.0)  # in the second step's share: shown once more, holding nothing
-    next(steps), next(steps)
-    with pytest.raises(StopIteration) as built:
-        next(steps)
-    left = [w for w in built.value.value.workers if w.id == targets[5]]
-    assert len(built.value.value.workers) == 10 and len(left) == 1 and not left[0].held
-    assert len(build_snapshot(core, 2.0).workers) == 9

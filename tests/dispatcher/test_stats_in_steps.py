@@ -1,18 +1,22 @@
-"""The stats socket's snapshot is built a step a turn of the loop: requests that arrive meanwhile are
-answered first, the reply goes out once the last step is done, and a dispatcher that stops tells a
-stats request still waiting. Driven on the built dispatcher (no poller), its replies captured."""
+"""Stats snapshots built a step a turn of the loop: the snapshot in steps shows what the whole one
+shows; on the stats socket, requests that arrive meanwhile are answered first, the reply goes out
+once the last step is done, and a dispatcher that stops tells a stats request still waiting (driven
+on the built dispatcher, no poller, its replies captured)."""
 
 from __future__ import annotations
 
 import tempfile
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from common.run.config import load_config
 from common.wire import messages
+from core_harness import Sim, make_core, register
 from dispatcher import server as server_module
 from dispatcher.build import build_dispatcher
+from dispatcher.snapshot import build_snapshot, snapshot_steps
 
 
 @pytest.fixture
@@ -72,3 +76,44 @@ def test_a_stats_request_still_waiting_when_the_dispatcher_stops_is_told(server)
     server.close()
     [(socket, identity, reply)] = [s for s in server.sent if s[0] == "stats"]
     assert identity == b"watcher" and reply.id == 9 and "stopping" in reply.error.message
+
+
+def test_the_snapshot_built_in_steps_shows_what_the_whole_one_shows(tmp_path):
+    """/metrics builds its snapshot a few hundred workers at a time, the loop serving requests in
+    between: the result is the snapshot built at once (times aside), and a worker that leaves
+    between two steps does not break it."""
+    core = make_core(tmp_path)
+    targets, drafters = register(core, "target", 6), register(core, "drafter", 4)
+    Sim(core, targets, drafters).run(max_rounds=6)  # jobs held, ready, committed
+    whole = build_snapshot(core, 1.0)
+    assert any(w.held for w in whole.workers) and whole.steps > 0
+    steps = snapshot_steps(core, workers_a_step=3)
+    yields = 0
+    try:
+        while True:
+            next(steps)
+            yields += 1
+    except StopIteration as built:
+        stepped = built.value
+    assert yields == 4  # 10 workers, 3 a step: 4 steps, then the rest
+
+    def without_times(snapshot):
+        out = msgspec.to_builtins(snapshot)
+        for key in ("time", "uptime_s"):
+            out.pop(key)
+        for w in out["workers"]:
+            for key in ("heartbeat_age_s", "alive_s", "wait_s", "idle_ratio", "tokens_per_s"):
+                w.pop(key, None)
+        return out
+
+    assert without_times(stepped) == without_times(whole) and len(stepped.workers) == 10
+
+    steps = snapshot_steps(core, workers_a_step=4)
+    next(steps)
+    core.deregister(targets[5], 2.0)  # in the second step's share: shown once more, holding nothing
+    next(steps), next(steps)
+    with pytest.raises(StopIteration) as built:
+        next(steps)
+    left = [w for w in built.value.value.workers if w.id == targets[5]]
+    assert len(built.value.value.workers) == 10 and len(left) == 1 and not left[0].held
+    assert len(build_snapshot(core, 2.0).workers) == 9
